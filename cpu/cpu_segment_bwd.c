@@ -1,0 +1,187 @@
+/* CPU backward of segment attention (FlashAttention-2 style, deterministic).
+ *
+ * P is recomputed from the saved lse; D = rowsum(dO * O) is computed once.
+ * Pass 1 owns query blocks and writes dQ = scale * dS K.
+ * Pass 2 owns key blocks and visits every (pair, query block) that reads them,
+ * so a shared prompt's dK/dV is summed over all responses by one thread, in a
+ * fixed order: no atomics, bitwise reproducible for a given thread count and
+ * independent of it. */
+#include <cblas.h>
+#include <math.h>
+#include <omp.h>
+#include <string.h>
+
+#include "cpu_tile.h"
+#include "cpu_workspace.h"
+#include "hostinfo.h"
+#include "online_softmax.h"
+#include "segment_attn.h"
+
+typedef struct {
+  float *q, *dout, *lse, *dd, *s, *dp, *acc, *acc2, *kbuf, *vbuf;
+} fa_bwd_tiles;
+
+/* Stack query rows [q0, q0+qn) of every head of group g: scaled Q, dO, lse, D. */
+static void fa_bwd_load_queries(const fa_attn_bwd *a, const float *dsum, int64_t g, int64_t q0,
+                                int64_t qn, fa_bwd_tiles *t) {
+  const int64_t group = a->hq / a->hkv, d = a->d;
+  for (int64_t hh = 0; hh < group; hh++) {
+    const int64_t h = g * group + hh;
+    fa_cpu_gather(&a->q, q0, qn, h, a->scale, t->q + hh * qn * d, d);
+    fa_cpu_gather(&a->dout, q0, qn, h, 1.0f, t->dout + hh * qn * d, d);
+    for (int64_t r = 0; r < qn; r++) {
+      t->lse[hh * qn + r] = a->lse[(q0 + r) * a->hq + h];
+      t->dd[hh * qn + r] = dsum[(q0 + r) * a->hq + h];
+    }
+  }
+}
+
+/* With S = Q K^T in t->s (M x nk): P in t->s and dS = P * (dO V^T - D) in t->dp. */
+static void fa_bwd_probs(const fa_pair *pr, const fa_plan *p, int64_t group, int64_t q0, int64_t qn,
+                         int64_t kb, int64_t nk, const float *V, int64_t ldv, int64_t d,
+                         fa_bwd_tiles *t) {
+  const int64_t M = group * qn;
+  const int64_t q_rel0 = q0 - p->seg[pr->qseg].start, k_rel0 = kb - p->seg[pr->kseg].start;
+  if (pr->causal && k_rel0 + nk - 1 > q_rel0) fa_cpu_mask_causal(t->s, nk, group, qn, q_rel0, nk, k_rel0);
+  for (int64_t i = 0; i < M; i++) {
+    float *srow = t->s + i * nk;
+    if (t->lse[i] == -INFINITY)
+      memset(srow, 0, sizeof(float) * (size_t)nk);
+    else
+      fa_cpu_exp_sub(srow, nk, t->lse[i]);
+  }
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)nk, (int)d, 1.0f, t->dout,
+              (int)d, V, (int)ldv, 0.0f, t->dp, (int)nk);
+  for (int64_t i = 0; i < M; i++) {
+    const float *prow = t->s + i * nk;
+    float *row = t->dp + i * nk, di = t->dd[i];
+#pragma omp simd
+    for (int64_t j = 0; j < nk; j++) row[j] = prow[j] * (row[j] - di);
+  }
+}
+
+/* Pass 1: dQ of one query block. */
+static void fa_bwd_dq_block(const fa_attn_bwd *a, const float *dsum, const fa_block *b, int64_t g,
+                            fa_bwd_tiles *t) {
+  const fa_plan *p = a->plan;
+  const int64_t group = a->hq / a->hkv, d = a->d, qn = b->len, M = group * qn;
+  fa_bwd_load_queries(a, dsum, g, b->start, qn, t);
+  memset(t->acc, 0, sizeof(float) * (size_t)(M * d));
+  for (int64_t pi = p->q_pair_off[b->seg]; pi < p->q_pair_off[b->seg + 1]; pi++) {
+    const fa_pair *pr = &p->pair[pi];
+    int64_t k0, kn;
+    fa_pair_key_range(p, pr, b->start, qn, &k0, &kn);
+    for (int64_t kb = k0; kb < k0 + kn; kb += FA_CPU_KEY_BLOCK) {
+      const int64_t nk = k0 + kn - kb < FA_CPU_KEY_BLOCK ? k0 + kn - kb : FA_CPU_KEY_BLOCK;
+      int64_t ldk, ldv;
+      const float *K = fa_cpu_rows_view(&a->k, kb, nk, g, t->kbuf, &ldk);
+      const float *V = fa_cpu_rows_view(&a->v, kb, nk, g, t->vbuf, &ldv);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)nk, (int)d, 1.0f, t->q,
+                  (int)d, K, (int)ldk, 0.0f, t->s, (int)nk);
+      fa_bwd_probs(pr, p, group, b->start, qn, kb, nk, V, ldv, d, t);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, (int)d, (int)nk, a->scale,
+                  t->dp, (int)nk, K, (int)ldk, 1.0f, t->acc, (int)d);
+    }
+  }
+  for (int64_t hh = 0; hh < group; hh++)
+    fa_cpu_scatter(&a->dq, b->start, qn, g * group + hh, t->acc + hh * qn * d, d);
+}
+
+/* Pass 2: dK and dV of one key block, summed over every reader. */
+static void fa_bwd_dkv_block(const fa_attn_bwd *a, const float *dsum, const fa_block *b, int64_t g,
+                             int64_t bq, fa_bwd_tiles *t) {
+  const fa_plan *p = a->plan;
+  const int64_t group = a->hq / a->hkv, d = a->d, nk = b->len;
+  int64_t ldk, ldv;
+  const float *K = fa_cpu_rows_view(&a->k, b->start, nk, g, t->kbuf, &ldk);
+  const float *V = fa_cpu_rows_view(&a->v, b->start, nk, g, t->vbuf, &ldv);
+  float *dk = t->acc, *dv = t->acc2;
+  memset(dk, 0, sizeof(float) * (size_t)(nk * d));
+  memset(dv, 0, sizeof(float) * (size_t)(nk * d));
+  for (int64_t j = p->k_pair_off[b->seg]; j < p->k_pair_off[b->seg + 1]; j++) {
+    const fa_pair *pr = &p->pair[p->k_pair_idx[j]];
+    int64_t q0, qn;
+    fa_pair_query_range(p, pr, b->start, nk, &q0, &qn);
+    for (int64_t qb = q0; qb < q0 + qn; qb += bq) {
+      const int64_t nq = q0 + qn - qb < bq ? q0 + qn - qb : bq, M = group * nq;
+      fa_bwd_load_queries(a, dsum, g, qb, nq, t);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)nk, (int)d, 1.0f, t->q,
+                  (int)d, K, (int)ldk, 0.0f, t->s, (int)nk);
+      fa_bwd_probs(pr, p, group, qb, nq, b->start, nk, V, ldv, d, t);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nk, (int)d, (int)M, 1.0f, t->s,
+                  (int)nk, t->dout, (int)d, 1.0f, dv, (int)d);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nk, (int)d, (int)M, 1.0f, t->dp,
+                  (int)nk, t->q, (int)d, 1.0f, dk, (int)d);
+    }
+  }
+  fa_cpu_scatter(&a->dk, b->start, nk, g, dk, d);
+  fa_cpu_scatter(&a->dv, b->start, nk, g, dv, d);
+}
+
+/* D[r, h] = sum_c dO[r, h, c] * O[r, h, c]. */
+static void fa_bwd_rowsum(const fa_attn_bwd *a, float *dsum, float *buf) {
+  const int64_t d = a->d, rows = a->plan->rows;
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t h = 0; h < a->hq; h++) {
+      fa_cpu_gather(&a->o, r, 1, h, 1.0f, buf, d);
+      fa_cpu_gather(&a->dout, r, 1, h, 1.0f, buf + d, d);
+      float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t c = 0; c < d; c++) s += buf[c] * buf[d + c];
+      dsum[r * a->hq + h] = s;
+    }
+}
+
+forkattn_status fa_cpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a) {
+  const int64_t group = a->hq / a->hkv, d = a->d, bq = fa_cpu_query_block(group);
+  const int64_t M = group * bq, bk = FA_CPU_KEY_BLOCK;
+  fa_block *qblocks = NULL, *kblocks = NULL;
+  float *dsum = malloc(sizeof(float) * (size_t)(a->plan->rows * a->hq));
+  int64_t nq = fa_plan_blocks(a->plan, bq, 0, &qblocks);
+  int64_t nk = fa_plan_blocks(a->plan, bk, 1, &kblocks);
+  if (!dsum || nq < 0 || nk < 0) {
+    free(dsum);
+    free(qblocks);
+    free(kblocks);
+    return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "prefix_bwd: cannot allocate workspace");
+  }
+  const int64_t acc_rows = M > bk ? M : bk;
+  int failed = 0;
+  const int64_t ws_floats = 2 * M * d + 2 * M + 2 * M * bk + 2 * acc_rows * d + 2 * bk * d + 256;
+  fa_note_workspace(ctx, (size_t)ctx->threads * sizeof(float) * (size_t)ws_floats +
+                             sizeof(float) * (size_t)(a->plan->rows * a->hq));
+  int blas_prev = fa_cpu_blas_single();
+#pragma omp parallel num_threads(ctx->threads)
+  {
+    if (ctx->bind_threads) fa_host_bind_thread_to_core(omp_get_thread_num());
+    fa_cpu_ws ws;
+    int ok = fa_cpu_ws_init(&ws, ws_floats) == 0;
+    if (!ok) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp barrier
+    if (!failed) {
+      fa_bwd_tiles t = {fa_cpu_ws_take(&ws, M * d),        fa_cpu_ws_take(&ws, M * d),
+                        fa_cpu_ws_take(&ws, M),            fa_cpu_ws_take(&ws, M),
+                        fa_cpu_ws_take(&ws, M * bk),       fa_cpu_ws_take(&ws, M * bk),
+                        fa_cpu_ws_take(&ws, acc_rows * d), fa_cpu_ws_take(&ws, acc_rows * d),
+                        fa_cpu_ws_take(&ws, bk * d),       fa_cpu_ws_take(&ws, bk * d)};
+      fa_bwd_rowsum(a, dsum, t.s); /* implicit barrier: D complete before use */
+#pragma omp for schedule(dynamic, 1) nowait
+      for (int64_t w = 0; w < nq * a->hkv; w++)
+        fa_bwd_dq_block(a, dsum, &qblocks[w / a->hkv], w % a->hkv, &t);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t w = 0; w < nk * a->hkv; w++)
+        fa_bwd_dkv_block(a, dsum, &kblocks[w / a->hkv], w % a->hkv, bq, &t);
+    }
+    if (ok) fa_cpu_ws_free(&ws);
+  }
+  fa_cpu_blas_restore(blas_prev);
+  free(dsum);
+  free(qblocks);
+  free(kblocks);
+  if (failed) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "prefix_bwd: cannot allocate CPU tiles");
+  return FORKATTN_OK;
+}

@@ -1,0 +1,127 @@
+/* CPU forward of segment attention (FlashAttention-2 style on OpenBLAS tiles).
+ *
+ * Work item = (KV head g, query block). The query rows of all `group` query
+ * heads reading g are stacked into one M = group*bq tall tile so each K/V tile
+ * feeds a GEMM large enough to run near sgemm speed. For every pair of the
+ * block's segment, key blocks are visited in order with one running (m, l, O)
+ * per row: the online softmax merges prefix and own-segment keys exactly. */
+#include <cblas.h>
+#include <math.h>
+#include <omp.h>
+#include <string.h>
+
+#include "cpu_tile.h"
+#include "cpu_workspace.h"
+#include "hostinfo.h"
+#include "online_softmax.h"
+#include "segment_attn.h"
+
+typedef struct {
+  float *q, *o, *s, *kbuf, *vbuf, *m, *l;
+} fa_fwd_tiles;
+
+/* One query block against every key block of every pair of its segment. */
+static void fa_fwd_block(const fa_attn_fwd *a, const fa_block *b, int64_t g, fa_fwd_tiles *t) {
+  const fa_plan *p = a->plan;
+  const int64_t d = a->d, group = a->hq / a->hkv, qn = b->len, M = group * qn;
+  const int64_t q_rel0 = b->start - p->seg[b->seg].start;
+  for (int64_t hh = 0; hh < group; hh++)
+    fa_cpu_gather(&a->q, b->start, qn, g * group + hh, a->scale, t->q + hh * qn * d, d);
+  for (int64_t i = 0; i < M; i++) {
+    t->m[i] = -INFINITY;
+    t->l[i] = 0.0f;
+  }
+  memset(t->o, 0, sizeof(float) * (size_t)(M * d));
+
+  for (int64_t pi = p->q_pair_off[b->seg]; pi < p->q_pair_off[b->seg + 1]; pi++) {
+    const fa_pair *pr = &p->pair[pi];
+    int64_t k0, kn;
+    fa_pair_key_range(p, pr, b->start, qn, &k0, &kn);
+    const int64_t kseg0 = p->seg[pr->kseg].start;
+    for (int64_t kb = k0; kb < k0 + kn; kb += FA_CPU_KEY_BLOCK) {
+      const int64_t nk = k0 + kn - kb < FA_CPU_KEY_BLOCK ? k0 + kn - kb : FA_CPU_KEY_BLOCK;
+      int64_t ldk, ldv;
+      const float *K = fa_cpu_rows_view(&a->k, kb, nk, g, t->kbuf, &ldk);
+      const float *V = fa_cpu_rows_view(&a->v, kb, nk, g, t->vbuf, &ldv);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)nk, (int)d, 1.0f, t->q,
+                  (int)d, K, (int)ldk, 0.0f, t->s, (int)nk);
+      if (pr->causal && kb - kseg0 + nk - 1 > q_rel0)
+        fa_cpu_mask_causal(t->s, nk, group, qn, q_rel0, nk, kb - kseg0);
+      for (int64_t i = 0; i < M; i++) {
+        float *srow = t->s + i * nk, mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+        for (int64_t j = 0; j < nk; j++) mx = srow[j] > mx ? srow[j] : mx;
+        float m_new = mx > t->m[i] ? mx : t->m[i];
+        if (m_new == -INFINITY) { /* nothing visible yet: P row is 0 */
+          memset(srow, 0, sizeof(float) * (size_t)nk);
+          continue;
+        }
+        float alpha = fa_rescale(t->m[i], m_new);
+        fa_cpu_exp_sub(srow, nk, m_new);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < nk; j++) sum += srow[j];
+        t->l[i] = t->l[i] * alpha + sum;
+        t->m[i] = m_new;
+        if (alpha != 1.0f) {
+          float *orow = t->o + i * d;
+#pragma omp simd
+          for (int64_t c = 0; c < d; c++) orow[c] *= alpha;
+        }
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, (int)d, (int)nk, 1.0f, t->s,
+                  (int)nk, V, (int)ldv, 1.0f, t->o, (int)d);
+    }
+  }
+
+  for (int64_t hh = 0; hh < group; hh++) {
+    const int64_t h = g * group + hh;
+    for (int64_t r = 0; r < qn; r++) {
+      const int64_t i = hh * qn + r;
+      float inv, lse;
+      fa_finish(t->m[i], t->l[i], &inv, &lse);
+      float *orow = t->o + i * d;
+#pragma omp simd
+      for (int64_t c = 0; c < d; c++) orow[c] *= inv;
+      if (a->lse) a->lse[(b->start + r) * a->hq + h] = lse;
+    }
+    fa_cpu_scatter(&a->o, b->start, qn, h, t->o + hh * qn * d, d);
+  }
+}
+
+forkattn_status fa_cpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a) {
+  const int64_t group = a->hq / a->hkv, d = a->d, bq = fa_cpu_query_block(group);
+  const int64_t M = group * bq, bk = FA_CPU_KEY_BLOCK;
+  fa_block *blocks;
+  int64_t nb = fa_plan_blocks(a->plan, bq, 0, &blocks);
+  if (nb < 0) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "prefix_fwd: cannot allocate blocks");
+  const int64_t nwork = nb * a->hkv;
+  int failed = 0;
+  const int64_t ws_floats = 2 * M * d + M * bk + 2 * bk * d + 2 * M + 128; /* 7 carves, 16-aligned */
+  fa_note_workspace(ctx, (size_t)ctx->threads * sizeof(float) * (size_t)ws_floats);
+  int blas_prev = fa_cpu_blas_single();
+#pragma omp parallel num_threads(ctx->threads)
+  {
+    if (ctx->bind_threads) fa_host_bind_thread_to_core(omp_get_thread_num());
+    fa_cpu_ws ws;
+    int ok = fa_cpu_ws_init(&ws, ws_floats) == 0;
+    if (!ok) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp barrier
+    if (!failed) {
+      fa_fwd_tiles t = {fa_cpu_ws_take(&ws, M * d), fa_cpu_ws_take(&ws, M * d),
+                        fa_cpu_ws_take(&ws, M * bk),  fa_cpu_ws_take(&ws, bk * d),
+                        fa_cpu_ws_take(&ws, bk * d), fa_cpu_ws_take(&ws, M),
+                        fa_cpu_ws_take(&ws, M)};
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t w = 0; w < nwork; w++) fa_fwd_block(a, &blocks[w / a->hkv], w % a->hkv, &t);
+    }
+    if (ok) fa_cpu_ws_free(&ws);
+  }
+  fa_cpu_blas_restore(blas_prev);
+  free(blocks);
+  if (failed) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "prefix_fwd: cannot allocate CPU tiles");
+  return FORKATTN_OK;
+}

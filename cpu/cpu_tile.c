@@ -1,0 +1,112 @@
+/* CPU tile helpers: gather/scatter with dtype conversion, vectorized exp, masks. */
+#include "cpu_tile.h"
+
+#include <cblas.h>
+#include <math.h>
+#include <string.h>
+
+#include "dtype_convert.h"
+#include "online_softmax.h"
+
+void fa_cpu_gather(const forkattn_tensor *t, int64_t row0, int64_t nrows, int64_t head, float mul,
+                   float *dst, int64_t ld) {
+  const int64_t d = t->head_dim;
+  for (int64_t r = 0; r < nrows; r++) {
+    int64_t base = (row0 + r) * t->row_stride + head * t->head_stride;
+    float *out = dst + r * ld;
+    if (t->dtype == FORKATTN_DTYPE_F32) {
+      const float *in = (const float *)t->data + base;
+#pragma omp simd
+      for (int64_t c = 0; c < d; c++) out[c] = mul * in[c];
+    } else if (t->dtype == FORKATTN_DTYPE_BF16) {
+      const uint16_t *in = (const uint16_t *)t->data + base;
+#pragma omp simd
+      for (int64_t c = 0; c < d; c++) out[c] = mul * fa_bf16_to_f32(in[c]);
+    } else {
+      const uint16_t *in = (const uint16_t *)t->data + base;
+      for (int64_t c = 0; c < d; c++) out[c] = mul * fa_f16_to_f32(in[c]);
+    }
+  }
+}
+
+void fa_cpu_scatter(const forkattn_tensor *t, int64_t row0, int64_t nrows, int64_t head,
+                    const float *src, int64_t ld) {
+  const int64_t d = t->head_dim;
+  for (int64_t r = 0; r < nrows; r++) {
+    int64_t base = (row0 + r) * t->row_stride + head * t->head_stride;
+    const float *in = src + r * ld;
+    if (t->dtype == FORKATTN_DTYPE_F32) {
+      memcpy((float *)t->data + base, in, sizeof(float) * (size_t)d);
+    } else {
+      for (int64_t c = 0; c < d; c++) fa_store(t->data, (int)t->dtype, base + c, in[c]);
+    }
+  }
+}
+
+const float *fa_cpu_rows_view(const forkattn_tensor *t, int64_t row0, int64_t nrows, int64_t head,
+                              float *buf, int64_t *ld) {
+  if (t->dtype == FORKATTN_DTYPE_F32 && t->row_stride >= t->head_dim) {
+    *ld = t->row_stride;
+    return (const float *)t->data + row0 * t->row_stride + head * t->head_stride;
+  }
+  fa_cpu_gather(t, row0, nrows, head, 1.0f, buf, t->head_dim);
+  *ld = t->head_dim;
+  return buf;
+}
+
+/* exp(x) for x <= ~88 by 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2]; relative
+ * error ~2 ulp. Inputs below -87 (masked -inf included) give 0. Branch-free so
+ * the loop vectorizes. */
+void fa_cpu_exp_sub(float *x, int64_t n, float sub) {
+  const float log2e = 1.44269504088896341f, ln2_hi = 0.693145751953125f,
+              ln2_lo = 1.428606765330187045e-06f;
+#pragma omp simd
+  for (int64_t i = 0; i < n; i++) {
+    float v = x[i] - sub;
+    float vc = v < -87.0f ? -87.0f : (v > 88.0f ? 88.0f : v);
+    /* round to nearest with the 1.5*2^23 trick: floorf does not vectorize under trapping-math */
+    float k = (vc * log2e + 12582912.0f) - 12582912.0f;
+    float r = vc - k * ln2_hi - k * ln2_lo;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float two_k;
+    memcpy(&two_k, &bits, sizeof two_k);
+    float e = p * two_k;
+    x[i] = v < -87.0f ? 0.0f : e;
+  }
+}
+
+void fa_cpu_mask_causal(float *s, int64_t ld, int64_t group, int64_t qn, int64_t q_rel0,
+                        int64_t nk, int64_t k_rel0) {
+  for (int64_t g = 0; g < group; g++)
+    for (int64_t r = 0; r < qn; r++) {
+      float *row = s + (g * qn + r) * ld;
+      int64_t q_rel = q_rel0 + r;
+      int64_t first_hidden = q_rel - k_rel0 + 1; /* keys j >= this are in the future */
+      for (int64_t j = first_hidden < 0 ? 0 : first_hidden; j < nk; j++)
+        if (!fa_visible(1, q_rel, k_rel0 + j)) row[j] = -INFINITY;
+    }
+}
+
+int fa_cpu_blas_single(void) {
+  int prev = openblas_get_num_threads();
+  if (prev != 1) openblas_set_num_threads(1);
+  return prev;
+}
+
+void fa_cpu_blas_restore(int prev) {
+  if (prev != 1) openblas_set_num_threads(prev);
+}
+
+int64_t fa_cpu_query_block(int64_t group) {
+  int64_t b = 128 / group;
+  if (b < 32) b = 32;
+  return b;
+}

@@ -1,0 +1,42 @@
+/* CPU tile helpers shared by the forward and backward kernels: gather rows of
+ * one head into f32 tiles, scatter back, vectorized exp, causal masking,
+ * and single-threaded OpenBLAS inside our OpenMP workers. */
+#ifndef FORKATTN_CPU_TILE_H
+#define FORKATTN_CPU_TILE_H
+#include <stdint.h>
+
+#include "forkattn.h"
+#include "segment_plan.h"
+
+/* dst[r*ld + c] = mul * t[row0 + r, head, c] for r < nrows, c < d. */
+void fa_cpu_gather(const forkattn_tensor *t, int64_t row0, int64_t nrows, int64_t head, float mul,
+                   float *dst, int64_t ld);
+/* t[row0 + r, head, c] = src[r*ld + c] (converted to t's dtype). */
+void fa_cpu_scatter(const forkattn_tensor *t, int64_t row0, int64_t nrows, int64_t head,
+                    const float *src, int64_t ld);
+
+/* A [nrows x d] f32 view of rows of one head: the tensor itself when it is
+ * f32 with a usable row stride, otherwise gathered into buf. *ld receives the stride. */
+const float *fa_cpu_rows_view(const forkattn_tensor *t, int64_t row0, int64_t nrows, int64_t head,
+                              float *buf, int64_t *ld);
+
+/* x[i] = exp(x[i] - sub) in place, vectorized; -inf (masked) gives exactly 0. */
+void fa_cpu_exp_sub(float *x, int64_t n, float sub);
+
+/* Causal mask of a tile whose rows are `group` stacked copies of the query rows
+ * q_rel0 .. q_rel0+qn-1 (relative to the query segment) against keys
+ * k_rel0 .. k_rel0+nk-1 (relative to the key segment): S = -inf where k_rel > q_rel. */
+void fa_cpu_mask_causal(float *s, int64_t ld, int64_t group, int64_t qn, int64_t q_rel0,
+                        int64_t nk, int64_t k_rel0);
+
+/* Make OpenBLAS single-threaded while our OpenMP workers call it; returns the
+ * previous thread count for fa_cpu_blas_restore(). */
+int fa_cpu_blas_single(void);
+void fa_cpu_blas_restore(int prev);
+
+/* Tile sizes: query rows per block (all heads of a GQA group are stacked on
+ * top of it) and keys per block. */
+int64_t fa_cpu_query_block(int64_t group);
+#define FA_CPU_KEY_BLOCK 128
+
+#endif

@@ -1,0 +1,249 @@
+/**
+ * @file forkattn.h
+ * @brief forkattn: attention primitives for RL post-training with shared prefixes.
+ *
+ * One public header, C11, usable from C and C++.
+ *
+ * Conventions (hold for every function below):
+ *  - Every call returns ::forkattn_status. Bad input returns
+ *    ::FORKATTN_ERR_INVALID_ARGUMENT and stores a message retrievable with
+ *    forkattn_ctx_last_error(); nothing aborts, nothing is written outside the
+ *    given outputs, and outputs are left untouched on any error detected before
+ *    computation starts (all argument errors are).
+ *  - Tensors are described by ::forkattn_tensor: pointer, dtype, int64 sizes and
+ *    element strides. Compute is always float32 whatever the storage dtype.
+ *  - Attention state contract (FlashInfer's merge_state, but natural log):
+ *    a row's result is the pair (o, lse) with lse = log(sum_j exp(s_j)) in base e
+ *    over the keys the row may see (s_j already scaled). A row that sees no key
+ *    (empty set) has o = 0 and lse = -inf, never NaN.
+ *  - A context is not thread-safe: use one per thread.
+ */
+#ifndef FORKATTN_H
+#define FORKATTN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** @name Version */
+/**@{*/
+#define FORKATTN_VERSION_MAJOR 0
+#define FORKATTN_VERSION_MINOR 1
+#define FORKATTN_VERSION_PATCH 0
+/** MAJOR*10000 + MINOR*100 + PATCH, as returned by forkattn_version_number(). */
+#define FORKATTN_VERSION_NUMBER \
+  (FORKATTN_VERSION_MAJOR * 10000 + FORKATTN_VERSION_MINOR * 100 + FORKATTN_VERSION_PATCH)
+/**@}*/
+
+#if defined(_WIN32) && defined(FORKATTN_BUILDING_DLL)
+#define FORKATTN_API __declspec(dllexport)
+#elif defined(__GNUC__) && !defined(FORKATTN_STATIC)
+#define FORKATTN_API __attribute__((visibility("default")))
+#else
+#define FORKATTN_API
+#endif
+
+/** Status of every call. Values are fixed; new ones are only appended. */
+typedef enum forkattn_status {
+  FORKATTN_OK = 0,                      /**< success */
+  FORKATTN_ERR_INVALID_ARGUMENT = 1,    /**< bad input; see forkattn_ctx_last_error() */
+  FORKATTN_ERR_OUT_OF_MEMORY = 2,       /**< host or device allocation failed */
+  FORKATTN_ERR_UNSUPPORTED = 3,         /**< valid request this build/backend cannot do */
+  FORKATTN_ERR_BACKEND_UNAVAILABLE = 4, /**< requested backend absent (e.g. gpu without device) */
+  FORKATTN_ERR_DEVICE = 5,              /**< device runtime failure (copy, launch) */
+  FORKATTN_ERR_INTERNAL = 6             /**< bug: please report */
+} forkattn_status;
+
+/** Compute backend of a context. */
+typedef enum forkattn_backend {
+  FORKATTN_BACKEND_AUTO = 0, /**< GPU when a device exists and our image runs on it, else CPU */
+  FORKATTN_BACKEND_CPU = 1,  /**< vectorized CPU kernels (always available) */
+  FORKATTN_BACKEND_GPU = 2   /**< OpenMP offload kernels (offload builds only) */
+} forkattn_backend;
+
+/** Storage type of tensor elements. Values fixed; new ones only appended. */
+typedef enum forkattn_dtype {
+  FORKATTN_DTYPE_F32 = 0,  /**< IEEE binary32 */
+  FORKATTN_DTYPE_BF16 = 1, /**< bfloat16 (upper half of binary32) */
+  FORKATTN_DTYPE_F16 = 2   /**< IEEE binary16 */
+} forkattn_dtype;
+
+/** Where the data pointers of one call live (GPU backend only; CPU needs host). */
+typedef enum forkattn_memory {
+  FORKATTN_MEMORY_HOST = 0,  /**< host memory: the GPU backend copies in and out */
+  FORKATTN_MEMORY_DEVICE = 1 /**< device memory of the context's device (e.g. torch CUDA data_ptr()) */
+} forkattn_memory;
+
+/**
+ * A strided 3-D tensor [rows, heads, head_dim]; element (r, h, c) is at
+ * data + r*row_stride + h*head_stride + c (in elements, not bytes).
+ * The head_dim axis is contiguous. Strides must be positive and the
+ * rows of different (r, h) must not overlap (row_stride >= heads*head_dim is
+ * not required: head-major layouts are allowed, overlap is what is refused).
+ */
+typedef struct forkattn_tensor {
+  void *data;            /**< first element; host or device pointer per ::forkattn_memory */
+  forkattn_dtype dtype;  /**< storage type */
+  int64_t rows;          /**< number of token rows */
+  int64_t heads;         /**< number of heads */
+  int64_t head_dim;      /**< elements per head vector (1..256) */
+  int64_t row_stride;    /**< elements between consecutive rows */
+  int64_t head_stride;   /**< elements between consecutive heads */
+} forkattn_tensor;
+
+/**
+ * Describe a contiguous [rows, heads, head_dim] tensor
+ * (row_stride = heads*head_dim, head_stride = head_dim).
+ */
+FORKATTN_API forkattn_tensor forkattn_tensor_contiguous(void *data, forkattn_dtype dtype,
+                                                        int64_t rows, int64_t heads,
+                                                        int64_t head_dim);
+
+/** @name Version and status */
+/**@{*/
+/** FORKATTN_VERSION_NUMBER of the library actually linked. */
+FORKATTN_API unsigned forkattn_version_number(void);
+/** "MAJOR.MINOR.PATCH" of the library actually linked. */
+FORKATTN_API const char *forkattn_version_string(void);
+/** Static English name of a status ("invalid argument", ...); never NULL. */
+FORKATTN_API const char *forkattn_status_string(forkattn_status status);
+/** Static lower-case name of a backend ("auto", "cpu", "gpu"); never NULL. */
+FORKATTN_API const char *forkattn_backend_name(forkattn_backend backend);
+/** Non-zero when the library was built with GPU offload support. */
+FORKATTN_API int forkattn_build_has_offload(void);
+/**@}*/
+
+/** @name Context */
+/**@{*/
+/** Opaque context: backend, device, threads, last error, workspace. */
+typedef struct forkattn_ctx forkattn_ctx;
+
+/** Options for forkattn_ctx_create(). Initialize with forkattn_ctx_options_init(). */
+typedef struct forkattn_ctx_options {
+  forkattn_backend backend; /**< requested backend; FORKATTN_BACKEND env var overrides it */
+  int device;               /**< OpenMP device number for the GPU backend (default 0) */
+  int threads;              /**< CPU threads; 0 = one per physical core (hwloc) */
+  int bind_threads;         /**< non-zero: pin CPU worker threads to cores with hwloc */
+  int verbose;              /**< non-zero: log the backend decision to stderr */
+} forkattn_ctx_options;
+
+/** Fill @p opt with defaults: auto backend, device 0, threads 0, no binding, quiet. */
+FORKATTN_API void forkattn_ctx_options_init(forkattn_ctx_options *opt);
+
+/**
+ * Create a context. @p opt may be NULL (defaults). The environment variable
+ * FORKATTN_BACKEND=cpu|gpu|auto overrides opt->backend (an unknown value is an
+ * error). With auto, the GPU is chosen only when the build has offload, a
+ * device exists and a probe kernel from our device image really runs on it;
+ * otherwise the CPU, and forkattn_ctx_backend_reason() says why.
+ * Requesting gpu when it is unavailable returns FORKATTN_ERR_BACKEND_UNAVAILABLE
+ * (and *ctx = NULL).
+ * @param[out] ctx receives the new context, or NULL on failure.
+ */
+FORKATTN_API forkattn_status forkattn_ctx_create(forkattn_ctx **ctx,
+                                                 const forkattn_ctx_options *opt);
+/** Destroy a context (NULL is allowed). */
+FORKATTN_API void forkattn_ctx_destroy(forkattn_ctx *ctx);
+/** Backend the context really uses (never AUTO). */
+FORKATTN_API forkattn_backend forkattn_ctx_backend(const forkattn_ctx *ctx);
+/** One line saying why that backend was chosen; owned by the context. */
+FORKATTN_API const char *forkattn_ctx_backend_reason(const forkattn_ctx *ctx);
+/** CPU threads used by the CPU backend. */
+FORKATTN_API int forkattn_ctx_threads(const forkattn_ctx *ctx);
+/** Message of the last failed call on this context ("" if none); owned by the context. */
+FORKATTN_API const char *forkattn_ctx_last_error(const forkattn_ctx *ctx);
+/** Largest scratch memory (bytes, host or device) one call of this context has
+ *  allocated so far, tensors excluded: what the library adds to the caller's memory. */
+FORKATTN_API size_t forkattn_ctx_peak_workspace(const forkattn_ctx *ctx);
+/**@}*/
+
+/** @name Device memory (GPU backend; CPU contexts return FORKATTN_ERR_BACKEND_UNAVAILABLE) */
+/**@{*/
+/** Allocate @p bytes on the context's device; *ptr receives a device pointer. */
+FORKATTN_API forkattn_status forkattn_device_malloc(forkattn_ctx *ctx, size_t bytes, void **ptr);
+/** Free memory from forkattn_device_malloc() (NULL is allowed). */
+FORKATTN_API forkattn_status forkattn_device_free(forkattn_ctx *ctx, void *ptr);
+/** Copy @p bytes between host and device memory of the context's device (any direction). */
+FORKATTN_API forkattn_status forkattn_memcpy(forkattn_ctx *ctx, void *dst, forkattn_memory dst_memory,
+                                             const void *src, forkattn_memory src_memory,
+                                             size_t bytes);
+/**@}*/
+
+/** @name Shared-prompt attention (DualKV) */
+/**@{*/
+
+/** Attention mask of a shared-prompt group. */
+typedef enum forkattn_mask {
+  /** Autoregressive: the prompt attends causally to itself; response i attends
+   *  to the whole prompt and causally to itself. */
+  FORKATTN_MASK_CAUSAL = 0,
+  /** Diffusion LMs: the prompt attends to the whole prompt; response i attends
+   *  to the whole prompt and to all of response i. */
+  FORKATTN_MASK_BIDIRECTIONAL = 1
+} forkattn_mask;
+
+/**
+ * Packed layout of one shared-prompt group: rows [0, prompt_len) hold the
+ * prompt, then response i occupies rows
+ * [prompt_len + response_offsets[i], prompt_len + response_offsets[i+1]).
+ * response_offsets has num_responses+1 non-decreasing entries starting at 0
+ * (CSR); lengths may be 0. prompt_len = 0 gives plain variable-length attention.
+ * Total rows = prompt_len + response_offsets[num_responses]; q, k, v (and every
+ * output) must have exactly that many rows.
+ * response_offsets is always a host pointer.
+ */
+typedef struct forkattn_prefix_layout {
+  int64_t prompt_len;               /**< P >= 0 */
+  int64_t num_responses;            /**< N >= 0 */
+  const int64_t *response_offsets;  /**< host array of N+1 entries; may be NULL when N = 0 */
+  forkattn_mask mask;               /**< causal or bidirectional */
+} forkattn_prefix_layout;
+
+/**
+ * Forward shared-prompt attention.
+ *
+ * q: [T, Hq, d]; k, v: [T, Hkv, d] with Hq a multiple of Hkv (GQA: query head h
+ * reads KV head h / (Hq/Hkv)); o: [T, Hq, d], written. All four share one dtype.
+ * lse: optional (NULL to skip) float32 [T, Hq] row-major, natural log of the
+ * softmax denominator of scaled scores (needed by forkattn_prefix_bwd()).
+ * scale: softmax scale applied to q.k (pass 1/sqrt(d) for the usual one; must
+ * be finite and > 0).
+ * memory: where q, k, v, o, lse live (FORKATTN_MEMORY_DEVICE requires the GPU backend).
+ */
+FORKATTN_API forkattn_status forkattn_prefix_fwd(forkattn_ctx *ctx,
+                                                 const forkattn_prefix_layout *layout,
+                                                 const forkattn_tensor *q,
+                                                 const forkattn_tensor *k,
+                                                 const forkattn_tensor *v,
+                                                 const forkattn_tensor *o, float *lse,
+                                                 float scale, forkattn_memory memory);
+
+/**
+ * Backward of forkattn_prefix_fwd(): gradients of sum(o * dout) with respect to
+ * q, k, v. Inputs q, k, v, o, dout ([T, Hq, d]) and lse (float32 [T, Hq], from
+ * the forward with the same scale). Outputs dq [T, Hq, d], dk, dv [T, Hkv, d]
+ * are overwritten (not accumulated). The prompt's dk/dv is its own part plus
+ * the sum over all responses that read it: identical to the replicated batch
+ * with the prompt copies' gradients summed. All tensors share one dtype.
+ */
+FORKATTN_API forkattn_status forkattn_prefix_bwd(forkattn_ctx *ctx,
+                                                 const forkattn_prefix_layout *layout,
+                                                 const forkattn_tensor *q,
+                                                 const forkattn_tensor *k,
+                                                 const forkattn_tensor *v,
+                                                 const forkattn_tensor *o,
+                                                 const forkattn_tensor *dout,
+                                                 const float *lse,
+                                                 const forkattn_tensor *dq,
+                                                 const forkattn_tensor *dk,
+                                                 const forkattn_tensor *dv, float scale,
+                                                 forkattn_memory memory);
+/**@}*/
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* FORKATTN_H */

@@ -1,0 +1,130 @@
+/* Context life cycle, backend choice (made once, never silent) and errors. */
+#include "context_internal.h"
+
+#include <omp.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "hostinfo.h"
+#ifdef FORKATTN_HAVE_OFFLOAD
+#include "gpu_backend.h"
+#endif
+
+forkattn_status fa_fail(forkattn_ctx *ctx, forkattn_status status, const char *fmt, ...) {
+  if (ctx) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ctx->last_error, sizeof ctx->last_error, fmt, ap);
+    va_end(ap);
+  }
+  return status;
+}
+
+void fa_clear_error(forkattn_ctx *ctx) {
+  if (ctx) ctx->last_error[0] = '\0';
+}
+
+void fa_note_workspace(forkattn_ctx *ctx, size_t bytes) {
+  if (bytes > ctx->peak_workspace) ctx->peak_workspace = bytes;
+}
+
+size_t forkattn_ctx_peak_workspace(const forkattn_ctx *ctx) { return ctx ? ctx->peak_workspace : 0; }
+
+void forkattn_ctx_options_init(forkattn_ctx_options *opt) {
+  if (!opt) return;
+  memset(opt, 0, sizeof *opt);
+  opt->backend = FORKATTN_BACKEND_AUTO;
+}
+
+/* FORKATTN_BACKEND overrides the requested backend; -1 on an unknown value. */
+static int fa_env_backend(forkattn_backend *b) {
+  const char *e = getenv("FORKATTN_BACKEND");
+  if (!e || !*e) return 0;
+  if (!strcasecmp(e, "cpu")) *b = FORKATTN_BACKEND_CPU;
+  else if (!strcasecmp(e, "gpu")) *b = FORKATTN_BACKEND_GPU;
+  else if (!strcasecmp(e, "auto")) *b = FORKATTN_BACKEND_AUTO;
+  else return -1;
+  return 1;
+}
+
+/* Decide the backend. Returns OK or BACKEND_UNAVAILABLE (gpu requested, none usable). */
+static forkattn_status fa_choose_backend(forkattn_ctx *c, forkattn_backend want, const char *src) {
+  if (want == FORKATTN_BACKEND_CPU) {
+    c->backend = FORKATTN_BACKEND_CPU;
+    snprintf(c->reason, sizeof c->reason, "cpu: requested by %s", src);
+    return FORKATTN_OK;
+  }
+  char why[FA_MSG_LEN] = "this build has no GPU offload (configure with -DFORKATTN_OFFLOAD=nvptx:sm_90)";
+  int gpu_ok = 0;
+#ifdef FORKATTN_HAVE_OFFLOAD
+  gpu_ok = fa_gpu_probe(c->device, why, sizeof why);
+#endif
+  if (gpu_ok) {
+    c->backend = FORKATTN_BACKEND_GPU;
+    snprintf(c->reason, sizeof c->reason, "gpu: %s (%s by %s)", why,
+             want == FORKATTN_BACKEND_AUTO ? "auto" : "requested", src);
+    return FORKATTN_OK;
+  }
+  if (want == FORKATTN_BACKEND_GPU) {
+    snprintf(c->reason, sizeof c->reason, "gpu requested by %s but unavailable: %s", src, why);
+    return FORKATTN_ERR_BACKEND_UNAVAILABLE;
+  }
+  c->backend = FORKATTN_BACKEND_CPU;
+  snprintf(c->reason, sizeof c->reason, "cpu: auto fell back to the CPU kernels because %s", why);
+  return FORKATTN_OK;
+}
+
+forkattn_status forkattn_ctx_create(forkattn_ctx **ctx, const forkattn_ctx_options *opt) {
+  if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
+  *ctx = NULL;
+  forkattn_ctx_options o;
+  forkattn_ctx_options_init(&o);
+  if (opt) o = *opt;
+  if (o.backend != FORKATTN_BACKEND_AUTO && o.backend != FORKATTN_BACKEND_CPU &&
+      o.backend != FORKATTN_BACKEND_GPU)
+    return FORKATTN_ERR_INVALID_ARGUMENT;
+  if (o.threads < 0 || o.device < 0) return FORKATTN_ERR_INVALID_ARGUMENT;
+
+  const char *src = "options";
+  int env = fa_env_backend(&o.backend);
+  if (env < 0) {
+    fprintf(stderr, "forkattn: FORKATTN_BACKEND='%s' is not one of cpu, gpu, auto\n",
+            getenv("FORKATTN_BACKEND"));
+    return FORKATTN_ERR_INVALID_ARGUMENT;
+  }
+  if (env > 0) src = "FORKATTN_BACKEND";
+
+  forkattn_ctx *c = calloc(1, sizeof *c);
+  if (!c) return FORKATTN_ERR_OUT_OF_MEMORY;
+  c->device = o.device;
+  c->threads = o.threads > 0 ? o.threads : fa_host_physical_cores();
+  c->bind_threads = o.bind_threads;
+  c->verbose = o.verbose;
+  forkattn_status st = fa_choose_backend(c, o.backend, src);
+  if (o.verbose || st != FORKATTN_OK) fprintf(stderr, "forkattn: backend %s\n", c->reason);
+  if (st != FORKATTN_OK) {
+    free(c);
+    return st;
+  }
+  *ctx = c;
+  return FORKATTN_OK;
+}
+
+void forkattn_ctx_destroy(forkattn_ctx *ctx) { free(ctx); }
+
+forkattn_backend forkattn_ctx_backend(const forkattn_ctx *ctx) {
+  return ctx ? ctx->backend : FORKATTN_BACKEND_CPU;
+}
+
+const char *forkattn_ctx_backend_reason(const forkattn_ctx *ctx) {
+  return ctx ? ctx->reason : "no context";
+}
+
+int forkattn_ctx_threads(const forkattn_ctx *ctx) { return ctx ? ctx->threads : 0; }
+
+const char *forkattn_ctx_last_error(const forkattn_ctx *ctx) {
+  return ctx ? ctx->last_error : "no context";
+}

@@ -1,0 +1,32 @@
+/* Internal view of a context and the error-reporting helpers every entry uses. */
+#ifndef FORKATTN_CONTEXT_INTERNAL_H
+#define FORKATTN_CONTEXT_INTERNAL_H
+#include "forkattn.h"
+
+#define FA_MSG_LEN 512
+
+struct forkattn_ctx {
+  forkattn_backend backend; /* CPU or GPU, never AUTO */
+  int device;               /* OpenMP device number (GPU backend) */
+  int threads;              /* CPU worker threads */
+  int bind_threads;         /* pin CPU workers with hwloc */
+  int verbose;
+  size_t peak_workspace;     /* bytes, see forkattn_ctx_peak_workspace() */
+  char reason[FA_MSG_LEN];     /* why this backend */
+  char last_error[FA_MSG_LEN]; /* message of the last failed call */
+};
+
+/* Record a failure on ctx (may be NULL) and return status, printf-style. */
+forkattn_status fa_fail(forkattn_ctx *ctx, forkattn_status status, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
+/* Record that a call used `bytes` of scratch memory. */
+void fa_note_workspace(forkattn_ctx *ctx, size_t bytes);
+
+/* Clear the last error at the start of a call. */
+void fa_clear_error(forkattn_ctx *ctx);
+
+#endif

@@ -1,0 +1,61 @@
+/* Device memory entry points; real work lives in offload/gpu_memory.c. */
+#include <string.h>
+
+#include "context_internal.h"
+#ifdef FORKATTN_HAVE_OFFLOAD
+#include "gpu_backend.h"
+#endif
+
+static forkattn_status fa_need_gpu(forkattn_ctx *ctx, const char *fn) {
+  if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
+  fa_clear_error(ctx);
+  if (ctx->backend != FORKATTN_BACKEND_GPU)
+    return fa_fail(ctx, FORKATTN_ERR_BACKEND_UNAVAILABLE, "%s: needs the gpu backend, this context uses %s",
+                   fn, forkattn_backend_name(ctx->backend));
+  return FORKATTN_OK;
+}
+
+forkattn_status forkattn_device_malloc(forkattn_ctx *ctx, size_t bytes, void **ptr) {
+  forkattn_status st = fa_need_gpu(ctx, "device_malloc");
+  if (st) return st;
+  if (!ptr) return fa_fail(ctx, FORKATTN_ERR_INVALID_ARGUMENT, "device_malloc: ptr is NULL");
+  *ptr = NULL;
+#ifdef FORKATTN_HAVE_OFFLOAD
+  *ptr = fa_gpu_malloc(ctx->device, bytes ? bytes : 1);
+#endif
+  return *ptr ? FORKATTN_OK
+              : fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "device_malloc: %zu bytes failed", bytes);
+}
+
+forkattn_status forkattn_device_free(forkattn_ctx *ctx, void *ptr) {
+  forkattn_status st = fa_need_gpu(ctx, "device_free");
+  if (st) return st;
+#ifdef FORKATTN_HAVE_OFFLOAD
+  if (ptr) fa_gpu_free(ctx->device, ptr);
+#else
+  (void)ptr;
+#endif
+  return FORKATTN_OK;
+}
+
+forkattn_status forkattn_memcpy(forkattn_ctx *ctx, void *dst, forkattn_memory dst_memory,
+                                const void *src, forkattn_memory src_memory, size_t bytes) {
+  if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
+  fa_clear_error(ctx);
+  if ((!dst || !src) && bytes)
+    return fa_fail(ctx, FORKATTN_ERR_INVALID_ARGUMENT, "memcpy: %s is NULL", dst ? "src" : "dst");
+  int dev_dst = dst_memory == FORKATTN_MEMORY_DEVICE, dev_src = src_memory == FORKATTN_MEMORY_DEVICE;
+  if ((dst_memory != FORKATTN_MEMORY_HOST && !dev_dst) || (src_memory != FORKATTN_MEMORY_HOST && !dev_src))
+    return fa_fail(ctx, FORKATTN_ERR_INVALID_ARGUMENT, "memcpy: unknown memory kind");
+  if (!dev_dst && !dev_src) {
+    if (bytes) memmove(dst, src, bytes);
+    return FORKATTN_OK;
+  }
+  forkattn_status st = fa_need_gpu(ctx, "memcpy");
+  if (st) return st;
+#ifdef FORKATTN_HAVE_OFFLOAD
+  if (fa_gpu_memcpy(ctx->device, dst, dev_dst, src, dev_src, bytes))
+    return fa_fail(ctx, FORKATTN_ERR_DEVICE, "memcpy: device copy of %zu bytes failed", bytes);
+#endif
+  return FORKATTN_OK;
+}

@@ -1,0 +1,166 @@
+/* Segment plan construction, block splitting and visibility ranges. */
+#include "segment_plan.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+void fa_plan_free(fa_plan *p) {
+  free(p->seg);
+  free(p->pair);
+  free(p->q_pair_off);
+  free(p->k_pair_off);
+  free(p->k_pair_idx);
+  memset(p, 0, sizeof *p);
+}
+
+int fa_plan_build(fa_plan *p, int64_t rows, int64_t nseg, const fa_range *seg, int64_t npairs,
+                  const fa_pair *pair) {
+  memset(p, 0, sizeof *p);
+  p->rows = rows;
+  p->nseg = nseg;
+  p->npairs = npairs;
+  p->seg = malloc(sizeof *p->seg * (size_t)(nseg ? nseg : 1));
+  p->pair = malloc(sizeof *p->pair * (size_t)(npairs ? npairs : 1));
+  p->q_pair_off = calloc((size_t)nseg + 1, sizeof *p->q_pair_off);
+  p->k_pair_off = calloc((size_t)nseg + 1, sizeof *p->k_pair_off);
+  p->k_pair_idx = malloc(sizeof *p->k_pair_idx * (size_t)(npairs ? npairs : 1));
+  if (!p->seg || !p->pair || !p->q_pair_off || !p->k_pair_off || !p->k_pair_idx) {
+    fa_plan_free(p);
+    return -1;
+  }
+  if (nseg) memcpy(p->seg, seg, sizeof *seg * (size_t)nseg);
+  if (npairs) memcpy(p->pair, pair, sizeof *pair * (size_t)npairs);
+  for (int64_t i = 0; i < npairs; i++) {
+    p->q_pair_off[pair[i].qseg + 1]++;
+    p->k_pair_off[pair[i].kseg + 1]++;
+  }
+  for (int64_t s = 0; s < nseg; s++) {
+    p->q_pair_off[s + 1] += p->q_pair_off[s];
+    p->k_pair_off[s + 1] += p->k_pair_off[s];
+  }
+  /* Counting sort of pair indices by key segment (stable: deterministic sums). */
+  int64_t *fill = calloc((size_t)nseg + 1, sizeof *fill);
+  if (!fill) {
+    fa_plan_free(p);
+    return -1;
+  }
+  for (int64_t i = 0; i < npairs; i++) {
+    int64_t ks = pair[i].kseg;
+    p->k_pair_idx[p->k_pair_off[ks] + fill[ks]++] = i;
+  }
+  free(fill);
+  return 0;
+}
+
+int fa_plan_prefix(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off, int causal) {
+  int64_t cap = n + 1;
+  fa_range *seg = malloc(sizeof *seg * (size_t)cap);
+  fa_pair *pair = malloc(sizeof *pair * (size_t)(2 * cap));
+  if (!seg || !pair) {
+    free(seg);
+    free(pair);
+    return -1;
+  }
+  int64_t ns = 0, np = 0, prompt = -1;
+  if (prompt_len > 0) {
+    prompt = ns;
+    seg[ns++] = (fa_range){0, prompt_len};
+    pair[np++] = (fa_pair){prompt, prompt, causal};
+  }
+  for (int64_t i = 0; i < n; i++) {
+    int64_t len = off[i + 1] - off[i];
+    if (len == 0) continue;
+    int64_t s = ns;
+    seg[ns++] = (fa_range){prompt_len + off[i], len};
+    if (prompt >= 0) pair[np++] = (fa_pair){s, prompt, 0};
+    pair[np++] = (fa_pair){s, s, causal};
+  }
+  int rc = fa_plan_build(p, prompt_len + (n ? off[n] : 0), ns, seg, np, pair);
+  free(seg);
+  free(pair);
+  return rc;
+}
+
+void fa_pair_key_range(const fa_plan *p, const fa_pair *pr, int64_t q0, int64_t qn, int64_t *k0,
+                       int64_t *kn) {
+  const fa_range ks = p->seg[pr->kseg];
+  *k0 = ks.start;
+  *kn = ks.len;
+  if (pr->causal) {
+    int64_t last_q_rel = q0 + qn - 1 - p->seg[pr->qseg].start;
+    int64_t lim = last_q_rel + 1;
+    *kn = qn <= 0 ? 0 : (lim < ks.len ? (lim > 0 ? lim : 0) : ks.len);
+  }
+}
+
+void fa_pair_query_range(const fa_plan *p, const fa_pair *pr, int64_t k0, int64_t kn, int64_t *q0,
+                         int64_t *qn) {
+  const fa_range qs = p->seg[pr->qseg];
+  *q0 = qs.start;
+  *qn = qs.len;
+  if (pr->causal && kn > 0) {
+    int64_t first_k_rel = k0 - p->seg[pr->kseg].start;
+    if (first_k_rel >= qs.len) {
+      *qn = 0;
+    } else if (first_k_rel > 0) {
+      *q0 = qs.start + first_k_rel;
+      *qn = qs.len - first_k_rel;
+    }
+  }
+}
+
+int64_t fa_pair_visible_keys(const fa_plan *p, const fa_pair *pr, int64_t q0, int64_t qn) {
+  int64_t k0, kn;
+  fa_pair_key_range(p, pr, q0, qn, &k0, &kn);
+  return kn * qn; /* upper bound for causal pairs: the block's last row sees the most */
+}
+
+typedef struct {
+  fa_block b;
+  int64_t cost, order;
+} fa_costed_block;
+
+static int fa_cmp_cost(const void *a, const void *b) {
+  const fa_costed_block *x = a, *y = b;
+  if (x->cost != y->cost) return x->cost > y->cost ? -1 : 1;
+  return x->order < y->order ? -1 : (x->order > y->order);
+}
+
+int64_t fa_plan_blocks(const fa_plan *p, int64_t block_rows, int by_key, fa_block **out) {
+  const int64_t *off = by_key ? p->k_pair_off : p->q_pair_off;
+  int64_t n = 0;
+  for (int64_t s = 0; s < p->nseg; s++)
+    if (off[s + 1] > off[s]) n += (p->seg[s].len + block_rows - 1) / block_rows;
+  fa_costed_block *cb = malloc(sizeof *cb * (size_t)(n ? n : 1));
+  *out = malloc(sizeof **out * (size_t)(n ? n : 1));
+  if (!cb || !*out) {
+    free(cb);
+    free(*out);
+    *out = NULL;
+    return -1;
+  }
+  int64_t i = 0;
+  for (int64_t s = 0; s < p->nseg; s++) {
+    if (off[s + 1] == off[s]) continue;
+    for (int64_t r = 0; r < p->seg[s].len; r += block_rows) {
+      fa_block b = {s, p->seg[s].start + r, p->seg[s].len - r < block_rows ? p->seg[s].len - r : block_rows};
+      int64_t cost = 0;
+      for (int64_t j = off[s]; j < off[s + 1]; j++) {
+        const fa_pair *pr = by_key ? &p->pair[p->k_pair_idx[j]] : &p->pair[j];
+        int64_t a0, an;
+        if (by_key) {
+          fa_pair_query_range(p, pr, b.start, b.len, &a0, &an);
+          cost += an * b.len;
+        } else {
+          cost += fa_pair_visible_keys(p, pr, b.start, b.len);
+        }
+      }
+      cb[i] = (fa_costed_block){b, cost, i};
+      i++;
+    }
+  }
+  qsort(cb, (size_t)n, sizeof *cb, fa_cmp_cost);
+  for (int64_t j = 0; j < n; j++) (*out)[j] = cb[j].b;
+  free(cb);
+  return n;
+}

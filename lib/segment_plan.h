@@ -1,0 +1,70 @@
+/* Segment plan: the one description every attention layout compiles to.
+ *
+ * Rows are packed once. A segment is a contiguous row range. A pair (qs, ks,
+ * causal) says: queries of segment qs attend to keys of segment ks, all of
+ * them (full) or key k_rel <= query q_rel (causal, both relative to their
+ * segment's start). A query row's softmax runs over the union of its pairs'
+ * visible keys (one online softmax). Prefix-shared attention is a tree of
+ * depth one, a trie is the general case, bidirectional masks are full pairs.
+ *
+ * Backward needs the inverse view: for each key segment the pairs that read
+ * it, so dK/dV of a shared segment is summed over all its readers without
+ * races (one owner per key block). */
+#ifndef FORKATTN_SEGMENT_PLAN_H
+#define FORKATTN_SEGMENT_PLAN_H
+#include <stdint.h>
+
+typedef struct fa_range {
+  int64_t start, len;
+} fa_range;
+
+typedef struct fa_pair {
+  int64_t qseg, kseg, causal;
+} fa_pair;
+
+typedef struct fa_plan {
+  int64_t rows;        /* total packed rows */
+  int64_t nseg;        /* segments */
+  fa_range *seg;       /* [nseg] */
+  int64_t npairs;      /* pairs, grouped by query segment */
+  fa_pair *pair;       /* [npairs] */
+  int64_t *q_pair_off; /* [nseg+1]: pairs of query segment s are pair[q_pair_off[s]..q_pair_off[s+1]) */
+  int64_t *k_pair_off; /* [nseg+1]: CSR over k_pair_idx by key segment */
+  int64_t *k_pair_idx; /* [npairs]: pair indices grouped by key segment */
+} fa_plan;
+
+/* A block of rows inside one segment: queries (forward, dQ) or keys (dK/dV). */
+typedef struct fa_block {
+  int64_t seg, start, len; /* start is an absolute row */
+} fa_block;
+
+/* Build the plan from segments and pairs (pairs must be grouped by qseg in
+ * increasing order). Copies the inputs. Returns 0, or -1 on allocation failure. */
+int fa_plan_build(fa_plan *p, int64_t rows, int64_t nseg, const fa_range *seg, int64_t npairs,
+                  const fa_pair *pair);
+void fa_plan_free(fa_plan *p);
+
+/* Prefix-shared group: prompt [0, P), response i at P + off[i] .. P + off[i+1].
+ * Empty segments are dropped. causal != 0 for the causal mask. */
+int fa_plan_prefix(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off, int causal);
+
+/* Number of keys of pair pr visible to query rows [q0, q0+qn) of its query
+ * segment (absolute rows), i.e. the work of that block. */
+int64_t fa_pair_visible_keys(const fa_plan *p, const fa_pair *pr, int64_t q0, int64_t qn);
+
+/* Split segments into blocks of at most block_rows rows, heaviest first.
+ * by_key = 0: query blocks of segments that have pairs as queries;
+ * by_key = 1: key blocks of segments read by at least one pair.
+ * *out is malloc'ed (free() it); returns the count, or -1 on allocation failure. */
+int64_t fa_plan_blocks(const fa_plan *p, int64_t block_rows, int by_key, fa_block **out);
+
+/* Key-range of pair pr visible to query rows [q0, q0+qn): keys [*k0, *k0 + *kn)
+ * (absolute rows). Causal pairs stop at the last query's diagonal. */
+void fa_pair_key_range(const fa_plan *p, const fa_pair *pr, int64_t q0, int64_t qn, int64_t *k0,
+                       int64_t *kn);
+
+/* Query-range of pair pr that can see any key of [k0, k0+kn): rows [*q0, *q0 + *qn). */
+void fa_pair_query_range(const fa_plan *p, const fa_pair *pr, int64_t k0, int64_t kn, int64_t *q0,
+                         int64_t *qn);
+
+#endif

@@ -1,0 +1,27 @@
+/* Argument checks at the API boundary. Each returns FORKATTN_OK or records a
+ * message naming the offending argument and returns INVALID_ARGUMENT. */
+#ifndef FORKATTN_VALIDATE_H
+#define FORKATTN_VALIDATE_H
+#include "context_internal.h"
+
+#define FA_MAX_HEAD_DIM 256
+
+/* t must be non-NULL with data, a known dtype, the given shape (rows, heads,
+ * head_dim) and strides that neither overlap nor overflow int64. */
+forkattn_status fa_check_tensor(forkattn_ctx *ctx, const char *name, const forkattn_tensor *t,
+                                forkattn_dtype dtype, int64_t rows, int64_t heads,
+                                int64_t head_dim);
+
+/* q/k/v shapes of an attention call: positive heads, Hq % Hkv == 0, 1 <= d <= 256,
+ * same dtype, rows given. Fills *hq, *hkv, *d. */
+forkattn_status fa_check_qkv(forkattn_ctx *ctx, const forkattn_tensor *q, const forkattn_tensor *k,
+                             const forkattn_tensor *v, int64_t rows, int64_t *hq, int64_t *hkv,
+                             int64_t *d);
+
+/* scale must be finite and > 0. */
+forkattn_status fa_check_scale(forkattn_ctx *ctx, float scale);
+
+/* Number of elements spanned by t (max offset + 1); t already checked. */
+int64_t fa_tensor_span(const forkattn_tensor *t);
+
+#endif

@@ -1,0 +1,92 @@
+/* `forkattn bench prefix`: shared vs replicated times, useful FLOP rates,
+ * memory, and (CPU) OpenBLAS sgemm measured in the same run for reference.
+ * Prints a table, or JSON lines with --json. */
+#include <cblas.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "commands.h"
+#include "measure.h"
+
+/* OpenBLAS sgemm GFLOP/s at n^3 as configured (default threads), median of 3. */
+static double sgemm_gflops(int n) {
+  float *a = malloc(sizeof(float) * (size_t)n * n), *b = malloc(sizeof(float) * (size_t)n * n),
+        *c = malloc(sizeof(float) * (size_t)n * n);
+  if (!a || !b || !c) {
+    free(a); free(b); free(c);
+    return 0;
+  }
+  for (size_t i = 0; i < (size_t)n * n; i++) {
+    a[i] = (float)((i * 2654435761u) % 1000) * 1e-3f - 0.5f;
+    b[i] = (float)((i * 40503u) % 1000) * 1e-3f - 0.5f;
+  }
+  double t[3];
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1, a, n, b, n, 0, c, n);
+  for (int i = 0; i < 3; i++) {
+    double t0 = tool_now();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1, a, n, b, n, 0, c, n);
+    t[i] = tool_now() - t0;
+  }
+  free(a); free(b); free(c);
+  return 2.0 * n * n * (double)n / tool_median(t, 3) * 1e-9;
+}
+
+int cmd_bench(int argc, char **argv) {
+  tool_opts o = {{16, 2048, 256, 8, 2, 128, FORKATTN_DTYPE_F32, FORKATTN_MASK_CAUSAL},
+                 FORKATTN_BACKEND_AUTO, 3, 0, 0, 1};
+  if (argc < 2 || strcmp(argv[1], "prefix")) {
+    fprintf(stderr, "usage: forkattn bench prefix [options]  (--help for options)\n");
+    return 2;
+  }
+  int p = tool_parse(argc, argv, 2, &o);
+  if (p) {
+    tool_usage("bench prefix", &o);
+    return p > 0 ? 0 : 2;
+  }
+  tool_result r;
+  if (tool_measure(&o, &r)) return 1;
+  const tool_shape *s = &o.shape;
+  double gemm = strcmp(r.backend, "cpu") ? 0 : sgemm_gflops(2048);
+  double fwd_gf = r.shared.flops / r.shared.fwd_ms * 1e-6, both_gf = 3.5 * r.shared.flops / r.shared.fwdbwd_ms * 1e-6;
+  double ideal = r.have_rep ? r.rep.flops / r.shared.flops : 0;
+  const char *dt = s->dtype == FORKATTN_DTYPE_F32 ? "f32" : s->dtype == FORKATTN_DTYPE_BF16 ? "bf16" : "f16";
+  const char *mk = s->mask == FORKATTN_MASK_CAUSAL ? "causal" : "bidirectional";
+  if (!o.json) {
+    printf("forkattn bench prefix: N=%lld P=%lld R=%lld heads %lld/%lld d=%lld %s %s, backend %s, median of %d\n",
+           (long long)s->n, (long long)s->p, (long long)s->r, (long long)s->hq, (long long)s->hkv, (long long)s->d,
+           dt, mk, r.backend, o.repeats);
+    printf("%-11s %10s %12s %12s %16s %10s\n", "layout", "fwd ms", "fwd+bwd ms", "fwd GFLOP/s", "fwd+bwd GFLOP/s", "mem MiB");
+    printf("%-11s %10.3f %12.3f %12.1f %16.1f %10.1f\n", "shared", r.shared.fwd_ms, r.shared.fwdbwd_ms, fwd_gf, both_gf,
+           (r.shared.tensor_bytes + r.shared.workspace_bytes) / 1048576.0);
+    if (r.have_rep)
+      printf("%-11s %10.3f %12.3f %12.1f %16.1f %10.1f   (GFLOP/s on replicated FLOPs)\n", "replicated", r.rep.fwd_ms,
+             r.rep.fwdbwd_ms, r.rep.flops / r.rep.fwd_ms * 1e-6, 3.5 * r.rep.flops / r.rep.fwdbwd_ms * 1e-6,
+             (r.rep.tensor_bytes + r.rep.workspace_bytes) / 1048576.0);
+    if (r.have_rep)
+      printf("speedup fwd %.2fx, fwd+bwd %.2fx; ideal %.2fx; fwd+bwd reaches %.0f%% of ideal\n",
+             r.rep.fwd_ms / r.shared.fwd_ms, r.rep.fwdbwd_ms / r.shared.fwdbwd_ms, ideal,
+             100.0 * r.rep.fwdbwd_ms / r.shared.fwdbwd_ms / ideal);
+    if (gemm > 0)
+      printf("OpenBLAS sgemm 2048^3 (same run): %.1f GFLOP/s; shared fwd useful rate = %.0f%% of it\n", gemm,
+             100.0 * fwd_gf / gemm);
+    if (r.have_rep)
+      printf("max rel error shared vs replicated: o %.1e dq %.1e dk %.1e dv %.1e\n", r.err.o, r.err.dq, r.err.dk,
+             r.err.dv);
+  }
+  printf("{\"bench\":\"prefix\",\"backend\":\"%s\",\"n\":%lld,\"p\":%lld,\"r\":%lld,\"hq\":%lld,\"hkv\":%lld,"
+         "\"d\":%lld,\"dtype\":\"%s\",\"mask\":\"%s\",\"repeats\":%d,"
+         "\"shared_fwd_ms\":%.4f,\"shared_fwdbwd_ms\":%.4f,\"shared_fwd_gflops\":%.2f,\"shared_fwdbwd_gflops\":%.2f,"
+         "\"shared_mem_bytes\":%.0f,\"useful_flops_fwd\":%.6g,\"replicated_flops_fwd\":%.6g",
+         r.backend, (long long)s->n, (long long)s->p, (long long)s->r, (long long)s->hq, (long long)s->hkv,
+         (long long)s->d, dt, mk, o.repeats, r.shared.fwd_ms, r.shared.fwdbwd_ms, fwd_gf, both_gf,
+         r.shared.tensor_bytes + r.shared.workspace_bytes, r.shared.flops, tool_flops_replicated(s));
+  if (r.have_rep)
+    printf(",\"rep_fwd_ms\":%.4f,\"rep_fwdbwd_ms\":%.4f,\"rep_mem_bytes\":%.0f,\"speedup_fwd\":%.3f,"
+           "\"speedup_fwdbwd\":%.3f,\"ideal_speedup\":%.3f,\"max_rel_err\":%.3g",
+           r.rep.fwd_ms, r.rep.fwdbwd_ms, r.rep.tensor_bytes + r.rep.workspace_bytes, r.rep.fwd_ms / r.shared.fwd_ms,
+           r.rep.fwdbwd_ms / r.shared.fwdbwd_ms, ideal, tool_errors_max(&r.err));
+  if (gemm > 0) printf(",\"sgemm_gflops\":%.1f,\"fwd_over_sgemm\":%.3f", gemm, fwd_gf / gemm);
+  printf("}\n");
+  return 0;
+}

@@ -1,0 +1,7 @@
+/* Subcommands of the `forkattn` program. Each returns a process exit code. */
+#ifndef FORKATTN_TOOLS_COMMANDS_H
+#define FORKATTN_TOOLS_COMMANDS_H
+int cmd_info(int argc, char **argv);
+int cmd_demo(int argc, char **argv);
+int cmd_bench(int argc, char **argv);
+#endif

@@ -48,9 +48,7 @@ static void fa_fwd_block(const fa_attn_fwd *a, const fa_block *b, int64_t g, fa_
       if (pr->causal && kb - kseg0 + nk - 1 > q_rel0)
         fa_cpu_mask_causal(t->s, nk, group, qn, q_rel0, nk, kb - kseg0);
       for (int64_t i = 0; i < M; i++) {
-        float *srow = t->s + i * nk, mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-        for (int64_t j = 0; j < nk; j++) mx = srow[j] > mx ? srow[j] : mx;
+        float *srow = t->s + i * nk, mx = fa_cpu_row_max(srow, nk);
         float m_new = mx > t->m[i] ? mx : t->m[i];
         if (m_new == -INFINITY) { /* nothing visible yet: P row is 0 */
           memset(srow, 0, sizeof(float) * (size_t)nk);

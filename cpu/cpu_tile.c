@@ -83,6 +83,20 @@ void fa_cpu_exp_sub(float *x, int64_t n, float sub) {
   }
 }
 
+float fa_cpu_row_max(const float *x, int64_t n) {
+  /* 16 independent lanes: an element-wise select vectorizes without fast-math,
+   * a scalar max reduction does not under clang. */
+  float lane[16];
+  for (int t = 0; t < 16; t++) lane[t] = -INFINITY;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    for (int t = 0; t < 16; t++) lane[t] = x[j + t] > lane[t] ? x[j + t] : lane[t];
+  float m = -INFINITY;
+  for (; j < n; j++) m = x[j] > m ? x[j] : m;
+  for (int t = 0; t < 16; t++) m = lane[t] > m ? lane[t] : m;
+  return m;
+}
+
 void fa_cpu_mask_causal(float *s, int64_t ld, int64_t group, int64_t qn, int64_t q_rel0,
                         int64_t nk, int64_t k_rel0) {
   for (int64_t g = 0; g < group; g++)

@@ -23,6 +23,9 @@ const float *fa_cpu_rows_view(const forkattn_tensor *t, int64_t row0, int64_t nr
 /* x[i] = exp(x[i] - sub) in place, vectorized; -inf (masked) gives exactly 0. */
 void fa_cpu_exp_sub(float *x, int64_t n, float sub);
 
+/* max of x[0..n) (-inf for n = 0); NaN-free input assumed as for any softmax row. */
+float fa_cpu_row_max(const float *x, int64_t n);
+
 /* Causal mask of a tile whose rows are `group` stacked copies of the query rows
  * q_rel0 .. q_rel0+qn-1 (relative to the query segment) against keys
  * k_rel0 .. k_rel0+nk-1 (relative to the key segment): S = -inf where k_rel > q_rel. */

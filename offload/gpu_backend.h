@@ -1,0 +1,22 @@
+/* GPU backend (OpenMP offload, LLVM/Clang): probe, memory, segment attention.
+ * Only compiled in offload builds (FORKATTN_HAVE_OFFLOAD). Never relies on the
+ * OpenMP host fallback: without a usable device the context picks cpu/. */
+#ifndef FORKATTN_GPU_BACKEND_H
+#define FORKATTN_GPU_BACKEND_H
+#include <stddef.h>
+
+#include "segment_attn.h"
+
+/* 1 when OpenMP device `device` exists and a probe kernel from our device
+ * image really ran on it; *why says what was found either way. */
+int fa_gpu_probe(int device, char *why, size_t len);
+
+void *fa_gpu_malloc(int device, size_t bytes);
+void fa_gpu_free(int device, void *p);
+/* Copy bytes; *_dev says whether each side is device memory. 0 on success. */
+int fa_gpu_memcpy(int device, void *dst, int dst_dev, const void *src, int src_dev, size_t bytes);
+
+forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkattn_memory memory);
+forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkattn_memory memory);
+
+#endif

@@ -1,0 +1,263 @@
+/* GPU backward of segment attention (FlashAttention-2 style, deterministic):
+ * D = rowsum(dO * O); dQ by query block (team = query block x query head);
+ * dK/dV by key block (team = key block x KV head) summing over every pair and
+ * query head that reads it, so a shared prompt's gradients need no atomics.
+ * FP32 compute; same team shape and tiles as the forward (gpu_tiles.h). */
+#include <math.h>
+#include <omp.h>
+#include <ompx.h>
+
+#include "dtype_convert.h"
+#include "gpu_backend.h"
+#include "gpu_stage.h"
+#include "gpu_tiles.h"
+#include "online_softmax.h"
+
+typedef struct {
+  fa_dev_tensor q, k, v, o, dout, dq, dk, dv;
+  const float *lse;
+  float *dsum;
+  const fa_range *seg;
+  const fa_pair *pair;
+  const int64_t *qoff, *koff, *kidx;
+  const fa_block *qblocks, *kblocks;
+  int64_t nqb, nkb, rows, hq, hkv, d;
+  float scale;
+} fa_gpu_bwd;
+
+static void fa_gpu_rowsum(const fa_gpu_bwd *b, int dev) {
+  const fa_dev_tensor o = b->o, dout = b->dout;
+  float *dsum = b->dsum;
+  const int64_t n = b->rows * b->hq, hq = b->hq, d = b->d;
+#pragma omp target teams distribute parallel for device(dev) firstprivate(o, dout) is_device_ptr(dsum)
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t r = i / hq, h = i % hq;
+    float s = 0.0f;
+    for (int64_t c = 0; c < d; c++)
+      s += fa_load(o.data, o.dtype, r * o.rs + h * o.hs + c) * fa_load(dout.data, dout.dtype, r * dout.rs + h * dout.hs + c);
+    dsum[i] = s;
+  }
+}
+
+static void fa_gpu_dq(const fa_gpu_bwd *b, int dev) {
+  const fa_dev_tensor q = b->q, k = b->k, v = b->v, dout = b->dout, dq = b->dq;
+  const float *lse = b->lse, *dsum = b->dsum;
+  const fa_range *seg = b->seg;
+  const fa_pair *pair = b->pair;
+  const int64_t *qoff = b->qoff;
+  const fa_block *blocks = b->qblocks;
+  const int64_t hq = b->hq, d = b->d, group = b->hq / b->hkv, pitch = d + 1, bk = fa_gpu_key_tile(d, 1);
+  const float scale = b->scale;
+  const int nteams = (int)(b->nqb * hq);
+  const size_t smem = sizeof(float) * (size_t)(2 * FA_GPU_ROWS * pitch + 2 * bk * pitch + FA_GPU_ROWS * (bk + 1));
+#pragma omp target teams ompx_bare num_teams(nteams) thread_limit(FA_GPU_THREADS) \
+    ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(q, k, v, dout, dq) \
+    is_device_ptr(lse, dsum, seg, pair, qoff, blocks)
+  {
+    float *Qs = (float *)llvm_omp_target_dynamic_shared_alloc();
+    float *Os = Qs + FA_GPU_ROWS * pitch, *Ks = Os + FA_GPU_ROWS * pitch, *Vs = Ks + bk * pitch,
+          *Ss = Vs + bk * pitch;
+    const int tid = ompx_thread_id_x(), row = tid / FA_GPU_LANES, lane = tid % FA_GPU_LANES;
+    const int64_t team = ompx_block_id_x(), h = team % hq, g = h / group;
+    const fa_block blk = blocks[team / hq];
+    const int valid = row < blk.len;
+    const int64_t r = blk.start + row, q_rel = r - seg[blk.seg].start;
+    const float row_lse = valid ? lse[r * hq + h] : -INFINITY, row_d = valid ? dsum[r * hq + h] : 0.0f;
+    for (int64_t e = tid; e < FA_GPU_ROWS * d; e += FA_GPU_THREADS) {
+      int64_t i = e / d, c = e % d;
+      int in = i < blk.len;
+      Qs[i * pitch + c] = in ? scale * fa_load(q.data, q.dtype, (blk.start + i) * q.rs + h * q.hs + c) : 0.0f;
+      Os[i * pitch + c] = in ? fa_load(dout.data, dout.dtype, (blk.start + i) * dout.rs + h * dout.hs + c) : 0.0f;
+    }
+    float acc[FA_GPU_MAX_COLS];
+    for (int t = 0; t < FA_GPU_MAX_COLS; t++) acc[t] = 0.0f;
+    ompx_sync_block_acq_rel();
+    for (int64_t pi = qoff[blk.seg]; pi < qoff[blk.seg + 1]; pi++) {
+      const fa_pair pr = pair[pi];
+      const int64_t k0 = seg[pr.kseg].start;
+      int64_t kn = seg[pr.kseg].len;
+      if (pr.causal) {
+        int64_t lim = blk.start + blk.len - seg[pr.qseg].start;
+        kn = lim < kn ? lim : kn;
+      }
+      for (int64_t kb = k0; kb < k0 + kn; kb += bk) {
+        const int64_t nk = k0 + kn - kb < bk ? k0 + kn - kb : bk;
+        for (int64_t e = tid; e < bk * d; e += FA_GPU_THREADS) {
+          int64_t j = e / d, c = e % d;
+          int in = j < nk;
+          Ks[j * pitch + c] = in ? fa_load(k.data, k.dtype, (kb + j) * k.rs + g * k.hs + c) : 0.0f;
+          Vs[j * pitch + c] = in ? fa_load(v.data, v.dtype, (kb + j) * v.rs + g * v.hs + c) : 0.0f;
+        }
+        ompx_sync_block_acq_rel();
+        for (int64_t j = lane; j < bk; j += FA_GPU_LANES) {
+          float ds = 0.0f;
+          if (valid && j < nk && fa_visible((int)pr.causal, q_rel, kb + j - k0)) {
+            float s = 0.0f, dp = 0.0f;
+            for (int64_t c = 0; c < d; c++) {
+              s += Qs[row * pitch + c] * Ks[j * pitch + c];
+              dp += Os[row * pitch + c] * Vs[j * pitch + c];
+            }
+            ds = fa_prob_lse(s, row_lse) * (dp - row_d);
+          }
+          Ss[row * (bk + 1) + j] = ds;
+        }
+        ompx_sync_block_acq_rel();
+        for (int64_t j = 0; j < nk; j++) {
+          const float ds = Ss[row * (bk + 1) + j];
+          for (int t = 0; t < FA_GPU_MAX_COLS; t++) {
+            int64_t c = lane + (int64_t)t * FA_GPU_LANES;
+            if (c < d) acc[t] += ds * Ks[j * pitch + c];
+          }
+        }
+        ompx_sync_block_acq_rel();
+      }
+    }
+    if (valid)
+      for (int t = 0; t < FA_GPU_MAX_COLS; t++) {
+        int64_t c = lane + (int64_t)t * FA_GPU_LANES;
+        if (c < d) fa_store(dq.data, dq.dtype, r * dq.rs + h * dq.hs + c, scale * acc[t]);
+      }
+  }
+}
+
+static void fa_gpu_dkv(const fa_gpu_bwd *b, int dev) {
+  const fa_dev_tensor q = b->q, k = b->k, v = b->v, dout = b->dout, dk = b->dk, dv = b->dv;
+  const float *lse = b->lse, *dsum = b->dsum;
+  const fa_range *seg = b->seg;
+  const fa_pair *pair = b->pair;
+  const int64_t *koff = b->koff, *kidx = b->kidx;
+  const fa_block *blocks = b->kblocks;
+  const int64_t hq = b->hq, hkv = b->hkv, d = b->d, group = b->hq / b->hkv, pitch = d + 1;
+  const int64_t bq = fa_gpu_query_tile(d);
+  const float scale = b->scale;
+  const int nteams = (int)(b->nkb * hkv);
+  const size_t smem = sizeof(float) * (size_t)(2 * FA_GPU_ROWS * pitch + 2 * bq * pitch +
+                                               2 * FA_GPU_ROWS * (bq + 1) + 2 * bq);
+#pragma omp target teams ompx_bare num_teams(nteams) thread_limit(FA_GPU_THREADS) \
+    ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(q, k, v, dout, dk, dv) \
+    is_device_ptr(lse, dsum, seg, pair, koff, kidx, blocks)
+  {
+    float *Ks = (float *)llvm_omp_target_dynamic_shared_alloc();
+    float *Vs = Ks + FA_GPU_ROWS * pitch, *Qs = Vs + FA_GPU_ROWS * pitch, *Os = Qs + bq * pitch,
+          *Ps = Os + bq * pitch, *Ds = Ps + FA_GPU_ROWS * (bq + 1), *Ls = Ds + FA_GPU_ROWS * (bq + 1),
+          *Rs = Ls + bq;
+    const int tid = ompx_thread_id_x(), row = tid / FA_GPU_LANES, lane = tid % FA_GPU_LANES;
+    const int64_t team = ompx_block_id_x(), g = team % hkv;
+    const fa_block blk = blocks[team / hkv];
+    const int valid = row < blk.len;
+    for (int64_t e = tid; e < FA_GPU_ROWS * d; e += FA_GPU_THREADS) {
+      int64_t j = e / d, c = e % d;
+      int in = j < blk.len;
+      Ks[j * pitch + c] = in ? fa_load(k.data, k.dtype, (blk.start + j) * k.rs + g * k.hs + c) : 0.0f;
+      Vs[j * pitch + c] = in ? fa_load(v.data, v.dtype, (blk.start + j) * v.rs + g * v.hs + c) : 0.0f;
+    }
+    float adk[FA_GPU_MAX_COLS], adv[FA_GPU_MAX_COLS];
+    for (int t = 0; t < FA_GPU_MAX_COLS; t++) adk[t] = adv[t] = 0.0f;
+    for (int64_t j = koff[blk.seg]; j < koff[blk.seg + 1]; j++) {
+      const fa_pair pr = pair[kidx[j]];
+      const int64_t qs0 = seg[pr.qseg].start, k_rel = blk.start + row - seg[pr.kseg].start;
+      int64_t q0 = qs0, qn = seg[pr.qseg].len;
+      if (pr.causal) { /* queries before the block's first key never see it */
+        int64_t first = blk.start - seg[pr.kseg].start;
+        q0 += first < qn ? first : qn;
+        qn -= first < qn ? first : qn;
+      }
+      for (int64_t hh = 0; hh < group; hh++) {
+        const int64_t h = g * group + hh;
+        for (int64_t qb = q0; qb < q0 + qn; qb += bq) {
+          const int64_t nq = q0 + qn - qb < bq ? q0 + qn - qb : bq;
+          ompx_sync_block_acq_rel(); /* previous tile fully consumed */
+          for (int64_t e = tid; e < bq * d; e += FA_GPU_THREADS) {
+            int64_t i = e / d, c = e % d;
+            int in = i < nq;
+            Qs[i * pitch + c] = in ? scale * fa_load(q.data, q.dtype, (qb + i) * q.rs + h * q.hs + c) : 0.0f;
+            Os[i * pitch + c] = in ? fa_load(dout.data, dout.dtype, (qb + i) * dout.rs + h * dout.hs + c) : 0.0f;
+          }
+          for (int64_t i = tid; i < bq; i += FA_GPU_THREADS) {
+            Ls[i] = i < nq ? lse[(qb + i) * hq + h] : -INFINITY;
+            Rs[i] = i < nq ? dsum[(qb + i) * hq + h] : 0.0f;
+          }
+          ompx_sync_block_acq_rel();
+          for (int64_t i = lane; i < bq; i += FA_GPU_LANES) {
+            float pv = 0.0f, ds = 0.0f;
+            if (valid && i < nq && fa_visible((int)pr.causal, qb + i - qs0, k_rel)) {
+              float s = 0.0f, dp = 0.0f;
+              for (int64_t c = 0; c < d; c++) {
+                s += Qs[i * pitch + c] * Ks[row * pitch + c];
+                dp += Os[i * pitch + c] * Vs[row * pitch + c];
+              }
+              pv = fa_prob_lse(s, Ls[i]);
+              ds = pv * (dp - Rs[i]);
+            }
+            Ps[row * (bq + 1) + i] = pv;
+            Ds[row * (bq + 1) + i] = ds;
+          }
+          ompx_sync_block_acq_rel();
+          for (int64_t i = 0; i < nq; i++) {
+            const float pv = Ps[row * (bq + 1) + i], ds = Ds[row * (bq + 1) + i];
+            if (pv == 0.0f && ds == 0.0f) continue;
+            for (int t = 0; t < FA_GPU_MAX_COLS; t++) {
+              int64_t c = lane + (int64_t)t * FA_GPU_LANES;
+              if (c < d) {
+                adv[t] += pv * Os[i * pitch + c];
+                adk[t] += ds * Qs[i * pitch + c];
+              }
+            }
+          }
+        }
+      }
+    }
+    if (valid) {
+      const int64_t r = blk.start + row;
+      for (int t = 0; t < FA_GPU_MAX_COLS; t++) {
+        int64_t c = lane + (int64_t)t * FA_GPU_LANES;
+        if (c < d) {
+          fa_store(dk.data, dk.dtype, r * dk.rs + g * dk.hs + c, adk[t]);
+          fa_store(dv.data, dv.dtype, r * dv.rs + g * dv.hs + c, adv[t]);
+        }
+      }
+    }
+  }
+}
+
+forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkattn_memory memory) {
+  const fa_plan *p = a->plan;
+  fa_block *qb_h = NULL, *kb_h = NULL;
+  int64_t nqb = fa_plan_blocks(p, FA_GPU_ROWS, 0, &qb_h);
+  int64_t nkb = fa_plan_blocks(p, FA_GPU_ROWS, 1, &kb_h);
+  fa_stage st;
+  fa_stage_init(&st, ctx->device, memory == FORKATTN_MEMORY_HOST);
+  fa_gpu_bwd b = {.rows = p->rows, .hq = a->hq, .hkv = a->hkv, .d = a->d, .scale = a->scale,
+                  .nqb = nqb, .nkb = nkb};
+  int bad = nqb < 0 || nkb < 0;
+  if (!bad) {
+    b.seg = fa_stage_array(&st, p->seg, sizeof *p->seg * (size_t)p->nseg);
+    b.pair = fa_stage_array(&st, p->pair, sizeof *p->pair * (size_t)p->npairs);
+    b.qoff = fa_stage_array(&st, p->q_pair_off, sizeof(int64_t) * (size_t)(p->nseg + 1));
+    b.koff = fa_stage_array(&st, p->k_pair_off, sizeof(int64_t) * (size_t)(p->nseg + 1));
+    b.kidx = fa_stage_array(&st, p->k_pair_idx, sizeof(int64_t) * (size_t)p->npairs);
+    b.qblocks = fa_stage_array(&st, qb_h, sizeof *qb_h * (size_t)nqb);
+    b.kblocks = fa_stage_array(&st, kb_h, sizeof *kb_h * (size_t)nkb);
+    b.dsum = fa_stage_scratch(&st, sizeof(float) * (size_t)(p->rows * a->hq));
+    b.lse = fa_stage_floats(&st, (float *)a->lse, (size_t)(p->rows * a->hq), 1);
+    bad = !b.seg || !b.pair || !b.qoff || !b.koff || !b.kidx || !b.qblocks || !b.kblocks || !b.dsum ||
+          !b.lse || fa_stage_tensor(&st, &a->q, 1, &b.q) || fa_stage_tensor(&st, &a->k, 1, &b.k) ||
+          fa_stage_tensor(&st, &a->v, 1, &b.v) || fa_stage_tensor(&st, &a->o, 1, &b.o) ||
+          fa_stage_tensor(&st, &a->dout, 1, &b.dout) || fa_stage_tensor(&st, &a->dq, 0, &b.dq) ||
+          fa_stage_tensor(&st, &a->dk, 0, &b.dk) || fa_stage_tensor(&st, &a->dv, 0, &b.dv);
+  }
+  free(qb_h);
+  free(kb_h);
+  if (bad) {
+    fa_stage_free(&st);
+    return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "gpu bwd: device allocation or copy failed");
+  }
+  fa_note_workspace(ctx, st.bytes);
+  fa_gpu_rowsum(&b, ctx->device);
+  fa_gpu_dq(&b, ctx->device);
+  fa_gpu_dkv(&b, ctx->device);
+  int rc = fa_stage_tensor_back(&st, &a->dq, &b.dq) || fa_stage_tensor_back(&st, &a->dk, &b.dk) ||
+           fa_stage_tensor_back(&st, &a->dv, &b.dv);
+  fa_stage_free(&st);
+  return rc ? fa_fail(ctx, FORKATTN_ERR_DEVICE, "gpu bwd: copying gradients back failed") : FORKATTN_OK;
+}

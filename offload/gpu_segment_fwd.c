@@ -1,0 +1,129 @@
+/* GPU forward of segment attention: OpenMP offload, `ompx_bare` teams of 128
+ * threads, team-shared Q/K/V tiles, one online softmax per query row across
+ * every pair of its segment. FP32 compute on CUDA cores (correctness first;
+ * tensor cores are a later step). One team = (query block, query head). */
+#include <math.h>
+#include <omp.h>
+#include <ompx.h>
+
+#include "dtype_convert.h"
+#include "gpu_backend.h"
+#include "gpu_stage.h"
+#include "gpu_tiles.h"
+#include "online_softmax.h"
+
+forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkattn_memory memory) {
+  const fa_plan *p = a->plan;
+  fa_block *blocks_h;
+  int64_t nb = fa_plan_blocks(p, FA_GPU_ROWS, 0, &blocks_h);
+  if (nb < 0) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "gpu fwd: cannot allocate blocks");
+  fa_stage st;
+  fa_stage_init(&st, ctx->device, memory == FORKATTN_MEMORY_HOST);
+  fa_dev_tensor q, k, v, o;
+  const int64_t rows = p->rows, hq = a->hq, hkv = a->hkv, d = a->d;
+  float *lse = NULL;
+  const fa_range *seg = fa_stage_array(&st, p->seg, sizeof *p->seg * (size_t)p->nseg);
+  const fa_pair *pair = fa_stage_array(&st, p->pair, sizeof *p->pair * (size_t)p->npairs);
+  const int64_t *qoff = fa_stage_array(&st, p->q_pair_off, sizeof(int64_t) * (size_t)(p->nseg + 1));
+  const fa_block *blocks = fa_stage_array(&st, blocks_h, sizeof *blocks_h * (size_t)nb);
+  int bad = !seg || !pair || !qoff || !blocks || fa_stage_tensor(&st, &a->q, 1, &q) ||
+            fa_stage_tensor(&st, &a->k, 1, &k) || fa_stage_tensor(&st, &a->v, 1, &v) ||
+            fa_stage_tensor(&st, &a->o, 0, &o);
+  if (!bad && a->lse) bad = !(lse = fa_stage_floats(&st, a->lse, (size_t)(rows * hq), 0));
+  free(blocks_h);
+  if (bad) {
+    fa_stage_free(&st);
+    return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "gpu fwd: device allocation or copy failed");
+  }
+
+  const int64_t bk = fa_gpu_key_tile(d, 0), pitch = d + 1, group = hq / hkv;
+  const size_t smem = sizeof(float) * (size_t)(FA_GPU_ROWS * pitch + 2 * bk * pitch + FA_GPU_ROWS * (bk + 1));
+  const int nteams = (int)(nb * hq);
+  const float scale = a->scale;
+  const int dev = ctx->device;
+  fa_note_workspace(ctx, st.bytes);
+
+#pragma omp target teams ompx_bare num_teams(nteams) thread_limit(FA_GPU_THREADS) \
+    ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(q, k, v, o) \
+    is_device_ptr(seg, pair, qoff, blocks, lse)
+  {
+    float *Qs = (float *)llvm_omp_target_dynamic_shared_alloc();
+    float *Ks = Qs + FA_GPU_ROWS * pitch, *Vs = Ks + bk * pitch, *Ss = Vs + bk * pitch;
+    const int tid = ompx_thread_id_x(), row = tid / FA_GPU_LANES, lane = tid % FA_GPU_LANES;
+    const int64_t team = ompx_block_id_x(), h = team % hq, g = h / group;
+    const fa_block blk = blocks[team / hq];
+    const int valid = row < blk.len;
+    const int64_t q_rel = blk.start + row - seg[blk.seg].start;
+
+    for (int64_t e = tid; e < FA_GPU_ROWS * d; e += FA_GPU_THREADS) {
+      int64_t r = e / d, c = e % d;
+      Qs[r * pitch + c] = r < blk.len ? scale * fa_load(q.data, q.dtype, (blk.start + r) * q.rs + h * q.hs + c) : 0.0f;
+    }
+    float acc[FA_GPU_MAX_COLS];
+    for (int t = 0; t < FA_GPU_MAX_COLS; t++) acc[t] = 0.0f;
+    float m = -INFINITY, l = 0.0f;
+    ompx_sync_block_acq_rel();
+
+    for (int64_t pi = qoff[blk.seg]; pi < qoff[blk.seg + 1]; pi++) {
+      const fa_pair pr = pair[pi];
+      const int64_t k0 = seg[pr.kseg].start;
+      int64_t kn = seg[pr.kseg].len;
+      if (pr.causal) { /* keys past the block's last query are never visible */
+        int64_t lim = blk.start + blk.len - seg[pr.qseg].start;
+        kn = lim < kn ? lim : kn;
+      }
+      for (int64_t kb = k0; kb < k0 + kn; kb += bk) {
+        const int64_t nk = k0 + kn - kb < bk ? k0 + kn - kb : bk;
+        for (int64_t e = tid; e < bk * d; e += FA_GPU_THREADS) {
+          int64_t j = e / d, c = e % d;
+          int in = j < nk;
+          Ks[j * pitch + c] = in ? fa_load(k.data, k.dtype, (kb + j) * k.rs + g * k.hs + c) : 0.0f;
+          Vs[j * pitch + c] = in ? fa_load(v.data, v.dtype, (kb + j) * v.rs + g * v.hs + c) : 0.0f;
+        }
+        ompx_sync_block_acq_rel();
+        for (int64_t j = lane; j < bk; j += FA_GPU_LANES) {
+          float s = -INFINITY;
+          if (valid && j < nk && fa_visible((int)pr.causal, q_rel, kb + j - k0)) {
+            s = 0.0f;
+            for (int64_t c = 0; c < d; c++) s += Qs[row * pitch + c] * Ks[j * pitch + c];
+          }
+          Ss[row * (bk + 1) + j] = s;
+        }
+        ompx_sync_block_acq_rel();
+        /* Every thread of a row recomputes the row's max, sum and P: no second
+         * barrier, and exp costs little next to the bk/8 dot products. */
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < nk; j++) mx = fmaxf(mx, Ss[row * (bk + 1) + j]);
+        const float m_new = fmaxf(m, mx), alpha = fa_rescale(m, m_new);
+        l *= alpha;
+        for (int t = 0; t < FA_GPU_MAX_COLS; t++) acc[t] *= alpha;
+        for (int64_t j = 0; j < nk; j++) {
+          const float pj = fa_prob(Ss[row * (bk + 1) + j], m_new);
+          if (pj == 0.0f) continue;
+          l += pj;
+          for (int t = 0; t < FA_GPU_MAX_COLS; t++) {
+            int64_t c = lane + (int64_t)t * FA_GPU_LANES;
+            if (c < d) acc[t] += pj * Vs[j * pitch + c];
+          }
+        }
+        m = m_new;
+        ompx_sync_block_acq_rel();
+      }
+    }
+    float inv, row_lse;
+    fa_finish(m, l, &inv, &row_lse);
+    if (valid) {
+      const int64_t r = blk.start + row;
+      for (int t = 0; t < FA_GPU_MAX_COLS; t++) {
+        int64_t c = lane + (int64_t)t * FA_GPU_LANES;
+        if (c < d) fa_store(o.data, o.dtype, r * o.rs + h * o.hs + c, acc[t] * inv);
+      }
+      if (lse && lane == 0) lse[r * hq + h] = row_lse;
+    }
+  }
+
+  int rc = fa_stage_tensor_back(&st, &a->o, &o);
+  if (!rc && a->lse) rc = fa_stage_floats_back(&st, a->lse, lse, (size_t)(rows * hq));
+  fa_stage_free(&st);
+  return rc ? fa_fail(ctx, FORKATTN_ERR_DEVICE, "gpu fwd: copying results back failed") : FORKATTN_OK;
+}

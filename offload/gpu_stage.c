@@ -1,0 +1,105 @@
+/* Staging of host tensors to dense device buffers and back. */
+#include "gpu_stage.h"
+
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+static size_t fa_esize(int dtype) { return dtype == FORKATTN_DTYPE_F32 ? 4 : 2; }
+
+static int fa_dense(const forkattn_tensor *t) {
+  return t->head_stride == t->head_dim && t->row_stride == t->heads * t->head_dim;
+}
+
+void fa_stage_init(fa_stage *s, int device, int host) {
+  memset(s, 0, sizeof *s);
+  s->device = device;
+  s->host = host;
+}
+
+void *fa_stage_scratch(fa_stage *s, size_t bytes) {
+  if (s->n == FA_STAGE_MAX) return NULL;
+  void *p = omp_target_alloc(bytes ? bytes : 1, s->device);
+  if (p) {
+    s->dev[s->n++] = p;
+    s->bytes += bytes;
+  }
+  return p;
+}
+
+static int fa_put(fa_stage *s, void *dev, const void *host, size_t bytes) {
+  return bytes && omp_target_memcpy(dev, host, bytes, 0, 0, s->device, omp_get_initial_device()) ? -1 : 0;
+}
+
+static int fa_get(fa_stage *s, void *host, const void *dev, size_t bytes) {
+  return bytes && omp_target_memcpy(host, dev, bytes, 0, 0, omp_get_initial_device(), s->device) ? -1 : 0;
+}
+
+void *fa_stage_array(fa_stage *s, const void *host, size_t bytes) {
+  void *d = fa_stage_scratch(s, bytes);
+  if (d && fa_put(s, d, host, bytes)) return NULL;
+  return d;
+}
+
+/* Copy between a strided host tensor and a dense host buffer. */
+static void fa_pack(const forkattn_tensor *t, void *dense, int to_dense) {
+  size_t es = fa_esize(t->dtype), vec = (size_t)t->head_dim * es;
+  for (int64_t r = 0; r < t->rows; r++)
+    for (int64_t h = 0; h < t->heads; h++) {
+      char *strided = (char *)t->data + (size_t)(r * t->row_stride + h * t->head_stride) * es;
+      char *packed = (char *)dense + (size_t)((r * t->heads + h) * t->head_dim) * es;
+      if (to_dense) memcpy(packed, strided, vec);
+      else memcpy(strided, packed, vec);
+    }
+}
+
+int fa_stage_tensor(fa_stage *s, const forkattn_tensor *t, int copy, fa_dev_tensor *out) {
+  out->dtype = (int)t->dtype;
+  if (!s->host) {
+    out->data = t->data;
+    out->rs = t->row_stride;
+    out->hs = t->head_stride;
+    return 0;
+  }
+  size_t bytes = (size_t)(t->rows * t->heads * t->head_dim) * fa_esize(t->dtype);
+  out->rs = t->heads * t->head_dim;
+  out->hs = t->head_dim;
+  out->data = fa_stage_scratch(s, bytes);
+  if (!out->data) return -1;
+  if (!copy) return 0;
+  if (fa_dense(t)) return fa_put(s, out->data, t->data, bytes);
+  void *tmp = malloc(bytes);
+  if (!tmp) return -1;
+  fa_pack(t, tmp, 1);
+  int rc = fa_put(s, out->data, tmp, bytes);
+  free(tmp);
+  return rc;
+}
+
+int fa_stage_tensor_back(fa_stage *s, const forkattn_tensor *t, const fa_dev_tensor *dev) {
+  if (!s->host) return 0;
+  size_t bytes = (size_t)(t->rows * t->heads * t->head_dim) * fa_esize(t->dtype);
+  if (fa_dense(t)) return fa_get(s, t->data, dev->data, bytes);
+  void *tmp = malloc(bytes);
+  if (!tmp) return -1;
+  int rc = fa_get(s, tmp, dev->data, bytes);
+  if (!rc) fa_pack(t, tmp, 0);
+  free(tmp);
+  return rc;
+}
+
+float *fa_stage_floats(fa_stage *s, float *p, size_t n, int copy) {
+  if (!s->host) return p;
+  float *d = fa_stage_scratch(s, n * sizeof(float));
+  if (d && copy && fa_put(s, d, p, n * sizeof(float))) return NULL;
+  return d;
+}
+
+int fa_stage_floats_back(fa_stage *s, float *host, const float *dev, size_t n) {
+  return s->host ? fa_get(s, host, dev, n * sizeof(float)) : 0;
+}
+
+void fa_stage_free(fa_stage *s) {
+  for (int i = 0; i < s->n; i++) omp_target_free(s->dev[i], s->device);
+  s->n = 0;
+}

@@ -1,0 +1,43 @@
+/* Device views of a call's tensors. Device-memory calls use the caller's
+ * pointers (strided as given). Host-memory calls stage each tensor into a
+ * dense device buffer (packing strided inputs on the host first) and scatter
+ * outputs back element-exactly, so gaps in interleaved host buffers (another
+ * tensor's data) are never overwritten. */
+#ifndef FORKATTN_GPU_STAGE_H
+#define FORKATTN_GPU_STAGE_H
+#include <stddef.h>
+#include <stdint.h>
+
+#include "forkattn.h"
+
+typedef struct fa_dev_tensor {
+  void *data; /* device pointer */
+  int dtype;
+  int64_t rs, hs; /* element strides */
+} fa_dev_tensor;
+
+#define FA_STAGE_MAX 32
+
+typedef struct fa_stage {
+  int device;
+  int host; /* tensors live in host memory */
+  int n;
+  void *dev[FA_STAGE_MAX];
+  size_t bytes; /* device scratch allocated, for forkattn_ctx_peak_workspace() */
+} fa_stage;
+
+void fa_stage_init(fa_stage *s, int device, int host);
+/* Device view of t; copy != 0 uploads its values (inputs). 0 or -1. */
+int fa_stage_tensor(fa_stage *s, const forkattn_tensor *t, int copy, fa_dev_tensor *out);
+/* Write a staged output back to the host tensor t (no-op for device memory). */
+int fa_stage_tensor_back(fa_stage *s, const forkattn_tensor *t, const fa_dev_tensor *dev);
+/* Device copy of a host array (always staged: plan arrays). */
+void *fa_stage_array(fa_stage *s, const void *host, size_t bytes);
+/* Device view of a float array of the caller's memory (lse); copy uploads. */
+float *fa_stage_floats(fa_stage *s, float *p, size_t n, int copy);
+int fa_stage_floats_back(fa_stage *s, float *host, const float *dev, size_t n);
+/* Scratch device memory owned by the stage. */
+void *fa_stage_scratch(fa_stage *s, size_t bytes);
+void fa_stage_free(fa_stage *s);
+
+#endif

@@ -2,6 +2,7 @@
 #include "cpu_tile.h"
 
 #include <cblas.h>
+#include <limits.h>
 #include <math.h>
 #include <string.h>
 
@@ -45,7 +46,8 @@ void fa_cpu_scatter(const forkattn_tensor *t, int64_t row0, int64_t nrows, int64
 
 const float *fa_cpu_rows_view(const forkattn_tensor *t, int64_t row0, int64_t nrows, int64_t head,
                               float *buf, int64_t *ld) {
-  if (t->dtype == FORKATTN_DTYPE_F32 && t->row_stride >= t->head_dim) {
+  /* BLAS takes an int leading dimension of at least head_dim */
+  if (t->dtype == FORKATTN_DTYPE_F32 && t->row_stride >= t->head_dim && t->row_stride <= INT_MAX) {
     *ld = t->row_stride;
     return (const float *)t->data + row0 * t->row_stride + head * t->head_stride;
   }

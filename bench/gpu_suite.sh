@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Run on the GPU machine (see docs/build.md): the whole test suite of an
+# offload build with OMP_TARGET_OFFLOAD=mandatory and FORKATTN_BACKEND=gpu,
+# then the GRPO-group benchmark. Logs go to $OUT (or ./gpu-logs).
+# Usage: bash bench/gpu_suite.sh <offload build dir>
+set -uo pipefail
+b=${1:-build-gpu}
+out=${OUT:-gpu-logs}
+mkdir -p "$out"
+run() { bash bench/gpu_run.sh "$@"; }
+export OMP_TARGET_OFFLOAD=mandatory FORKATTN_BACKEND=gpu
+{
+  date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  run "$b/forkattn" info
+} 2>&1 | tee "$out/info.txt"
+status=0
+for t in "$b"/tests/test_*; do
+  [ -x "$t" ] || continue
+  case "$t" in *slow*) continue ;; esac
+  name=$(basename "$t")
+  start=$(date +%s.%N)
+  run "$t" > "$out/$name.log" 2>&1; rc=$?
+  end=$(date +%s.%N)
+  printf '%-24s rc=%d  %.1f s  %s\n' "$name" "$rc" "$(awk "BEGIN{print $end - $start}")" \
+    "$(grep -o 'Synthesis:.*' "$out/$name.log" | tail -1)" | tee -a "$out/tests.txt"
+  [ $rc -eq 0 ] || status=1
+done
+for dtype in f32 bf16; do
+  run "$b/forkattn" bench prefix --n 16 --p 4096 --r 1024 --hq 32 --hkv 8 --d 128 --dtype $dtype \
+    --repeats 3 2>&1 | tee -a "$out/bench.txt"
+done
+run "$b/forkattn" demo 2>&1 | tee "$out/demo.txt"
+exit $status

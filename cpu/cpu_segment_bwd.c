@@ -151,10 +151,11 @@ forkattn_status fa_cpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a) {
   const int64_t ws_floats = 2 * M * d + 2 * M + 2 * M * bk + 2 * acc_rows * d + 2 * bk * d + 256;
   fa_note_workspace(ctx, (size_t)ctx->threads * sizeof(float) * (size_t)ws_floats +
                              sizeof(float) * (size_t)(a->plan->rows * a->hq));
-  int blas_prev = fa_cpu_blas_single();
+  fa_cpu_blas_single();
 #pragma omp parallel num_threads(ctx->threads)
   {
-    if (ctx->bind_threads) fa_host_bind_thread_to_core(omp_get_thread_num());
+    fa_host_binding bind;
+    fa_host_bind_begin(&bind, ctx->bind_threads, omp_get_thread_num());
     fa_cpu_ws ws;
     int ok = fa_cpu_ws_init(&ws, ws_floats) == 0;
     if (!ok) {
@@ -177,8 +178,9 @@ forkattn_status fa_cpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a) {
         fa_bwd_dkv_block(a, dsum, &kblocks[w / a->hkv], w % a->hkv, bq, &t);
     }
     if (ok) fa_cpu_ws_free(&ws);
+    fa_host_bind_end(&bind);
   }
-  fa_cpu_blas_restore(blas_prev);
+  fa_cpu_blas_restore();
   free(dsum);
   free(qblocks);
   free(kblocks);

@@ -97,10 +97,11 @@ forkattn_status fa_cpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a) {
   int failed = 0;
   const int64_t ws_floats = 2 * M * d + M * bk + 2 * bk * d + 2 * M + 128; /* 7 carves, 16-aligned */
   fa_note_workspace(ctx, (size_t)ctx->threads * sizeof(float) * (size_t)ws_floats);
-  int blas_prev = fa_cpu_blas_single();
+  fa_cpu_blas_single();
 #pragma omp parallel num_threads(ctx->threads)
   {
-    if (ctx->bind_threads) fa_host_bind_thread_to_core(omp_get_thread_num());
+    fa_host_binding bind;
+    fa_host_bind_begin(&bind, ctx->bind_threads, omp_get_thread_num());
     fa_cpu_ws ws;
     int ok = fa_cpu_ws_init(&ws, ws_floats) == 0;
     if (!ok) {
@@ -117,8 +118,9 @@ forkattn_status fa_cpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a) {
       for (int64_t w = 0; w < nwork; w++) fa_fwd_block(a, &blocks[w / a->hkv], w % a->hkv, &t);
     }
     if (ok) fa_cpu_ws_free(&ws);
+    fa_host_bind_end(&bind);
   }
-  fa_cpu_blas_restore(blas_prev);
+  fa_cpu_blas_restore();
   free(blocks);
   if (failed) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "prefix_fwd: cannot allocate CPU tiles");
   return FORKATTN_OK;

@@ -111,14 +111,25 @@ void fa_cpu_mask_causal(float *s, int64_t ld, int64_t group, int64_t qn, int64_t
     }
 }
 
-int fa_cpu_blas_single(void) {
-  int prev = openblas_get_num_threads();
-  if (prev != 1) openblas_set_num_threads(1);
-  return prev;
+/* OpenBLAS's thread count is process-wide: the first concurrent CPU call saves
+ * it and sets 1, the last one restores it, under one lock for all contexts. */
+static int fa_blas_users, fa_blas_saved = 1;
+
+void fa_cpu_blas_single(void) {
+#pragma omp critical(fa_openblas_threads)
+  {
+    if (fa_blas_users++ == 0) {
+      fa_blas_saved = openblas_get_num_threads();
+      if (fa_blas_saved != 1) openblas_set_num_threads(1);
+    }
+  }
 }
 
-void fa_cpu_blas_restore(int prev) {
-  if (prev != 1) openblas_set_num_threads(prev);
+void fa_cpu_blas_restore(void) {
+#pragma omp critical(fa_openblas_threads)
+  {
+    if (--fa_blas_users == 0 && fa_blas_saved != 1) openblas_set_num_threads(fa_blas_saved);
+  }
 }
 
 int64_t fa_cpu_query_block(int64_t group) {

@@ -32,10 +32,10 @@ float fa_cpu_row_max(const float *x, int64_t n);
 void fa_cpu_mask_causal(float *s, int64_t ld, int64_t group, int64_t qn, int64_t q_rel0,
                         int64_t nk, int64_t k_rel0);
 
-/* Make OpenBLAS single-threaded while our OpenMP workers call it; returns the
- * previous thread count for fa_cpu_blas_restore(). */
-int fa_cpu_blas_single(void);
-void fa_cpu_blas_restore(int prev);
+/* Make OpenBLAS single-threaded while our OpenMP workers call it (its setting
+ * is process-wide; nested and concurrent calls are counted), then restore it. */
+void fa_cpu_blas_single(void);
+void fa_cpu_blas_restore(void);
 
 /* Tile sizes: query rows per block (all heads of a GQA group are stacked on
  * top of it) and keys per block. */

@@ -126,7 +126,8 @@ typedef struct forkattn_ctx_options {
   forkattn_backend backend; /**< requested backend; FORKATTN_BACKEND env var overrides it */
   int device;               /**< OpenMP device number for the GPU backend (default 0) */
   int threads;              /**< CPU threads; 0 = one per physical core (hwloc) */
-  int bind_threads;         /**< non-zero: pin CPU worker threads to cores with hwloc */
+  int bind_threads;         /**< non-zero: pin CPU worker threads to cores (hwloc) during a
+                                 call; previous affinities are restored when it returns */
   int verbose;              /**< non-zero: log the backend decision to stderr */
 } forkattn_ctx_options;
 
@@ -140,11 +141,15 @@ FORKATTN_API void forkattn_ctx_options_init(forkattn_ctx_options *opt);
  * device exists and a probe kernel from our device image really runs on it;
  * otherwise the CPU, and forkattn_ctx_backend_reason() says why.
  * Requesting gpu when it is unavailable returns FORKATTN_ERR_BACKEND_UNAVAILABLE
- * (and *ctx = NULL).
+ * (and *ctx = NULL); forkattn_ctx_create_error() then says why. Nothing is
+ * printed unless opt->verbose is set.
  * @param[out] ctx receives the new context, or NULL on failure.
  */
 FORKATTN_API forkattn_status forkattn_ctx_create(forkattn_ctx **ctx,
                                                  const forkattn_ctx_options *opt);
+/** Why the calling thread's last failed forkattn_ctx_create() failed ("" after a
+ *  success); thread-local static storage. */
+FORKATTN_API const char *forkattn_ctx_create_error(void);
 /** Destroy a context (NULL is allowed). */
 FORKATTN_API void forkattn_ctx_destroy(forkattn_ctx *ctx);
 /** Backend the context really uses (never AUTO). */
@@ -156,7 +161,9 @@ FORKATTN_API int forkattn_ctx_threads(const forkattn_ctx *ctx);
 /** Message of the last failed call on this context ("" if none); owned by the context. */
 FORKATTN_API const char *forkattn_ctx_last_error(const forkattn_ctx *ctx);
 /** Largest scratch memory (bytes, host or device) one call of this context has
- *  allocated so far, tensors excluded: what the library adds to the caller's memory. */
+ *  allocated so far: what the library adds to the caller's memory. The caller's
+ *  tensors are excluded, but device copies the GPU backend makes of host
+ *  tensors (FORKATTN_MEMORY_HOST) are included. */
 FORKATTN_API size_t forkattn_ctx_peak_workspace(const forkattn_ctx *ctx);
 /**@}*/
 

@@ -77,38 +77,63 @@ static forkattn_status fa_choose_backend(forkattn_ctx *c, forkattn_backend want,
   return FORKATTN_OK;
 }
 
+/* Why the last forkattn_ctx_create() of this thread failed (no context exists
+ * to hold the message). */
+static _Thread_local char fa_create_error[FA_MSG_LEN];
+
+const char *forkattn_ctx_create_error(void) { return fa_create_error; }
+
+static forkattn_status fa_create_fail(forkattn_status st, int verbose, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
+static forkattn_status fa_create_fail(forkattn_status st, int verbose, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(fa_create_error, sizeof fa_create_error, fmt, ap);
+  va_end(ap);
+  if (verbose) fprintf(stderr, "forkattn: %s\n", fa_create_error);
+  return st;
+}
+
 forkattn_status forkattn_ctx_create(forkattn_ctx **ctx, const forkattn_ctx_options *opt) {
-  if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
+  fa_create_error[0] = '\0';
+  if (!ctx) return fa_create_fail(FORKATTN_ERR_INVALID_ARGUMENT, 0, "ctx_create: ctx is NULL");
   *ctx = NULL;
   forkattn_ctx_options o;
   forkattn_ctx_options_init(&o);
   if (opt) o = *opt;
   if (o.backend != FORKATTN_BACKEND_AUTO && o.backend != FORKATTN_BACKEND_CPU &&
       o.backend != FORKATTN_BACKEND_GPU)
-    return FORKATTN_ERR_INVALID_ARGUMENT;
-  if (o.threads < 0 || o.device < 0) return FORKATTN_ERR_INVALID_ARGUMENT;
+    return fa_create_fail(FORKATTN_ERR_INVALID_ARGUMENT, o.verbose, "ctx_create: unknown backend %d",
+                          (int)o.backend);
+  if (o.threads < 0 || o.device < 0)
+    return fa_create_fail(FORKATTN_ERR_INVALID_ARGUMENT, o.verbose,
+                          "ctx_create: threads (%d) and device (%d) must be >= 0", o.threads, o.device);
 
   const char *src = "options";
   int env = fa_env_backend(&o.backend);
-  if (env < 0) {
-    fprintf(stderr, "forkattn: FORKATTN_BACKEND='%s' is not one of cpu, gpu, auto\n",
-            getenv("FORKATTN_BACKEND"));
-    return FORKATTN_ERR_INVALID_ARGUMENT;
-  }
+  if (env < 0)
+    return fa_create_fail(FORKATTN_ERR_INVALID_ARGUMENT, o.verbose,
+                          "ctx_create: FORKATTN_BACKEND='%s' is not one of cpu, gpu, auto",
+                          getenv("FORKATTN_BACKEND"));
   if (env > 0) src = "FORKATTN_BACKEND";
 
   forkattn_ctx *c = calloc(1, sizeof *c);
-  if (!c) return FORKATTN_ERR_OUT_OF_MEMORY;
+  if (!c) return fa_create_fail(FORKATTN_ERR_OUT_OF_MEMORY, o.verbose, "ctx_create: out of memory");
   c->device = o.device;
   c->threads = o.threads > 0 ? o.threads : fa_host_physical_cores();
   c->bind_threads = o.bind_threads;
   c->verbose = o.verbose;
   forkattn_status st = fa_choose_backend(c, o.backend, src);
-  if (o.verbose || st != FORKATTN_OK) fprintf(stderr, "forkattn: backend %s\n", c->reason);
   if (st != FORKATTN_OK) {
+    st = fa_create_fail(st, o.verbose, "ctx_create: %s", c->reason);
     free(c);
     return st;
   }
+  if (o.verbose) fprintf(stderr, "forkattn: backend %s\n", c->reason);
   *ctx = c;
   return FORKATTN_OK;
 }

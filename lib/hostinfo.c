@@ -56,11 +56,24 @@ void fa_host_describe(char *buf, size_t len) {
            l3 ? (unsigned long long)(l3->attr->cache.size >> 10) : 0ULL);
 }
 
-int fa_host_bind_thread_to_core(int index) {
-  hwloc_topology_t t = fa_topology();
-  if (!t) return -1;
-  int n = hwloc_get_nbobjs_by_type(t, HWLOC_OBJ_CORE);
-  if (n <= 0) return -1;
+void fa_host_bind_begin(fa_host_binding *b, int enable, int index) {
+  b->saved = NULL;
+  hwloc_topology_t t = enable ? fa_topology() : NULL;
+  int n = t ? hwloc_get_nbobjs_by_type(t, HWLOC_OBJ_CORE) : 0;
+  if (n <= 0) return;
   hwloc_obj_t core = hwloc_get_obj_by_type(t, HWLOC_OBJ_CORE, (unsigned)(index % n));
-  return core ? hwloc_set_cpubind(t, core->cpuset, HWLOC_CPUBIND_THREAD) : -1;
+  hwloc_bitmap_t prev = hwloc_bitmap_alloc();
+  if (!core || !prev || hwloc_get_cpubind(t, prev, HWLOC_CPUBIND_THREAD) ||
+      hwloc_set_cpubind(t, core->cpuset, HWLOC_CPUBIND_THREAD)) {
+    hwloc_bitmap_free(prev);
+    return;
+  }
+  b->saved = prev;
+}
+
+void fa_host_bind_end(fa_host_binding *b) {
+  if (!b->saved) return;
+  hwloc_set_cpubind(fa_topology(), (hwloc_bitmap_t)b->saved, HWLOC_CPUBIND_THREAD);
+  hwloc_bitmap_free((hwloc_bitmap_t)b->saved);
+  b->saved = NULL;
 }

@@ -8,7 +8,13 @@
 int fa_host_physical_cores(void);
 /* "N packages, C cores, P PUs, L3 ... " into buf. */
 void fa_host_describe(char *buf, size_t len);
-/* Pin the calling thread to core (index modulo the number of cores); 0 on success. */
-int fa_host_bind_thread_to_core(int index);
+/* Pin the calling thread to core (index modulo the number of cores) for the
+ * duration of one call, then give it back its previous affinity: worker
+ * threads (the caller's own thread included) are never left pinned. */
+typedef struct fa_host_binding {
+  void *saved; /* hwloc_bitmap_t of the previous binding, NULL when not bound */
+} fa_host_binding;
+void fa_host_bind_begin(fa_host_binding *b, int enable, int index);
+void fa_host_bind_end(fa_host_binding *b);
 
 #endif

@@ -3,7 +3,9 @@
  * dK/dV by key block (team = key block x KV head) summing over every pair and
  * query head that reads it, so a shared prompt's gradients need no atomics.
  * FP32 compute; same team shape and tiles as the forward (gpu_tiles.h). */
+#include <limits.h>
 #include <math.h>
+#include <stdlib.h>
 #include <omp.h>
 #include <ompx.h>
 
@@ -230,6 +232,11 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
   fa_gpu_bwd b = {.rows = p->rows, .hq = a->hq, .hkv = a->hkv, .d = a->d, .scale = a->scale,
                   .nqb = nqb, .nkb = nkb};
   int bad = nqb < 0 || nkb < 0;
+  if (!bad && (nqb * a->hq > INT_MAX || nkb * a->hkv > INT_MAX)) {
+    free(qb_h);
+    free(kb_h);
+    return fa_fail(ctx, FORKATTN_ERR_UNSUPPORTED, "gpu bwd: too many teams for one launch");
+  }
   if (!bad) {
     b.seg = fa_stage_array(&st, p->seg, sizeof *p->seg * (size_t)p->nseg);
     b.pair = fa_stage_array(&st, p->pair, sizeof *p->pair * (size_t)p->npairs);
@@ -249,8 +256,10 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
   free(qb_h);
   free(kb_h);
   if (bad) {
+    forkattn_status status = fa_stage_status(&st);
     fa_stage_free(&st);
-    return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "gpu bwd: device allocation or copy failed");
+    return fa_fail(ctx, status, "gpu bwd: device %s failed",
+                   status == FORKATTN_ERR_DEVICE ? "copy" : "allocation");
   }
   fa_note_workspace(ctx, st.bytes);
   fa_gpu_rowsum(&b, ctx->device);

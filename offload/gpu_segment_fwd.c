@@ -2,7 +2,9 @@
  * threads, team-shared Q/K/V tiles, one online softmax per query row across
  * every pair of its segment. FP32 compute on CUDA cores (correctness first;
  * tensor cores are a later step). One team = (query block, query head). */
+#include <limits.h>
 #include <math.h>
+#include <stdlib.h>
 #include <omp.h>
 #include <ompx.h>
 
@@ -17,6 +19,10 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
   fa_block *blocks_h;
   int64_t nb = fa_plan_blocks(p, FA_GPU_ROWS, 0, &blocks_h);
   if (nb < 0) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "gpu fwd: cannot allocate blocks");
+  if (nb * a->hq > INT_MAX) {
+    free(blocks_h);
+    return fa_fail(ctx, FORKATTN_ERR_UNSUPPORTED, "gpu fwd: %lld teams exceed one launch", (long long)(nb * a->hq));
+  }
   fa_stage st;
   fa_stage_init(&st, ctx->device, memory == FORKATTN_MEMORY_HOST);
   fa_dev_tensor q, k, v, o;
@@ -32,8 +38,10 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
   if (!bad && a->lse) bad = !(lse = fa_stage_floats(&st, a->lse, (size_t)(rows * hq), 0));
   free(blocks_h);
   if (bad) {
+    forkattn_status status = fa_stage_status(&st);
     fa_stage_free(&st);
-    return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "gpu fwd: device allocation or copy failed");
+    return fa_fail(ctx, status, "gpu fwd: device %s failed",
+                   status == FORKATTN_ERR_DEVICE ? "copy" : "allocation");
   }
 
   const int64_t bk = fa_gpu_key_tile(d, 0), pitch = d + 1, group = hq / hkv;

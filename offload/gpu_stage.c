@@ -28,11 +28,23 @@ void *fa_stage_scratch(fa_stage *s, size_t bytes) {
 }
 
 static int fa_put(fa_stage *s, void *dev, const void *host, size_t bytes) {
-  return bytes && omp_target_memcpy(dev, host, bytes, 0, 0, s->device, omp_get_initial_device()) ? -1 : 0;
+  if (bytes && omp_target_memcpy(dev, host, bytes, 0, 0, s->device, omp_get_initial_device())) {
+    s->copy_failed = 1;
+    return -1;
+  }
+  return 0;
 }
 
 static int fa_get(fa_stage *s, void *host, const void *dev, size_t bytes) {
-  return bytes && omp_target_memcpy(host, dev, bytes, 0, 0, omp_get_initial_device(), s->device) ? -1 : 0;
+  if (bytes && omp_target_memcpy(host, dev, bytes, 0, 0, omp_get_initial_device(), s->device)) {
+    s->copy_failed = 1;
+    return -1;
+  }
+  return 0;
+}
+
+forkattn_status fa_stage_status(const fa_stage *s) {
+  return s->copy_failed ? FORKATTN_ERR_DEVICE : FORKATTN_ERR_OUT_OF_MEMORY;
 }
 
 void *fa_stage_array(fa_stage *s, const void *host, size_t bytes) {

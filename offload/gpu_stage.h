@@ -23,7 +23,8 @@ typedef struct fa_stage {
   int host; /* tensors live in host memory */
   int n;
   void *dev[FA_STAGE_MAX];
-  size_t bytes; /* device scratch allocated, for forkattn_ctx_peak_workspace() */
+  size_t bytes;    /* device scratch allocated, for forkattn_ctx_peak_workspace() */
+  int copy_failed; /* a host<->device copy failed (as opposed to an allocation) */
 } fa_stage;
 
 void fa_stage_init(fa_stage *s, int device, int host);
@@ -39,5 +40,7 @@ int fa_stage_floats_back(fa_stage *s, float *host, const float *dev, size_t n);
 /* Scratch device memory owned by the stage. */
 void *fa_stage_scratch(fa_stage *s, size_t bytes);
 void fa_stage_free(fa_stage *s);
+/* Status for a failed staging step: DEVICE when a copy failed, else OUT_OF_MEMORY. */
+forkattn_status fa_stage_status(const fa_stage *s);
 
 #endif

@@ -4,19 +4,27 @@
 #ifndef FORKATTN_DTYPE_CONVERT_H
 #define FORKATTN_DTYPE_CONVERT_H
 #include <stdint.h>
-#include <string.h>
 
 #pragma omp declare target
 
-static inline float fa_bits_to_f32(uint32_t u) {
+/* Bit casts through a union (defined behaviour in C11). Not memcpy: a local
+ * whose address is taken can be "globalized" by the OpenMP device compiler into
+ * runtime-managed shared stack, which `ompx_bare` kernels do not set up
+ * (bf16/f16 results were garbage or crashed on the H200 with memcpy here). */
+typedef union fa_f32_bits {
   float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
+  uint32_t u;
+} fa_f32_bits;
+
+static inline float fa_bits_to_f32(uint32_t u) {
+  fa_f32_bits b;
+  b.u = u;
+  return b.f;
 }
 static inline uint32_t fa_f32_to_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
+  fa_f32_bits b;
+  b.f = f;
+  return b.u;
 }
 
 static inline float fa_bf16_to_f32(uint16_t h) { return fa_bits_to_f32((uint32_t)h << 16); }

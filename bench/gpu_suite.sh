@@ -27,7 +27,7 @@ for t in "$b"/tests/test_*; do
 done
 for dtype in f32 bf16; do
   run "$b/forkattn" bench prefix --n 16 --p 4096 --r 1024 --hq 32 --hkv 8 --d 128 --dtype $dtype \
-    --repeats 3 2>&1 | tee -a "$out/bench.txt"
+    --repeats 2 2>&1 | tee -a "$out/bench.txt"
 done
 run "$b/forkattn" demo 2>&1 | tee "$out/demo.txt"
 exit $status

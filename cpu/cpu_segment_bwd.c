@@ -8,12 +8,10 @@
  * independent of it. */
 #include <cblas.h>
 #include <math.h>
-#include <omp.h>
 #include <string.h>
 
 #include "cpu_tile.h"
-#include "cpu_workspace.h"
-#include "hostinfo.h"
+#include "cpu_team.h"
 #include "online_softmax.h"
 #include "segment_attn.h"
 
@@ -69,8 +67,8 @@ static void fa_bwd_dq_block(const fa_attn_bwd *a, const float *dsum, const fa_bl
   memset(t->acc, 0, sizeof(float) * (size_t)(M * d));
   for (int64_t pi = p->q_pair_off[b->seg]; pi < p->q_pair_off[b->seg + 1]; pi++) {
     const fa_pair *pr = &p->pair[pi];
-    int64_t k0, kn;
-    fa_pair_key_range(p, pr, b->start, qn, &k0, &kn);
+    const fa_range keys = fa_pair_keys(p->seg, *pr, b->start, qn);
+    const int64_t k0 = keys.start, kn = keys.len;
     for (int64_t kb = k0; kb < k0 + kn; kb += FA_CPU_KEY_BLOCK) {
       const int64_t nk = k0 + kn - kb < FA_CPU_KEY_BLOCK ? k0 + kn - kb : FA_CPU_KEY_BLOCK;
       int64_t ldk, ldv;
@@ -100,8 +98,8 @@ static void fa_bwd_dkv_block(const fa_attn_bwd *a, const float *dsum, const fa_b
   memset(dv, 0, sizeof(float) * (size_t)(nk * d));
   for (int64_t j = p->k_pair_off[b->seg]; j < p->k_pair_off[b->seg + 1]; j++) {
     const fa_pair *pr = &p->pair[p->k_pair_idx[j]];
-    int64_t q0, qn;
-    fa_pair_query_range(p, pr, b->start, nk, &q0, &qn);
+    const fa_range queries = fa_pair_queries(p->seg, *pr, b->start);
+    const int64_t q0 = queries.start, qn = queries.len;
     for (int64_t qb = q0; qb < q0 + qn; qb += bq) {
       const int64_t nq = q0 + qn - qb < bq ? q0 + qn - qb : bq, M = group * nq;
       fa_bwd_load_queries(a, dsum, g, qb, nq, t);
@@ -133,57 +131,48 @@ static void fa_bwd_rowsum(const fa_attn_bwd *a, float *dsum, float *buf) {
     }
 }
 
+typedef struct {
+  const fa_attn_bwd *a;
+  float *dsum;
+  const fa_block *qblocks, *kblocks;
+  int64_t nq, nk, M, bq, bk, acc_rows;
+} fa_bwd_job;
+
+static void fa_bwd_team(fa_cpu_ws *ws, void *arg) {
+  const fa_bwd_job *j = arg;
+  const fa_attn_bwd *a = j->a;
+  const int64_t M = j->M, bk = j->bk, d = a->d, hkv = a->hkv;
+  fa_bwd_tiles t = {fa_cpu_ws_take(ws, M * d),           fa_cpu_ws_take(ws, M * d),
+                    fa_cpu_ws_take(ws, M),               fa_cpu_ws_take(ws, M),
+                    fa_cpu_ws_take(ws, M * bk),          fa_cpu_ws_take(ws, M * bk),
+                    fa_cpu_ws_take(ws, j->acc_rows * d), fa_cpu_ws_take(ws, j->acc_rows * d),
+                    fa_cpu_ws_take(ws, bk * d),          fa_cpu_ws_take(ws, bk * d)};
+  fa_bwd_rowsum(a, j->dsum, t.s); /* implicit barrier: D complete before use */
+#pragma omp for schedule(dynamic, 1) nowait
+  for (int64_t w = 0; w < j->nq * hkv; w++) fa_bwd_dq_block(a, j->dsum, &j->qblocks[w / hkv], w % hkv, &t);
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t w = 0; w < j->nk * hkv; w++)
+    fa_bwd_dkv_block(a, j->dsum, &j->kblocks[w / hkv], w % hkv, j->bq, &t);
+}
+
 forkattn_status fa_cpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a) {
   const int64_t group = a->hq / a->hkv, d = a->d, bq = fa_cpu_query_block(group);
   const int64_t M = group * bq, bk = FA_CPU_KEY_BLOCK;
   fa_block *qblocks = NULL, *kblocks = NULL;
-  float *dsum = malloc(sizeof(float) * (size_t)(a->plan->rows * a->hq));
+  const size_t dsum_bytes = sizeof(float) * (size_t)(a->plan->rows * a->hq);
+  float *dsum = malloc(dsum_bytes);
   int64_t nq = fa_plan_blocks(a->plan, bq, 0, &qblocks);
   int64_t nk = fa_plan_blocks(a->plan, bk, 1, &kblocks);
-  if (!dsum || nq < 0 || nk < 0) {
-    free(dsum);
-    free(qblocks);
-    free(kblocks);
-    return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "prefix_bwd: cannot allocate workspace");
+  int rc = -1;
+  if (dsum && nq >= 0 && nk >= 0) {
+    const int64_t acc_rows = M > bk ? M : bk;
+    fa_bwd_job job = {a, dsum, qblocks, kblocks, nq, nk, M, bq, bk, acc_rows};
+    const int64_t ws_floats = 2 * M * d + 2 * M + 2 * M * bk + 2 * acc_rows * d + 2 * bk * d + 10 * 16;
+    rc = fa_cpu_team_run(ctx, ws_floats, dsum_bytes + sizeof(fa_block) * (size_t)(nq + nk), fa_bwd_team, &job);
   }
-  const int64_t acc_rows = M > bk ? M : bk;
-  int failed = 0;
-  const int64_t ws_floats = 2 * M * d + 2 * M + 2 * M * bk + 2 * acc_rows * d + 2 * bk * d + 256;
-  fa_note_workspace(ctx, (size_t)ctx->threads * sizeof(float) * (size_t)ws_floats +
-                             sizeof(float) * (size_t)(a->plan->rows * a->hq));
-  fa_cpu_blas_single();
-#pragma omp parallel num_threads(ctx->threads)
-  {
-    fa_host_binding bind;
-    fa_host_bind_begin(&bind, ctx->bind_threads, omp_get_thread_num());
-    fa_cpu_ws ws;
-    int ok = fa_cpu_ws_init(&ws, ws_floats) == 0;
-    if (!ok) {
-#pragma omp atomic write
-      failed = 1;
-    }
-#pragma omp barrier
-    if (!failed) {
-      fa_bwd_tiles t = {fa_cpu_ws_take(&ws, M * d),        fa_cpu_ws_take(&ws, M * d),
-                        fa_cpu_ws_take(&ws, M),            fa_cpu_ws_take(&ws, M),
-                        fa_cpu_ws_take(&ws, M * bk),       fa_cpu_ws_take(&ws, M * bk),
-                        fa_cpu_ws_take(&ws, acc_rows * d), fa_cpu_ws_take(&ws, acc_rows * d),
-                        fa_cpu_ws_take(&ws, bk * d),       fa_cpu_ws_take(&ws, bk * d)};
-      fa_bwd_rowsum(a, dsum, t.s); /* implicit barrier: D complete before use */
-#pragma omp for schedule(dynamic, 1) nowait
-      for (int64_t w = 0; w < nq * a->hkv; w++)
-        fa_bwd_dq_block(a, dsum, &qblocks[w / a->hkv], w % a->hkv, &t);
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t w = 0; w < nk * a->hkv; w++)
-        fa_bwd_dkv_block(a, dsum, &kblocks[w / a->hkv], w % a->hkv, bq, &t);
-    }
-    if (ok) fa_cpu_ws_free(&ws);
-    fa_host_bind_end(&bind);
-  }
-  fa_cpu_blas_restore();
   free(dsum);
   free(qblocks);
   free(kblocks);
-  if (failed) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "prefix_bwd: cannot allocate CPU tiles");
+  if (rc) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "prefix_bwd: cannot allocate workspace");
   return FORKATTN_OK;
 }

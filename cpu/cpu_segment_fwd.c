@@ -7,12 +7,10 @@
  * per row: the online softmax merges prefix and own-segment keys exactly. */
 #include <cblas.h>
 #include <math.h>
-#include <omp.h>
 #include <string.h>
 
 #include "cpu_tile.h"
-#include "cpu_workspace.h"
-#include "hostinfo.h"
+#include "cpu_team.h"
 #include "online_softmax.h"
 #include "segment_attn.h"
 
@@ -35,8 +33,8 @@ static void fa_fwd_block(const fa_attn_fwd *a, const fa_block *b, int64_t g, fa_
 
   for (int64_t pi = p->q_pair_off[b->seg]; pi < p->q_pair_off[b->seg + 1]; pi++) {
     const fa_pair *pr = &p->pair[pi];
-    int64_t k0, kn;
-    fa_pair_key_range(p, pr, b->start, qn, &k0, &kn);
+    const fa_range keys = fa_pair_keys(p->seg, *pr, b->start, qn);
+    const int64_t k0 = keys.start, kn = keys.len;
     const int64_t kseg0 = p->seg[pr->kseg].start;
     for (int64_t kb = k0; kb < k0 + kn; kb += FA_CPU_KEY_BLOCK) {
       const int64_t nk = k0 + kn - kb < FA_CPU_KEY_BLOCK ? k0 + kn - kb : FA_CPU_KEY_BLOCK;
@@ -87,41 +85,32 @@ static void fa_fwd_block(const fa_attn_fwd *a, const fa_block *b, int64_t g, fa_
   }
 }
 
+typedef struct {
+  const fa_attn_fwd *a;
+  const fa_block *blocks;
+  int64_t nwork, M, bk;
+} fa_fwd_job;
+
+static void fa_fwd_team(fa_cpu_ws *ws, void *arg) {
+  const fa_fwd_job *j = arg;
+  const int64_t M = j->M, bk = j->bk, d = j->a->d, hkv = j->a->hkv;
+  fa_fwd_tiles t = {fa_cpu_ws_take(ws, M * d),  fa_cpu_ws_take(ws, M * d), fa_cpu_ws_take(ws, M * bk),
+                    fa_cpu_ws_take(ws, bk * d), fa_cpu_ws_take(ws, bk * d), fa_cpu_ws_take(ws, M),
+                    fa_cpu_ws_take(ws, M)};
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t w = 0; w < j->nwork; w++) fa_fwd_block(j->a, &j->blocks[w / hkv], w % hkv, &t);
+}
+
 forkattn_status fa_cpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a) {
   const int64_t group = a->hq / a->hkv, d = a->d, bq = fa_cpu_query_block(group);
   const int64_t M = group * bq, bk = FA_CPU_KEY_BLOCK;
   fa_block *blocks;
   int64_t nb = fa_plan_blocks(a->plan, bq, 0, &blocks);
   if (nb < 0) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "prefix_fwd: cannot allocate blocks");
-  const int64_t nwork = nb * a->hkv;
-  int failed = 0;
-  const int64_t ws_floats = 2 * M * d + M * bk + 2 * bk * d + 2 * M + 128; /* 7 carves, 16-aligned */
-  fa_note_workspace(ctx, (size_t)ctx->threads * sizeof(float) * (size_t)ws_floats);
-  fa_cpu_blas_single();
-#pragma omp parallel num_threads(ctx->threads)
-  {
-    fa_host_binding bind;
-    fa_host_bind_begin(&bind, ctx->bind_threads, omp_get_thread_num());
-    fa_cpu_ws ws;
-    int ok = fa_cpu_ws_init(&ws, ws_floats) == 0;
-    if (!ok) {
-#pragma omp atomic write
-      failed = 1;
-    }
-#pragma omp barrier
-    if (!failed) {
-      fa_fwd_tiles t = {fa_cpu_ws_take(&ws, M * d), fa_cpu_ws_take(&ws, M * d),
-                        fa_cpu_ws_take(&ws, M * bk),  fa_cpu_ws_take(&ws, bk * d),
-                        fa_cpu_ws_take(&ws, bk * d), fa_cpu_ws_take(&ws, M),
-                        fa_cpu_ws_take(&ws, M)};
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t w = 0; w < nwork; w++) fa_fwd_block(a, &blocks[w / a->hkv], w % a->hkv, &t);
-    }
-    if (ok) fa_cpu_ws_free(&ws);
-    fa_host_bind_end(&bind);
-  }
-  fa_cpu_blas_restore();
+  fa_fwd_job job = {a, blocks, nb * a->hkv, M, bk};
+  const int64_t ws_floats = 2 * M * d + M * bk + 2 * bk * d + 2 * M + 7 * 16; /* 7 carves, 16-aligned */
+  int rc = fa_cpu_team_run(ctx, ws_floats, sizeof(fa_block) * (size_t)nb, fa_fwd_team, &job);
   free(blocks);
-  if (failed) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "prefix_fwd: cannot allocate CPU tiles");
+  if (rc) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "prefix_fwd: cannot allocate CPU tiles");
   return FORKATTN_OK;
 }

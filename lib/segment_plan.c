@@ -81,40 +81,6 @@ int fa_plan_prefix(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off
   return rc;
 }
 
-void fa_pair_key_range(const fa_plan *p, const fa_pair *pr, int64_t q0, int64_t qn, int64_t *k0,
-                       int64_t *kn) {
-  const fa_range ks = p->seg[pr->kseg];
-  *k0 = ks.start;
-  *kn = ks.len;
-  if (pr->causal) {
-    int64_t last_q_rel = q0 + qn - 1 - p->seg[pr->qseg].start;
-    int64_t lim = last_q_rel + 1;
-    *kn = qn <= 0 ? 0 : (lim < ks.len ? (lim > 0 ? lim : 0) : ks.len);
-  }
-}
-
-void fa_pair_query_range(const fa_plan *p, const fa_pair *pr, int64_t k0, int64_t kn, int64_t *q0,
-                         int64_t *qn) {
-  const fa_range qs = p->seg[pr->qseg];
-  *q0 = qs.start;
-  *qn = qs.len;
-  if (pr->causal && kn > 0) {
-    int64_t first_k_rel = k0 - p->seg[pr->kseg].start;
-    if (first_k_rel >= qs.len) {
-      *qn = 0;
-    } else if (first_k_rel > 0) {
-      *q0 = qs.start + first_k_rel;
-      *qn = qs.len - first_k_rel;
-    }
-  }
-}
-
-int64_t fa_pair_visible_keys(const fa_plan *p, const fa_pair *pr, int64_t q0, int64_t qn) {
-  int64_t k0, kn;
-  fa_pair_key_range(p, pr, q0, qn, &k0, &kn);
-  return kn * qn; /* upper bound for causal pairs: the block's last row sees the most */
-}
-
 typedef struct {
   fa_block b;
   int64_t cost, order;
@@ -146,14 +112,11 @@ int64_t fa_plan_blocks(const fa_plan *p, int64_t block_rows, int by_key, fa_bloc
       fa_block b = {s, p->seg[s].start + r, p->seg[s].len - r < block_rows ? p->seg[s].len - r : block_rows};
       int64_t cost = 0;
       for (int64_t j = off[s]; j < off[s + 1]; j++) {
-        const fa_pair *pr = by_key ? &p->pair[p->k_pair_idx[j]] : &p->pair[j];
-        int64_t a0, an;
-        if (by_key) {
-          fa_pair_query_range(p, pr, b.start, b.len, &a0, &an);
-          cost += an * b.len;
-        } else {
-          cost += fa_pair_visible_keys(p, pr, b.start, b.len);
-        }
+        /* work of the block with this pair: rows x visible rows on the other side
+         * (an upper bound for causal pairs) */
+        const fa_pair pr = by_key ? p->pair[p->k_pair_idx[j]] : p->pair[j];
+        fa_range other = by_key ? fa_pair_queries(p->seg, pr, b.start) : fa_pair_keys(p->seg, pr, b.start, b.len);
+        cost += other.len * b.len;
       }
       cb[i] = (fa_costed_block){b, cost, i};
       i++;

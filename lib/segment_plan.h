@@ -48,23 +48,38 @@ void fa_plan_free(fa_plan *p);
  * Empty segments are dropped. causal != 0 for the causal mask. */
 int fa_plan_prefix(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off, int causal);
 
-/* Number of keys of pair pr visible to query rows [q0, q0+qn) of its query
- * segment (absolute rows), i.e. the work of that block. */
-int64_t fa_pair_visible_keys(const fa_plan *p, const fa_pair *pr, int64_t q0, int64_t qn);
-
 /* Split segments into blocks of at most block_rows rows, heaviest first.
  * by_key = 0: query blocks of segments that have pairs as queries;
  * by_key = 1: key blocks of segments read by at least one pair.
  * *out is malloc'ed (free() it); returns the count, or -1 on allocation failure. */
 int64_t fa_plan_blocks(const fa_plan *p, int64_t block_rows, int by_key, fa_block **out);
 
-/* Key-range of pair pr visible to query rows [q0, q0+qn): keys [*k0, *k0 + *kn)
- * (absolute rows). Causal pairs stop at the last query's diagonal. */
-void fa_pair_key_range(const fa_plan *p, const fa_pair *pr, int64_t q0, int64_t qn, int64_t *k0,
-                       int64_t *kn);
+#pragma omp declare target
+/* Keys of pair pr visible to query rows [q0, q0+qn) (absolute rows, qn > 0):
+ * the whole key segment, or for a causal pair up to the last query's diagonal.
+ * seg is the plan's segment array (host or device copy: CPU and GPU share this). */
+static inline fa_range fa_pair_keys(const fa_range *seg, fa_pair pr, int64_t q0, int64_t qn) {
+  fa_range k = seg[pr.kseg];
+  if (pr.causal) {
+    int64_t lim = q0 + qn - seg[pr.qseg].start; /* last query's relative row + 1 */
+    k.len = lim < k.len ? (lim > 0 ? lim : 0) : k.len;
+  }
+  return k;
+}
 
-/* Query-range of pair pr that can see any key of [k0, k0+kn): rows [*q0, *q0 + *qn). */
-void fa_pair_query_range(const fa_plan *p, const fa_pair *pr, int64_t k0, int64_t kn, int64_t *q0,
-                         int64_t *qn);
+/* Queries of pair pr that see at least one key of [k0, k0+kn) (kn > 0): the
+ * whole query segment, or for a causal pair those at or after the block's
+ * first key's diagonal. */
+static inline fa_range fa_pair_queries(const fa_range *seg, fa_pair pr, int64_t k0) {
+  fa_range q = seg[pr.qseg];
+  if (pr.causal) {
+    int64_t first = k0 - seg[pr.kseg].start;
+    int64_t skip = first < q.len ? first : q.len;
+    q.start += skip;
+    q.len -= skip;
+  }
+  return q;
+}
+#pragma omp end declare target
 
 #endif

@@ -65,35 +65,23 @@ static void fa_gpu_dq(const fa_gpu_bwd *b, int dev) {
     const int valid = row < blk.len;
     const int64_t r = blk.start + row, q_rel = r - seg[blk.seg].start;
     const float row_lse = valid ? lse[r * hq + h] : -INFINITY, row_d = valid ? dsum[r * hq + h] : 0.0f;
-    for (int64_t e = tid; e < FA_GPU_ROWS * d; e += FA_GPU_THREADS) {
-      int64_t i = e / d, c = e % d;
-      int in = i < blk.len;
-      Qs[i * pitch + c] = in ? scale * fa_load(q.data, q.dtype, (blk.start + i) * q.rs + h * q.hs + c) : 0.0f;
-      Os[i * pitch + c] = in ? fa_load(dout.data, dout.dtype, (blk.start + i) * dout.rs + h * dout.hs + c) : 0.0f;
-    }
+    fa_gpu_load_tile(Qs, pitch, FA_GPU_ROWS, q, blk.start, blk.len, h, d, scale, tid);
+    fa_gpu_load_tile(Os, pitch, FA_GPU_ROWS, dout, blk.start, blk.len, h, d, 1.0f, tid);
     float acc[FA_GPU_MAX_COLS];
     for (int t = 0; t < FA_GPU_MAX_COLS; t++) acc[t] = 0.0f;
     ompx_sync_block_acq_rel();
     for (int64_t pi = qoff[blk.seg]; pi < qoff[blk.seg + 1]; pi++) {
       const fa_pair pr = pair[pi];
-      const int64_t k0 = seg[pr.kseg].start;
-      int64_t kn = seg[pr.kseg].len;
-      if (pr.causal) {
-        int64_t lim = blk.start + blk.len - seg[pr.qseg].start;
-        kn = lim < kn ? lim : kn;
-      }
+      const fa_range keys = fa_pair_keys(seg, pr, blk.start, blk.len);
+      const int64_t k0 = keys.start, kn = keys.len, kseg0 = seg[pr.kseg].start;
       for (int64_t kb = k0; kb < k0 + kn; kb += bk) {
         const int64_t nk = k0 + kn - kb < bk ? k0 + kn - kb : bk;
-        for (int64_t e = tid; e < bk * d; e += FA_GPU_THREADS) {
-          int64_t j = e / d, c = e % d;
-          int in = j < nk;
-          Ks[j * pitch + c] = in ? fa_load(k.data, k.dtype, (kb + j) * k.rs + g * k.hs + c) : 0.0f;
-          Vs[j * pitch + c] = in ? fa_load(v.data, v.dtype, (kb + j) * v.rs + g * v.hs + c) : 0.0f;
-        }
+        fa_gpu_load_tile(Ks, pitch, bk, k, kb, nk, g, d, 1.0f, tid);
+        fa_gpu_load_tile(Vs, pitch, bk, v, kb, nk, g, d, 1.0f, tid);
         ompx_sync_block_acq_rel();
         for (int64_t j = lane; j < bk; j += FA_GPU_LANES) {
           float ds = 0.0f;
-          if (valid && j < nk && fa_visible((int)pr.causal, q_rel, kb + j - k0)) {
+          if (valid && j < nk && fa_visible((int)pr.causal, q_rel, kb + j - kseg0)) {
             float s = 0.0f, dp = 0.0f;
             for (int64_t c = 0; c < d; c++) {
               s += Qs[row * pitch + c] * Ks[j * pitch + c];
@@ -147,34 +135,22 @@ static void fa_gpu_dkv(const fa_gpu_bwd *b, int dev) {
     const int64_t team = ompx_block_id_x(), g = team % hkv;
     const fa_block blk = blocks[team / hkv];
     const int valid = row < blk.len;
-    for (int64_t e = tid; e < FA_GPU_ROWS * d; e += FA_GPU_THREADS) {
-      int64_t j = e / d, c = e % d;
-      int in = j < blk.len;
-      Ks[j * pitch + c] = in ? fa_load(k.data, k.dtype, (blk.start + j) * k.rs + g * k.hs + c) : 0.0f;
-      Vs[j * pitch + c] = in ? fa_load(v.data, v.dtype, (blk.start + j) * v.rs + g * v.hs + c) : 0.0f;
-    }
+    fa_gpu_load_tile(Ks, pitch, FA_GPU_ROWS, k, blk.start, blk.len, g, d, 1.0f, tid);
+    fa_gpu_load_tile(Vs, pitch, FA_GPU_ROWS, v, blk.start, blk.len, g, d, 1.0f, tid);
     float adk[FA_GPU_MAX_COLS], adv[FA_GPU_MAX_COLS];
     for (int t = 0; t < FA_GPU_MAX_COLS; t++) adk[t] = adv[t] = 0.0f;
     for (int64_t j = koff[blk.seg]; j < koff[blk.seg + 1]; j++) {
       const fa_pair pr = pair[kidx[j]];
       const int64_t qs0 = seg[pr.qseg].start, k_rel = blk.start + row - seg[pr.kseg].start;
-      int64_t q0 = qs0, qn = seg[pr.qseg].len;
-      if (pr.causal) { /* queries before the block's first key never see it */
-        int64_t first = blk.start - seg[pr.kseg].start;
-        q0 += first < qn ? first : qn;
-        qn -= first < qn ? first : qn;
-      }
+      const fa_range queries = fa_pair_queries(seg, pr, blk.start);
+      const int64_t q0 = queries.start, qn = queries.len;
       for (int64_t hh = 0; hh < group; hh++) {
         const int64_t h = g * group + hh;
         for (int64_t qb = q0; qb < q0 + qn; qb += bq) {
           const int64_t nq = q0 + qn - qb < bq ? q0 + qn - qb : bq;
           ompx_sync_block_acq_rel(); /* previous tile fully consumed */
-          for (int64_t e = tid; e < bq * d; e += FA_GPU_THREADS) {
-            int64_t i = e / d, c = e % d;
-            int in = i < nq;
-            Qs[i * pitch + c] = in ? scale * fa_load(q.data, q.dtype, (qb + i) * q.rs + h * q.hs + c) : 0.0f;
-            Os[i * pitch + c] = in ? fa_load(dout.data, dout.dtype, (qb + i) * dout.rs + h * dout.hs + c) : 0.0f;
-          }
+          fa_gpu_load_tile(Qs, pitch, bq, q, qb, nq, h, d, scale, tid);
+          fa_gpu_load_tile(Os, pitch, bq, dout, qb, nq, h, d, 1.0f, tid);
           for (int64_t i = tid; i < bq; i += FA_GPU_THREADS) {
             Ls[i] = i < nq ? lse[(qb + i) * hq + h] : -INFINITY;
             Rs[i] = i < nq ? dsum[(qb + i) * hq + h] : 0.0f;

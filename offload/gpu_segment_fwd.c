@@ -63,10 +63,7 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
     const int valid = row < blk.len;
     const int64_t q_rel = blk.start + row - seg[blk.seg].start;
 
-    for (int64_t e = tid; e < FA_GPU_ROWS * d; e += FA_GPU_THREADS) {
-      int64_t r = e / d, c = e % d;
-      Qs[r * pitch + c] = r < blk.len ? scale * fa_load(q.data, q.dtype, (blk.start + r) * q.rs + h * q.hs + c) : 0.0f;
-    }
+    fa_gpu_load_tile(Qs, pitch, FA_GPU_ROWS, q, blk.start, blk.len, h, d, scale, tid);
     float acc[FA_GPU_MAX_COLS];
     for (int t = 0; t < FA_GPU_MAX_COLS; t++) acc[t] = 0.0f;
     float m = -INFINITY, l = 0.0f;
@@ -74,24 +71,16 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
 
     for (int64_t pi = qoff[blk.seg]; pi < qoff[blk.seg + 1]; pi++) {
       const fa_pair pr = pair[pi];
-      const int64_t k0 = seg[pr.kseg].start;
-      int64_t kn = seg[pr.kseg].len;
-      if (pr.causal) { /* keys past the block's last query are never visible */
-        int64_t lim = blk.start + blk.len - seg[pr.qseg].start;
-        kn = lim < kn ? lim : kn;
-      }
+      const fa_range keys = fa_pair_keys(seg, pr, blk.start, blk.len);
+      const int64_t k0 = keys.start, kn = keys.len, kseg0 = seg[pr.kseg].start;
       for (int64_t kb = k0; kb < k0 + kn; kb += bk) {
         const int64_t nk = k0 + kn - kb < bk ? k0 + kn - kb : bk;
-        for (int64_t e = tid; e < bk * d; e += FA_GPU_THREADS) {
-          int64_t j = e / d, c = e % d;
-          int in = j < nk;
-          Ks[j * pitch + c] = in ? fa_load(k.data, k.dtype, (kb + j) * k.rs + g * k.hs + c) : 0.0f;
-          Vs[j * pitch + c] = in ? fa_load(v.data, v.dtype, (kb + j) * v.rs + g * v.hs + c) : 0.0f;
-        }
+        fa_gpu_load_tile(Ks, pitch, bk, k, kb, nk, g, d, 1.0f, tid);
+        fa_gpu_load_tile(Vs, pitch, bk, v, kb, nk, g, d, 1.0f, tid);
         ompx_sync_block_acq_rel();
         for (int64_t j = lane; j < bk; j += FA_GPU_LANES) {
           float s = -INFINITY;
-          if (valid && j < nk && fa_visible((int)pr.causal, q_rel, kb + j - k0)) {
+          if (valid && j < nk && fa_visible((int)pr.causal, q_rel, kb + j - kseg0)) {
             s = 0.0f;
             for (int64_t c = 0; c < d; c++) s += Qs[row * pitch + c] * Ks[j * pitch + c];
           }

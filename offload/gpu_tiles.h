@@ -7,6 +7,9 @@
 #define FORKATTN_GPU_TILES_H
 #include <stdint.h>
 
+#include "dtype_convert.h"
+#include "gpu_stage.h"
+
 #define FA_GPU_THREADS 128
 #define FA_GPU_LANES 8
 #define FA_GPU_ROWS (FA_GPU_THREADS / FA_GPU_LANES) /* 16 rows per team */
@@ -33,5 +36,19 @@ static inline int64_t fa_gpu_query_tile(int64_t d) {
   int64_t p = d + 1;
   return fa_gpu_fit(2 * FA_GPU_ROWS * p + 2 * FA_GPU_ROWS, 2 * p + 2 * FA_GPU_ROWS + 2);
 }
+
+#pragma omp declare target
+/* Team-cooperative load of rows [row0, row0+n) of head `head` of t into a
+ * tile of `cap` rows (pitch floats apart), times mul; rows n..cap-1 are zeroed
+ * so masked lanes read finite values. Call from every thread of the team. */
+static inline void fa_gpu_load_tile(float *dst, int64_t pitch, int64_t cap, fa_dev_tensor t,
+                                    int64_t row0, int64_t n, int64_t head, int64_t d, float mul,
+                                    int tid) {
+  for (int64_t e = tid; e < cap * d; e += FA_GPU_THREADS) {
+    int64_t r = e / d, c = e % d;
+    dst[r * pitch + c] = r < n ? mul * fa_load(t.data, t.dtype, (row0 + r) * t.rs + head * t.hs + c) : 0.0f;
+  }
+}
+#pragma omp end declare target
 
 #endif

@@ -194,8 +194,8 @@ Test(segment_plan, key_and_query_ranges_contain_every_visible_pair) {
       const fa_range qs = p.seg[pr->qseg], ks = p.seg[pr->kseg];
       int64_t q0 = qs.start + tc_randint(&rng, 0, qs.len - 1);
       int64_t qn = tc_randint(&rng, 1, qs.start + qs.len - q0);
-      int64_t k0, kn;
-      fa_pair_key_range(&p, pr, q0, qn, &k0, &kn);
+      const fa_range keys = fa_pair_keys(p.seg, *pr, q0, qn);
+      const int64_t k0 = keys.start, kn = keys.len;
       for (int64_t q = q0; q < q0 + qn; q++)
         for (int64_t k = ks.start; k < ks.start + ks.len; k++)
           if (fa_visible((int)pr->causal, q - qs.start, k - ks.start))
@@ -203,8 +203,8 @@ Test(segment_plan, key_and_query_ranges_contain_every_visible_pair) {
       /* and the range is tight: its last key is visible to the block's last query */
       if (kn > 0) cr_assert(fa_visible((int)pr->causal, q0 + qn - 1 - qs.start, k0 + kn - 1 - ks.start));
       int64_t kb = ks.start + tc_randint(&rng, 0, ks.len - 1), kbn = tc_randint(&rng, 1, ks.start + ks.len - kb);
-      int64_t a0, an;
-      fa_pair_query_range(&p, pr, kb, kbn, &a0, &an);
+      const fa_range queries = fa_pair_queries(p.seg, *pr, kb);
+      const int64_t a0 = queries.start, an = queries.len;
       for (int64_t q = qs.start; q < qs.start + qs.len; q++)
         for (int64_t k = kb; k < kb + kbn; k++)
           if (fa_visible((int)pr->causal, q - qs.start, k - ks.start))

@@ -43,14 +43,5 @@ static inline void fa_finish(float m, float l, float *inv_l, float *lse) {
   }
 }
 
-/* Merge two partial states (m, l) of one row: returns the new max and the two
- * factors to apply to each side's l and o. */
-static inline float fa_merge(float m_a, float m_b, float *fa, float *fb) {
-  float m = m_a > m_b ? m_a : m_b;
-  *fa = fa_rescale(m_a, m);
-  *fb = fa_rescale(m_b, m);
-  return m;
-}
-
 #pragma omp end declare target
 #endif

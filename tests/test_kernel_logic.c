@@ -79,21 +79,6 @@ Test(online_softmax, streaming_equals_one_shot_softmax) {
   }
 }
 
-Test(online_softmax, merge_of_two_states_is_exact) {
-  float fa_, fb_;
-  cr_assert_eq(fa_merge(-INFINITY, -INFINITY, &fa_, &fb_), -INFINITY);
-  cr_assert_eq(fa_, 0.0f);
-  cr_assert_eq(fb_, 0.0f);
-  float m = fa_merge(2.0f, 5.0f, &fa_, &fb_);
-  cr_assert_eq(m, 5.0f);
-  cr_assert_float_eq(fa_, expf(-3.0f), 1e-7);
-  cr_assert_eq(fb_, 1.0f);
-  m = fa_merge(1.0f, -INFINITY, &fa_, &fb_);
-  cr_assert_eq(m, 1.0f);
-  cr_assert_eq(fa_, 1.0f);
-  cr_assert_eq(fb_, 0.0f);
-}
-
 Test(masks, causal_and_full_visibility) {
   cr_assert(fa_visible(0, 0, 1000));
   cr_assert(fa_visible(1, 5, 5));

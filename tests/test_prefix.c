@@ -8,7 +8,7 @@
  *   N          1, 4, 12, 17 (plus 0 and all-empty responses in the edge suite)
  *   lengths    0 (first, middle, last), 1, odd sizes up to 300
  *   heads      6/2, 8/1, 16/2 (GQA groups of 3, 8, 8)
- *   head_dim   64, 128, 256
+ *   head_dim   64, 128, 256 (and 1, 7, 33, 96, 200, 255 in the head_dim suite)
  *   mask       causal, bidirectional
  *   dtype      f32, bf16 (f16 on a few cases)
  * Every case: outputs poisoned before the call with guard regions around
@@ -104,6 +104,21 @@ PREFIX_CASE(matrix, p2048_n1_causal_bf16_h16x2_d128,
 PREFIX_CASE(matrix, p2048_n4_causal_f32_h8x1_d256,
             .P = 2048, .N = 4, .lens = {0, 31, 1, 0}, .hq = 8, .hkv = 1, .d = 256, .mask = C,
             .dtype = F32)
+
+/* ---- head_dim other than 64/128/256 (any 1..256 is supported) --------------- */
+
+PREFIX_CASE(head_dim, d1_causal_f32,
+            .P = 17, .N = 3, .lens = {5, 0, 9}, .hq = 4, .hkv = 2, .d = 1, .mask = C, .dtype = F32)
+PREFIX_CASE(head_dim, d7_bidir_bf16,
+            .P = 9, .N = 2, .lens = {3, 11}, .hq = 3, .hkv = 1, .d = 7, .mask = B, .dtype = BF16)
+PREFIX_CASE(head_dim, d33_causal_f32,
+            .P = 40, .N = 3, .lens = {1, 20, 7}, .hq = 6, .hkv = 3, .d = 33, .mask = C, .dtype = F32)
+PREFIX_CASE(head_dim, d96_bidir_f16,
+            .P = 31, .N = 2, .lens = {16, 5}, .hq = 4, .hkv = 4, .d = 96, .mask = B, .dtype = F16)
+PREFIX_CASE(head_dim, d200_causal_bf16,
+            .P = 50, .N = 2, .lens = {9, 30}, .hq = 2, .hkv = 1, .d = 200, .mask = C, .dtype = BF16)
+PREFIX_CASE(head_dim, d255_causal_f32,
+            .P = 64, .N = 2, .lens = {1, 40}, .hq = 2, .hkv = 2, .d = 255, .mask = C, .dtype = F32)
 
 /* ---- edge cases ----------------------------------------------------------- */
 

@@ -6,6 +6,7 @@
  * so a shared prompt's dK/dV is summed over all responses by one thread, in a
  * fixed order: no atomics, bitwise reproducible for a given thread count and
  * independent of it. */
+#include "alloc.h"
 #include <cblas.h>
 #include <math.h>
 #include <string.h>
@@ -160,7 +161,7 @@ forkattn_status fa_cpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a) {
   const int64_t M = group * bq, bk = FA_CPU_KEY_BLOCK;
   fa_block *qblocks = NULL, *kblocks = NULL;
   const size_t dsum_bytes = sizeof(float) * (size_t)(a->plan->rows * a->hq);
-  float *dsum = malloc(dsum_bytes);
+  float *dsum = fa_malloc(dsum_bytes);
   int64_t nq = fa_plan_blocks(a->plan, bq, 0, &qblocks);
   int64_t nk = fa_plan_blocks(a->plan, bk, 1, &kblocks);
   int rc = -1;
@@ -170,9 +171,9 @@ forkattn_status fa_cpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a) {
     const int64_t ws_floats = 2 * M * d + 2 * M + 2 * M * bk + 2 * acc_rows * d + 2 * bk * d + 10 * 16;
     rc = fa_cpu_team_run(ctx, ws_floats, dsum_bytes + sizeof(fa_block) * (size_t)(nq + nk), fa_bwd_team, &job);
   }
-  free(dsum);
-  free(qblocks);
-  free(kblocks);
+  fa_free(dsum);
+  fa_free(qblocks);
+  fa_free(kblocks);
   if (rc) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "prefix_bwd: cannot allocate workspace");
   return FORKATTN_OK;
 }

@@ -5,6 +5,7 @@
  * feeds a GEMM large enough to run near sgemm speed. For every pair of the
  * block's segment, key blocks are visited in order with one running (m, l, O)
  * per row: the online softmax merges prefix and own-segment keys exactly. */
+#include "alloc.h"
 #include <cblas.h>
 #include <math.h>
 #include <string.h>
@@ -110,7 +111,7 @@ forkattn_status fa_cpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a) {
   fa_fwd_job job = {a, blocks, nb * a->hkv, M, bk};
   const int64_t ws_floats = 2 * M * d + M * bk + 2 * bk * d + 2 * M + 7 * 16; /* 7 carves, 16-aligned */
   int rc = fa_cpu_team_run(ctx, ws_floats, sizeof(fa_block) * (size_t)nb, fa_fwd_team, &job);
-  free(blocks);
+  fa_free(blocks);
   if (rc) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "prefix_fwd: cannot allocate CPU tiles");
   return FORKATTN_OK;
 }

@@ -1,6 +1,7 @@
 /* Per-thread scratch of the CPU kernels: one malloc per thread per call. */
 #ifndef FORKATTN_CPU_WORKSPACE_H
 #define FORKATTN_CPU_WORKSPACE_H
+#include "alloc.h"
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -13,7 +14,7 @@ typedef struct fa_cpu_ws {
 static inline int fa_cpu_ws_init(fa_cpu_ws *w, int64_t cap) {
   w->used = 0;
   w->cap = (cap + 15) & ~(int64_t)15;
-  w->base = aligned_alloc(64, sizeof(float) * (size_t)w->cap);
+  w->base = fa_aligned_alloc(sizeof(float) * (size_t)w->cap);
   return w->base ? 0 : -1;
 }
 
@@ -24,6 +25,6 @@ static inline float *fa_cpu_ws_take(fa_cpu_ws *w, int64_t n) {
   return p;
 }
 
-static inline void fa_cpu_ws_free(fa_cpu_ws *w) { free(w->base); }
+static inline void fa_cpu_ws_free(fa_cpu_ws *w) { fa_free(w->base); }
 
 #endif

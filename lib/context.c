@@ -1,4 +1,5 @@
 /* Context life cycle, backend choice (made once, never silent) and errors. */
+#include "alloc.h"
 #include "context_internal.h"
 
 #include <omp.h>
@@ -121,7 +122,7 @@ forkattn_status forkattn_ctx_create(forkattn_ctx **ctx, const forkattn_ctx_optio
                           getenv("FORKATTN_BACKEND"));
   if (env > 0) src = "FORKATTN_BACKEND";
 
-  forkattn_ctx *c = calloc(1, sizeof *c);
+  forkattn_ctx *c = fa_calloc(1, sizeof *c);
   if (!c) return fa_create_fail(FORKATTN_ERR_OUT_OF_MEMORY, o.verbose, "ctx_create: out of memory");
   c->device = o.device;
   c->threads = o.threads > 0 ? o.threads : fa_host_physical_cores();
@@ -130,7 +131,7 @@ forkattn_status forkattn_ctx_create(forkattn_ctx **ctx, const forkattn_ctx_optio
   forkattn_status st = fa_choose_backend(c, o.backend, src);
   if (st != FORKATTN_OK) {
     st = fa_create_fail(st, o.verbose, "ctx_create: %s", c->reason);
-    free(c);
+    fa_free(c);
     return st;
   }
   if (o.verbose) fprintf(stderr, "forkattn: backend %s\n", c->reason);
@@ -138,7 +139,7 @@ forkattn_status forkattn_ctx_create(forkattn_ctx **ctx, const forkattn_ctx_optio
   return FORKATTN_OK;
 }
 
-void forkattn_ctx_destroy(forkattn_ctx *ctx) { free(ctx); }
+void forkattn_ctx_destroy(forkattn_ctx *ctx) { fa_free(ctx); }
 
 forkattn_backend forkattn_ctx_backend(const forkattn_ctx *ctx) {
   return ctx ? ctx->backend : FORKATTN_BACKEND_CPU;

@@ -1,15 +1,16 @@
 /* Segment plan construction, block splitting and visibility ranges. */
+#include "alloc.h"
 #include "segment_plan.h"
 
 #include <stdlib.h>
 #include <string.h>
 
 void fa_plan_free(fa_plan *p) {
-  free(p->seg);
-  free(p->pair);
-  free(p->q_pair_off);
-  free(p->k_pair_off);
-  free(p->k_pair_idx);
+  fa_free(p->seg);
+  fa_free(p->pair);
+  fa_free(p->q_pair_off);
+  fa_free(p->k_pair_off);
+  fa_free(p->k_pair_idx);
   memset(p, 0, sizeof *p);
 }
 
@@ -19,11 +20,11 @@ int fa_plan_build(fa_plan *p, int64_t rows, int64_t nseg, const fa_range *seg, i
   p->rows = rows;
   p->nseg = nseg;
   p->npairs = npairs;
-  p->seg = malloc(sizeof *p->seg * (size_t)(nseg ? nseg : 1));
-  p->pair = malloc(sizeof *p->pair * (size_t)(npairs ? npairs : 1));
-  p->q_pair_off = calloc((size_t)nseg + 1, sizeof *p->q_pair_off);
-  p->k_pair_off = calloc((size_t)nseg + 1, sizeof *p->k_pair_off);
-  p->k_pair_idx = malloc(sizeof *p->k_pair_idx * (size_t)(npairs ? npairs : 1));
+  p->seg = fa_malloc(sizeof *p->seg * (size_t)(nseg ? nseg : 1));
+  p->pair = fa_malloc(sizeof *p->pair * (size_t)(npairs ? npairs : 1));
+  p->q_pair_off = fa_calloc((size_t)nseg + 1, sizeof *p->q_pair_off);
+  p->k_pair_off = fa_calloc((size_t)nseg + 1, sizeof *p->k_pair_off);
+  p->k_pair_idx = fa_malloc(sizeof *p->k_pair_idx * (size_t)(npairs ? npairs : 1));
   if (!p->seg || !p->pair || !p->q_pair_off || !p->k_pair_off || !p->k_pair_idx) {
     fa_plan_free(p);
     return -1;
@@ -39,7 +40,7 @@ int fa_plan_build(fa_plan *p, int64_t rows, int64_t nseg, const fa_range *seg, i
     p->k_pair_off[s + 1] += p->k_pair_off[s];
   }
   /* Counting sort of pair indices by key segment (stable: deterministic sums). */
-  int64_t *fill = calloc((size_t)nseg + 1, sizeof *fill);
+  int64_t *fill = fa_calloc((size_t)nseg + 1, sizeof *fill);
   if (!fill) {
     fa_plan_free(p);
     return -1;
@@ -48,17 +49,17 @@ int fa_plan_build(fa_plan *p, int64_t rows, int64_t nseg, const fa_range *seg, i
     int64_t ks = pair[i].kseg;
     p->k_pair_idx[p->k_pair_off[ks] + fill[ks]++] = i;
   }
-  free(fill);
+  fa_free(fill);
   return 0;
 }
 
 int fa_plan_prefix(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off, int causal) {
   int64_t cap = n + 1;
-  fa_range *seg = malloc(sizeof *seg * (size_t)cap);
-  fa_pair *pair = malloc(sizeof *pair * (size_t)(2 * cap));
+  fa_range *seg = fa_malloc(sizeof *seg * (size_t)cap);
+  fa_pair *pair = fa_malloc(sizeof *pair * (size_t)(2 * cap));
   if (!seg || !pair) {
-    free(seg);
-    free(pair);
+    fa_free(seg);
+    fa_free(pair);
     return -1;
   }
   int64_t ns = 0, np = 0, prompt = -1;
@@ -76,8 +77,8 @@ int fa_plan_prefix(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off
     pair[np++] = (fa_pair){s, s, causal};
   }
   int rc = fa_plan_build(p, prompt_len + (n ? off[n] : 0), ns, seg, np, pair);
-  free(seg);
-  free(pair);
+  fa_free(seg);
+  fa_free(pair);
   return rc;
 }
 
@@ -97,11 +98,11 @@ int64_t fa_plan_blocks(const fa_plan *p, int64_t block_rows, int by_key, fa_bloc
   int64_t n = 0;
   for (int64_t s = 0; s < p->nseg; s++)
     if (off[s + 1] > off[s]) n += (p->seg[s].len + block_rows - 1) / block_rows;
-  fa_costed_block *cb = malloc(sizeof *cb * (size_t)(n ? n : 1));
-  *out = malloc(sizeof **out * (size_t)(n ? n : 1));
+  fa_costed_block *cb = fa_malloc(sizeof *cb * (size_t)(n ? n : 1));
+  *out = fa_malloc(sizeof **out * (size_t)(n ? n : 1));
   if (!cb || !*out) {
-    free(cb);
-    free(*out);
+    fa_free(cb);
+    fa_free(*out);
     *out = NULL;
     return -1;
   }
@@ -124,6 +125,6 @@ int64_t fa_plan_blocks(const fa_plan *p, int64_t block_rows, int by_key, fa_bloc
   }
   qsort(cb, (size_t)n, sizeof *cb, fa_cmp_cost);
   for (int64_t j = 0; j < n; j++) (*out)[j] = cb[j].b;
-  free(cb);
+  fa_free(cb);
   return n;
 }

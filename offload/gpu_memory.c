@@ -2,6 +2,7 @@
 #include <omp.h>
 #include <stdio.h>
 
+#include "alloc.h"
 #include "gpu_backend.h"
 
 int fa_gpu_probe(int device, char *why, size_t len) {
@@ -33,7 +34,9 @@ int fa_gpu_probe(int device, char *why, size_t len) {
   return 1;
 }
 
-void *fa_gpu_malloc(int device, size_t bytes) { return omp_target_alloc(bytes, device); }
+void *fa_gpu_malloc(int device, size_t bytes) {
+  return fa_alloc_inject_failure() ? NULL : omp_target_alloc(bytes, device);
+}
 
 void fa_gpu_free(int device, void *p) { omp_target_free(p, device); }
 

@@ -3,6 +3,7 @@
  * dK/dV by key block (team = key block x KV head) summing over every pair and
  * query head that reads it, so a shared prompt's gradients need no atomics.
  * FP32 compute; same team shape and tiles as the forward (gpu_tiles.h). */
+#include "alloc.h"
 #include <limits.h>
 #include <math.h>
 #include <stdlib.h>
@@ -209,8 +210,8 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
                   .nqb = nqb, .nkb = nkb};
   int bad = nqb < 0 || nkb < 0;
   if (!bad && (nqb * a->hq > INT_MAX || nkb * a->hkv > INT_MAX)) {
-    free(qb_h);
-    free(kb_h);
+    fa_free(qb_h);
+    fa_free(kb_h);
     return fa_fail(ctx, FORKATTN_ERR_UNSUPPORTED, "gpu bwd: too many teams for one launch");
   }
   if (!bad) {
@@ -229,8 +230,8 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
           fa_stage_tensor(&st, &a->dout, 1, &b.dout) || fa_stage_tensor(&st, &a->dq, 0, &b.dq) ||
           fa_stage_tensor(&st, &a->dk, 0, &b.dk) || fa_stage_tensor(&st, &a->dv, 0, &b.dv);
   }
-  free(qb_h);
-  free(kb_h);
+  fa_free(qb_h);
+  fa_free(kb_h);
   if (bad) {
     forkattn_status status = fa_stage_status(&st);
     fa_stage_free(&st);

@@ -2,6 +2,7 @@
  * threads, team-shared Q/K/V tiles, one online softmax per query row across
  * every pair of its segment. FP32 compute on CUDA cores (correctness first;
  * tensor cores are a later step). One team = (query block, query head). */
+#include "alloc.h"
 #include <limits.h>
 #include <math.h>
 #include <stdlib.h>
@@ -20,7 +21,7 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
   int64_t nb = fa_plan_blocks(p, FA_GPU_ROWS, 0, &blocks_h);
   if (nb < 0) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "gpu fwd: cannot allocate blocks");
   if (nb * a->hq > INT_MAX) {
-    free(blocks_h);
+    fa_free(blocks_h);
     return fa_fail(ctx, FORKATTN_ERR_UNSUPPORTED, "gpu fwd: %lld teams exceed one launch", (long long)(nb * a->hq));
   }
   fa_stage st;
@@ -36,7 +37,7 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
             fa_stage_tensor(&st, &a->k, 1, &k) || fa_stage_tensor(&st, &a->v, 1, &v) ||
             fa_stage_tensor(&st, &a->o, 0, &o);
   if (!bad && a->lse) bad = !(lse = fa_stage_floats(&st, a->lse, (size_t)(rows * hq), 0));
-  free(blocks_h);
+  fa_free(blocks_h);
   if (bad) {
     forkattn_status status = fa_stage_status(&st);
     fa_stage_free(&st);

@@ -1,4 +1,5 @@
 /* Staging of host tensors to dense device buffers and back. */
+#include "alloc.h"
 #include "gpu_stage.h"
 
 #include <omp.h>
@@ -19,7 +20,7 @@ void fa_stage_init(fa_stage *s, int device, int host) {
 
 void *fa_stage_scratch(fa_stage *s, size_t bytes) {
   if (s->n == FA_STAGE_MAX) return NULL;
-  void *p = omp_target_alloc(bytes ? bytes : 1, s->device);
+  void *p = fa_alloc_inject_failure() ? NULL : omp_target_alloc(bytes ? bytes : 1, s->device);
   if (p) {
     s->dev[s->n++] = p;
     s->bytes += bytes;
@@ -80,11 +81,11 @@ int fa_stage_tensor(fa_stage *s, const forkattn_tensor *t, int copy, fa_dev_tens
   if (!out->data) return -1;
   if (!copy) return 0;
   if (fa_dense(t)) return fa_put(s, out->data, t->data, bytes);
-  void *tmp = malloc(bytes);
+  void *tmp = fa_malloc(bytes);
   if (!tmp) return -1;
   fa_pack(t, tmp, 1);
   int rc = fa_put(s, out->data, tmp, bytes);
-  free(tmp);
+  fa_free(tmp);
   return rc;
 }
 
@@ -92,11 +93,11 @@ int fa_stage_tensor_back(fa_stage *s, const forkattn_tensor *t, const fa_dev_ten
   if (!s->host) return 0;
   size_t bytes = (size_t)(t->rows * t->heads * t->head_dim) * fa_esize(t->dtype);
   if (fa_dense(t)) return fa_get(s, t->data, dev->data, bytes);
-  void *tmp = malloc(bytes);
+  void *tmp = fa_malloc(bytes);
   if (!tmp) return -1;
   int rc = fa_get(s, tmp, dev->data, bytes);
   if (!rc) fa_pack(t, tmp, 0);
-  free(tmp);
+  fa_free(tmp);
   return rc;
 }
 

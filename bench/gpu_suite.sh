@@ -25,6 +25,11 @@ for t in "$b"/tests/test_*; do
     "$(grep -o 'Synthesis:.*' "$out/$name.log" | tail -1)" | tee -a "$out/tests.txt"
   [ $rc -eq 0 ] || status=1
 done
+for sweep in head_dim adversarial; do
+  run "$b/forkattn" check --batch "tests/check/$sweep.txt" > "$out/check_$sweep.log" 2>&1; rc=$?
+  printf '%-24s rc=%d  %s\n' "check_$sweep" "$rc" "$(tail -1 "$out/check_$sweep.log")" | tee -a "$out/tests.txt"
+  [ $rc -eq 0 ] || status=1
+done
 for dtype in f32 bf16; do
   run "$b/forkattn" bench prefix --n 16 --p 4096 --r 1024 --hq 32 --hkv 8 --d 128 --dtype $dtype \
     --repeats 2 2>&1 | tee -a "$out/bench.txt"

@@ -4,4 +4,5 @@
 int cmd_info(int argc, char **argv);
 int cmd_demo(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
+int cmd_check(int argc, char **argv);
 #endif

@@ -12,6 +12,7 @@ static int usage(FILE *f) {
           "  info                 version, backends, devices, CPU topology\n"
           "  demo [--backend B]   GRPO-shaped group: shared-prompt fwd+bwd vs replicated\n"
           "  bench prefix [...]   time shared vs replicated (forkattn bench prefix --help)\n"
+          "  check [...]          problems against the float64 reference (forkattn check --help)\n"
           "  version              print the version\n"
           "Environment: FORKATTN_BACKEND=cpu|gpu|auto overrides the backend.\n",
           forkattn_version_string());
@@ -24,6 +25,7 @@ int main(int argc, char **argv) {
   if (!strcmp(c, "info")) return cmd_info(argc - 1, argv + 1);
   if (!strcmp(c, "demo")) return cmd_demo(argc - 1, argv + 1);
   if (!strcmp(c, "bench")) return cmd_bench(argc - 1, argv + 1);
+  if (!strcmp(c, "check")) return cmd_check(argc - 1, argv + 1);
   if (!strcmp(c, "version") || !strcmp(c, "--version")) {
     printf("%s\n", forkattn_version_string());
     return 0;

@@ -35,13 +35,16 @@ static void fa_bwd_load_queries(const fa_attn_bwd *a, const float *dsum, int64_t
   }
 }
 
-/* With S = Q K^T in t->s (M x nk): P in t->s and dS = P * (dO V^T - D) in t->dp. */
-static void fa_bwd_probs(const fa_pair *pr, const fa_plan *p, int64_t group, int64_t q0, int64_t qn,
-                         int64_t kb, int64_t nk, const float *V, int64_t ldv, int64_t d,
-                         fa_bwd_tiles *t) {
+/* With S = Q K^T in t->s (M x nk): P in t->s and dS = P * (dO V^T - D) in t->dp,
+ * exactly 0 wherever P is 0 (masked keys included, even when dO V^T is not
+ * finite there). Returns non-zero when the tile crosses the causal diagonal. */
+static int fa_bwd_probs(const fa_pair *pr, const fa_plan *p, int64_t group, int64_t q0, int64_t qn,
+                        int64_t kb, int64_t nk, const float *V, int64_t ldv, int64_t d,
+                        fa_bwd_tiles *t) {
   const int64_t M = group * qn;
   const int64_t q_rel0 = q0 - p->seg[pr->qseg].start, k_rel0 = kb - p->seg[pr->kseg].start;
-  if (pr->causal && k_rel0 + nk - 1 > q_rel0) fa_cpu_mask_causal(t->s, nk, group, qn, q_rel0, nk, k_rel0);
+  const int crossing = pr->causal && k_rel0 + nk - 1 > q_rel0;
+  if (crossing) fa_cpu_mask_causal(t->s, nk, group, qn, q_rel0, nk, k_rel0);
   for (int64_t i = 0; i < M; i++) {
     float *srow = t->s + i * nk;
     if (t->lse[i] == -INFINITY)
@@ -55,8 +58,9 @@ static void fa_bwd_probs(const fa_pair *pr, const fa_plan *p, int64_t group, int
     const float *prow = t->s + i * nk;
     float *row = t->dp + i * nk, di = t->dd[i];
 #pragma omp simd
-    for (int64_t j = 0; j < nk; j++) row[j] = prow[j] * (row[j] - di);
+    for (int64_t j = 0; j < nk; j++) row[j] = prow[j] == 0.0f ? 0.0f : prow[j] * (row[j] - di);
   }
+  return crossing;
 }
 
 /* Pass 1: dQ of one query block. */
@@ -77,9 +81,12 @@ static void fa_bwd_dq_block(const fa_attn_bwd *a, const float *dsum, const fa_bl
       const float *V = fa_cpu_rows_view(&a->v, kb, nk, g, t->vbuf, &ldv);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)nk, (int)d, 1.0f, t->q,
                   (int)d, K, (int)ldk, 0.0f, t->s, (int)nk);
-      fa_bwd_probs(pr, p, group, b->start, qn, kb, nk, V, ldv, d, t);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, (int)d, (int)nk, a->scale,
-                  t->dp, (int)nk, K, (int)ldk, 1.0f, t->acc, (int)d);
+      if (fa_bwd_probs(pr, p, group, b->start, qn, kb, nk, V, ldv, d, t) && !fa_cpu_all_finite(K, nk, d, ldk))
+        fa_cpu_causal_ab(t->dp, nk, K, ldk, t->acc, d, group, qn, b->start - p->seg[pr->qseg].start, nk,
+                         kb - p->seg[pr->kseg].start, d, a->scale);
+      else
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, (int)d, (int)nk, a->scale,
+                    t->dp, (int)nk, K, (int)ldk, 1.0f, t->acc, (int)d);
     }
   }
   for (int64_t hh = 0; hh < group; hh++)
@@ -106,7 +113,13 @@ static void fa_bwd_dkv_block(const fa_attn_bwd *a, const float *dsum, const fa_b
       fa_bwd_load_queries(a, dsum, g, qb, nq, t);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)nk, (int)d, 1.0f, t->q,
                   (int)d, K, (int)ldk, 0.0f, t->s, (int)nk);
-      fa_bwd_probs(pr, p, group, qb, nq, b->start, nk, V, ldv, d, t);
+      const int crossing = fa_bwd_probs(pr, p, group, qb, nq, b->start, nk, V, ldv, d, t);
+      if (crossing && !(fa_cpu_all_finite(t->dout, M, d, d) && fa_cpu_all_finite(t->q, M, d, d))) {
+        const int64_t q_rel0 = qb - p->seg[pr->qseg].start, k_rel0 = b->start - p->seg[pr->kseg].start;
+        fa_cpu_causal_atb(t->s, nk, t->dout, d, dv, d, group, nq, q_rel0, nk, k_rel0, d);
+        fa_cpu_causal_atb(t->dp, nk, t->q, d, dk, d, group, nq, q_rel0, nk, k_rel0, d);
+        continue;
+      }
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nk, (int)d, (int)M, 1.0f, t->s,
                   (int)nk, t->dout, (int)d, 1.0f, dv, (int)d);
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nk, (int)d, (int)M, 1.0f, t->dp,

@@ -44,11 +44,11 @@ static void fa_fwd_block(const fa_attn_fwd *a, const fa_block *b, int64_t g, fa_
       const float *V = fa_cpu_rows_view(&a->v, kb, nk, g, t->vbuf, &ldv);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)nk, (int)d, 1.0f, t->q,
                   (int)d, K, (int)ldk, 0.0f, t->s, (int)nk);
-      if (pr->causal && kb - kseg0 + nk - 1 > q_rel0)
-        fa_cpu_mask_causal(t->s, nk, group, qn, q_rel0, nk, kb - kseg0);
+      const int crossing = pr->causal && kb - kseg0 + nk - 1 > q_rel0;
+      if (crossing) fa_cpu_mask_causal(t->s, nk, group, qn, q_rel0, nk, kb - kseg0);
       for (int64_t i = 0; i < M; i++) {
         float *srow = t->s + i * nk, mx = fa_cpu_row_max(srow, nk);
-        float m_new = mx > t->m[i] ? mx : t->m[i];
+        float m_new = (mx > t->m[i] || mx != mx) ? mx : t->m[i]; /* a NaN row stays NaN */
         if (m_new == -INFINITY) { /* nothing visible yet: P row is 0 */
           memset(srow, 0, sizeof(float) * (size_t)nk);
           continue;
@@ -66,8 +66,11 @@ static void fa_fwd_block(const fa_attn_fwd *a, const fa_block *b, int64_t g, fa_
           for (int64_t c = 0; c < d; c++) orow[c] *= alpha;
         }
       }
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, (int)d, (int)nk, 1.0f, t->s,
-                  (int)nk, V, (int)ldv, 1.0f, t->o, (int)d);
+      if (crossing && !fa_cpu_all_finite(V, nk, d, ldv))
+        fa_cpu_causal_ab(t->s, nk, V, ldv, t->o, d, group, qn, q_rel0, nk, kb - kseg0, d, 1.0f);
+      else
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, (int)d, (int)nk, 1.0f, t->s,
+                    (int)nk, V, (int)ldv, 1.0f, t->o, (int)d);
     }
   }
 

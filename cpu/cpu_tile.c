@@ -64,7 +64,7 @@ void fa_cpu_exp_sub(float *x, int64_t n, float sub) {
               ln2_lo = 1.428606765330187045e-06f;
 #pragma omp simd
   for (int64_t i = 0; i < n; i++) {
-    float v = x[i] - sub;
+    const float s = x[i], v = s - sub;
     float vc = v < -87.0f ? -87.0f : (v > 88.0f ? 88.0f : v);
     /* round to nearest with the 1.5*2^23 trick: floorf does not vectorize under trapping-math */
     float k = (vc * log2e + 12582912.0f) - 12582912.0f;
@@ -81,9 +81,12 @@ void fa_cpu_exp_sub(float *x, int64_t n, float sub) {
     float two_k;
     memcpy(&two_k, &bits, sizeof two_k);
     float e = p * two_k;
-    x[i] = v < -87.0f ? 0.0f : e;
+    x[i] = (v < -87.0f || s == -INFINITY) ? 0.0f : e; /* masked stays 0 even if sub is NaN */
   }
 }
+
+/* max that keeps a NaN once seen: a NaN score must poison its row, not vanish */
+static inline float fa_max_nan(float a, float b) { return (b > a || b != b) ? b : a; }
 
 float fa_cpu_row_max(const float *x, int64_t n) {
   /* 16 independent lanes: an element-wise select vectorizes without fast-math,
@@ -92,10 +95,10 @@ float fa_cpu_row_max(const float *x, int64_t n) {
   for (int t = 0; t < 16; t++) lane[t] = -INFINITY;
   int64_t j = 0;
   for (; j + 16 <= n; j += 16)
-    for (int t = 0; t < 16; t++) lane[t] = x[j + t] > lane[t] ? x[j + t] : lane[t];
+    for (int t = 0; t < 16; t++) lane[t] = fa_max_nan(lane[t], x[j + t]);
   float m = -INFINITY;
-  for (; j < n; j++) m = x[j] > m ? x[j] : m;
-  for (int t = 0; t < 16; t++) m = lane[t] > m ? lane[t] : m;
+  for (; j < n; j++) m = fa_max_nan(m, x[j]);
+  for (int t = 0; t < 16; t++) m = fa_max_nan(m, lane[t]);
   return m;
 }
 
@@ -109,6 +112,51 @@ void fa_cpu_mask_causal(float *s, int64_t ld, int64_t group, int64_t qn, int64_t
       for (int64_t j = first_hidden < 0 ? 0 : first_hidden; j < nk; j++)
         if (!fa_visible(1, q_rel, k_rel0 + j)) row[j] = -INFINITY;
     }
+}
+
+int fa_cpu_all_finite(const float *x, int64_t rows, int64_t cols, int64_t ld) {
+  for (int64_t r = 0; r < rows; r++) {
+    float acc = 0.0f; /* x * 0 is 0 for finite x, NaN for NaN and inf */
+#pragma omp simd reduction(+ : acc)
+    for (int64_t c = 0; c < cols; c++) acc += x[r * ld + c] * 0.0f;
+    if (acc != 0.0f) return 0;
+  }
+  return 1;
+}
+
+/* Keys of a crossing tile visible to stacked row i. */
+static int64_t fa_visible_keys(int64_t i, int64_t qn, int64_t q_rel0, int64_t nk, int64_t k_rel0) {
+  int64_t v = q_rel0 + i % qn - k_rel0 + 1;
+  return v < 0 ? 0 : (v > nk ? nk : v);
+}
+
+void fa_cpu_causal_ab(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,
+                      int64_t group, int64_t qn, int64_t q_rel0, int64_t nk, int64_t k_rel0, int64_t d,
+                      float alpha) {
+  for (int64_t i = 0; i < group * qn; i++) {
+    const int64_t vis = fa_visible_keys(i, qn, q_rel0, nk, k_rel0);
+    float *crow = C + i * ldc;
+    for (int64_t j = 0; j < vis; j++) {
+      const float a = alpha * A[i * lda + j];
+      const float *brow = B + j * ldb;
+#pragma omp simd
+      for (int64_t c = 0; c < d; c++) crow[c] += a * brow[c];
+    }
+  }
+}
+
+void fa_cpu_causal_atb(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,
+                       int64_t group, int64_t qn, int64_t q_rel0, int64_t nk, int64_t k_rel0, int64_t d) {
+  for (int64_t i = 0; i < group * qn; i++) {
+    const int64_t vis = fa_visible_keys(i, qn, q_rel0, nk, k_rel0);
+    const float *brow = B + i * ldb;
+    for (int64_t j = 0; j < vis; j++) {
+      const float a = A[i * lda + j];
+      float *crow = C + j * ldc;
+#pragma omp simd
+      for (int64_t c = 0; c < d; c++) crow[c] += a * brow[c];
+    }
+  }
 }
 
 /* OpenBLAS's thread count is process-wide: the first concurrent CPU call saves

@@ -23,7 +23,7 @@ const float *fa_cpu_rows_view(const forkattn_tensor *t, int64_t row0, int64_t nr
 /* x[i] = exp(x[i] - sub) in place, vectorized; -inf (masked) gives exactly 0. */
 void fa_cpu_exp_sub(float *x, int64_t n, float sub);
 
-/* max of x[0..n) (-inf for n = 0); NaN-free input assumed as for any softmax row. */
+/* max of x[0..n) (-inf for n = 0); NaN if any element is NaN. */
 float fa_cpu_row_max(const float *x, int64_t n);
 
 /* Causal mask of a tile whose rows are `group` stacked copies of the query rows
@@ -31,6 +31,24 @@ float fa_cpu_row_max(const float *x, int64_t n);
  * k_rel0 .. k_rel0+nk-1 (relative to the key segment): S = -inf where k_rel > q_rel. */
 void fa_cpu_mask_causal(float *s, int64_t ld, int64_t group, int64_t qn, int64_t q_rel0,
                         int64_t nk, int64_t k_rel0);
+
+/* Non-zero when every element of the rows x cols block (row stride ld) is finite. */
+int fa_cpu_all_finite(const float *x, int64_t rows, int64_t cols, int64_t ld);
+
+/* Products restricted to the visible part of a tile that crosses the causal
+ * diagonal (rows: `group` stacked copies of query rows q_rel0.., columns: keys
+ * k_rel0..k_rel0+nk-1; key j visible to query row r iff k_rel0 + j <= q_rel0 + r).
+ * A GEMM over the whole tile multiplies masked zeros by the other operand, and
+ * 0 * NaN = NaN would carry a non-finite key, value, query or dout into rows
+ * that never see it; the kernels call these instead when an operand is not
+ * all finite.
+ *   fa_cpu_causal_ab:  C[i, :] += alpha * sum_{visible j} A[i, j] * B[j, :]
+ *   fa_cpu_causal_atb: C[j, :] += sum_{visible i} A[i, j] * B[i, :] */
+void fa_cpu_causal_ab(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,
+                      int64_t group, int64_t qn, int64_t q_rel0, int64_t nk, int64_t k_rel0, int64_t d,
+                      float alpha);
+void fa_cpu_causal_atb(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,
+                       int64_t group, int64_t qn, int64_t q_rel0, int64_t nk, int64_t k_rel0, int64_t d);
 
 /* Make OpenBLAS single-threaded while our OpenMP workers call it (its setting
  * is process-wide; nested and concurrent calls are counted), then restore it. */

@@ -95,6 +95,7 @@ static void fa_gpu_dq(const fa_gpu_bwd *b, int dev) {
         ompx_sync_block_acq_rel();
         for (int64_t j = 0; j < nk; j++) {
           const float ds = Ss[row * (bk + 1) + j];
+          if (ds == 0.0f) continue; /* masked: 0 * a non-finite key must not reach this row */
           for (int t = 0; t < FA_GPU_MAX_COLS; t++) {
             int64_t c = lane + (int64_t)t * FA_GPU_LANES;
             if (c < d) acc[t] += ds * Ks[j * pitch + c];

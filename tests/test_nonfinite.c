@@ -1,0 +1,151 @@
+/* NaN/Inf in inputs (documented in docs/reliability.md): a non-finite value
+ * in q, k, v or dout reaches only the outputs that depend on it through
+ * visible (query, key) pairs; every other output stays finite and equal (to
+ * 1e-5 relative) to the run without it. In particular nothing leaks across
+ * responses, from the responses into the prompt, or backwards in time through
+ * a causal mask (0 * NaN in a masked part of a tile). [host or device] */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "reference.h"
+#include "test_common.h"
+
+enum { P = 20, N = 3, HQ = 4, HKV = 2, D = 16, G = HQ / HKV };
+static const int64_t lens[N] = {13, 0, 17};
+#define T (P + 30)
+
+typedef struct {
+  double q[T * HQ * D], k[T * HKV * D], v[T * HKV * D], dout[T * HQ * D];
+} inputs;
+typedef struct {
+  double o[T * HQ * D], lse[T * HQ], dq[T * HQ * D], dk[T * HKV * D], dv[T * HKV * D];
+} outputs;
+
+static int64_t off[N + 1];
+
+/* Row i sees key row j under the prefix mask. */
+static int sees(int causal, int64_t i, int64_t j) {
+  if (i < P) return j < P && (!causal || j <= i);
+  int64_t r = 0;
+  while (!(i - P >= off[r] && i - P < off[r + 1])) r++;
+  if (j < P) return 1;
+  return j >= P + off[r] && j < P + off[r + 1] && (!causal || j <= i);
+}
+
+static void run(forkattn_ctx *ctx, int causal, const inputs *in, outputs *out) {
+  forkattn_prefix_layout lay = {P, N, off, causal ? FORKATTN_MASK_CAUSAL : FORKATTN_MASK_BIDIRECTIONAL};
+  static float buf[8][T * HQ * D], lse[T * HQ];
+  const int64_t heads[8] = {HQ, HKV, HKV, HQ, HQ, HQ, HKV, HKV};
+  forkattn_tensor t[8];
+  for (int i = 0; i < 8; i++) t[i] = forkattn_tensor_contiguous(buf[i], FORKATTN_DTYPE_F32, T, heads[i], D);
+  ref_tensor_write(&t[0], in->q);
+  ref_tensor_write(&t[1], in->k);
+  ref_tensor_write(&t[2], in->v);
+  ref_tensor_write(&t[4], in->dout);
+  cr_assert_eq(forkattn_prefix_fwd(ctx, &lay, &t[0], &t[1], &t[2], &t[3], lse, 0.25f, FORKATTN_MEMORY_HOST), FORKATTN_OK);
+  cr_assert_eq(forkattn_prefix_bwd(ctx, &lay, &t[0], &t[1], &t[2], &t[3], &t[4], lse, &t[5], &t[6], &t[7], 0.25f,
+                                   FORKATTN_MEMORY_HOST),
+               FORKATTN_OK);
+  ref_tensor_read(&t[3], out->o);
+  ref_tensor_read(&t[5], out->dq);
+  ref_tensor_read(&t[6], out->dk);
+  ref_tensor_read(&t[7], out->dv);
+  for (int i = 0; i < T * HQ; i++) out->lse[i] = lse[i];
+}
+
+/* Which outputs may be affected by a bad value at (tensor, row r, head h)
+ * (tensor 0 q, 1 k, 2 v, 3 dout): flags per (row, q-head) and (row, kv-head). */
+typedef struct {
+  char o[T][HQ], dq[T][HQ], dkv[T][HKV];
+} reach;
+
+static void compute_reach(int causal, int tensor, int64_t r, int64_t h, reach *x) {
+  memset(x, 0, sizeof *x);
+  char rowbad[T][HQ]; /* query rows whose P, o, lse or dout is bad */
+  memset(rowbad, 0, sizeof rowbad);
+  if (tensor == 0) rowbad[r][h] = 1, x->o[r][h] = 1;
+  if (tensor == 1 || tensor == 2)
+    for (int64_t i = 0; i < T; i++)
+      for (int hh = 0; hh < G; hh++)
+        if (sees(causal, i, r)) rowbad[i][h * G + hh] = 1, x->o[i][h * G + hh] = 1;
+  if (tensor == 3) rowbad[r][h] = 1;
+  for (int64_t i = 0; i < T; i++)
+    for (int qh = 0; qh < HQ; qh++) {
+      if (!rowbad[i][qh]) continue;
+      x->dq[i][qh] = 1;
+      for (int64_t j = 0; j < T; j++)
+        if (sees(causal, i, j)) x->dkv[j][qh / G] = 1; /* keys the bad row reads */
+    }
+  if (tensor == 1 || tensor == 2) {
+    x->dkv[r][h] = 1;
+    for (int64_t i = 0; i < T; i++) /* dq of rows reading the bad key */
+      for (int hh = 0; hh < G; hh++)
+        if (sees(causal, i, r)) x->dq[i][h * G + hh] = 1;
+  }
+}
+
+static void expect(const char *what, const double *got, const double *base, int64_t rows, int64_t heads, int64_t d,
+                   const char *bad, const char *label) {
+  double ref = 0;
+  for (int64_t i = 0; i < rows * heads * d; i++) ref = fmax(ref, fabs(base[i]));
+  for (int64_t i = 0; i < rows; i++)
+    for (int64_t h = 0; h < heads; h++) {
+      if (bad[i * heads + h]) continue;
+      for (int64_t c = 0; c < d; c++) {
+        double g = got[(i * heads + h) * d + c], b = base[(i * heads + h) * d + c];
+        cr_assert(isfinite(g), "%s: %s[%lld, %lld] became %g but does not depend on the bad value", label, what,
+                  (long long)i, (long long)h, g);
+        cr_assert(fabs(g - b) <= 1e-5 * ref, "%s: %s[%lld, %lld] changed (%g vs %g)", label, what, (long long)i,
+                  (long long)h, g, b);
+      }
+    }
+}
+
+static void nonfinite_case(int causal, double bad_value, const char *label) {
+  forkattn_ctx *ctx = tc_ctx_default(label);
+  cr_assert_not_null(ctx);
+  off[0] = 0;
+  for (int i = 0; i < N; i++) off[i + 1] = off[i] + lens[i];
+  tc_rng rng = tc_rng_for(label);
+  static inputs in, bad;
+  static outputs base, got;
+  for (int i = 0; i < T * HQ * D; i++) in.q[i] = tc_uniform(&rng, -1, 1), in.dout[i] = tc_uniform(&rng, -1, 1);
+  for (int i = 0; i < T * HKV * D; i++) in.k[i] = tc_uniform(&rng, -1, 1), in.v[i] = tc_uniform(&rng, -1, 1);
+  run(ctx, causal, &in, &base);
+  /* rows: prompt start/middle, first and middle rows of response 0, last row of response 2 */
+  const int64_t rows[] = {0, 9, P, P + 6, T - 1};
+  for (int tensor = 0; tensor < 4; tensor++)
+    for (size_t ri = 0; ri < sizeof rows / sizeof rows[0]; ri++) {
+      const int64_t r = rows[ri], heads = (tensor == 1 || tensor == 2) ? HKV : HQ, h = r % heads;
+      bad = in;
+      double *arr = tensor == 0 ? bad.q : tensor == 1 ? bad.k : tensor == 2 ? bad.v : bad.dout;
+      arr[(r * heads + h) * D + (r % D)] = bad_value;
+      run(ctx, causal, &bad, &got);
+      reach x;
+      compute_reach(causal, tensor, r, h, &x);
+      char where[160];
+      snprintf(where, sizeof where, "%s: %s bad at row %lld head %lld", label, "q\0k\0v\0dout" + 2 * tensor,
+               (long long)r, (long long)h);
+      expect("o", got.o, base.o, T, HQ, D, &x.o[0][0], where);
+      expect("lse", got.lse, base.lse, T, HQ, 1, &x.o[0][0], where);
+      expect("dq", got.dq, base.dq, T, HQ, D, &x.dq[0][0], where);
+      expect("dk", got.dk, base.dk, T, HKV, D, &x.dkv[0][0], where);
+      expect("dv", got.dv, base.dv, T, HKV, D, &x.dkv[0][0], where);
+      /* and a NaN does reach what it touches directly (an inf may act as a
+       * -inf score, i.e. a masked key, so only NaN is checked) */
+      if (isnan(bad_value) && (tensor == 0 || tensor == 2)) {
+        const int64_t qh = tensor == 0 ? h : h * G;
+        cr_assert(isnan(got.o[(r * HQ + qh) * D + (r % D)]), "%s: o of the row itself should be NaN", where);
+      }
+      if (isnan(bad_value) && tensor == 3)
+        cr_assert(isnan(got.dq[(r * HQ + h) * D]), "%s: dq of the row itself should be NaN", where);
+    }
+  forkattn_ctx_destroy(ctx);
+}
+
+Test(nonfinite, nan_causal) { nonfinite_case(1, NAN, "nonfinite/nan_causal"); }
+Test(nonfinite, nan_bidirectional) { nonfinite_case(0, NAN, "nonfinite/nan_bidirectional"); }
+Test(nonfinite, inf_causal) { nonfinite_case(1, INFINITY, "nonfinite/inf_causal"); }

@@ -4,6 +4,7 @@
 #include <cblas.h>
 #include <limits.h>
 #include <math.h>
+#include <pthread.h>
 #include <string.h>
 
 #include "dtype_convert.h"
@@ -162,22 +163,21 @@ void fa_cpu_causal_atb(const float *A, int64_t lda, const float *B, int64_t ldb,
 /* OpenBLAS's thread count is process-wide: the first concurrent CPU call saves
  * it and sets 1, the last one restores it, under one lock for all contexts. */
 static int fa_blas_users, fa_blas_saved = 1;
+static pthread_mutex_t fa_blas_lock = PTHREAD_MUTEX_INITIALIZER; /* not omp critical: see hostinfo.c */
 
 void fa_cpu_blas_single(void) {
-#pragma omp critical(fa_openblas_threads)
-  {
-    if (fa_blas_users++ == 0) {
-      fa_blas_saved = openblas_get_num_threads();
-      if (fa_blas_saved != 1) openblas_set_num_threads(1);
-    }
+  pthread_mutex_lock(&fa_blas_lock);
+  if (fa_blas_users++ == 0) {
+    fa_blas_saved = openblas_get_num_threads();
+    if (fa_blas_saved != 1) openblas_set_num_threads(1);
   }
+  pthread_mutex_unlock(&fa_blas_lock);
 }
 
 void fa_cpu_blas_restore(void) {
-#pragma omp critical(fa_openblas_threads)
-  {
-    if (--fa_blas_users == 0 && fa_blas_saved != 1) openblas_set_num_threads(fa_blas_saved);
-  }
+  pthread_mutex_lock(&fa_blas_lock);
+  if (--fa_blas_users == 0 && fa_blas_saved != 1) openblas_set_num_threads(fa_blas_saved);
+  pthread_mutex_unlock(&fa_blas_lock);
 }
 
 int64_t fa_cpu_query_block(int64_t group) {

@@ -3,6 +3,7 @@
 
 #include <hwloc.h>
 #include <omp.h>
+#include <pthread.h>
 #include <stdio.h>
 
 static hwloc_topology_t fa_topo;
@@ -14,14 +15,11 @@ static void fa_topo_load(void) {
 }
 
 static hwloc_topology_t fa_topology(void) {
-#pragma omp critical(fa_hwloc_init)
-  {
-    static int once;
-    if (!once) {
-      fa_topo_load();
-      once = 1;
-    }
-  }
+  /* pthread_once rather than `omp critical`: LLVM 19's libomp crashes in
+   * __kmpc_end_critical under an OMPT tool (Archer) once the thread that first
+   * used OpenMP has exited, and contexts may be created from any thread. */
+  static pthread_once_t once = PTHREAD_ONCE_INIT;
+  pthread_once(&once, fa_topo_load);
   return fa_topo_ok ? fa_topo : NULL;
 }
 

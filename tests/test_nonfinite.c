@@ -127,7 +127,8 @@ static void nonfinite_case(int causal, double bad_value, const char *label) {
       reach x;
       compute_reach(causal, tensor, r, h, &x);
       char where[160];
-      snprintf(where, sizeof where, "%s: %s bad at row %lld head %lld", label, "q\0k\0v\0dout" + 2 * tensor,
+      static const char *const names[4] = {"q", "k", "v", "dout"};
+      snprintf(where, sizeof where, "%s: %s bad at row %lld head %lld", label, names[tensor],
                (long long)r, (long long)h);
       expect("o", got.o, base.o, T, HQ, D, &x.o[0][0], where);
       expect("lse", got.lse, base.lse, T, HQ, 1, &x.o[0][0], where);

@@ -66,7 +66,7 @@ void fa_cpu_exp_sub(float *x, int64_t n, float sub) {
 #pragma omp simd
   for (int64_t i = 0; i < n; i++) {
     const float s = x[i], v = s - sub;
-    float vc = v < -87.0f ? -87.0f : (v > 88.0f ? 88.0f : v);
+    float vc = v > -87.0f ? (v < 88.0f ? v : 88.0f) : -87.0f; /* NaN -> -87: no NaN-to-int conversion */
     /* round to nearest with the 1.5*2^23 trick: floorf does not vectorize under trapping-math */
     float k = (vc * log2e + 12582912.0f) - 12582912.0f;
     float r = vc - k * ln2_hi - k * ln2_lo;
@@ -82,7 +82,9 @@ void fa_cpu_exp_sub(float *x, int64_t n, float sub) {
     float two_k;
     memcpy(&two_k, &bits, sizeof two_k);
     float e = p * two_k;
-    x[i] = (v < -87.0f || s == -INFINITY) ? 0.0f : e; /* masked stays 0 even if sub is NaN */
+    /* masked stays 0 even if sub is NaN; otherwise a NaN (inf - inf from
+     * overflowing scores) propagates */
+    x[i] = s == -INFINITY ? 0.0f : (v != v ? v : (v < -87.0f ? 0.0f : e));
   }
 }
 

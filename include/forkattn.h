@@ -80,9 +80,12 @@ typedef enum forkattn_memory {
 /**
  * A strided 3-D tensor [rows, heads, head_dim]; element (r, h, c) is at
  * data + r*row_stride + h*head_stride + c (in elements, not bytes).
- * The head_dim axis is contiguous. Strides must be positive and the
- * rows of different (r, h) must not overlap (row_stride >= heads*head_dim is
- * not required: head-major layouts are allowed, overlap is what is refused).
+ * The head_dim axis is contiguous. Strides must be positive and describe
+ * either heads inside rows (head_stride >= head_dim and row_stride >= the
+ * extent of one row's heads: row-major, possibly padded) or rows inside heads
+ * (row_stride >= head_dim and head_stride >= the extent of one head's rows:
+ * head-major). Anything else, overlapping or exotically interleaved, is
+ * refused with FORKATTN_ERR_INVALID_ARGUMENT.
  */
 typedef struct forkattn_tensor {
   void *data;            /**< first element; host or device pointer per ::forkattn_memory */
@@ -96,7 +99,8 @@ typedef struct forkattn_tensor {
 
 /**
  * Describe a contiguous [rows, heads, head_dim] tensor
- * (row_stride = heads*head_dim, head_stride = head_dim).
+ * (row_stride = heads*head_dim, head_stride = head_dim). If heads*head_dim
+ * overflows int64, row_stride is 0 and every call refuses the descriptor.
  */
 FORKATTN_API forkattn_tensor forkattn_tensor_contiguous(void *data, forkattn_dtype dtype,
                                                         int64_t rows, int64_t heads,
@@ -217,7 +221,8 @@ typedef struct forkattn_prefix_layout {
  * lse: optional (NULL to skip) float32 [T, Hq] row-major, natural log of the
  * softmax denominator of scaled scores (needed by forkattn_prefix_bwd()).
  * scale: softmax scale applied to q.k (pass 1/sqrt(d) for the usual one; must
- * be finite and > 0).
+ * be finite and > 0). Scores that overflow f32 (|scale * q.k| > 3.4e38) make
+ * the rows that see them NaN.
  * memory: where q, k, v, o, lse live (FORKATTN_MEMORY_DEVICE requires the GPU backend).
  */
 FORKATTN_API forkattn_status forkattn_prefix_fwd(forkattn_ctx *ctx,

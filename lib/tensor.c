@@ -9,7 +9,8 @@ forkattn_tensor forkattn_tensor_contiguous(void *data, forkattn_dtype dtype, int
   t.rows = rows;
   t.heads = heads;
   t.head_dim = head_dim;
-  t.row_stride = heads * head_dim;
+  /* an overflowing product gives row_stride 0, which every call refuses */
+  if (__builtin_mul_overflow(heads, head_dim, &t.row_stride)) t.row_stride = 0;
   t.head_stride = head_dim;
   return t;
 }

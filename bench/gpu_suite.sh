@@ -5,8 +5,9 @@
 # Usage: bash bench/gpu_suite.sh <offload build dir>
 set -uo pipefail
 b=${1:-build-gpu}
-out=${OUT:-gpu-logs}
-mkdir -p "$out"
+final=${OUT:-gpu-logs}
+out=$(mktemp -d)  # every log here; the summaries and one tarball go to $final at the end
+mkdir -p "$final"
 run() { bash bench/gpu_run.sh "$@"; }
 export OMP_TARGET_OFFLOAD=mandatory FORKATTN_BACKEND=gpu
 {
@@ -30,9 +31,23 @@ for sweep in head_dim adversarial; do
   printf '%-24s rc=%d  %s\n' "check_$sweep" "$rc" "$(tail -1 "$out/check_$sweep.log")" | tee -a "$out/tests.txt"
   [ $rc -eq 0 ] || status=1
 done
+# compute-sanitizer (memcheck, racecheck, initcheck) over the adversarial sweep, when the machine has it
+cs=$(command -v compute-sanitizer || find / -xdev -name compute-sanitizer -type f -perm -u+x 2>/dev/null | head -1)
+if [ -n "$cs" ]; then
+  grep -v '^#' tests/check/adversarial.txt | awk 'NR % 5 == 1' > /tmp/forkattn-sanitize.txt  # 24 of 120 cases
+  for tool in memcheck racecheck initcheck; do
+    timeout 200 bash bench/gpu_run.sh "$cs" --tool "$tool" --error-exitcode 9 "$b/forkattn" check \
+      --batch /tmp/forkattn-sanitize.txt > "$out/sanitizer_$tool.log" 2>&1; rc=$?
+    printf '%-24s rc=%d  %s\n' "sanitizer_$tool" "$rc" "$(grep -E 'ERROR SUMMARY|check:' "$out/sanitizer_$tool.log" | tr '\n' ' ')" | tee -a "$out/tests.txt"
+  done
+else
+  echo "compute-sanitizer: not found on this machine" | tee -a "$out/tests.txt"
+fi
 for dtype in f32 bf16; do
   run "$b/forkattn" bench prefix --n 16 --p 4096 --r 1024 --hq 32 --hkv 8 --d 128 --dtype $dtype \
     --repeats 2 2>&1 | tee -a "$out/bench.txt"
 done
 run "$b/forkattn" demo 2>&1 | tee "$out/demo.txt"
+cp "$out"/{info,tests,bench,demo}.txt "$final"/ 2>/dev/null
+tar -C "$out" -czf "$final/logs.tgz" .
 exit $status

@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""Write the seed corpus of the forkattn fuzz targets (tests/fuzz/corpus/<target>/).
+
+    python3 tests/fuzz/make_seeds.py            # (re)writes the seed files
+
+The byte formats are documented at the top of each target (fuzz_*.c) and the
+value encodings (fz_int, fz_field, fz_enum, ...) in fuzz_common.h. Seeds are
+small valid and invalid calls. Files named crash-* reproduce library bugs found
+by fuzzing: they make the replay test (or the fuzzing run) fail until the bug is
+fixed, then stay as regression inputs. This script writes the reproducers of
+the bugs listed in docs/reliability.md; crash files saved straight from
+libFuzzer are left alone.
+"""
+import os
+import struct
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# fz_extremes indices (fuzz_common.c)
+X_ZERO, X_ONE, X_MINUS1, X_TWO, X_I64MIN, X_I64MAX = 0, 1, 2, 3, 4, 5
+X_I32MAX, X_I32MIN, X_2P62, X_SQRTMAX1, X_256, X_257 = 8, 9, 14, 21, 25, 26
+
+
+def small(v):
+    """fz_int(base=0, range) tag for a small value v (v < 0xC0 and v < range)."""
+    assert 0 <= v < 0xC0
+    return [v]
+
+
+def extreme(i):
+    return [0xC0 + i]
+
+
+def neg(v):
+    """fz_int tag for a small negative value -8 <= v < 0."""
+    assert -8 <= v < 0
+    return [0xE0 + v + 8]
+
+
+def raw64(v):
+    return [0xF0] + list(struct.pack("<q", v))
+
+
+def field_small(v):
+    """fz_field tag for the value v in 0..63 (0x00..0x7F means 'nominal')."""
+    assert 0 <= v < 64
+    return [0x80 + v]
+
+
+NOMINAL = [0]
+
+
+def write(target, name, data):
+    d = os.path.join(HERE, "corpus", target)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(bytes(data))
+
+
+# ---- fuzz_prefix_layout -----------------------------------------------------
+# flags seed P N offsets mask hkv group d dtype memory scale 8 x tensor
+
+
+def prefix(flags=0, seed=1, P=small(8), N=small(3), offsets=(5, 0, 7), mask=0, hkv=1, group=1, d=15,
+           dtype=0, memory=0, scale=0, tensors=None):
+    """hkv, group, d are tags of fz_int(1, range): value = 1 + tag."""
+    out = [flags, seed] + list(P) + list(N)
+    for o in offsets:
+        out += list(o) if isinstance(o, list) else small(o)
+    out += [mask, hkv, group, d, dtype, memory, scale]
+    tensors = tensors or [[0]] * 8
+    for t in tensors:
+        out += t
+    return out
+
+
+def prefix_seeds():
+    t = "fuzz_prefix_layout"
+    write(t, "seed-empty", [])
+    # GRPO-like group: P=8, responses 5, 0, 7 (one empty), Hq=4 over Hkv=2, d=16, f32 causal
+    write(t, "seed-grpo-f32-causal", prefix())
+    # bidirectional bf16 with head-major q and padded row-major k
+    write(t, "seed-bidir-bf16-strided",
+          prefix(mask=1, dtype=1, tensors=[[6, 1, 2], [7, 3, 1]] + [[0]] * 6))
+    # f16 causal, 147 rows (more than one 128-key block), one head
+    write(t, "seed-f16-long", prefix(P=small(70), N=small(2), offsets=(47, 30), hkv=0, group=0, d=7, dtype=2))
+    # plain variable-length attention (no prompt), GQA 3:1, d=1
+    write(t, "seed-varlen-gqa", prefix(P=small(0), N=small(4), offsets=(3, 1, 0, 6), hkv=0, group=2, d=0))
+    # forward without lse, head_dim 256
+    write(t, "seed-fwd-no-lse-d256", prefix(flags=1, P=small(3), N=small(1), offsets=(2,), d=0xC0 + X_256))
+    # invalid calls
+    write(t, "seed-bad-head-dim-257", prefix(P=small(2), N=small(0), offsets=(), d=0xC0 + X_257))
+    write(t, "seed-bad-offsets-not-monotonic", prefix(flags=8, N=small(2), offsets=(0, 5, 3)))
+    write(t, "seed-bad-offsets-first-nonzero", prefix(flags=8, N=small(1), offsets=(2, 5)))
+    write(t, "seed-bad-offsets-null", prefix(flags=4))
+    write(t, "seed-bad-prompt-negative", prefix(P=neg(-1)))
+    write(t, "seed-bad-rows-overflow", prefix(P=extreme(X_I64MAX), N=small(1), offsets=(1,)))
+    write(t, "seed-bad-num-responses-huge", prefix(N=extreme(X_I64MAX), offsets=()))
+    write(t, "seed-bad-mask", prefix(mask=0xF0))
+    write(t, "seed-bad-dtype", prefix(dtype=0xF1))
+    write(t, "seed-bad-dtype-mismatch", prefix(tensors=[[0], [9, 5, 0x81]] + [[0]] * 6))
+    write(t, "seed-bad-overlapping-strides", prefix(tensors=[[8, 0, 0]] + [[0]] * 7))
+    write(t, "seed-bad-stride-overflow", prefix(tensors=[[8, 0xC0 + X_I64MAX, 0]] + [[0]] * 7))
+    write(t, "seed-bad-negative-stride", prefix(tensors=[[0], [0], [8, 0xE0, 0]] + [[0]] * 5))
+    write(t, "seed-bad-scale-nan", prefix(scale=0xE3))
+    write(t, "seed-bad-scale-negative", prefix(scale=0xE2))
+    write(t, "seed-bad-memory-device", prefix(memory=0xE0))
+    write(t, "seed-bad-memory-unknown", prefix(memory=0xF0))
+    write(t, "seed-bad-bwd-lse-null", prefix(flags=2))
+    write(t, "seed-bad-null-descriptor", prefix(tensors=[[0]] * 7 + [[10]]))
+    write(t, "seed-bad-data-null", prefix(tensors=[[0]] * 4 + [[9, 6]] + [[0]] * 3))
+    write(t, "seed-bad-layout-null", prefix(flags=16))
+    # Bug: scale = FLT_MAX (finite, > 0: accepted) makes scores +inf; the CPU exp then
+    # converts NaN (inf - inf) to int (UBSan: float-cast-overflow in cpu/cpu_tile.c).
+    write(t, "crash-huge-scale-exp-nan", prefix(scale=0xE6))
+
+
+# ---- fuzz_tensor_validate ---------------------------------------------------
+# flags layout shape dtype seed scale [memory] 8 x (mode dt rows heads head_dim [row_stride head_stride])
+
+
+def tv(flags=0, layout=0, shape=0, dtype=0, seed=1, scale=0, memory=None, tensors=None):
+    out = [flags, layout, shape, dtype, seed, scale]
+    if memory is not None:
+        out.append(memory)
+    tensors = tensors or [[0, 0, 0, 0, 0, 0, 0]] * 8
+    for t in tensors:
+        out += t
+    return out
+
+
+def tv_one(i, t, default=(0, 0, 0, 0, 0, 0, 0)):
+    ts = [list(default)] * 8
+    ts[i] = t
+    return ts
+
+
+def tensor_seeds():
+    t = "fuzz_tensor_validate"
+    write(t, "seed-empty", [])
+    write(t, "seed-valid-layout0-shape0-f32", tv())
+    write(t, "seed-valid-empty-layout-bf16", tv(layout=1, shape=2, dtype=1))
+    write(t, "seed-valid-bidir-f16", tv(layout=2, shape=3, dtype=2))
+    write(t, "seed-valid-one-row", tv(layout=3, shape=1))
+    # q head-major: (T=5, Hq=2, d=4): row_stride 4, head_stride 20
+    write(t, "seed-valid-q-head-major", tv(tensors=tv_one(0, [0, 0, 0, 0, 0] + field_small(4) + field_small(20))))
+    write(t, "seed-valid-contiguous-helper", tv(tensors=[[2, 0, 0, 0, 0]] * 8))
+    write(t, "seed-valid-forward-lse-null", tv(flags=1, layout=2))
+    # invalid descriptors
+    write(t, "seed-bad-rows-max", tv(tensors=tv_one(3, [0, 0] + extreme(X_I64MAX) + [0, 0, 0, 0])))
+    write(t, "seed-bad-heads-zero", tv(tensors=tv_one(1, [0, 0, 0] + field_small(0) + [0, 0, 0])))
+    write(t, "seed-bad-head-stride-min", tv(tensors=tv_one(2, [0, 0, 0, 0, 0, 0] + extreme(X_I64MIN))))
+    write(t, "seed-bad-row-stride-overflow", tv(tensors=tv_one(0, [0, 0, 0, 0, 0] + extreme(X_2P62) + [0])))
+    write(t, "seed-bad-strides-equal-huge", tv(shape=2, tensors=tv_one(5, [0, 0, 0, 0, 0] + extreme(X_SQRTMAX1) + extreme(X_SQRTMAX1))))
+    write(t, "seed-bad-dtype-int-min", tv(tensors=tv_one(7, [0, 0xC1, 0, 0, 0, 0, 0])))
+    write(t, "seed-bad-data-null", tv(tensors=tv_one(4, [3, 0, 0, 0, 0, 0, 0])))
+    write(t, "seed-bad-descriptor-null", tv(tensors=tv_one(0, [0xFF])))
+    write(t, "seed-bad-head-dim-huge", tv(tensors=tv_one(0, [0, 0, 0, 0] + raw64(1 << 40) + [0, 0])))
+    write(t, "seed-bad-memory", tv(flags=4, memory=0xF0))
+    write(t, "seed-bad-bwd-lse-null", tv(flags=2))
+    write(t, "seed-bad-scale-inf", tv(scale=0xE4))
+    # rows 0 with absurd heads: nothing to read, the library may accept or refuse
+    # Bug: forkattn_tensor_contiguous computes heads * head_dim without an overflow
+    # check (UBSan: signed integer overflow in lib/tensor.c).
+    write(t, "crash-tensor-contiguous-overflow", tv(tensors=tv_one(0, [2, 0, 0] + extreme(X_I64MAX) + [0])))
+    write(t, "seed-empty-layout-huge-heads", tv(layout=1, tensors=[[0, 0, 0] + extreme(X_2P62) + [0, 0, 0]] * 8))
+
+
+# ---- fuzz_ctx_options -------------------------------------------------------
+# flags backend device threads bind verbose env 3x(status backend) memcpy... malloc
+
+
+def ctx(flags=0, backend=0, device=0, threads=0, bind=0, verbose=0, env=(0,), names=(0, 0, 0, 0, 0, 0),
+        memcpy=(0,), malloc=(0, 0, 0)):
+    out = [flags, backend, device, threads, bind, verbose] + list(env) + list(names) + list(memcpy) + list(malloc)
+    return out
+
+
+def ctx_seeds():
+    t = "fuzz_ctx_options"
+    write(t, "seed-empty", [])
+    write(t, "seed-cpu-tiny-forward", ctx(flags=8, backend=0x81, threads=field_small(1)[0]))
+    write(t, "seed-cpu-bind-threads", ctx(flags=8, backend=0x81, threads=field_small(2)[0], bind=field_small(1)[0]))
+    write(t, "seed-env-cpu", ctx(flags=4 | 8, env=(0,), threads=field_small(1)[0]))
+    write(t, "seed-env-gpu", ctx(flags=4, env=(1,)))
+    write(t, "seed-env-auto-mixed-case", ctx(flags=4, env=(18,)))
+    write(t, "seed-env-unknown", ctx(flags=4, env=(9,)))
+    write(t, "seed-env-empty", ctx(flags=4, env=(6,)))
+    write(t, "seed-env-raw", ctx(flags=4, env=(0x85, ord("c") - 0x20, ord("p") - 0x20, ord("u") - 0x20, 0, 1)))
+    write(t, "seed-backend-gpu", ctx(backend=0x82))
+    write(t, "seed-bad-backend", ctx(backend=0xC0))
+    write(t, "seed-bad-threads-negative", ctx(threads=0xE7))
+    write(t, "seed-bad-device-int-min", ctx(device=0xC0 + X_I32MIN))
+    write(t, "seed-options-null", ctx(flags=1))
+    write(t, "seed-ctx-pointer-null", ctx(flags=2))
+    write(t, "seed-names-extremes", ctx(names=(0xC4, 0xC5, 0xE7, 0xC8, 0x08, 0x04)))
+    # memcpy: overlapping host copy in A, NULL source with bytes, device kind on a CPU context
+    write(t, "seed-memcpy-mixed", ctx(memcpy=(3, 1, 8, 3, 0, 0, 0, field_small(40)[0],
+                                              1, 0, 0, 0, 0, 0, field_small(3)[0],
+                                              2, 0, 1, 0, 1, 0, field_small(8)[0]),
+                                      malloc=(field_small(16)[0], 0, 1)))
+    write(t, "seed-memcpy-unknown-kind-huge", ctx(memcpy=(1, 1, 0, 2, 0, 0xF2, 0) + tuple(extreme(X_I64MAX))))
+
+
+def main():
+    prefix_seeds()
+    tensor_seeds()
+    ctx_seeds()
+
+
+if __name__ == "__main__":
+    main()

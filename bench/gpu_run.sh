@@ -7,7 +7,13 @@ set -e
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 extra=/tmp/forkattn-gpu-extra
 if [ -f "$root/.gpu/extra.tar.xz" ] && [ ! -f "$extra/.ok" ]; then
-  mkdir -p "$extra" && tar -C "$extra" -xJf "$root/.gpu/extra.tar.xz" && touch "$extra/.ok"
+  mkdir -p "$extra" && tar -C "$extra" -xJf "$root/.gpu/extra.tar.xz"
+  # keep only what the machine lacks: shadowing its own libc++/libstdc++/... breaks
+  # tools injected into the process (compute-sanitizer)
+  for f in "$extra"/*; do
+    if ldconfig -p | grep -qF "$(printf '\t%s ' "$(basename "$f")")"; then rm -f "$f"; fi
+  done
+  touch "$extra/.ok"
 fi
 export LD_LIBRARY_PATH="$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 exec bash "$root/.gpu/run" "$@"

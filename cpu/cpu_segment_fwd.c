@@ -48,7 +48,9 @@ static void fa_fwd_block(const fa_attn_fwd *a, const fa_block *b, int64_t g, fa_
       if (crossing) fa_cpu_mask_causal(t->s, nk, group, qn, q_rel0, nk, kb - kseg0);
       for (int64_t i = 0; i < M; i++) {
         float *srow = t->s + i * nk, mx = fa_cpu_row_max(srow, nk);
-        float m_new = (mx > t->m[i] || mx != mx) ? mx : t->m[i]; /* a NaN row stays NaN */
+        float m_new = mx > t->m[i] ? mx : t->m[i];
+        /* only NaN and masked scores: a NaN query must give a NaN row, not an empty one */
+        if (m_new == -INFINITY && fa_cpu_any_nan(srow, nk)) m_new = NAN;
         if (m_new == -INFINITY) { /* nothing visible yet: P row is 0 */
           memset(srow, 0, sizeof(float) * (size_t)nk);
           continue;

@@ -88,9 +88,6 @@ void fa_cpu_exp_sub(float *x, int64_t n, float sub) {
   }
 }
 
-/* max that keeps a NaN once seen: a NaN score must poison its row, not vanish */
-static inline float fa_max_nan(float a, float b) { return (b > a || b != b) ? b : a; }
-
 float fa_cpu_row_max(const float *x, int64_t n) {
   /* 16 independent lanes: an element-wise select vectorizes without fast-math,
    * a scalar max reduction does not under clang. */
@@ -98,11 +95,17 @@ float fa_cpu_row_max(const float *x, int64_t n) {
   for (int t = 0; t < 16; t++) lane[t] = -INFINITY;
   int64_t j = 0;
   for (; j + 16 <= n; j += 16)
-    for (int t = 0; t < 16; t++) lane[t] = fa_max_nan(lane[t], x[j + t]);
+    for (int t = 0; t < 16; t++) lane[t] = x[j + t] > lane[t] ? x[j + t] : lane[t];
   float m = -INFINITY;
-  for (; j < n; j++) m = fa_max_nan(m, x[j]);
-  for (int t = 0; t < 16; t++) m = fa_max_nan(m, lane[t]);
+  for (; j < n; j++) m = x[j] > m ? x[j] : m;
+  for (int t = 0; t < 16; t++) m = lane[t] > m ? lane[t] : m;
   return m;
+}
+
+int fa_cpu_any_nan(const float *x, int64_t n) {
+  for (int64_t j = 0; j < n; j++)
+    if (x[j] != x[j]) return 1;
+  return 0;
 }
 
 void fa_cpu_mask_causal(float *s, int64_t ld, int64_t group, int64_t qn, int64_t q_rel0,

@@ -23,8 +23,12 @@ const float *fa_cpu_rows_view(const forkattn_tensor *t, int64_t row0, int64_t nr
 /* x[i] = exp(x[i] - sub) in place, vectorized; -inf (masked) gives exactly 0. */
 void fa_cpu_exp_sub(float *x, int64_t n, float sub);
 
-/* max of x[0..n) (-inf for n = 0); NaN if any element is NaN. */
+/* max of x[0..n) (-inf for n = 0), ignoring NaNs (they reach the row through
+ * exp(NaN - m) in the sum; a row of only NaN and -inf gives -inf: check it
+ * with fa_cpu_any_nan). */
 float fa_cpu_row_max(const float *x, int64_t n);
+/* Non-zero when x[0..n) holds a NaN. */
+int fa_cpu_any_nan(const float *x, int64_t n);
 
 /* Causal mask of a tile whose rows are `group` stacked copies of the query rows
  * q_rel0 .. q_rel0+qn-1 (relative to the query segment) against keys

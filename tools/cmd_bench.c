@@ -50,8 +50,8 @@ int cmd_bench(int argc, char **argv) {
   double gemm = strcmp(r.backend, "cpu") ? 0 : sgemm_gflops(2048);
   double fwd_gf = r.shared.flops / r.shared.fwd_ms * 1e-6, both_gf = 3.5 * r.shared.flops / r.shared.fwdbwd_ms * 1e-6;
   double ideal = r.have_rep ? r.rep.flops / r.shared.flops : 0;
-  const char *dt = s->dtype == FORKATTN_DTYPE_F32 ? "f32" : s->dtype == FORKATTN_DTYPE_BF16 ? "bf16" : "f16";
-  const char *mk = s->mask == FORKATTN_MASK_CAUSAL ? "causal" : "bidirectional";
+  const char *dt = tool_dtype_name(s->dtype);
+  const char *mk = tool_mask_name(s->mask);
   if (!o.json) {
     printf("forkattn bench prefix: N=%lld P=%lld R=%lld heads %lld/%lld d=%lld %s %s, backend %s, median of %d\n",
            (long long)s->n, (long long)s->p, (long long)s->r, (long long)s->hq, (long long)s->hkv, (long long)s->d,

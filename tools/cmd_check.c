@@ -20,6 +20,7 @@
 
 #include "commands.h"
 #include "forkattn.h"
+#include "options.h"
 #include "reference.h"
 
 #define CHECK_MAX_N 4096
@@ -37,10 +38,6 @@ typedef struct check_problem {
   unsigned long long seed;
 } check_problem;
 
-static const char *dtype_str(forkattn_dtype t) {
-  return t == FORKATTN_DTYPE_F32 ? "f32" : t == FORKATTN_DTYPE_BF16 ? "bf16" : "f16";
-}
-
 /* The command line that reproduces p. */
 static void repro(const check_problem *p, char *buf, size_t len) {
   int o = snprintf(buf, len, "forkattn check --p %lld --lens ", (long long)p->p);
@@ -49,17 +46,9 @@ static void repro(const check_problem *p, char *buf, size_t len) {
   if (p->n == 0 && o < (int)len) o += snprintf(buf + o, len - (size_t)o, "none");
   if (o < (int)len)
     snprintf(buf + o, len - (size_t)o, " --hq %lld --hkv %lld --d %lld --dtype %s --mask %s --dist %s --backend %s --seed %llu",
-             (long long)p->hq, (long long)p->hkv, (long long)p->d, dtype_str(p->dtype),
-             p->mask == FORKATTN_MASK_CAUSAL ? "causal" : "bidirectional", dist_names[p->dist],
+             (long long)p->hq, (long long)p->hkv, (long long)p->d, tool_dtype_name(p->dtype),
+             tool_mask_name(p->mask), dist_names[p->dist],
              forkattn_backend_name(p->backend), p->seed);
-}
-
-static int parse_int(const char *v, long long lo, long long hi, int64_t *out) {
-  char *end;
-  long long x = strtoll(v, &end, 10);
-  if (!*v || *end || x < lo || x > hi) return -1;
-  *out = x;
-  return 0;
 }
 
 /* Parse options into p (defaults already set). 0 ok, -1 error (message printed). */
@@ -74,11 +63,11 @@ static int parse_problem(int argc, char **argv, check_problem *p) {
     const char *v = argv[++i];
     int64_t x = 0;
     int bad = 0;
-    if (!strcmp(a, "--p")) bad = parse_int(v, 0, 1 << 20, &p->p);
-    else if (!strcmp(a, "--hq")) bad = parse_int(v, 1, 1024, &p->hq);
-    else if (!strcmp(a, "--hkv")) bad = parse_int(v, 1, 1024, &p->hkv);
-    else if (!strcmp(a, "--d")) bad = parse_int(v, 1, 4096, &p->d);
-    else if (!strcmp(a, "--seed")) { bad = parse_int(v, 0, (long long)1 << 62, &x); p->seed = (unsigned long long)x; }
+    if (!strcmp(a, "--p")) bad = tool_parse_i64(v, 0, 1 << 20, &p->p);
+    else if (!strcmp(a, "--hq")) bad = tool_parse_i64(v, 1, 1024, &p->hq);
+    else if (!strcmp(a, "--hkv")) bad = tool_parse_i64(v, 1, 1024, &p->hkv);
+    else if (!strcmp(a, "--d")) bad = tool_parse_i64(v, 1, 4096, &p->d);
+    else if (!strcmp(a, "--seed")) { bad = tool_parse_i64(v, 0, (long long)1 << 62, &x); p->seed = (unsigned long long)x; }
     else if (!strcmp(a, "--lens")) {
       p->n = 0;
       if (strcmp(v, "none")) {
@@ -86,24 +75,13 @@ static int parse_problem(int argc, char **argv, check_problem *p) {
         snprintf(tmp, sizeof tmp, "%s", v);
         for (char *tok = strtok(tmp, ","); tok && !bad; tok = strtok(NULL, ",")) {
           if (p->n == CHECK_MAX_N) bad = 1;
-          else bad = parse_int(tok, 0, 1 << 20, &p->lens[p->n++]);
+          else bad = tool_parse_i64(tok, 0, 1 << 20, &p->lens[p->n++]);
         }
       }
-    } else if (!strcmp(a, "--dtype")) {
-      if (!strcmp(v, "f32")) p->dtype = FORKATTN_DTYPE_F32;
-      else if (!strcmp(v, "bf16")) p->dtype = FORKATTN_DTYPE_BF16;
-      else if (!strcmp(v, "f16")) p->dtype = FORKATTN_DTYPE_F16;
-      else bad = 1;
-    } else if (!strcmp(a, "--mask")) {
-      if (!strcmp(v, "causal")) p->mask = FORKATTN_MASK_CAUSAL;
-      else if (!strcmp(v, "bidirectional")) p->mask = FORKATTN_MASK_BIDIRECTIONAL;
-      else bad = 1;
-    } else if (!strcmp(a, "--backend")) {
-      if (!strcmp(v, "auto")) p->backend = FORKATTN_BACKEND_AUTO;
-      else if (!strcmp(v, "cpu")) p->backend = FORKATTN_BACKEND_CPU;
-      else if (!strcmp(v, "gpu")) p->backend = FORKATTN_BACKEND_GPU;
-      else bad = 1;
-    } else if (!strcmp(a, "--dist")) {
+    } else if (!strcmp(a, "--dtype")) bad = tool_parse_dtype(v, &p->dtype);
+    else if (!strcmp(a, "--mask")) bad = tool_parse_mask(v, &p->mask);
+    else if (!strcmp(a, "--backend")) bad = tool_parse_backend(v, &p->backend);
+    else if (!strcmp(a, "--dist")) {
       bad = 1;
       for (int k = 0; k < 5; k++)
         if (!strcmp(v, dist_names[k])) p->dist = (check_dist)k, bad = 0;

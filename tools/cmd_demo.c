@@ -20,8 +20,8 @@ int cmd_demo(int argc, char **argv) {
   printf("forkattn demo: GRPO group of %lld responses x %lld tokens sharing a %lld-token prompt,\n"
          "               %lld query / %lld KV heads, head_dim %lld, %s, %s mask\n",
          (long long)s->n, (long long)s->r, (long long)s->p, (long long)s->hq, (long long)s->hkv,
-         (long long)s->d, s->dtype == FORKATTN_DTYPE_F32 ? "f32" : s->dtype == FORKATTN_DTYPE_BF16 ? "bf16" : "f16",
-         s->mask == FORKATTN_MASK_CAUSAL ? "causal" : "bidirectional");
+         (long long)s->d, tool_dtype_name(s->dtype),
+         tool_mask_name(s->mask));
   tool_result r;
   if (tool_measure(&o, &r)) return 1;
   printf("backend:       %s (%s)\n", r.backend, r.reason);

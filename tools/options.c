@@ -5,8 +5,33 @@
 #include <stdlib.h>
 #include <string.h>
 
-static const char *dtype_name(forkattn_dtype t) {
+const char *tool_dtype_name(forkattn_dtype t) {
   return t == FORKATTN_DTYPE_F32 ? "f32" : t == FORKATTN_DTYPE_BF16 ? "bf16" : "f16";
+}
+
+const char *tool_mask_name(forkattn_mask m) { return m == FORKATTN_MASK_CAUSAL ? "causal" : "bidirectional"; }
+
+int tool_parse_dtype(const char *v, forkattn_dtype *out) {
+  if (!strcmp(v, "f32")) *out = FORKATTN_DTYPE_F32;
+  else if (!strcmp(v, "bf16")) *out = FORKATTN_DTYPE_BF16;
+  else if (!strcmp(v, "f16")) *out = FORKATTN_DTYPE_F16;
+  else return -1;
+  return 0;
+}
+
+int tool_parse_mask(const char *v, forkattn_mask *out) {
+  if (!strcmp(v, "causal")) *out = FORKATTN_MASK_CAUSAL;
+  else if (!strcmp(v, "bidirectional")) *out = FORKATTN_MASK_BIDIRECTIONAL;
+  else return -1;
+  return 0;
+}
+
+int tool_parse_backend(const char *v, forkattn_backend *out) {
+  if (!strcmp(v, "auto")) *out = FORKATTN_BACKEND_AUTO;
+  else if (!strcmp(v, "cpu")) *out = FORKATTN_BACKEND_CPU;
+  else if (!strcmp(v, "gpu")) *out = FORKATTN_BACKEND_GPU;
+  else return -1;
+  return 0;
 }
 
 void tool_usage(const char *cmd, const tool_opts *o) {
@@ -26,11 +51,11 @@ void tool_usage(const char *cmd, const tool_opts *o) {
          "  --no-replicated  skip the replicated baseline\n"
          "  --json         JSON lines only\n",
          cmd, (long long)s->n, (long long)s->p, (long long)s->r, (long long)s->hq, (long long)s->hkv,
-         (long long)s->d, dtype_name(s->dtype), s->mask == FORKATTN_MASK_CAUSAL ? "causal" : "bidirectional",
+         (long long)s->d, tool_dtype_name(s->dtype), tool_mask_name(s->mask),
          o->repeats, o->seed);
 }
 
-static int parse_i64(const char *v, long long lo, long long hi, int64_t *out) {
+int tool_parse_i64(const char *v, long long lo, long long hi, int64_t *out) {
   char *end;
   long long x = strtoll(v, &end, 10);
   if (*v == '\0' || *end != '\0' || x < lo || x > hi) return -1;
@@ -52,29 +77,18 @@ int tool_parse(int argc, char **argv, int first, tool_opts *o) {
     int64_t x = 0;
     int bad = 0;
     tool_shape *s = &o->shape;
-    if (!strcmp(a, "--n")) bad = parse_i64(v, 0, 1 << 20, &s->n);
-    else if (!strcmp(a, "--p")) bad = parse_i64(v, 0, 1 << 24, &s->p);
-    else if (!strcmp(a, "--r")) bad = parse_i64(v, 0, 1 << 24, &s->r);
-    else if (!strcmp(a, "--hq")) bad = parse_i64(v, 1, 1024, &s->hq);
-    else if (!strcmp(a, "--hkv")) bad = parse_i64(v, 1, 1024, &s->hkv);
-    else if (!strcmp(a, "--d")) bad = parse_i64(v, 1, 256, &s->d);
-    else if (!strcmp(a, "--repeats")) { bad = parse_i64(v, 1, 100000, &x); o->repeats = (int)x; }
-    else if (!strcmp(a, "--seed")) { bad = parse_i64(v, 0, (long long)1 << 62, &x); o->seed = (unsigned long long)x; }
-    else if (!strcmp(a, "--dtype")) {
-      if (!strcmp(v, "f32")) s->dtype = FORKATTN_DTYPE_F32;
-      else if (!strcmp(v, "bf16")) s->dtype = FORKATTN_DTYPE_BF16;
-      else if (!strcmp(v, "f16")) s->dtype = FORKATTN_DTYPE_F16;
-      else bad = 1;
-    } else if (!strcmp(a, "--mask")) {
-      if (!strcmp(v, "causal")) s->mask = FORKATTN_MASK_CAUSAL;
-      else if (!strcmp(v, "bidirectional")) s->mask = FORKATTN_MASK_BIDIRECTIONAL;
-      else bad = 1;
-    } else if (!strcmp(a, "--backend")) {
-      if (!strcmp(v, "auto")) o->backend = FORKATTN_BACKEND_AUTO;
-      else if (!strcmp(v, "cpu")) o->backend = FORKATTN_BACKEND_CPU;
-      else if (!strcmp(v, "gpu")) o->backend = FORKATTN_BACKEND_GPU;
-      else bad = 1;
-    } else {
+    if (!strcmp(a, "--n")) bad = tool_parse_i64(v, 0, 1 << 20, &s->n);
+    else if (!strcmp(a, "--p")) bad = tool_parse_i64(v, 0, 1 << 24, &s->p);
+    else if (!strcmp(a, "--r")) bad = tool_parse_i64(v, 0, 1 << 24, &s->r);
+    else if (!strcmp(a, "--hq")) bad = tool_parse_i64(v, 1, 1024, &s->hq);
+    else if (!strcmp(a, "--hkv")) bad = tool_parse_i64(v, 1, 1024, &s->hkv);
+    else if (!strcmp(a, "--d")) bad = tool_parse_i64(v, 1, 256, &s->d);
+    else if (!strcmp(a, "--repeats")) { bad = tool_parse_i64(v, 1, 100000, &x); o->repeats = (int)x; }
+    else if (!strcmp(a, "--seed")) { bad = tool_parse_i64(v, 0, (long long)1 << 62, &x); o->seed = (unsigned long long)x; }
+    else if (!strcmp(a, "--dtype")) bad = tool_parse_dtype(v, &s->dtype);
+    else if (!strcmp(a, "--mask")) bad = tool_parse_mask(v, &s->mask);
+    else if (!strcmp(a, "--backend")) bad = tool_parse_backend(v, &o->backend);
+    else {
       fprintf(stderr, "forkattn: unknown option %s\n", a);
       return -1;
     }

@@ -30,14 +30,19 @@ extern "C" {
 
 /** @name Version */
 /**@{*/
+/** Major version: incompatible API or ABI changes. */
 #define FORKATTN_VERSION_MAJOR 0
+/** Minor version: additions. */
 #define FORKATTN_VERSION_MINOR 1
+/** Patch version: fixes. */
 #define FORKATTN_VERSION_PATCH 0
 /** MAJOR*10000 + MINOR*100 + PATCH, as returned by forkattn_version_number(). */
 #define FORKATTN_VERSION_NUMBER \
   (FORKATTN_VERSION_MAJOR * 10000 + FORKATTN_VERSION_MINOR * 100 + FORKATTN_VERSION_PATCH)
 /**@}*/
 
+/** @def FORKATTN_API
+ *  Marks the library's exported symbols (define FORKATTN_STATIC when linking the static library). */
 #if defined(_WIN32) && defined(FORKATTN_BUILDING_DLL)
 #define FORKATTN_API __declspec(dllexport)
 #elif defined(__GNUC__) && !defined(FORKATTN_STATIC)
@@ -101,6 +106,13 @@ typedef struct forkattn_tensor {
  * Describe a contiguous [rows, heads, head_dim] tensor
  * (row_stride = heads*head_dim, head_stride = head_dim). If heads*head_dim
  * overflows int64, row_stride is 0 and every call refuses the descriptor.
+ * Checks nothing else (calls validate descriptors).
+ * @param data first element (host or device pointer)
+ * @param dtype storage type
+ * @param rows number of rows
+ * @param heads number of heads
+ * @param head_dim elements per head vector
+ * @return the descriptor
  */
 FORKATTN_API forkattn_tensor forkattn_tensor_contiguous(void *data, forkattn_dtype dtype,
                                                         int64_t rows, int64_t heads,
@@ -108,15 +120,17 @@ FORKATTN_API forkattn_tensor forkattn_tensor_contiguous(void *data, forkattn_dty
 
 /** @name Version and status */
 /**@{*/
-/** FORKATTN_VERSION_NUMBER of the library actually linked. */
+/** @return FORKATTN_VERSION_NUMBER of the library actually linked. */
 FORKATTN_API unsigned forkattn_version_number(void);
-/** "MAJOR.MINOR.PATCH" of the library actually linked. */
+/** @return "MAJOR.MINOR.PATCH" of the library actually linked (static storage). */
 FORKATTN_API const char *forkattn_version_string(void);
-/** Static English name of a status ("invalid argument", ...); never NULL. */
+/** @param status any value (unknown ones included)
+ *  @return static English name of the status ("invalid argument", ...); never NULL */
 FORKATTN_API const char *forkattn_status_string(forkattn_status status);
-/** Static lower-case name of a backend ("auto", "cpu", "gpu"); never NULL. */
+/** @param backend any value (unknown ones included)
+ *  @return static lower-case name ("auto", "cpu", "gpu", "unknown"); never NULL */
 FORKATTN_API const char *forkattn_backend_name(forkattn_backend backend);
-/** Non-zero when the library was built with GPU offload support. */
+/** @return non-zero when the library was built with GPU offload support */
 FORKATTN_API int forkattn_build_has_offload(void);
 /**@}*/
 
@@ -135,7 +149,8 @@ typedef struct forkattn_ctx_options {
   int verbose;              /**< non-zero: log the backend decision to stderr */
 } forkattn_ctx_options;
 
-/** Fill @p opt with defaults: auto backend, device 0, threads 0, no binding, quiet. */
+/** Fill @p opt with defaults: auto backend, device 0, threads 0, no binding, quiet.
+ *  @param opt options to initialize (NULL is ignored) */
 FORKATTN_API void forkattn_ctx_options_init(forkattn_ctx_options *opt);
 
 /**
@@ -148,36 +163,63 @@ FORKATTN_API void forkattn_ctx_options_init(forkattn_ctx_options *opt);
  * (and *ctx = NULL); forkattn_ctx_create_error() then says why. Nothing is
  * printed unless opt->verbose is set.
  * @param[out] ctx receives the new context, or NULL on failure.
+ * @param opt options, or NULL for the defaults (copied; not kept)
+ * @return FORKATTN_OK, FORKATTN_ERR_INVALID_ARGUMENT (bad options or
+ *         FORKATTN_BACKEND value), FORKATTN_ERR_BACKEND_UNAVAILABLE or
+ *         FORKATTN_ERR_OUT_OF_MEMORY
  */
 FORKATTN_API forkattn_status forkattn_ctx_create(forkattn_ctx **ctx,
                                                  const forkattn_ctx_options *opt);
-/** Why the calling thread's last failed forkattn_ctx_create() failed ("" after a
- *  success); thread-local static storage. */
+/** @return why the calling thread's last forkattn_ctx_create() failed ("" after a
+ *  success); thread-local static storage */
 FORKATTN_API const char *forkattn_ctx_create_error(void);
-/** Destroy a context (NULL is allowed). */
+/** Destroy a context.
+ *  @param ctx the context (NULL is allowed) */
 FORKATTN_API void forkattn_ctx_destroy(forkattn_ctx *ctx);
-/** Backend the context really uses (never AUTO). */
+/** @param ctx the context
+ *  @return the backend the context really uses (CPU or GPU, never AUTO) */
 FORKATTN_API forkattn_backend forkattn_ctx_backend(const forkattn_ctx *ctx);
-/** One line saying why that backend was chosen; owned by the context. */
+/** @param ctx the context
+ *  @return one line saying why that backend was chosen; owned by the context */
 FORKATTN_API const char *forkattn_ctx_backend_reason(const forkattn_ctx *ctx);
-/** CPU threads used by the CPU backend. */
+/** @param ctx the context
+ *  @return the number of threads the CPU kernels use */
 FORKATTN_API int forkattn_ctx_threads(const forkattn_ctx *ctx);
-/** Message of the last failed call on this context ("" if none); owned by the context. */
+/** @param ctx the context
+ *  @return the message of the last failed call on this context ("" if none); owned by it */
 FORKATTN_API const char *forkattn_ctx_last_error(const forkattn_ctx *ctx);
-/** Largest scratch memory (bytes, host or device) one call of this context has
- *  allocated so far: what the library adds to the caller's memory. The caller's
- *  tensors are excluded, but device copies the GPU backend makes of host
- *  tensors (FORKATTN_MEMORY_HOST) are included. */
+/** @param ctx the context
+ *  @return the largest scratch memory (bytes, host or device) one call of this
+ *  context has allocated so far: what the library adds to the caller's memory.
+ *  The caller's tensors are excluded, but device copies the GPU backend makes
+ *  of host tensors (FORKATTN_MEMORY_HOST) are included. */
 FORKATTN_API size_t forkattn_ctx_peak_workspace(const forkattn_ctx *ctx);
 /**@}*/
 
 /** @name Device memory (GPU backend; CPU contexts return FORKATTN_ERR_BACKEND_UNAVAILABLE) */
 /**@{*/
-/** Allocate @p bytes on the context's device; *ptr receives a device pointer. */
+/** Allocate device memory on the context's device.
+ *  @param ctx a GPU context
+ *  @param bytes size (0 allocates a minimal block)
+ *  @param[out] ptr receives the device pointer (NULL on failure)
+ *  @return FORKATTN_OK, FORKATTN_ERR_BACKEND_UNAVAILABLE (CPU context),
+ *          FORKATTN_ERR_INVALID_ARGUMENT or FORKATTN_ERR_OUT_OF_MEMORY */
 FORKATTN_API forkattn_status forkattn_device_malloc(forkattn_ctx *ctx, size_t bytes, void **ptr);
-/** Free memory from forkattn_device_malloc() (NULL is allowed). */
+/** Free memory from forkattn_device_malloc().
+ *  @param ctx the GPU context that allocated it
+ *  @param ptr the device pointer (NULL is allowed)
+ *  @return FORKATTN_OK or FORKATTN_ERR_BACKEND_UNAVAILABLE (CPU context) */
 FORKATTN_API forkattn_status forkattn_device_free(forkattn_ctx *ctx, void *ptr);
-/** Copy @p bytes between host and device memory of the context's device (any direction). */
+/** Copy between host and device memory of the context's device, any direction
+ *  (host to host works on any context).
+ *  @param ctx the context
+ *  @param dst destination
+ *  @param dst_memory where dst lives
+ *  @param src source
+ *  @param src_memory where src lives
+ *  @param bytes bytes to copy
+ *  @return FORKATTN_OK, FORKATTN_ERR_INVALID_ARGUMENT, FORKATTN_ERR_BACKEND_UNAVAILABLE
+ *          (device memory on a CPU context) or FORKATTN_ERR_DEVICE */
 FORKATTN_API forkattn_status forkattn_memcpy(forkattn_ctx *ctx, void *dst, forkattn_memory dst_memory,
                                              const void *src, forkattn_memory src_memory,
                                              size_t bytes);
@@ -214,16 +256,24 @@ typedef struct forkattn_prefix_layout {
 } forkattn_prefix_layout;
 
 /**
- * Forward shared-prompt attention.
+ * Forward shared-prompt attention. Hq must be a multiple of Hkv (GQA: query
+ * head h reads KV head h / (Hq/Hkv)); all tensors share one dtype.
  *
- * q: [T, Hq, d]; k, v: [T, Hkv, d] with Hq a multiple of Hkv (GQA: query head h
- * reads KV head h / (Hq/Hkv)); o: [T, Hq, d], written. All four share one dtype.
- * lse: optional (NULL to skip) float32 [T, Hq] row-major, natural log of the
- * softmax denominator of scaled scores (needed by forkattn_prefix_bwd()).
- * scale: softmax scale applied to q.k (pass 1/sqrt(d) for the usual one; must
- * be finite and > 0). Scores that overflow f32 (|scale * q.k| > 3.4e38) make
- * the rows that see them NaN.
- * memory: where q, k, v, o, lse live (FORKATTN_MEMORY_DEVICE requires the GPU backend).
+ * @param ctx the context (its backend runs the call)
+ * @param layout the packed group (host memory)
+ * @param q queries [T, Hq, d]
+ * @param k keys [T, Hkv, d]
+ * @param v values [T, Hkv, d]
+ * @param o output [T, Hq, d], overwritten
+ * @param lse optional (NULL to skip) float32 [T, Hq] row-major: natural log of
+ *        the softmax denominator of the scaled scores (needed by forkattn_prefix_bwd())
+ * @param scale softmax scale applied to q.k (1/sqrt(d) for the usual one; finite
+ *        and > 0). Scores that overflow f32 (|scale * q.k| > 3.4e38) make the rows
+ *        that see them NaN.
+ * @param memory where q, k, v, o, lse live (FORKATTN_MEMORY_DEVICE needs the GPU backend)
+ * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT (outputs untouched, message in
+ *         forkattn_ctx_last_error()); FORKATTN_ERR_OUT_OF_MEMORY; FORKATTN_ERR_UNSUPPORTED;
+ *         FORKATTN_ERR_DEVICE
  */
 FORKATTN_API forkattn_status forkattn_prefix_fwd(forkattn_ctx *ctx,
                                                  const forkattn_prefix_layout *layout,
@@ -235,11 +285,25 @@ FORKATTN_API forkattn_status forkattn_prefix_fwd(forkattn_ctx *ctx,
 
 /**
  * Backward of forkattn_prefix_fwd(): gradients of sum(o * dout) with respect to
- * q, k, v. Inputs q, k, v, o, dout ([T, Hq, d]) and lse (float32 [T, Hq], from
- * the forward with the same scale). Outputs dq [T, Hq, d], dk, dv [T, Hkv, d]
- * are overwritten (not accumulated). The prompt's dk/dv is its own part plus
- * the sum over all responses that read it: identical to the replicated batch
- * with the prompt copies' gradients summed. All tensors share one dtype.
+ * q, k, v. The prompt's dk/dv is its own part plus the sum over all responses
+ * that read it: identical to the replicated batch with the prompt copies'
+ * gradients summed. Outputs are overwritten (not accumulated); deterministic
+ * (no floating-point atomics). All tensors share one dtype.
+ *
+ * @param ctx the context
+ * @param layout the packed group (host memory), as in the forward
+ * @param q queries [T, Hq, d]
+ * @param k keys [T, Hkv, d]
+ * @param v values [T, Hkv, d]
+ * @param o the forward's output [T, Hq, d]
+ * @param dout gradient of the loss with respect to o [T, Hq, d]
+ * @param lse float32 [T, Hq] from the forward with the same scale (required)
+ * @param dq output [T, Hq, d]
+ * @param dk output [T, Hkv, d]
+ * @param dv output [T, Hkv, d]
+ * @param scale the forward's softmax scale
+ * @param memory where every tensor and lse live
+ * @return as forkattn_prefix_fwd()
  */
 FORKATTN_API forkattn_status forkattn_prefix_bwd(forkattn_ctx *ctx,
                                                  const forkattn_prefix_layout *layout,

@@ -38,11 +38,6 @@ void fz_fail(const char *file, int line, const char *cond, const char *fmt, ...)
 #endif
     ;
 
-/* Non-zero when the comma-separated list in the environment variable
- * FORKATTN_FUZZ_AVOID names `what`: lets fuzzing go on past a known, reported
- * library bug until it is fixed (docs/reliability.md lists the names). */
-int fz_avoid(const char *what);
-
 /* ---- bytes to values ------------------------------------------------------ */
 
 typedef struct fz_reader {

@@ -63,19 +63,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     const int dt = fz_enum_field(r, dtype);
     const int64_t rows = fz_field(r, T), heads = fz_field(r, H), head_dim = fz_field(r, d);
-    int64_t prod;
-    const int contiguous_ok =
-        !fz_avoid("contiguous-overflow") || !__builtin_mul_overflow(heads, head_dim, &prod);
-    if ((mode & 3) == 2 && contiguous_ok) {
+    if ((mode & 3) == 2) {
       *t = forkattn_tensor_contiguous(NULL, (forkattn_dtype)dt, rows, heads, head_dim);
       FZ_CHECK(t->data == NULL && (int)t->dtype == dt && t->rows == rows && t->heads == heads &&
                    t->head_dim == head_dim && t->head_stride == head_dim,
                "forkattn_tensor_contiguous(%d, %lld, %lld, %lld) did not copy its arguments", dt,
                (long long)rows, (long long)heads, (long long)head_dim);
       int64_t rs;
-      if (!__builtin_mul_overflow(heads, head_dim, &rs))
-        FZ_CHECK(t->row_stride == rs, "forkattn_tensor_contiguous: row_stride %lld, want %lld",
-                 (long long)t->row_stride, (long long)rs);
+      if (__builtin_mul_overflow(heads, head_dim, &rs)) rs = 0; /* documented: refused later */
+      FZ_CHECK(t->row_stride == rs, "forkattn_tensor_contiguous: row_stride %lld, want %lld",
+               (long long)t->row_stride, (long long)rs);
     } else {
       fz_contiguous(t, dt, rows, heads, head_dim);
       t->row_stride = fz_field(r, H * d);

@@ -1,5 +1,6 @@
 /* Shared-prompt groups for the tools: build, replicate, run, compare. */
 #include "group.h"
+#include "reference.h"
 
 #include <math.h>
 #include <omp.h>
@@ -17,29 +18,15 @@ static uint64_t tool_rng(uint64_t *s) { /* splitmix64 */
   return z ^ (z >> 31);
 }
 
+/* 16-bit conversions: the float64 reference's (round to nearest even, subnormals kept). */
 static uint16_t tool_to_half(float f, forkattn_dtype t) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if (t == FORKATTN_DTYPE_BF16) return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  /* f16 for |f| < 4 (our random data): normal numbers only, round to nearest */
-  uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
-  if (a < 0x38800000u) return (uint16_t)sign;
-  return (uint16_t)(sign | ((a + 0xfffu + ((a >> 13) & 1u) - (112u << 23)) >> 13));
+  return t == FORKATTN_DTYPE_BF16 ? ref_float_to_bf16(f) : ref_float_to_f16(f);
 }
 
 static float tool_from(const void *p, forkattn_dtype t, int64_t i) {
   if (t == FORKATTN_DTYPE_F32) return ((const float *)p)[i];
-  uint16_t h = ((const uint16_t *)p)[i];
-  uint32_t u;
-  if (t == FORKATTN_DTYPE_BF16) {
-    u = (uint32_t)h << 16;
-  } else {
-    uint32_t e = (h >> 10) & 0x1f;
-    u = ((uint32_t)(h & 0x8000u) << 16) | (e ? ((e + 112u) << 23) | ((uint32_t)(h & 0x3ffu) << 13) : 0);
-  }
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
+  const uint16_t h = ((const uint16_t *)p)[i];
+  return t == FORKATTN_DTYPE_BF16 ? ref_bf16_to_float(h) : ref_f16_to_float(h);
 }
 
 static void tool_fill(void *p, forkattn_dtype t, int64_t n, uint64_t *seed) {

@@ -42,9 +42,9 @@ static int fa_bwd_probs(const fa_pair *pr, const fa_plan *p, int64_t group, int6
                         int64_t kb, int64_t nk, const float *V, int64_t ldv, int64_t d,
                         fa_bwd_tiles *t) {
   const int64_t M = group * qn;
-  const int64_t q_rel0 = q0 - p->seg[pr->qseg].start, k_rel0 = kb - p->seg[pr->kseg].start;
-  const int crossing = pr->causal && k_rel0 + nk - 1 > q_rel0;
-  if (crossing) fa_cpu_mask_causal(t->s, nk, group, qn, q_rel0, nk, k_rel0);
+  const int64_t q_pos0 = q0 + p->qshift;
+  const int crossing = pr->causal && kb + nk - 1 > q_pos0;
+  if (crossing) fa_cpu_mask_causal(t->s, nk, group, qn, q_pos0, nk, kb);
   for (int64_t i = 0; i < M; i++) {
     float *srow = t->s + i * nk;
     if (t->lse[i] == -INFINITY)
@@ -72,7 +72,7 @@ static void fa_bwd_dq_block(const fa_attn_bwd *a, const float *dsum, const fa_bl
   memset(t->acc, 0, sizeof(float) * (size_t)(M * d));
   for (int64_t pi = p->q_pair_off[b->seg]; pi < p->q_pair_off[b->seg + 1]; pi++) {
     const fa_pair *pr = &p->pair[pi];
-    const fa_range keys = fa_pair_keys(p->seg, *pr, b->start, qn);
+    const fa_range keys = fa_pair_keys(p->seg, *pr, b->start, qn, p->qshift);
     const int64_t k0 = keys.start, kn = keys.len;
     for (int64_t kb = k0; kb < k0 + kn; kb += FA_CPU_KEY_BLOCK) {
       const int64_t nk = k0 + kn - kb < FA_CPU_KEY_BLOCK ? k0 + kn - kb : FA_CPU_KEY_BLOCK;
@@ -82,8 +82,8 @@ static void fa_bwd_dq_block(const fa_attn_bwd *a, const float *dsum, const fa_bl
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)nk, (int)d, 1.0f, t->q,
                   (int)d, K, (int)ldk, 0.0f, t->s, (int)nk);
       if (fa_bwd_probs(pr, p, group, b->start, qn, kb, nk, V, ldv, d, t) && !fa_cpu_all_finite(K, nk, d, ldk))
-        fa_cpu_causal_ab(t->dp, nk, K, ldk, t->acc, d, group, qn, b->start - p->seg[pr->qseg].start, nk,
-                         kb - p->seg[pr->kseg].start, d, a->scale);
+        fa_cpu_causal_ab(t->dp, nk, K, ldk, t->acc, d, group, qn, b->start + p->qshift, nk, kb, d,
+                         a->scale);
       else
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, (int)d, (int)nk, a->scale,
                     t->dp, (int)nk, K, (int)ldk, 1.0f, t->acc, (int)d);
@@ -106,7 +106,7 @@ static void fa_bwd_dkv_block(const fa_attn_bwd *a, const float *dsum, const fa_b
   memset(dv, 0, sizeof(float) * (size_t)(nk * d));
   for (int64_t j = p->k_pair_off[b->seg]; j < p->k_pair_off[b->seg + 1]; j++) {
     const fa_pair *pr = &p->pair[p->k_pair_idx[j]];
-    const fa_range queries = fa_pair_queries(p->seg, *pr, b->start);
+    const fa_range queries = fa_pair_queries(p->seg, *pr, b->start, p->qshift);
     const int64_t q0 = queries.start, qn = queries.len;
     for (int64_t qb = q0; qb < q0 + qn; qb += bq) {
       const int64_t nq = q0 + qn - qb < bq ? q0 + qn - qb : bq, M = group * nq;
@@ -115,9 +115,9 @@ static void fa_bwd_dkv_block(const fa_attn_bwd *a, const float *dsum, const fa_b
                   (int)d, K, (int)ldk, 0.0f, t->s, (int)nk);
       const int crossing = fa_bwd_probs(pr, p, group, qb, nq, b->start, nk, V, ldv, d, t);
       if (crossing && !(fa_cpu_all_finite(t->dout, M, d, d) && fa_cpu_all_finite(t->q, M, d, d))) {
-        const int64_t q_rel0 = qb - p->seg[pr->qseg].start, k_rel0 = b->start - p->seg[pr->kseg].start;
-        fa_cpu_causal_atb(t->s, nk, t->dout, d, dv, d, group, nq, q_rel0, nk, k_rel0, d);
-        fa_cpu_causal_atb(t->dp, nk, t->q, d, dk, d, group, nq, q_rel0, nk, k_rel0, d);
+        const int64_t q_pos0 = qb + p->qshift;
+        fa_cpu_causal_atb(t->s, nk, t->dout, d, dv, d, group, nq, q_pos0, nk, b->start, d);
+        fa_cpu_causal_atb(t->dp, nk, t->q, d, dk, d, group, nq, q_pos0, nk, b->start, d);
         continue;
       }
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nk, (int)d, (int)M, 1.0f, t->s,

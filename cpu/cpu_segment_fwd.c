@@ -23,7 +23,7 @@ typedef struct {
 static void fa_fwd_block(const fa_attn_fwd *a, const fa_block *b, int64_t g, fa_fwd_tiles *t) {
   const fa_plan *p = a->plan;
   const int64_t d = a->d, group = a->hq / a->hkv, qn = b->len, M = group * qn;
-  const int64_t q_rel0 = b->start - p->seg[b->seg].start;
+  const int64_t q_pos0 = b->start + p->qshift; /* causal masks compare key-frame rows */
   for (int64_t hh = 0; hh < group; hh++)
     fa_cpu_gather(&a->q, b->start, qn, g * group + hh, a->scale, t->q + hh * qn * d, d);
   for (int64_t i = 0; i < M; i++) {
@@ -34,9 +34,8 @@ static void fa_fwd_block(const fa_attn_fwd *a, const fa_block *b, int64_t g, fa_
 
   for (int64_t pi = p->q_pair_off[b->seg]; pi < p->q_pair_off[b->seg + 1]; pi++) {
     const fa_pair *pr = &p->pair[pi];
-    const fa_range keys = fa_pair_keys(p->seg, *pr, b->start, qn);
+    const fa_range keys = fa_pair_keys(p->seg, *pr, b->start, qn, p->qshift);
     const int64_t k0 = keys.start, kn = keys.len;
-    const int64_t kseg0 = p->seg[pr->kseg].start;
     for (int64_t kb = k0; kb < k0 + kn; kb += FA_CPU_KEY_BLOCK) {
       const int64_t nk = k0 + kn - kb < FA_CPU_KEY_BLOCK ? k0 + kn - kb : FA_CPU_KEY_BLOCK;
       int64_t ldk, ldv;
@@ -44,8 +43,8 @@ static void fa_fwd_block(const fa_attn_fwd *a, const fa_block *b, int64_t g, fa_
       const float *V = fa_cpu_rows_view(&a->v, kb, nk, g, t->vbuf, &ldv);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)nk, (int)d, 1.0f, t->q,
                   (int)d, K, (int)ldk, 0.0f, t->s, (int)nk);
-      const int crossing = pr->causal && kb - kseg0 + nk - 1 > q_rel0;
-      if (crossing) fa_cpu_mask_causal(t->s, nk, group, qn, q_rel0, nk, kb - kseg0);
+      const int crossing = pr->causal && kb + nk - 1 > q_pos0;
+      if (crossing) fa_cpu_mask_causal(t->s, nk, group, qn, q_pos0, nk, kb);
       for (int64_t i = 0; i < M; i++) {
         float *srow = t->s + i * nk, mx = fa_cpu_row_max(srow, nk);
         float m_new = mx > t->m[i] ? mx : t->m[i];
@@ -69,7 +68,7 @@ static void fa_fwd_block(const fa_attn_fwd *a, const fa_block *b, int64_t g, fa_
         }
       }
       if (crossing && !fa_cpu_all_finite(V, nk, d, ldv))
-        fa_cpu_causal_ab(t->s, nk, V, ldv, t->o, d, group, qn, q_rel0, nk, kb - kseg0, d, 1.0f);
+        fa_cpu_causal_ab(t->s, nk, V, ldv, t->o, d, group, qn, q_pos0, nk, kb, d, 1.0f);
       else
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, (int)d, (int)nk, 1.0f, t->s,
                     (int)nk, V, (int)ldv, 1.0f, t->o, (int)d);

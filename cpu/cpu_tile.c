@@ -108,15 +108,15 @@ int fa_cpu_any_nan(const float *x, int64_t n) {
   return 0;
 }
 
-void fa_cpu_mask_causal(float *s, int64_t ld, int64_t group, int64_t qn, int64_t q_rel0,
-                        int64_t nk, int64_t k_rel0) {
+void fa_cpu_mask_causal(float *s, int64_t ld, int64_t group, int64_t qn, int64_t q_pos0,
+                        int64_t nk, int64_t k_pos0) {
   for (int64_t g = 0; g < group; g++)
     for (int64_t r = 0; r < qn; r++) {
       float *row = s + (g * qn + r) * ld;
-      int64_t q_rel = q_rel0 + r;
-      int64_t first_hidden = q_rel - k_rel0 + 1; /* keys j >= this are in the future */
+      int64_t q_pos = q_pos0 + r;
+      int64_t first_hidden = q_pos - k_pos0 + 1; /* keys j >= this are in the future */
       for (int64_t j = first_hidden < 0 ? 0 : first_hidden; j < nk; j++)
-        if (!fa_visible(1, q_rel, k_rel0 + j)) row[j] = -INFINITY;
+        if (!fa_visible(1, q_pos, k_pos0 + j)) row[j] = -INFINITY;
     }
 }
 
@@ -131,16 +131,16 @@ int fa_cpu_all_finite(const float *x, int64_t rows, int64_t cols, int64_t ld) {
 }
 
 /* Keys of a crossing tile visible to stacked row i. */
-static int64_t fa_visible_keys(int64_t i, int64_t qn, int64_t q_rel0, int64_t nk, int64_t k_rel0) {
-  int64_t v = q_rel0 + i % qn - k_rel0 + 1;
+static int64_t fa_visible_keys(int64_t i, int64_t qn, int64_t q_pos0, int64_t nk, int64_t k_pos0) {
+  int64_t v = q_pos0 + i % qn - k_pos0 + 1;
   return v < 0 ? 0 : (v > nk ? nk : v);
 }
 
 void fa_cpu_causal_ab(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,
-                      int64_t group, int64_t qn, int64_t q_rel0, int64_t nk, int64_t k_rel0, int64_t d,
+                      int64_t group, int64_t qn, int64_t q_pos0, int64_t nk, int64_t k_pos0, int64_t d,
                       float alpha) {
   for (int64_t i = 0; i < group * qn; i++) {
-    const int64_t vis = fa_visible_keys(i, qn, q_rel0, nk, k_rel0);
+    const int64_t vis = fa_visible_keys(i, qn, q_pos0, nk, k_pos0);
     float *crow = C + i * ldc;
     for (int64_t j = 0; j < vis; j++) {
       const float a = alpha * A[i * lda + j];
@@ -152,9 +152,9 @@ void fa_cpu_causal_ab(const float *A, int64_t lda, const float *B, int64_t ldb, 
 }
 
 void fa_cpu_causal_atb(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,
-                       int64_t group, int64_t qn, int64_t q_rel0, int64_t nk, int64_t k_rel0, int64_t d) {
+                       int64_t group, int64_t qn, int64_t q_pos0, int64_t nk, int64_t k_pos0, int64_t d) {
   for (int64_t i = 0; i < group * qn; i++) {
-    const int64_t vis = fa_visible_keys(i, qn, q_rel0, nk, k_rel0);
+    const int64_t vis = fa_visible_keys(i, qn, q_pos0, nk, k_pos0);
     const float *brow = B + i * ldb;
     for (int64_t j = 0; j < vis; j++) {
       const float a = A[i * lda + j];

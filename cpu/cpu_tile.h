@@ -31,17 +31,17 @@ float fa_cpu_row_max(const float *x, int64_t n);
 int fa_cpu_any_nan(const float *x, int64_t n);
 
 /* Causal mask of a tile whose rows are `group` stacked copies of the query rows
- * q_rel0 .. q_rel0+qn-1 (relative to the query segment) against keys
- * k_rel0 .. k_rel0+nk-1 (relative to the key segment): S = -inf where k_rel > q_rel. */
-void fa_cpu_mask_causal(float *s, int64_t ld, int64_t group, int64_t qn, int64_t q_rel0,
-                        int64_t nk, int64_t k_rel0);
+ * q_pos0 .. q_pos0+qn-1 (key-frame rows, see segment_plan.h) against keys
+ * k_pos0 .. k_pos0+nk-1: S = -inf where k_pos > q_pos. */
+void fa_cpu_mask_causal(float *s, int64_t ld, int64_t group, int64_t qn, int64_t q_pos0,
+                        int64_t nk, int64_t k_pos0);
 
 /* Non-zero when every element of the rows x cols block (row stride ld) is finite. */
 int fa_cpu_all_finite(const float *x, int64_t rows, int64_t cols, int64_t ld);
 
 /* Products restricted to the visible part of a tile that crosses the causal
- * diagonal (rows: `group` stacked copies of query rows q_rel0.., columns: keys
- * k_rel0..k_rel0+nk-1; key j visible to query row r iff k_rel0 + j <= q_rel0 + r).
+ * diagonal (rows: `group` stacked copies of query rows q_pos0.., columns: keys
+ * k_pos0..k_pos0+nk-1; key j visible to query row r iff k_pos0 + j <= q_pos0 + r).
  * A GEMM over the whole tile multiplies masked zeros by the other operand, and
  * 0 * NaN = NaN would carry a non-finite key, value, query or dout into rows
  * that never see it; the kernels call these instead when an operand is not
@@ -49,10 +49,10 @@ int fa_cpu_all_finite(const float *x, int64_t rows, int64_t cols, int64_t ld);
  *   fa_cpu_causal_ab:  C[i, :] += alpha * sum_{visible j} A[i, j] * B[j, :]
  *   fa_cpu_causal_atb: C[j, :] += sum_{visible i} A[i, j] * B[i, :] */
 void fa_cpu_causal_ab(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,
-                      int64_t group, int64_t qn, int64_t q_rel0, int64_t nk, int64_t k_rel0, int64_t d,
+                      int64_t group, int64_t qn, int64_t q_pos0, int64_t nk, int64_t k_pos0, int64_t d,
                       float alpha);
 void fa_cpu_causal_atb(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,
-                       int64_t group, int64_t qn, int64_t q_rel0, int64_t nk, int64_t k_rel0, int64_t d);
+                       int64_t group, int64_t qn, int64_t q_pos0, int64_t nk, int64_t k_pos0, int64_t d);
 
 /* Make OpenBLAS single-threaded while our OpenMP workers call it (its setting
  * is process-wide; nested and concurrent calls are counted), then restore it. */

@@ -319,6 +319,188 @@ FORKATTN_API forkattn_status forkattn_prefix_bwd(forkattn_ctx *ctx,
                                                  forkattn_memory memory);
 /**@}*/
 
+/** @name Tree attention
+ * Rollouts that branch many times form a tree (a trie of token sequences).
+ * Rows are packed once; node i owns the contiguous rows
+ * [node_offsets[i], node_offsets[i+1]). A row attends to every row of every
+ * ancestor node and causally within its own node. The shared-prompt layout is
+ * the tree of depth one (a root prompt and one child per response). */
+/**@{*/
+
+/** A packed tree of segments (all arrays in host memory). */
+typedef struct forkattn_tree_layout {
+  int64_t num_nodes;            /**< n >= 0 */
+  const int64_t *node_offsets;  /**< n+1 entries, node_offsets[0] = 0, non-decreasing
+                                     (empty nodes allowed); NULL only when n = 0 */
+  const int64_t *parents;       /**< n entries: -1 for a root, else a node index < i
+                                     (parents are packed before their children, as in
+                                     DFS or BFS order); NULL only when n = 0 */
+} forkattn_tree_layout;
+
+/**
+ * Forward tree attention: row r of node i attends to all rows of i's ancestors
+ * and to rows r' <= r of node i. Several roots (a forest) are independent
+ * trees packed one after another. Same tensor conventions as
+ * forkattn_prefix_fwd() with T = node_offsets[n].
+ *
+ * @param ctx the context
+ * @param tree the packed tree (host memory)
+ * @param q queries [T, Hq, d]
+ * @param k keys [T, Hkv, d]
+ * @param v values [T, Hkv, d]
+ * @param o output [T, Hq, d], overwritten
+ * @param lse optional float32 [T, Hq] natural-log softmax denominators (NULL to skip)
+ * @param scale softmax scale (finite, > 0)
+ * @param memory where q, k, v, o, lse live
+ * @return as forkattn_prefix_fwd()
+ */
+FORKATTN_API forkattn_status forkattn_tree_fwd(forkattn_ctx *ctx, const forkattn_tree_layout *tree,
+                                               const forkattn_tensor *q, const forkattn_tensor *k,
+                                               const forkattn_tensor *v, const forkattn_tensor *o,
+                                               float *lse, float scale, forkattn_memory memory);
+
+/**
+ * Backward of forkattn_tree_fwd(). The dk/dv of a node is the sum over every
+ * descendant row that read it (and its own rows): identical to running each
+ * root-to-leaf sequence separately and summing the copies' gradients.
+ * Overwrites dq, dk, dv; deterministic (no floating-point atomics).
+ *
+ * @param ctx the context
+ * @param tree the packed tree, as in the forward
+ * @param q queries [T, Hq, d]
+ * @param k keys [T, Hkv, d]
+ * @param v values [T, Hkv, d]
+ * @param o the forward's output [T, Hq, d]
+ * @param dout gradient of the loss with respect to o [T, Hq, d]
+ * @param lse float32 [T, Hq] from the forward (required)
+ * @param dq output [T, Hq, d]
+ * @param dk output [T, Hkv, d]
+ * @param dv output [T, Hkv, d]
+ * @param scale the forward's softmax scale
+ * @param memory where every tensor and lse live
+ * @return as forkattn_prefix_fwd()
+ */
+FORKATTN_API forkattn_status forkattn_tree_bwd(forkattn_ctx *ctx, const forkattn_tree_layout *tree,
+                                               const forkattn_tensor *q, const forkattn_tensor *k,
+                                               const forkattn_tensor *v, const forkattn_tensor *o,
+                                               const forkattn_tensor *dout, const float *lse,
+                                               const forkattn_tensor *dq, const forkattn_tensor *dk,
+                                               const forkattn_tensor *dv, float scale,
+                                               forkattn_memory memory);
+/**@}*/
+
+/** @name Rollout tries
+ * Build the deduplicated prefix tree of a set of rollouts and the maps a
+ * trainer needs to go between per-sequence tensors and packed rows. A trie is
+ * an immutable object; the arrays its accessors return live as long as it. */
+/**@{*/
+
+/** A built trie (opaque). */
+typedef struct forkattn_trie forkattn_trie;
+
+/** Flag for the builders: fail with FORKATTN_ERR_INVALID_ARGUMENT unless the
+ *  tree has exactly one root (e.g. every rollout starts with the same prompt). */
+#define FORKATTN_TRIE_SINGLE_ROOT 1u
+
+/**
+ * Build the trie of N token sequences. Each node is a maximal run of tokens
+ * shared by the same set of sequences; a node also ends where a sequence ends,
+ * so every sequence is exactly a root-to-node path. Identical sequences share
+ * every row. Rows are packed in depth-first order, children in order of first
+ * appearance. Sequences whose first tokens differ give a forest (several roots).
+ *
+ * @param ctx the context (error messages)
+ * @param num_sequences N >= 1
+ * @param seq_offsets N+1 entries, seq_offsets[0] = 0, strictly increasing (empty
+ *        sequences are an error)
+ * @param tokens seq_offsets[N] token ids
+ * @param flags 0 or ::FORKATTN_TRIE_SINGLE_ROOT
+ * @param trie receives the trie (NULL on error)
+ * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT (nothing allocated);
+ *         FORKATTN_ERR_OUT_OF_MEMORY
+ */
+FORKATTN_API forkattn_status forkattn_trie_from_sequences(forkattn_ctx *ctx, int64_t num_sequences,
+                                                          const int64_t *seq_offsets,
+                                                          const int64_t *tokens, unsigned flags,
+                                                          forkattn_trie **trie);
+
+/**
+ * Build from a tree the caller already has, given per node: its parent and its
+ * number of tokens. Nodes may be listed in any order; they are repacked in
+ * depth-first order (children in increasing input index). Cycles, parents out
+ * of range and nodes of length < 1 are errors.
+ *
+ * @param ctx the context
+ * @param num_nodes n >= 1
+ * @param parents n entries: -1 for a root, else an index in [0, n) other than i
+ * @param node_lengths n entries >= 1
+ * @param flags 0 or ::FORKATTN_TRIE_SINGLE_ROOT
+ * @param trie receives the trie
+ * @return as forkattn_trie_from_sequences()
+ */
+FORKATTN_API forkattn_status forkattn_trie_from_parents(forkattn_ctx *ctx, int64_t num_nodes,
+                                                        const int64_t *parents,
+                                                        const int64_t *node_lengths, unsigned flags,
+                                                        forkattn_trie **trie);
+
+/**
+ * Build from a per-token parent array: token i follows token parents[i] (-1 for
+ * a first token). Maximal chains of single-child tokens become nodes.
+ *
+ * @param ctx the context
+ * @param num_tokens n >= 1
+ * @param token_parents n entries: -1, or a token index in [0, n) other than i
+ * @param flags 0 or ::FORKATTN_TRIE_SINGLE_ROOT
+ * @param trie receives the trie
+ * @return as forkattn_trie_from_sequences()
+ */
+FORKATTN_API forkattn_status forkattn_trie_from_token_parents(forkattn_ctx *ctx, int64_t num_tokens,
+                                                              const int64_t *token_parents,
+                                                              unsigned flags, forkattn_trie **trie);
+
+/** Free a trie (NULL is a no-op). @param trie the trie */
+FORKATTN_API void forkattn_trie_free(forkattn_trie *trie);
+
+/** The packed tree, ready for forkattn_tree_fwd() (arrays owned by the trie).
+ *  @param trie the trie @return its layout */
+FORKATTN_API forkattn_tree_layout forkattn_trie_layout(const forkattn_trie *trie);
+
+/** Packed rows T. @param trie the trie @return node_offsets[n] */
+FORKATTN_API int64_t forkattn_trie_num_rows(const forkattn_trie *trie);
+
+/** Tokens before deduplication: the sum of sequence lengths (from sequences) or of
+ *  root-to-leaf path lengths (from parents). @param trie the trie @return the count */
+FORKATTN_API int64_t forkattn_trie_replicated_tokens(const forkattn_trie *trie);
+
+/** Deduplication ratio: replicated tokens / packed rows (>= 1).
+ *  @param trie the trie @return the ratio */
+FORKATTN_API double forkattn_trie_dedup_ratio(const forkattn_trie *trie);
+
+/**
+ * Packed row of every input token: from sequences, entry seq_offsets[s] + j is
+ * the row holding position j of sequence s (gather per-sequence log-probs with
+ * it); from token parents, entry i is token i's row; from node parents, entry
+ * input_offset(i) + j for node i in input order (input_offset = exclusive prefix
+ * sum of node_lengths).
+ * @param trie the trie @return an array of the input's token count
+ */
+FORKATTN_API const int64_t *forkattn_trie_input_rows(const forkattn_trie *trie);
+
+/** Node (packed index) of every row. @param trie the trie @return [T] */
+FORKATTN_API const int64_t *forkattn_trie_row_nodes(const forkattn_trie *trie);
+
+/** Position of every row in its sequences: the number of ancestor tokens (use as
+ *  position ids). @param trie the trie @return [T] */
+FORKATTN_API const int64_t *forkattn_trie_row_positions(const forkattn_trie *trie);
+
+/** Depth of every node (roots 0). @param trie the trie @return [n] */
+FORKATTN_API const int64_t *forkattn_trie_node_depths(const forkattn_trie *trie);
+
+/** Token id of every row (tries built from sequences; NULL otherwise).
+ *  @param trie the trie @return [T] or NULL */
+FORKATTN_API const int64_t *forkattn_trie_row_tokens(const forkattn_trie *trie);
+/**@}*/
+
 #ifdef __cplusplus
 }
 #endif

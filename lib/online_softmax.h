@@ -9,10 +9,11 @@
 
 #pragma omp declare target
 
-/* Key k_rel (relative to its segment) is visible to query q_rel (relative to
- * its segment): always for a full pair, k_rel <= q_rel for a causal one. */
-static inline int fa_visible(int causal, int64_t q_rel, int64_t k_rel) {
-  return !causal || k_rel <= q_rel;
+/* Key at key-frame row k_pos is visible to the query at key-frame row q_pos
+ * (its row + the plan's qshift): always for a full pair, k_pos <= q_pos for a
+ * causal one. */
+static inline int fa_visible(int causal, int64_t q_pos, int64_t k_pos) {
+  return !causal || k_pos <= q_pos;
 }
 
 /* Factor rescaling (l, o) when the running max moves m_old -> m_new (m_new >= m_old).

@@ -1,8 +1,8 @@
-/* Shared-prompt attention (DualKV): validate the packed layout, compile it to a
- * segment plan (a tree of depth one) and run segment attention. */
+/* Shared-prompt attention (DualKV): validate the packed layout and compile it
+ * to a segment plan (a tree of depth one); layout_attn.c runs it. */
 #include <stdlib.h>
 
-#include "segment_attn.h"
+#include "layout_attn.h"
 #include "validate.h"
 
 /* Check the layout; on success *rows = P + offsets[N]. */
@@ -33,44 +33,23 @@ static forkattn_status fa_check_prefix_layout(forkattn_ctx *ctx, const forkattn_
   return FORKATTN_OK;
 }
 
-/* Checks both directions share: memory, layout, q/k/v, scale. */
-static forkattn_status fa_prefix_begin(forkattn_ctx *ctx, const forkattn_prefix_layout *l,
-                                       const forkattn_tensor *q, const forkattn_tensor *k,
-                                       const forkattn_tensor *v, float scale, int64_t *rows,
-                                       int64_t *hq, int64_t *hkv, int64_t *d,
-                                       forkattn_memory memory) {
-  forkattn_status st;
-  if ((st = fa_check_memory(ctx, memory))) return st;
-  if ((st = fa_check_prefix_layout(ctx, l, rows))) return st;
-  if ((st = fa_check_qkv(ctx, q, k, v, *rows, hq, hkv, d))) return st;
-  return fa_check_scale(ctx, scale);
+static forkattn_status fa_prefix_check(forkattn_ctx *ctx, const void *layout, int64_t *rows) {
+  return fa_check_prefix_layout(ctx, layout, rows);
 }
 
-static forkattn_status fa_prefix_plan(forkattn_ctx *ctx, const forkattn_prefix_layout *l,
-                                      fa_plan *plan) {
-  if (fa_plan_prefix(plan, l->prompt_len, l->num_responses, l->response_offsets,
-                     l->mask == FORKATTN_MASK_CAUSAL))
-    return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "prefix: cannot allocate the segment plan");
-  return FORKATTN_OK;
+static int fa_prefix_plan(const void *layout, fa_plan *plan) {
+  const forkattn_prefix_layout *l = layout;
+  return fa_plan_prefix(plan, l->prompt_len, l->num_responses, l->response_offsets,
+                        l->mask == FORKATTN_MASK_CAUSAL);
 }
+
+static const fa_layout_ops fa_prefix_ops = {fa_prefix_check, fa_prefix_plan};
 
 forkattn_status forkattn_prefix_fwd(forkattn_ctx *ctx, const forkattn_prefix_layout *layout,
                                     const forkattn_tensor *q, const forkattn_tensor *k,
                                     const forkattn_tensor *v, const forkattn_tensor *o, float *lse,
                                     float scale, forkattn_memory memory) {
-  if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
-  fa_clear_error(ctx);
-  int64_t rows, hq, hkv, d;
-  forkattn_status st = fa_prefix_begin(ctx, layout, q, k, v, scale, &rows, &hq, &hkv, &d, memory);
-  if (st) return st;
-  if ((st = fa_check_tensor(ctx, "o", o, q->dtype, rows, hq, d))) return st;
-  if (rows == 0) return FORKATTN_OK;
-  fa_plan plan;
-  if ((st = fa_prefix_plan(ctx, layout, &plan))) return st;
-  fa_attn_fwd a = {&plan, *q, *k, *v, *o, lse, scale, hq, hkv, d};
-  st = fa_attn_fwd_run(ctx, &a, memory);
-  fa_plan_free(&plan);
-  return st;
+  return fa_layout_fwd(ctx, &fa_prefix_ops, layout, q, k, v, o, lse, scale, memory);
 }
 
 forkattn_status forkattn_prefix_bwd(forkattn_ctx *ctx, const forkattn_prefix_layout *layout,
@@ -80,23 +59,5 @@ forkattn_status forkattn_prefix_bwd(forkattn_ctx *ctx, const forkattn_prefix_lay
                                     const forkattn_tensor *dq, const forkattn_tensor *dk,
                                     const forkattn_tensor *dv, float scale,
                                     forkattn_memory memory) {
-  if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
-  fa_clear_error(ctx);
-  int64_t rows, hq, hkv, d;
-  forkattn_status st = fa_prefix_begin(ctx, layout, q, k, v, scale, &rows, &hq, &hkv, &d, memory);
-  if (st) return st;
-  if ((st = fa_check_tensor(ctx, "o", o, q->dtype, rows, hq, d))) return st;
-  if ((st = fa_check_tensor(ctx, "dout", dout, q->dtype, rows, hq, d))) return st;
-  if ((st = fa_check_tensor(ctx, "dq", dq, q->dtype, rows, hq, d))) return st;
-  if ((st = fa_check_tensor(ctx, "dk", dk, q->dtype, rows, hkv, d))) return st;
-  if ((st = fa_check_tensor(ctx, "dv", dv, q->dtype, rows, hkv, d))) return st;
-  if (!lse && rows > 0)
-    return fa_fail(ctx, FORKATTN_ERR_INVALID_ARGUMENT, "lse: is NULL (the forward's log-sum-exp is required)");
-  if (rows == 0) return FORKATTN_OK;
-  fa_plan plan;
-  if ((st = fa_prefix_plan(ctx, layout, &plan))) return st;
-  fa_attn_bwd a = {&plan, *q, *k, *v, *o, *dout, *dq, *dk, *dv, lse, scale, hq, hkv, d};
-  st = fa_attn_bwd_run(ctx, &a, memory);
-  fa_plan_free(&plan);
-  return st;
+  return fa_layout_bwd(ctx, &fa_prefix_ops, layout, q, k, v, o, dout, lse, dq, dk, dv, scale, memory);
 }

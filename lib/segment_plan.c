@@ -53,32 +53,128 @@ int fa_plan_build(fa_plan *p, int64_t rows, int64_t nseg, const fa_range *seg, i
   return 0;
 }
 
-int fa_plan_prefix(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off, int causal) {
-  int64_t cap = n + 1;
-  fa_range *seg = fa_malloc(sizeof *seg * (size_t)cap);
-  fa_pair *pair = fa_malloc(sizeof *pair * (size_t)(2 * cap));
-  if (!seg || !pair) {
-    fa_free(seg);
-    fa_free(pair);
+/* Key segments of a tree: a node continues its parent's key segment when it is
+ * the parent's only child and starts right where the parent ends (a chain in
+ * DFS order), so a chain of many small nodes is read through one segment.
+ * With causal = 0 a node sees all of its own rows, so every node is its own
+ * key segment. Empty nodes are skipped (children see through them). */
+typedef struct {
+  int64_t *par;   /* nearest non-empty ancestor, -1 for none */
+  int64_t *kseg;  /* key segment of each node */
+  int64_t *first; /* first node of each key segment */
+  int64_t nkseg;
+} fa_tree_keys;
+
+static void fa_tree_keys_free(fa_tree_keys *t) {
+  fa_free(t->par);
+  fa_free(t->kseg);
+  fa_free(t->first);
+}
+
+static int fa_tree_keys_build(fa_tree_keys *t, int64_t n, const int64_t *off, const int64_t *parents,
+                              int causal) {
+  size_t cap = (size_t)(n ? n : 1);
+  int64_t *children = fa_calloc(cap, sizeof *children);
+  t->par = fa_malloc(sizeof *t->par * cap);
+  t->kseg = fa_malloc(sizeof *t->kseg * cap);
+  t->first = fa_malloc(sizeof *t->first * cap);
+  t->nkseg = 0;
+  if (!children || !t->par || !t->kseg || !t->first) {
+    fa_free(children);
+    fa_tree_keys_free(t);
     return -1;
   }
-  int64_t ns = 0, np = 0, prompt = -1;
-  if (prompt_len > 0) {
-    prompt = ns;
-    seg[ns++] = (fa_range){0, prompt_len};
-    pair[np++] = (fa_pair){prompt, prompt, causal};
+  for (int64_t i = 0; i < n; i++) { /* parents precede children: one pass */
+    int64_t a = parents[i];
+    t->par[i] = (a < 0 || off[a + 1] > off[a]) ? a : t->par[a];
+    if (off[i + 1] > off[i] && t->par[i] >= 0) children[t->par[i]]++;
   }
   for (int64_t i = 0; i < n; i++) {
-    int64_t len = off[i + 1] - off[i];
-    if (len == 0) continue;
-    int64_t s = ns;
-    seg[ns++] = (fa_range){prompt_len + off[i], len};
-    if (prompt >= 0) pair[np++] = (fa_pair){s, prompt, 0};
-    pair[np++] = (fa_pair){s, s, causal};
+    t->kseg[i] = -1;
+    if (off[i + 1] == off[i]) continue;
+    const int64_t a = t->par[i];
+    if (causal && a >= 0 && children[a] == 1 && off[a + 1] == off[i])
+      t->kseg[i] = t->kseg[a];
+    else
+      t->first[t->kseg[i] = t->nkseg++] = i;
   }
-  int rc = fa_plan_build(p, prompt_len + (n ? off[n] : 0), ns, seg, np, pair);
-  fa_free(seg);
+  fa_free(children);
+  return 0;
+}
+
+int fa_plan_tree(fa_plan *p, int64_t n, const int64_t *off, const int64_t *parents, int causal) {
+  fa_tree_keys t;
+  if (fa_tree_keys_build(&t, n, off, parents, causal)) return -1;
+  /* Segments: one per non-empty node (its queries), then one per key segment
+   * spanning more than one node; a single-node key segment reuses the node's. */
+  int64_t nq = 0, npairs = 0;
+  int64_t *qseg = fa_malloc(sizeof *qseg * (size_t)(n ? n : 1));
+  int64_t *kseg_index = fa_malloc(sizeof *kseg_index * (size_t)(t.nkseg ? t.nkseg : 1));
+  fa_range *seg = fa_malloc(sizeof *seg * (size_t)(n + t.nkseg + 1));
+  if (!qseg || !kseg_index || !seg) goto oom;
+  for (int64_t i = 0; i < n; i++) {
+    qseg[i] = -1;
+    if (off[i + 1] == off[i]) continue;
+    seg[qseg[i] = nq++] = (fa_range){off[i], off[i + 1] - off[i]};
+    for (int64_t a = i; a >= 0; a = t.par[t.first[t.kseg[a]]]) npairs++; /* one pair per key segment on the path */
+  }
+  int64_t ns = nq;
+  for (int64_t k = 0; k < t.nkseg; k++) kseg_index[k] = -1;
+  for (int64_t i = n - 1; i >= 0; i--) { /* key segment end = end of its last node */
+    if (qseg[i] < 0) continue;
+    int64_t k = t.kseg[i];
+    if (kseg_index[k] >= 0) continue;
+    const int64_t f = t.first[k];
+    if (f == i)
+      kseg_index[k] = qseg[i];
+    else
+      seg[kseg_index[k] = ns++] = (fa_range){off[f], off[i + 1] - off[f]};
+  }
+  fa_pair *pair = fa_malloc(sizeof *pair * (size_t)(npairs ? npairs : 1));
+  if (!pair) goto oom;
+  int64_t np = 0;
+  for (int64_t i = 0; i < n; i++) {
+    if (qseg[i] < 0) continue;
+    int64_t first_pair = np;
+    for (int64_t a = i; a >= 0; a = t.par[t.first[t.kseg[a]]])
+      pair[np++] = (fa_pair){qseg[i], kseg_index[t.kseg[a]], a == i ? causal : 0};
+    for (int64_t x = first_pair, y = np - 1; x < y; x++, y--) { /* root first, own node last */
+      fa_pair tmp = pair[x];
+      pair[x] = pair[y];
+      pair[y] = tmp;
+    }
+  }
+  int rc = fa_plan_build(p, n ? off[n] : 0, ns, seg, np, pair);
   fa_free(pair);
+  fa_free(qseg);
+  fa_free(kseg_index);
+  fa_free(seg);
+  fa_tree_keys_free(&t);
+  return rc;
+oom:
+  fa_free(qseg);
+  fa_free(kseg_index);
+  fa_free(seg);
+  fa_tree_keys_free(&t);
+  return -1;
+}
+
+int fa_plan_prefix(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off, int causal) {
+  /* the depth-one tree: node 0 = prompt, node 1+i = response i */
+  int64_t *node_off = fa_malloc(sizeof *node_off * (size_t)(n + 2));
+  int64_t *parents = fa_malloc(sizeof *parents * (size_t)(n + 1));
+  if (!node_off || !parents) {
+    fa_free(node_off);
+    fa_free(parents);
+    return -1;
+  }
+  node_off[0] = 0;
+  parents[0] = -1;
+  for (int64_t i = 0; i <= n; i++) node_off[i + 1] = prompt_len + (n ? off[i] : 0);
+  for (int64_t i = 0; i < n; i++) parents[i + 1] = 0;
+  int rc = fa_plan_tree(p, n + 1, node_off, parents, causal);
+  fa_free(node_off);
+  fa_free(parents);
   return rc;
 }
 
@@ -116,7 +212,8 @@ int64_t fa_plan_blocks(const fa_plan *p, int64_t block_rows, int by_key, fa_bloc
         /* work of the block with this pair: rows x visible rows on the other side
          * (an upper bound for causal pairs) */
         const fa_pair pr = by_key ? p->pair[p->k_pair_idx[j]] : p->pair[j];
-        fa_range other = by_key ? fa_pair_queries(p->seg, pr, b.start) : fa_pair_keys(p->seg, pr, b.start, b.len);
+        fa_range other = by_key ? fa_pair_queries(p->seg, pr, b.start, p->qshift)
+                                     : fa_pair_keys(p->seg, pr, b.start, b.len, p->qshift);
         cost += other.len * b.len;
       }
       cb[i] = (fa_costed_block){b, cost, i};

@@ -2,10 +2,16 @@
  *
  * Rows are packed once. A segment is a contiguous row range. A pair (qs, ks,
  * causal) says: queries of segment qs attend to keys of segment ks, all of
- * them (full) or key k_rel <= query q_rel (causal, both relative to their
- * segment's start). A query row's softmax runs over the union of its pairs'
- * visible keys (one online softmax). Prefix-shared attention is a tree of
- * depth one, a trie is the general case, bidirectional masks are full pairs.
+ * them (full) or those at key rows <= the query's row (causal, compared in
+ * the key rows' frame: query row r sits at key row r + qshift). A query row's
+ * softmax runs over the union of its pairs' visible keys (one online
+ * softmax). Prefix-shared attention is a tree of depth one, a trie is the
+ * general case, bidirectional masks are full pairs.
+ *
+ * Queries and keys usually share one row space (qshift = 0). A query block
+ * appended after cached keys (a DFS path stack, a prefix KV cache) has its own
+ * rows: query segments index the query tensors, key segments the key tensors,
+ * and qshift places query row 0 among the keys.
  *
  * Backward needs the inverse view: for each key segment the pairs that read
  * it, so dK/dV of a shared segment is summed over all its readers without
@@ -23,7 +29,8 @@ typedef struct fa_pair {
 } fa_pair;
 
 typedef struct fa_plan {
-  int64_t rows;        /* total packed rows */
+  int64_t rows;        /* query rows (= key rows unless queries have their own space) */
+  int64_t qshift;      /* key-frame row of query row 0 (causal pairs) */
   int64_t nseg;        /* segments */
   fa_range *seg;       /* [nseg] */
   int64_t npairs;      /* pairs, grouped by query segment */
@@ -39,13 +46,20 @@ typedef struct fa_block {
 } fa_block;
 
 /* Build the plan from segments and pairs (pairs must be grouped by qseg in
- * increasing order). Copies the inputs. Returns 0, or -1 on allocation failure. */
+ * increasing order); qshift = 0. Copies the inputs. Returns 0, or -1 on
+ * allocation failure. */
 int fa_plan_build(fa_plan *p, int64_t rows, int64_t nseg, const fa_range *seg, int64_t npairs,
                   const fa_pair *pair);
 void fa_plan_free(fa_plan *p);
 
-/* Prefix-shared group: prompt [0, P), response i at P + off[i] .. P + off[i+1].
- * Empty segments are dropped. causal != 0 for the causal mask. */
+/* Tree of n nodes: node i owns rows [off[i], off[i+1]) and reads all rows of
+ * its ancestors (parents[i] < i, -1 for a root) and its own rows (causally
+ * when causal != 0, else all of them). Pairs per node: one per key segment on
+ * its root path (chains of only children share one). Empty nodes are dropped. */
+int fa_plan_tree(fa_plan *p, int64_t n, const int64_t *off, const int64_t *parents, int causal);
+
+/* Prefix-shared group, the depth-one tree: prompt [0, P), response i at
+ * P + off[i] .. P + off[i+1]. causal != 0 for the causal mask. */
 int fa_plan_prefix(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off, int causal);
 
 /* Split segments into blocks of at most block_rows rows, heaviest first.
@@ -55,13 +69,13 @@ int fa_plan_prefix(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off
 int64_t fa_plan_blocks(const fa_plan *p, int64_t block_rows, int by_key, fa_block **out);
 
 #pragma omp declare target
-/* Keys of pair pr visible to query rows [q0, q0+qn) (absolute rows, qn > 0):
- * the whole key segment, or for a causal pair up to the last query's diagonal.
+/* Keys of pair pr visible to query rows [q0, q0+qn) (qn > 0): the whole key
+ * segment, or for a causal pair those up to the last query's diagonal.
  * seg is the plan's segment array (host or device copy: CPU and GPU share this). */
-static inline fa_range fa_pair_keys(const fa_range *seg, fa_pair pr, int64_t q0, int64_t qn) {
+static inline fa_range fa_pair_keys(const fa_range *seg, fa_pair pr, int64_t q0, int64_t qn, int64_t qshift) {
   fa_range k = seg[pr.kseg];
   if (pr.causal) {
-    int64_t lim = q0 + qn - seg[pr.qseg].start; /* last query's relative row + 1 */
+    int64_t lim = q0 + qn + qshift - k.start; /* keys before the last query's diagonal + 1 */
     k.len = lim < k.len ? (lim > 0 ? lim : 0) : k.len;
   }
   return k;
@@ -70,11 +84,11 @@ static inline fa_range fa_pair_keys(const fa_range *seg, fa_pair pr, int64_t q0,
 /* Queries of pair pr that see at least one key of [k0, k0+kn) (kn > 0): the
  * whole query segment, or for a causal pair those at or after the block's
  * first key's diagonal. */
-static inline fa_range fa_pair_queries(const fa_range *seg, fa_pair pr, int64_t k0) {
+static inline fa_range fa_pair_queries(const fa_range *seg, fa_pair pr, int64_t k0, int64_t qshift) {
   fa_range q = seg[pr.qseg];
   if (pr.causal) {
-    int64_t first = k0 - seg[pr.kseg].start;
-    int64_t skip = first < q.len ? first : q.len;
+    int64_t first = k0 - qshift - q.start;
+    int64_t skip = first < 0 ? 0 : (first < q.len ? first : q.len);
     q.start += skip;
     q.len -= skip;
   }

@@ -24,7 +24,7 @@ typedef struct {
   const fa_pair *pair;
   const int64_t *qoff, *koff, *kidx;
   const fa_block *qblocks, *kblocks;
-  int64_t nqb, nkb, rows, hq, hkv, d;
+  int64_t nqb, nkb, rows, qshift, hq, hkv, d;
   float scale;
 } fa_gpu_bwd;
 
@@ -50,6 +50,7 @@ static void fa_gpu_dq(const fa_gpu_bwd *b, int dev) {
   const int64_t *qoff = b->qoff;
   const fa_block *blocks = b->qblocks;
   const int64_t hq = b->hq, d = b->d, group = b->hq / b->hkv, pitch = d + 1, bk = fa_gpu_key_tile(d, 1);
+  const int64_t qshift = b->qshift;
   const float scale = b->scale;
   const int nteams = (int)(b->nqb * hq);
   const size_t smem = sizeof(float) * (size_t)(2 * FA_GPU_ROWS * pitch + 2 * bk * pitch + FA_GPU_ROWS * (bk + 1));
@@ -64,7 +65,7 @@ static void fa_gpu_dq(const fa_gpu_bwd *b, int dev) {
     const int64_t team = ompx_block_id_x(), h = team % hq, g = h / group;
     const fa_block blk = blocks[team / hq];
     const int valid = row < blk.len;
-    const int64_t r = blk.start + row, q_rel = r - seg[blk.seg].start;
+    const int64_t r = blk.start + row, q_pos = r + qshift;
     const float row_lse = valid ? lse[r * hq + h] : -INFINITY, row_d = valid ? dsum[r * hq + h] : 0.0f;
     fa_gpu_load_tile(Qs, pitch, FA_GPU_ROWS, q, blk.start, blk.len, h, d, scale, tid);
     fa_gpu_load_tile(Os, pitch, FA_GPU_ROWS, dout, blk.start, blk.len, h, d, 1.0f, tid);
@@ -73,8 +74,8 @@ static void fa_gpu_dq(const fa_gpu_bwd *b, int dev) {
     ompx_sync_block_acq_rel();
     for (int64_t pi = qoff[blk.seg]; pi < qoff[blk.seg + 1]; pi++) {
       const fa_pair pr = pair[pi];
-      const fa_range keys = fa_pair_keys(seg, pr, blk.start, blk.len);
-      const int64_t k0 = keys.start, kn = keys.len, kseg0 = seg[pr.kseg].start;
+      const fa_range keys = fa_pair_keys(seg, pr, blk.start, blk.len, qshift);
+      const int64_t k0 = keys.start, kn = keys.len;
       for (int64_t kb = k0; kb < k0 + kn; kb += bk) {
         const int64_t nk = k0 + kn - kb < bk ? k0 + kn - kb : bk;
         fa_gpu_load_tile(Ks, pitch, bk, k, kb, nk, g, d, 1.0f, tid);
@@ -82,7 +83,7 @@ static void fa_gpu_dq(const fa_gpu_bwd *b, int dev) {
         ompx_sync_block_acq_rel();
         for (int64_t j = lane; j < bk; j += FA_GPU_LANES) {
           float ds = 0.0f;
-          if (valid && j < nk && fa_visible((int)pr.causal, q_rel, kb + j - kseg0)) {
+          if (valid && j < nk && fa_visible((int)pr.causal, q_pos, kb + j)) {
             float s = 0.0f, dp = 0.0f;
             for (int64_t c = 0; c < d; c++) {
               s += Qs[row * pitch + c] * Ks[j * pitch + c];
@@ -120,6 +121,7 @@ static void fa_gpu_dkv(const fa_gpu_bwd *b, int dev) {
   const int64_t *koff = b->koff, *kidx = b->kidx;
   const fa_block *blocks = b->kblocks;
   const int64_t hq = b->hq, hkv = b->hkv, d = b->d, group = b->hq / b->hkv, pitch = d + 1;
+  const int64_t qshift = b->qshift;
   const int64_t bq = fa_gpu_query_tile(d);
   const float scale = b->scale;
   const int nteams = (int)(b->nkb * hkv);
@@ -143,8 +145,8 @@ static void fa_gpu_dkv(const fa_gpu_bwd *b, int dev) {
     for (int t = 0; t < FA_GPU_MAX_COLS; t++) adk[t] = adv[t] = 0.0f;
     for (int64_t j = koff[blk.seg]; j < koff[blk.seg + 1]; j++) {
       const fa_pair pr = pair[kidx[j]];
-      const int64_t qs0 = seg[pr.qseg].start, k_rel = blk.start + row - seg[pr.kseg].start;
-      const fa_range queries = fa_pair_queries(seg, pr, blk.start);
+      const int64_t k_pos = blk.start + row;
+      const fa_range queries = fa_pair_queries(seg, pr, blk.start, qshift);
       const int64_t q0 = queries.start, qn = queries.len;
       for (int64_t hh = 0; hh < group; hh++) {
         const int64_t h = g * group + hh;
@@ -160,7 +162,7 @@ static void fa_gpu_dkv(const fa_gpu_bwd *b, int dev) {
           ompx_sync_block_acq_rel();
           for (int64_t i = lane; i < bq; i += FA_GPU_LANES) {
             float pv = 0.0f, ds = 0.0f;
-            if (valid && i < nq && fa_visible((int)pr.causal, qb + i - qs0, k_rel)) {
+            if (valid && i < nq && fa_visible((int)pr.causal, qb + i + qshift, k_pos)) {
               float s = 0.0f, dp = 0.0f;
               for (int64_t c = 0; c < d; c++) {
                 s += Qs[i * pitch + c] * Ks[row * pitch + c];
@@ -207,7 +209,7 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
   int64_t nkb = fa_plan_blocks(p, FA_GPU_ROWS, 1, &kb_h);
   fa_stage st;
   fa_stage_init(&st, ctx->device, memory == FORKATTN_MEMORY_HOST);
-  fa_gpu_bwd b = {.rows = p->rows, .hq = a->hq, .hkv = a->hkv, .d = a->d, .scale = a->scale,
+  fa_gpu_bwd b = {.rows = p->rows, .qshift = p->qshift, .hq = a->hq, .hkv = a->hkv, .d = a->d, .scale = a->scale,
                   .nqb = nqb, .nkb = nkb};
   int bad = nqb < 0 || nkb < 0;
   if (!bad && (nqb * a->hq > INT_MAX || nkb * a->hkv > INT_MAX)) {

@@ -27,7 +27,7 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
   fa_stage st;
   fa_stage_init(&st, ctx->device, memory == FORKATTN_MEMORY_HOST);
   fa_dev_tensor q, k, v, o;
-  const int64_t rows = p->rows, hq = a->hq, hkv = a->hkv, d = a->d;
+  const int64_t rows = p->rows, qshift = p->qshift, hq = a->hq, hkv = a->hkv, d = a->d;
   float *lse = NULL;
   const fa_range *seg = fa_stage_array(&st, p->seg, sizeof *p->seg * (size_t)p->nseg);
   const fa_pair *pair = fa_stage_array(&st, p->pair, sizeof *p->pair * (size_t)p->npairs);
@@ -62,7 +62,7 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
     const int64_t team = ompx_block_id_x(), h = team % hq, g = h / group;
     const fa_block blk = blocks[team / hq];
     const int valid = row < blk.len;
-    const int64_t q_rel = blk.start + row - seg[blk.seg].start;
+    const int64_t q_pos = blk.start + row + qshift; /* causal masks compare key-frame rows */
 
     fa_gpu_load_tile(Qs, pitch, FA_GPU_ROWS, q, blk.start, blk.len, h, d, scale, tid);
     float acc[FA_GPU_MAX_COLS];
@@ -72,8 +72,8 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
 
     for (int64_t pi = qoff[blk.seg]; pi < qoff[blk.seg + 1]; pi++) {
       const fa_pair pr = pair[pi];
-      const fa_range keys = fa_pair_keys(seg, pr, blk.start, blk.len);
-      const int64_t k0 = keys.start, kn = keys.len, kseg0 = seg[pr.kseg].start;
+      const fa_range keys = fa_pair_keys(seg, pr, blk.start, blk.len, qshift);
+      const int64_t k0 = keys.start, kn = keys.len;
       for (int64_t kb = k0; kb < k0 + kn; kb += bk) {
         const int64_t nk = k0 + kn - kb < bk ? k0 + kn - kb : bk;
         fa_gpu_load_tile(Ks, pitch, bk, k, kb, nk, g, d, 1.0f, tid);
@@ -81,7 +81,7 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
         ompx_sync_block_acq_rel();
         for (int64_t j = lane; j < bk; j += FA_GPU_LANES) {
           float s = -INFINITY;
-          if (valid && j < nk && fa_visible((int)pr.causal, q_rel, kb + j - kseg0)) {
+          if (valid && j < nk && fa_visible((int)pr.causal, q_pos, kb + j)) {
             s = 0.0f;
             for (int64_t c = 0; c < d; c++) s += Qs[row * pitch + c] * Ks[j * pitch + c];
           }

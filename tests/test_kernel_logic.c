@@ -94,7 +94,7 @@ static int plan_sees(const fa_plan *p, int64_t qr, int64_t kr) {
     const fa_pair *pr = &p->pair[i];
     fa_range qs = p->seg[pr->qseg], ks = p->seg[pr->kseg];
     if (qr >= qs.start && qr < qs.start + qs.len && kr >= ks.start && kr < ks.start + ks.len &&
-        fa_visible((int)pr->causal, qr - qs.start, kr - ks.start))
+        fa_visible((int)pr->causal, qr + p->qshift, kr))
       return 1;
   }
   return 0;
@@ -179,20 +179,20 @@ Test(segment_plan, key_and_query_ranges_contain_every_visible_pair) {
       const fa_range qs = p.seg[pr->qseg], ks = p.seg[pr->kseg];
       int64_t q0 = qs.start + tc_randint(&rng, 0, qs.len - 1);
       int64_t qn = tc_randint(&rng, 1, qs.start + qs.len - q0);
-      const fa_range keys = fa_pair_keys(p.seg, *pr, q0, qn);
+      const fa_range keys = fa_pair_keys(p.seg, *pr, q0, qn, p.qshift);
       const int64_t k0 = keys.start, kn = keys.len;
       for (int64_t q = q0; q < q0 + qn; q++)
         for (int64_t k = ks.start; k < ks.start + ks.len; k++)
-          if (fa_visible((int)pr->causal, q - qs.start, k - ks.start))
+          if (fa_visible((int)pr->causal, q + p.qshift, k))
             cr_assert(k >= k0 && k < k0 + kn, "visible key outside the key range");
       /* and the range is tight: its last key is visible to the block's last query */
-      if (kn > 0) cr_assert(fa_visible((int)pr->causal, q0 + qn - 1 - qs.start, k0 + kn - 1 - ks.start));
+      if (kn > 0) cr_assert(fa_visible((int)pr->causal, q0 + qn - 1 + p.qshift, k0 + kn - 1));
       int64_t kb = ks.start + tc_randint(&rng, 0, ks.len - 1), kbn = tc_randint(&rng, 1, ks.start + ks.len - kb);
-      const fa_range queries = fa_pair_queries(p.seg, *pr, kb);
+      const fa_range queries = fa_pair_queries(p.seg, *pr, kb, p.qshift);
       const int64_t a0 = queries.start, an = queries.len;
       for (int64_t q = qs.start; q < qs.start + qs.len; q++)
         for (int64_t k = kb; k < kb + kbn; k++)
-          if (fa_visible((int)pr->causal, q - qs.start, k - ks.start))
+          if (fa_visible((int)pr->causal, q + p.qshift, k))
             cr_assert(q >= a0 && q < a0 + an, "query that sees the key block outside the query range");
     }
     fa_plan_free(&p);

@@ -1,0 +1,26 @@
+/* The call flow every attention layout shares: check arguments, compile the
+ * layout to a segment plan, run segment attention. A layout only supplies its
+ * check and its plan builder. */
+#ifndef FORKATTN_LAYOUT_ATTN_H
+#define FORKATTN_LAYOUT_ATTN_H
+#include "segment_attn.h"
+
+typedef struct fa_layout_ops {
+  /* Validate the layout; on success *rows = its packed row count. */
+  forkattn_status (*check)(forkattn_ctx *ctx, const void *layout, int64_t *rows);
+  /* Compile a checked layout; -1 on allocation failure. */
+  int (*plan)(const void *layout, fa_plan *plan);
+} fa_layout_ops;
+
+forkattn_status fa_layout_fwd(forkattn_ctx *ctx, const fa_layout_ops *ops, const void *layout,
+                              const forkattn_tensor *q, const forkattn_tensor *k,
+                              const forkattn_tensor *v, const forkattn_tensor *o, float *lse,
+                              float scale, forkattn_memory memory);
+
+forkattn_status fa_layout_bwd(forkattn_ctx *ctx, const fa_layout_ops *ops, const void *layout,
+                              const forkattn_tensor *q, const forkattn_tensor *k,
+                              const forkattn_tensor *v, const forkattn_tensor *o,
+                              const forkattn_tensor *dout, const float *lse,
+                              const forkattn_tensor *dq, const forkattn_tensor *dk,
+                              const forkattn_tensor *dv, float scale, forkattn_memory memory);
+#endif

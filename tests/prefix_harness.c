@@ -72,6 +72,26 @@ static double *alloc_doubles(int64_t n) {
   return p;
 }
 
+/* q, k, v, dout of in->T rows, rounded to the dtype. */
+static void draw_tensors(ph_inputs *in, double q_amp, int zero_q, tc_rng *rng) {
+  const double qa = q_amp > 0 ? q_amp : 4.0;
+  const int64_t nq = in->T * in->hq * in->d, nk = in->T * in->hkv * in->d;
+  in->q = alloc_doubles(nq);
+  in->k = alloc_doubles(nk);
+  in->v = alloc_doubles(nk);
+  in->dout = alloc_doubles(nq);
+  /* Scores q.k * scale have std ~ q_amp/3 (1.3 by default): peaked enough
+   * that a wrong max or a wrong key shows, flat enough to mix many keys. */
+  for (int64_t i = 0; i < nq; i++)
+    in->q[i] = zero_q ? 0.0 : ref_round_to_dtype(tc_uniform(rng, -qa, qa), in->dtype);
+  for (int64_t i = 0; i < nk; i++) {
+    in->k[i] = ref_round_to_dtype(tc_uniform(rng, -1.0, 1.0), in->dtype);
+    in->v[i] = ref_round_to_dtype(tc_uniform(rng, -1.0, 1.0), in->dtype);
+  }
+  for (int64_t i = 0; i < nq; i++)
+    in->dout[i] = ref_round_to_dtype(tc_uniform(rng, -1.0, 1.0), in->dtype);
+}
+
 void ph_make_inputs(ph_inputs *in, const ph_case *c, tc_rng *rng) {
   memset(in, 0, sizeof *in);
   cr_assert(c->N >= 0 && c->N <= PH_MAX_RESPONSES);
@@ -89,22 +109,20 @@ void ph_make_inputs(ph_inputs *in, const ph_case *c, tc_rng *rng) {
   in->d = c->d;
   in->dtype = c->dtype;
   in->scale = c->scale > 0 ? c->scale : 1.0 / sqrt((double)c->d);
-  const double qa = c->q_amp > 0 ? c->q_amp : 4.0;
-  const int64_t nq = in->T * c->hq * c->d, nk = in->T * c->hkv * c->d;
-  in->q = alloc_doubles(nq);
-  in->k = alloc_doubles(nk);
-  in->v = alloc_doubles(nk);
-  in->dout = alloc_doubles(nq);
-  /* Scores q.k * scale have std ~ q_amp/3 (1.3 by default): peaked enough
-   * that a wrong max or a wrong key shows, flat enough to mix many keys. */
-  for (int64_t i = 0; i < nq; i++)
-    in->q[i] = c->zero_q ? 0.0 : ref_round_to_dtype(tc_uniform(rng, -qa, qa), c->dtype);
-  for (int64_t i = 0; i < nk; i++) {
-    in->k[i] = ref_round_to_dtype(tc_uniform(rng, -1.0, 1.0), c->dtype);
-    in->v[i] = ref_round_to_dtype(tc_uniform(rng, -1.0, 1.0), c->dtype);
-  }
-  for (int64_t i = 0; i < nq; i++)
-    in->dout[i] = ref_round_to_dtype(tc_uniform(rng, -1.0, 1.0), c->dtype);
+  draw_tensors(in, c->q_amp, c->zero_q, rng);
+}
+
+void ph_make_tree_inputs(ph_inputs *in, const forkattn_tree_layout *tree, int64_t hq, int64_t hkv,
+                         int64_t d, forkattn_dtype dtype, double q_amp, tc_rng *rng) {
+  memset(in, 0, sizeof *in);
+  in->tree = tree;
+  in->T = tree->num_nodes ? tree->node_offsets[tree->num_nodes] : 0;
+  in->hq = hq;
+  in->hkv = hkv;
+  in->d = d;
+  in->dtype = dtype;
+  in->scale = 1.0 / sqrt((double)d);
+  draw_tensors(in, q_amp, 0, rng);
 }
 
 void ph_free_inputs(ph_inputs *in) {
@@ -131,11 +149,16 @@ void ph_reference(ph_outputs *ref, const ph_inputs *in) {
   ref->dq = alloc_doubles(nq);
   ref->dk = alloc_doubles(nk);
   ref->dv = alloc_doubles(nk);
-  ref_prefix_args a = {&in->layout, in->hq, in->hkv, in->d, in->scale,
-                       in->q,       in->k,  in->v,   in->dout};
   ref_prefix_out out = {ref->o, ref->lse, ref->dq, ref->dk, ref->dv};
   const double t0 = tc_now();
-  cr_assert_eq(ref_prefix(&a, &out), 0, "reference failed");
+  if (in->tree) {
+    ref_tree_args a = {in->tree, in->hq, in->hkv, in->d, in->scale, in->q, in->k, in->v, in->dout};
+    cr_assert_eq(ref_tree(&a, &out), 0, "tree reference failed");
+  } else {
+    ref_prefix_args a = {&in->layout, in->hq, in->hkv, in->d, in->scale,
+                         in->q,       in->k,  in->v,   in->dout};
+    cr_assert_eq(ref_prefix(&a, &out), 0, "reference failed");
+  }
   fprintf(stderr, "[time] float64 reference fwd+bwd: %.3f s\n", tc_now() - t0);
 }
 
@@ -270,10 +293,13 @@ void ph_run(ph_outputs *got, const ph_inputs *in, ph_layout lay, int do_bwd, for
   tc_buf_poison(&L.out[1]);
 
   double t0 = tc_now();
-  forkattn_status st = forkattn_prefix_fwd(ctx, &in->layout, &L.q, &L.k, &L.v, &L.o, L.lse,
-                                           (float)in->scale, FORKATTN_MEMORY_HOST);
+  forkattn_status st =
+      in->tree ? forkattn_tree_fwd(ctx, in->tree, &L.q, &L.k, &L.v, &L.o, L.lse, (float)in->scale,
+                                   FORKATTN_MEMORY_HOST)
+               : forkattn_prefix_fwd(ctx, &in->layout, &L.q, &L.k, &L.v, &L.o, L.lse,
+                                     (float)in->scale, FORKATTN_MEMORY_HOST);
   const double t_fwd = tc_now() - t0;
-  cr_assert_eq(st, FORKATTN_OK, "%s: forkattn_prefix_fwd returned %d (%s): %s", label, (int)st,
+  cr_assert_eq(st, FORKATTN_OK, "%s: forward returned %d (%s): %s", label, (int)st,
                forkattn_status_string(st), forkattn_ctx_last_error(ctx));
   expect_unchanged(L.in, 4, label, "forward", in_names);
   expect_written(&L.out[0], label, "forward o");
@@ -298,10 +324,12 @@ void ph_run(ph_outputs *got, const ph_inputs *in, ph_layout lay, int do_bwd, for
       if (L.out[i].alloc)
         tc_buf_poison(&L.out[i]);
     t0 = tc_now();
-    st = forkattn_prefix_bwd(ctx, &in->layout, &L.q, &L.k, &L.v, &L.o, &L.dout, L.lse, &L.dq,
-                             &L.dk, &L.dv, (float)in->scale, FORKATTN_MEMORY_HOST);
+    st = in->tree ? forkattn_tree_bwd(ctx, in->tree, &L.q, &L.k, &L.v, &L.o, &L.dout, L.lse, &L.dq,
+                                      &L.dk, &L.dv, (float)in->scale, FORKATTN_MEMORY_HOST)
+                  : forkattn_prefix_bwd(ctx, &in->layout, &L.q, &L.k, &L.v, &L.o, &L.dout, L.lse,
+                                        &L.dq, &L.dk, &L.dv, (float)in->scale, FORKATTN_MEMORY_HOST);
     t_bwd = tc_now() - t0;
-    cr_assert_eq(st, FORKATTN_OK, "%s: forkattn_prefix_bwd returned %d (%s): %s", label, (int)st,
+    cr_assert_eq(st, FORKATTN_OK, "%s: backward returned %d (%s): %s", label, (int)st,
                  forkattn_status_string(st), forkattn_ctx_last_error(ctx));
     expect_unchanged(L.in, 4, label, "backward", in_names);
     expect_unchanged(L.out, 2, label, "backward", out_names);

@@ -1,6 +1,7 @@
 /*
- * prefix_harness.h - runs forkattn_prefix_fwd/bwd on one shape in one memory
- * layout and checks it against the float64 reference (tests only).
+ * prefix_harness.h - runs forkattn_prefix_fwd/bwd (or forkattn_tree_fwd/bwd)
+ * on one shape in one memory layout and checks it against the float64
+ * reference (tests only).
  *
  * Flow of one check: make_inputs() draws q, k, v, dout (rounded to the
  * dtype, so the reference sees exactly the values the library sees);
@@ -48,6 +49,7 @@ typedef struct ph_tol {
 /** The inputs of one shape, rounded to the dtype, as contiguous doubles. */
 typedef struct ph_inputs {
   forkattn_prefix_layout layout;
+  const forkattn_tree_layout *tree; /* non-NULL: a tree case (layout unused; caller owns it) */
   int64_t off[PH_MAX_RESPONSES + 1];
   int64_t T, hq, hkv, d;
   forkattn_dtype dtype;
@@ -64,6 +66,10 @@ typedef struct ph_outputs {
 void ph_describe(const ph_case *c, char *buf, size_t size);
 /** Draw the inputs of @p c. */
 void ph_make_inputs(ph_inputs *in, const ph_case *c, tc_rng *rng);
+/** Draw inputs for tree attention over @p tree (kept by pointer: keep it alive);
+ *  q ~ U[-q_amp, q_amp] (0: 4.0), k, v, dout ~ U[-1, 1], scale 1/sqrt(d). */
+void ph_make_tree_inputs(ph_inputs *in, const forkattn_tree_layout *tree, int64_t hq, int64_t hkv,
+                         int64_t d, forkattn_dtype dtype, double q_amp, tc_rng *rng);
 void ph_free_inputs(ph_inputs *in);
 /** Float64 reference of @p in (prints its run time). */
 void ph_reference(ph_outputs *ref, const ph_inputs *in);

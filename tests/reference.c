@@ -411,3 +411,86 @@ done:
   free(sdv);
   return rc;
 }
+
+int ref_tree(const ref_tree_args *a, const ref_prefix_out *out) {
+  const forkattn_tree_layout *t = a->tree;
+  const int64_t n = t->num_nodes;
+  if (n < 0 || a->hq <= 0 || a->hkv <= 0 || a->hq % a->hkv != 0 || a->d <= 0) return -1;
+  const int64_t *off = t->node_offsets, *par = t->parents;
+  const int64_t T = n ? off[n] : 0, wq = a->hq * a->d, wk = a->hkv * a->d;
+  const int bwd = a->dout != NULL;
+  for (int64_t i = 0; i < n; i++)
+    if (off[i + 1] < off[i] || par[i] < -1 || par[i] >= i) return -1;
+  /* path length of every node (ancestors' rows + own rows) */
+  int64_t *plen = malloc((size_t)(n + 1) * sizeof *plen), max_len = 0;
+  int64_t *rows = NULL;
+  double *sq = NULL, *sk = NULL, *sv = NULL, *so = NULL, *slse = NULL, *sdo = NULL, *sdq = NULL,
+         *sdk = NULL, *sdv = NULL;
+  int rc = -1;
+  if (!plen) return -1;
+  for (int64_t i = 0; i < n; i++) {
+    plen[i] = (par[i] >= 0 ? plen[par[i]] : 0) + off[i + 1] - off[i];
+    if (plen[i] > max_len) max_len = plen[i];
+  }
+  const size_t nq = (size_t)(max_len * wq) + 1, nk = (size_t)(max_len * wk) + 1;
+  rows = malloc((size_t)(max_len + 1) * sizeof *rows);
+  sq = malloc(nq * sizeof *sq);
+  sk = malloc(nk * sizeof *sk);
+  sv = malloc(nk * sizeof *sv);
+  so = malloc(nq * sizeof *so);
+  slse = malloc((size_t)(max_len * a->hq + 1) * sizeof *slse);
+  if (bwd) {
+    sdo = malloc(nq * sizeof *sdo);
+    sdq = malloc(nq * sizeof *sdq);
+    sdk = malloc(nk * sizeof *sdk);
+    sdv = malloc(nk * sizeof *sdv);
+  }
+  if (!rows || !sq || !sk || !sv || !so || !slse || (bwd && (!sdo || !sdq || !sdk || !sdv))) goto done;
+  if (bwd && out->dk) memset(out->dk, 0, (size_t)(T * wk) * sizeof *out->dk);
+  if (bwd && out->dv) memset(out->dv, 0, (size_t)(T * wk) * sizeof *out->dv);
+  for (int64_t x = 0; x < n; x++) {
+    const int64_t len = off[x + 1] - off[x], L = plen[x], own = L - len;
+    if (len == 0) continue;
+    /* the path's rows, root first: walk up filling from the back */
+    int64_t pos = L;
+    for (int64_t y = x; y >= 0; y = par[y])
+      for (int64_t r = off[y + 1] - 1; r >= off[y]; r--) rows[--pos] = r;
+    for (int64_t j = 0; j < L; j++) {
+      copy_rows(sq, j, a->q, rows[j], 1, wq);
+      copy_rows(sk, j, a->k, rows[j], 1, wk);
+      copy_rows(sv, j, a->v, rows[j], 1, wk);
+      if (bwd) {
+        if (j < own)
+          memset(sdo + j * wq, 0, (size_t)wq * sizeof *sdo); /* ancestors' loss is counted at their own node */
+        else
+          copy_rows(sdo, j, a->dout, rows[j], 1, wq);
+      }
+    }
+    if (ref_attention_dense(L, 0, own, FORKATTN_MASK_CAUSAL, a->hq, a->hkv, a->d, a->scale, sq, sk, sv,
+                            bwd ? sdo : NULL, so, slse, sdq, sdk, sdv) != 0)
+      goto done;
+    if (out->o) copy_rows(out->o, off[x], so, own, len, wq);
+    if (out->lse) copy_rows(out->lse, off[x], slse, own, len, a->hq);
+    if (!bwd) continue;
+    if (out->dq) copy_rows(out->dq, off[x], sdq, own, len, wq);
+    for (int64_t j = 0; j < L; j++)
+      for (int64_t c = 0; c < wk; c++) {
+        if (out->dk) out->dk[rows[j] * wk + c] += sdk[j * wk + c];
+        if (out->dv) out->dv[rows[j] * wk + c] += sdv[j * wk + c];
+      }
+  }
+  rc = 0;
+done:
+  free(plen);
+  free(rows);
+  free(sq);
+  free(sk);
+  free(sv);
+  free(so);
+  free(slse);
+  free(sdo);
+  free(sdq);
+  free(sdk);
+  free(sdv);
+  return rc;
+}

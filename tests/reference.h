@@ -1,5 +1,5 @@
 /*
- * reference.h - float64 reference of shared-prompt attention (tests only).
+ * reference.h - float64 reference of shared-prompt and tree attention (tests only).
  *
  * The reference follows the REPLICATED formulation with a materialized
  * softmax, i.e. the computation the packed library call must be equivalent
@@ -128,6 +128,26 @@ typedef struct ref_prefix_out {
  * Returns 0, or -1 on an inconsistent layout, bad sizes or allocation failure.
  */
 int ref_prefix(const ref_prefix_args *args, const ref_prefix_out *out);
+
+/** Inputs of the tree reference: same tensors as ref_prefix_args, T = node_offsets[n]. */
+typedef struct ref_tree_args {
+  const forkattn_tree_layout *tree;
+  int64_t hq, hkv, d;
+  double scale;
+  const double *q, *k, *v;
+  const double *dout; /* or NULL: forward only */
+} ref_tree_args;
+
+/**
+ * Tree attention in the replicated formulation: for every node x, the sequence
+ * [rows of x's ancestors, root first ; rows of x] runs plain causal attention
+ * (ref_attention_dense) with only x's rows evaluated and carrying dout; x's
+ * o, lse, dq come from it, and the copy's dk/dv are added to the rows they
+ * were copied from. A node's dk/dv is thus its own part plus the sum over
+ * every descendant, exactly as if every root-to-leaf path were trained as a
+ * separate sequence. Returns 0, or -1 on a bad layout or allocation failure.
+ */
+int ref_tree(const ref_tree_args *args, const ref_prefix_out *out);
 
 #ifdef __cplusplus
 }

@@ -140,6 +140,65 @@ Test(segment_plan, prefix_plan_matches_the_mask_exactly) {
   }
 }
 
+/* What the tree mask says directly: k's node is an ancestor of q's node, or
+ * the same node with k <= q (node_of: row -> node; parents < index). */
+static int tree_sees(const int64_t *node_of, const int64_t *par, int64_t qr, int64_t kr) {
+  const int64_t x = node_of[qr], y = node_of[kr];
+  if (x == y) return kr <= qr;
+  for (int64_t a = par[x]; a >= 0; a = par[a])
+    if (a == y) return 1;
+  return 0;
+}
+
+Test(segment_plan, tree_plan_matches_the_mask_exactly) {
+  tc_rng rng = tc_rng_for("segment_plan.tree");
+  for (int trial = 0; trial < 80; trial++) {
+    /* random trees with empty nodes, chains of only children, forests */
+    const int64_t n = tc_randint(&rng, 1, 14);
+    int64_t off[16] = {0}, par[15], node_of[15 * 5 + 1];
+    for (int64_t i = 0; i < n; i++) {
+      const int64_t kind = tc_randint(&rng, 0, 3);
+      par[i] = i == 0 || kind == 0 ? -1 : (kind == 1 ? i - 1 : tc_randint(&rng, 0, i - 1));
+      off[i + 1] = off[i] + tc_randint(&rng, 0, 5);
+      for (int64_t r = off[i]; r < off[i + 1]; r++) node_of[r] = i;
+    }
+    fa_plan p;
+    cr_assert_eq(fa_plan_tree(&p, n, off, par, 1), 0);
+    cr_assert_eq(p.rows, off[n]);
+    for (int64_t q = 0; q < off[n]; q++)
+      for (int64_t k = 0; k < off[n]; k++)
+        cr_assert_eq(plan_sees(&p, q, k), tree_sees(node_of, par, q, k), "trial %d q=%lld k=%lld", trial,
+                     (long long)q, (long long)k);
+    /* each (query, key) is reached through one pair at most: no key counted twice */
+    for (int64_t q = 0; q < off[n]; q++)
+      for (int64_t k = 0; k < off[n]; k++) {
+        int hits = 0;
+        for (int64_t i = 0; i < p.npairs; i++) {
+          const fa_pair *pr = &p.pair[i];
+          const fa_range qs = p.seg[pr->qseg], ks = p.seg[pr->kseg];
+          hits += q >= qs.start && q < qs.start + qs.len && k >= ks.start && k < ks.start + ks.len &&
+                  fa_visible((int)pr->causal, q, k);
+        }
+        cr_assert_leq(hits, 1, "key %lld reached %d times from query %lld", (long long)k, hits, (long long)q);
+      }
+    fa_plan_free(&p);
+  }
+}
+
+Test(segment_plan, chain_of_only_children_is_one_key_segment) {
+  int64_t off[1001], par[1000];
+  off[0] = 0;
+  for (int64_t i = 0; i < 1000; i++) {
+    par[i] = i - 1;
+    off[i + 1] = off[i] + 1 + i % 3;
+  }
+  fa_plan p;
+  cr_assert_eq(fa_plan_tree(&p, 1000, off, par, 1), 0);
+  cr_expect_eq(p.npairs, 1000, "one pair per node, not one per ancestor");
+  cr_expect_eq(p.nseg, 1001, "1000 query segments + one key segment");
+  fa_plan_free(&p);
+}
+
 Test(segment_plan, blocks_cover_every_row_once_heaviest_first) {
   tc_rng rng = tc_rng_for("segment_plan.blocks");
   for (int trial = 0; trial < 40; trial++) {

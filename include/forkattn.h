@@ -389,6 +389,109 @@ FORKATTN_API forkattn_status forkattn_tree_bwd(forkattn_ctx *ctx, const forkattn
                                                forkattn_memory memory);
 /**@}*/
 
+/** @name DFS path stack
+ * Depth-first execution of a tree for frameworks that run a whole model
+ * segment by segment (AReaL-DTA): only the KV of the active root-to-node path
+ * is resident. Forward: push(node's k, v); attend_fwd(node's q); visit the
+ * children; pop. Backward, the same walk: push; attend_bwd(node's q, dout)
+ * adds the node's share of dk/dv to every node on the stack; visit the
+ * children; pop(dk, dv) hands back the node's complete dk/dv (its own rows'
+ * share plus every descendant's). Peak memory follows the deepest path, not
+ * the tree. Host memory; any backend (the GPU backend stages each call). */
+/**@{*/
+
+/** A path stack (opaque). Bound to the context that created it; its errors are
+ *  reported through forkattn_ctx_last_error() of that context. */
+typedef struct forkattn_path forkattn_path;
+
+/**
+ * Create an empty path stack.
+ *
+ * @param ctx the context (not thread-safe: one path per context at a time)
+ * @param dtype storage dtype of every tensor given to the path
+ * @param heads_q query heads Hq (a multiple of heads_kv)
+ * @param heads_kv KV heads Hkv
+ * @param head_dim d (1..256)
+ * @param path receives the stack (NULL on error)
+ * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT; FORKATTN_ERR_OUT_OF_MEMORY
+ */
+FORKATTN_API forkattn_status forkattn_path_create(forkattn_ctx *ctx, forkattn_dtype dtype,
+                                                  int64_t heads_q, int64_t heads_kv,
+                                                  int64_t head_dim, forkattn_path **path);
+
+/** Free a path stack (NULL is a no-op). @param path the stack */
+FORKATTN_API void forkattn_path_destroy(forkattn_path *path);
+
+/**
+ * Push a node: copy its keys and values (n rows, n >= 1) on top of the stack
+ * and start its dk/dv at zero.
+ *
+ * @param path the stack
+ * @param k keys [n, Hkv, d]
+ * @param v values [n, Hkv, d]
+ * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT; FORKATTN_ERR_OUT_OF_MEMORY
+ */
+FORKATTN_API forkattn_status forkattn_path_push(forkattn_path *path, const forkattn_tensor *k,
+                                                const forkattn_tensor *v);
+
+/**
+ * Attention of the top node's queries: every row sees all rows of the nodes
+ * below it on the stack and, causally, its own node's rows. Equal to
+ * forkattn_tree_fwd() on the tree's rows of that node.
+ *
+ * @param path the stack (not empty)
+ * @param q queries [n, Hq, d] of the top node (n = its rows)
+ * @param o output [n, Hq, d]
+ * @param lse optional float32 [n, Hq] (needed by forkattn_path_attend_bwd())
+ * @param scale softmax scale (finite, > 0)
+ * @return as forkattn_tree_fwd()
+ */
+FORKATTN_API forkattn_status forkattn_path_attend_fwd(forkattn_path *path, const forkattn_tensor *q,
+                                                      const forkattn_tensor *o, float *lse,
+                                                      float scale);
+
+/**
+ * Backward of forkattn_path_attend_fwd() for the top node: writes dq of its
+ * rows and adds their dk/dv contributions to every node on the stack.
+ *
+ * @param path the stack (not empty), holding the same KV as in the forward
+ * @param q queries [n, Hq, d]
+ * @param o the forward's output [n, Hq, d]
+ * @param dout gradient of the loss with respect to o [n, Hq, d]
+ * @param lse float32 [n, Hq] from the forward (required)
+ * @param dq output [n, Hq, d], overwritten
+ * @param scale the forward's scale
+ * @return as forkattn_tree_bwd()
+ */
+FORKATTN_API forkattn_status forkattn_path_attend_bwd(forkattn_path *path, const forkattn_tensor *q,
+                                                      const forkattn_tensor *o,
+                                                      const forkattn_tensor *dout, const float *lse,
+                                                      const forkattn_tensor *dq, float scale);
+
+/**
+ * Pop the top node, handing back its accumulated dk/dv: the sum of every
+ * forkattn_path_attend_bwd() made while it was on the stack.
+ *
+ * @param path the stack (not empty)
+ * @param dk output [n, Hkv, d] (n = the node's rows), or NULL to discard
+ * @param dv output [n, Hkv, d], or NULL to discard
+ * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT (nothing popped)
+ */
+FORKATTN_API forkattn_status forkattn_path_pop(forkattn_path *path, const forkattn_tensor *dk,
+                                               const forkattn_tensor *dv);
+
+/** @param path the stack @return nodes on the stack */
+FORKATTN_API int64_t forkattn_path_depth(const forkattn_path *path);
+
+/** @param path the stack @return rows on the stack (the active path's length) */
+FORKATTN_API int64_t forkattn_path_rows(const forkattn_path *path);
+
+/** Largest number of bytes the stack's own buffers (K, V, dK/dV accumulators
+ *  and backward scratch) have held since creation.
+ *  @param path the stack @return bytes */
+FORKATTN_API size_t forkattn_path_peak_bytes(const forkattn_path *path);
+/**@}*/
+
 /** @name Rollout tries
  * Build the deduplicated prefix tree of a set of rollouts and the maps a
  * trainer needs to go between per-sequence tensors and packed rows. A trie is
@@ -406,8 +509,11 @@ typedef struct forkattn_trie forkattn_trie;
  * Build the trie of N token sequences. Each node is a maximal run of tokens
  * shared by the same set of sequences; a node also ends where a sequence ends,
  * so every sequence is exactly a root-to-node path. Identical sequences share
- * every row. Rows are packed in depth-first order, children in order of first
- * appearance. Sequences whose first tokens differ give a forest (several roots).
+ * every row. Rows are packed in depth-first order (every subtree is a
+ * contiguous range of nodes and of rows), children in order of first
+ * appearance (the first sequence through them). Sequences whose first tokens
+ * differ give a forest (several roots). Expected time O(total tokens); no
+ * recursion, so any depth works.
  *
  * @param ctx the context (error messages)
  * @param num_sequences N >= 1
@@ -427,8 +533,10 @@ FORKATTN_API forkattn_status forkattn_trie_from_sequences(forkattn_ctx *ctx, int
 /**
  * Build from a tree the caller already has, given per node: its parent and its
  * number of tokens. Nodes may be listed in any order; they are repacked in
- * depth-first order (children in increasing input index). Cycles, parents out
- * of range and nodes of length < 1 are errors.
+ * depth-first order (children in increasing input index) and kept as given
+ * (a node with one child is not merged into it). forkattn_trie_input_nodes()
+ * maps input nodes to packed ones. Cycles, parents out of range, nodes of
+ * length < 1 and token counts that overflow int64 are errors.
  *
  * @param ctx the context
  * @param num_nodes n >= 1
@@ -444,8 +552,12 @@ FORKATTN_API forkattn_status forkattn_trie_from_parents(forkattn_ctx *ctx, int64
                                                         forkattn_trie **trie);
 
 /**
- * Build from a per-token parent array: token i follows token parents[i] (-1 for
- * a first token). Maximal chains of single-child tokens become nodes.
+ * Build from a per-token parent array: token i follows token token_parents[i]
+ * (-1 for a first token). Maximal chains of only children become nodes: a
+ * token starts a node when it is a first token or has siblings. Children are
+ * packed in increasing index of their first token, so tokens numbered in order
+ * of first appearance give the same trie as forkattn_trie_from_sequences() on
+ * the root-to-leaf paths. Cycles and parents out of range are errors.
  *
  * @param ctx the context
  * @param num_tokens n >= 1
@@ -469,11 +581,12 @@ FORKATTN_API forkattn_tree_layout forkattn_trie_layout(const forkattn_trie *trie
 FORKATTN_API int64_t forkattn_trie_num_rows(const forkattn_trie *trie);
 
 /** Tokens before deduplication: the sum of sequence lengths (from sequences) or of
- *  root-to-leaf path lengths (from parents). @param trie the trie @return the count */
+ *  root-to-leaf path lengths over the leaves (from node or token parents).
+ *  @param trie the trie @return the count (0 for NULL) */
 FORKATTN_API int64_t forkattn_trie_replicated_tokens(const forkattn_trie *trie);
 
 /** Deduplication ratio: replicated tokens / packed rows (>= 1).
- *  @param trie the trie @return the ratio */
+ *  @param trie the trie @return the ratio (0 for NULL) */
 FORKATTN_API double forkattn_trie_dedup_ratio(const forkattn_trie *trie);
 
 /**
@@ -485,6 +598,13 @@ FORKATTN_API double forkattn_trie_dedup_ratio(const forkattn_trie *trie);
  * @param trie the trie @return an array of the input's token count
  */
 FORKATTN_API const int64_t *forkattn_trie_input_rows(const forkattn_trie *trie);
+
+/**
+ * Packed node index of every input node, for tries built by
+ * forkattn_trie_from_parents() (entry i: where input node i went).
+ * @param trie the trie @return [num_nodes], or NULL for other tries
+ */
+FORKATTN_API const int64_t *forkattn_trie_input_nodes(const forkattn_trie *trie);
 
 /** Node (packed index) of every row. @param trie the trie @return [T] */
 FORKATTN_API const int64_t *forkattn_trie_row_nodes(const forkattn_trie *trie);
@@ -499,6 +619,167 @@ FORKATTN_API const int64_t *forkattn_trie_node_depths(const forkattn_trie *trie)
 /** Token id of every row (tries built from sequences; NULL otherwise).
  *  @param trie the trie @return [T] or NULL */
 FORKATTN_API const int64_t *forkattn_trie_row_tokens(const forkattn_trie *trie);
+/**@}*/
+
+/** @name Tree cost model, partitioning and batch planning
+ * Predict what a tree costs, split a tree across ranks or GPUs with balanced
+ * cost (duplicating shared ancestors where a subtree is split), and group the
+ * independent trees of a forest into launches, choosing per launch between
+ * tree execution and plain per-sequence attention. All host-side. */
+/**@{*/
+
+/** Linear cost model of one forward + backward of tree attention. */
+typedef struct forkattn_tree_cost_model {
+  int64_t heads_q;     /**< query heads of the calls being modelled (>= 1) */
+  int64_t head_dim;    /**< head dimension (>= 1) */
+  double sec_per_mac;  /**< seconds per visible (query row, key row, head, dim) term */
+  double sec_per_row;  /**< seconds per packed row and query head */
+  double sec_per_pair; /**< seconds per (node, key segment) pair: tile edges, plan, launch share */
+} forkattn_tree_cost_model;
+
+/**
+ * A model with the given shape and coefficients measured by timing a few
+ * trees (a chain, a star, a random trie) with forkattn_tree_fwd() and
+ * forkattn_tree_bwd() on the context's backend (host memory), fitted by least
+ * squares. Takes about a second.
+ *
+ * @param ctx the context whose backend is timed
+ * @param heads_q query heads
+ * @param heads_kv KV heads (divides heads_q)
+ * @param head_dim head dimension
+ * @param dtype storage dtype
+ * @param model receives the fitted model
+ * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT; FORKATTN_ERR_OUT_OF_MEMORY; or a kernel error
+ */
+FORKATTN_API forkattn_status forkattn_tree_cost_model_calibrate(forkattn_ctx *ctx, int64_t heads_q,
+                                                                int64_t heads_kv, int64_t head_dim,
+                                                                forkattn_dtype dtype,
+                                                                forkattn_tree_cost_model *model);
+
+/**
+ * Predicted seconds of forward + backward tree attention over @p tree.
+ *
+ * @param ctx the context (error messages)
+ * @param tree the packed tree
+ * @param model the cost model
+ * @param seconds receives the prediction
+ * @return FORKATTN_OK or FORKATTN_ERR_INVALID_ARGUMENT
+ */
+FORKATTN_API forkattn_status forkattn_tree_cost(forkattn_ctx *ctx, const forkattn_tree_layout *tree,
+                                                const forkattn_tree_cost_model *model, double *seconds);
+
+/** A partition of a tree into parts (opaque). */
+typedef struct forkattn_partition forkattn_partition;
+
+/**
+ * Assign the leaves of @p tree (and so its root-to-leaf paths) to
+ * @p num_parts parts so that the largest part's predicted cost over the mean
+ * is as small as possible. Each part is a sub-forest of the tree: the nodes
+ * of its leaves' paths, packed in the tree's order. A node belongs to every
+ * part that holds one of its leaves (shared ancestors are duplicated) and is
+ * owned by exactly one of them; a part runs attention over all of its rows and
+ * counts outputs and losses only on the rows it owns. Summing every part's
+ * dq/dk/dv scattered to global rows (with dout = 0 on rows a part does not
+ * own) gives the single-process gradients.
+ *
+ * @param ctx the context (error messages)
+ * @param tree the packed tree
+ * @param num_parts >= 1 (parts may be empty when there are fewer leaves)
+ * @param model the cost model balanced
+ * @param partition receives the partition (NULL on error)
+ * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT; FORKATTN_ERR_OUT_OF_MEMORY
+ */
+FORKATTN_API forkattn_status forkattn_tree_partition(forkattn_ctx *ctx, const forkattn_tree_layout *tree,
+                                                     int64_t num_parts,
+                                                     const forkattn_tree_cost_model *model,
+                                                     forkattn_partition **partition);
+
+/** Free a partition (NULL is a no-op). @param partition the partition */
+FORKATTN_API void forkattn_partition_free(forkattn_partition *partition);
+
+/** @param partition the partition @return its number of parts */
+FORKATTN_API int64_t forkattn_partition_num_parts(const forkattn_partition *partition);
+
+/** The sub-forest of one part, in the part's own packed rows (arrays owned by
+ *  the partition). @param partition the partition @param part 0 <= part < parts
+ *  @return the layout (num_nodes 0 for an empty part or a bad index) */
+FORKATTN_API forkattn_tree_layout forkattn_partition_layout(const forkattn_partition *partition,
+                                                            int64_t part);
+
+/** Global row (in the partitioned tree) of every row of a part.
+ *  @param partition the partition @param part the part
+ *  @param num_rows receives the part's row count (may be NULL)
+ *  @return [num_rows] row indices, or NULL for an empty part or a bad index */
+FORKATTN_API const int64_t *forkattn_partition_rows(const forkattn_partition *partition, int64_t part,
+                                                    int64_t *num_rows);
+
+/** Ownership of every row of a part: 1 where this part owns the row, 0 for a
+ *  duplicated ancestor row owned by another part.
+ *  @param partition the partition @param part the part @return [num_rows] or NULL */
+FORKATTN_API const unsigned char *forkattn_partition_owned(const forkattn_partition *partition,
+                                                           int64_t part);
+
+/** Predicted cost of one part (duplicated rows included).
+ *  @param partition the partition @param part the part @return seconds (0 for a bad index) */
+FORKATTN_API double forkattn_partition_cost(const forkattn_partition *partition, int64_t part);
+
+/** Largest part cost over the mean part cost (1 = perfect balance).
+ *  @param partition the partition @return the ratio */
+FORKATTN_API double forkattn_partition_imbalance(const forkattn_partition *partition);
+
+/** How a batch of the batch plan runs. */
+typedef enum forkattn_exec_mode {
+  FORKATTN_EXEC_TREE = 0,      /**< tree attention over the batch's packed trees */
+  FORKATTN_EXEC_REPLICATED = 1 /**< plain causal attention per root-to-leaf sequence */
+} forkattn_exec_mode;
+
+/** A batch plan (opaque). */
+typedef struct forkattn_batch_plan forkattn_batch_plan;
+
+/**
+ * Group the root trees of a packed forest (one tree per prompt, say) into
+ * batches of at most @p max_batch_rows rows, trees of similar cost together
+ * (one launch each), every tree in exactly one batch (a tree larger than the
+ * limit gets a batch of its own). For every batch, decide from the model
+ * whether tree execution pays against running each root-to-leaf sequence
+ * separately (low deduplication or many tiny segments do not), and record why.
+ *
+ * @param ctx the context (error messages)
+ * @param forest the packed forest
+ * @param max_batch_rows >= 1
+ * @param model the cost model (its sec_per_pair term is what tiny segments cost)
+ * @param plan receives the plan (NULL on error)
+ * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT; FORKATTN_ERR_OUT_OF_MEMORY
+ */
+FORKATTN_API forkattn_status forkattn_tree_plan_batches(forkattn_ctx *ctx,
+                                                        const forkattn_tree_layout *forest,
+                                                        int64_t max_batch_rows,
+                                                        const forkattn_tree_cost_model *model,
+                                                        forkattn_batch_plan **plan);
+
+/** Free a batch plan (NULL is a no-op). @param plan the plan */
+FORKATTN_API void forkattn_batch_plan_free(forkattn_batch_plan *plan);
+
+/** @param plan the plan @return the number of batches */
+FORKATTN_API int64_t forkattn_batch_plan_count(const forkattn_batch_plan *plan);
+
+/** The sub-forest of one batch in its own packed rows (arrays owned by the plan).
+ *  @param plan the plan @param batch the batch index @return the layout */
+FORKATTN_API forkattn_tree_layout forkattn_batch_plan_layout(const forkattn_batch_plan *plan,
+                                                             int64_t batch);
+
+/** Global row of every row of a batch. @param plan the plan @param batch the batch
+ *  @param num_rows receives the row count (may be NULL) @return [num_rows] or NULL */
+FORKATTN_API const int64_t *forkattn_batch_plan_rows(const forkattn_batch_plan *plan, int64_t batch,
+                                                     int64_t *num_rows);
+
+/** @param plan the plan @param batch the batch @return how the batch should run */
+FORKATTN_API forkattn_exec_mode forkattn_batch_plan_mode(const forkattn_batch_plan *plan,
+                                                         int64_t batch);
+
+/** Why the batch runs that way, with the predicted costs of both modes and the
+ *  deduplication ratio. @param plan the plan @param batch the batch @return a string owned by the plan */
+FORKATTN_API const char *forkattn_batch_plan_reason(const forkattn_batch_plan *plan, int64_t batch);
 /**@}*/
 
 #ifdef __cplusplus

@@ -3,6 +3,7 @@
  * NaN stays NaN. */
 #ifndef FORKATTN_DTYPE_CONVERT_H
 #define FORKATTN_DTYPE_CONVERT_H
+#include <stddef.h>
 #include <stdint.h>
 
 #pragma omp declare target
@@ -81,6 +82,9 @@ static inline void fa_store(void *p, int dtype, int64_t i, float x) {
   else
     ((uint16_t *)p)[i] = fa_f32_to_f16(x);
 }
+
+/* Bytes per element of a dtype (f32 4, bf16 and f16 2). */
+static inline size_t fa_esize(int dtype) { return dtype == 0 ? 4 : 2; }
 
 #pragma omp end declare target
 #endif

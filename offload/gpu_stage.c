@@ -1,12 +1,12 @@
 /* Staging of host tensors to dense device buffers and back. */
 #include "alloc.h"
+#include "dtype_convert.h"
 #include "gpu_stage.h"
 
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
-static size_t fa_esize(int dtype) { return dtype == FORKATTN_DTYPE_F32 ? 4 : 2; }
 
 static int fa_dense(const forkattn_tensor *t) {
   return t->head_stride == t->head_dim && t->row_stride == t->heads * t->head_dim;

@@ -495,14 +495,17 @@ FORKATTN_API size_t forkattn_path_peak_bytes(const forkattn_path *path);
 /** @name Rollout tries
  * Build the deduplicated prefix tree of a set of rollouts and the maps a
  * trainer needs to go between per-sequence tensors and packed rows. A trie is
- * an immutable object; the arrays its accessors return live as long as it. */
+ * an immutable object; the arrays its accessors return live as long as it
+ * (accessors given NULL return 0 or NULL). Builders check every argument
+ * before building, never recurse, and work on the host. */
 /**@{*/
 
 /** A built trie (opaque). */
 typedef struct forkattn_trie forkattn_trie;
 
 /** Flag for the builders: fail with FORKATTN_ERR_INVALID_ARGUMENT unless the
- *  tree has exactly one root (e.g. every rollout starts with the same prompt). */
+ *  tree has exactly one root (e.g. every rollout starts with the same prompt;
+ *  for sequences: every sequence starts with the same token). */
 #define FORKATTN_TRIE_SINGLE_ROOT 1u
 
 /**
@@ -522,8 +525,9 @@ typedef struct forkattn_trie forkattn_trie;
  * @param tokens seq_offsets[N] token ids
  * @param flags 0 or ::FORKATTN_TRIE_SINGLE_ROOT
  * @param trie receives the trie (NULL on error)
- * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT (nothing allocated);
- *         FORKATTN_ERR_OUT_OF_MEMORY
+ * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT (ctx or trie NULL, unknown
+ *         flags, or bad input; the message names the argument, index and value);
+ *         FORKATTN_ERR_OUT_OF_MEMORY. On error nothing stays allocated.
  */
 FORKATTN_API forkattn_status forkattn_trie_from_sequences(forkattn_ctx *ctx, int64_t num_sequences,
                                                           const int64_t *seq_offsets,

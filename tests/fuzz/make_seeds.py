@@ -202,10 +202,124 @@ def ctx_seeds():
     write(t, "seed-memcpy-unknown-kind-huge", ctx(memcpy=(1, 1, 0, 2, 0, 0xF2, 0) + tuple(extreme(X_I64MAX))))
 
 
+# ---- fuzz_trie --------------------------------------------------------------
+# mode [flags u32] then per builder (see fuzz_trie.c):
+#   sequences:     N, offsets kind, offsets, alphabet, tokens
+#   node parents:  n, parents, lengths, shuffle
+#   token parents: n, parents, shuffle
+T_SEQ, T_PAR, T_TOK = 0, 1, 2
+T_SINGLE, T_RAWFLAGS, T_NULL_A, T_NULL_B, T_NULL_CTX, T_NULL_OUT = 4, 8, 16, 32, 64, 128
+
+
+def count(v, base):
+    """fz_int(base, range) tag for v >= base (v - base < 0xC0)."""
+    return small(v - base)
+
+
+def parent_earlier(i, p):
+    """fz_parent tag for entry i: -1 or an earlier entry p."""
+    assert -1 <= p < i
+    return [i - 1 - p]
+
+
+def parent_any(p):
+    """fz_parent tag for any parent in [-1, 63)."""
+    return [0x80 + p + 1]
+
+
+def trie_seqs(seqs, mode=T_SEQ, alphabet=8, raw_offsets=None, n=None):
+    out = [mode] + (count(len(seqs), 1) if n is None else list(n))
+    if raw_offsets is not None:
+        out += [1] + [b for o in raw_offsets for b in (o if isinstance(o, list) else small(o))]
+    else:
+        out += [0] + [b for q in seqs for b in count(len(q), 1)]
+    out += [alphabet - 1]
+    for q in seqs:
+        for t in q:
+            out += t if isinstance(t, list) else [t]
+    return out
+
+
+def trie_tree(parents, lengths=None, mode=T_PAR, shuffle=0, n=None):
+    """parents: per entry a tag list (parent_earlier / parent_any / raw tags)."""
+    out = [mode] + (count(len(parents), 1) if n is None else list(n))
+    for p in parents:
+        out += p
+    for l in lengths or []:
+        out += l if isinstance(l, list) else count(l, 1)
+    return out + [shuffle]
+
+
+def tree_tags(par):
+    """Tags for a parents list in which every parent comes first (or -1)."""
+    return [parent_earlier(i, p) for i, p in enumerate(par)]
+
+
+def trie_seeds():
+    t = "fuzz_trie"
+    write(t, "seed-empty", [])
+    prompt = [3, 1, 4, 1, 5]
+    grpo = [prompt + [2, 6], prompt + [2, 7, 7], prompt + [0], prompt + [2, 6], prompt[:3], prompt + [2]]
+    write(t, "seed-seq-grpo-single-root", trie_seqs(grpo, mode=T_SEQ | T_SINGLE))
+    write(t, "seed-seq-forest", trie_seqs([[1, 2, 3], [4, 2], [1, 2, 5], [4], [6, 6, 6, 6]]))
+    write(t, "seed-seq-binary-alphabet", trie_seqs([[0, 1, 0, 1, 1], [0, 1, 1], [1, 0], [0, 1, 0, 1, 1, 0]], alphabet=2))
+    write(t, "seed-seq-one-symbol", trie_seqs([[0] * 5, [0] * 2, [0] * 9, [0] * 5], alphabet=1))
+    write(t, "seed-seq-raw-tokens", trie_seqs([[[0xF0] + list(struct.pack("<q", -(1 << 62))), 1],
+                                               [[0xF0] + list(struct.pack("<q", -(1 << 62))), 2]]))
+    write(t, "seed-seq-bad-empty-sequence", trie_seqs([[1, 2, 3], [], [1, 2]], raw_offsets=(0, 3, 3, 5)))
+    write(t, "seed-seq-bad-first-offset", trie_seqs([[1, 2]], raw_offsets=(2, 4)))
+    write(t, "seed-seq-bad-decreasing", trie_seqs([[1, 2, 3], [1]], raw_offsets=(0, 3, 1)))
+    write(t, "seed-seq-bad-huge-offset-wraps", [T_SEQ] + count(2, 1) + [0] + extreme(X_I64MAX) + extreme(X_TWO))
+    write(t, "seed-seq-bad-num-zero", trie_seqs([[1]], n=extreme(X_ZERO)))
+    write(t, "seed-seq-bad-num-negative", trie_seqs([[1]], n=neg(-1)))
+    write(t, "seed-seq-bad-num-min", trie_seqs([[1]], n=extreme(X_I64MIN)))
+    write(t, "seed-seq-bad-single-root", trie_seqs([[1, 2], [1, 3], [2, 3]], mode=T_SEQ | T_SINGLE))
+    write(t, "seed-seq-bad-offsets-null", trie_seqs(grpo, mode=T_SEQ | T_NULL_A))
+    write(t, "seed-seq-bad-tokens-null", trie_seqs(grpo, mode=T_SEQ | T_NULL_B))
+    write(t, "seed-seq-bad-ctx-null", trie_seqs(grpo, mode=T_SEQ | T_NULL_CTX))
+    write(t, "seed-seq-bad-output-null", trie_seqs(grpo, mode=T_SEQ | T_NULL_OUT))
+    write(t, "seed-seq-bad-flags", [T_SEQ | T_RAWFLAGS, 3, 0, 0, 0] + trie_seqs(grpo)[1:])
+
+    tree = [-1, 0, 0, 1, 1, 2, 5]
+    write(t, "seed-par-tree", trie_tree(tree_tags(tree), [4, 1, 2, 3, 1, 6, 2]))
+    write(t, "seed-par-tree-shuffled", trie_tree(tree_tags(tree), [4, 1, 2, 3, 1, 6, 2], mode=T_PAR | T_SINGLE,
+                                                 shuffle=0x5A))
+    write(t, "seed-par-chain", trie_tree(tree_tags(list(range(-1, 23))), [1] * 24, shuffle=7))
+    write(t, "seed-par-forest", trie_tree(tree_tags([-1, 0, -1, 2, -1]), [2, 2, 2, 2, 2], shuffle=3))
+    write(t, "seed-par-bad-forest-single-root", trie_tree(tree_tags([-1, 0, -1, 2]), [1, 1, 1, 1],
+                                                          mode=T_PAR | T_SINGLE))
+    write(t, "seed-par-bad-cycle", trie_tree([parent_earlier(0, -1), parent_any(3), parent_any(1), parent_any(2),
+                                              parent_any(2)], [1] * 5))
+    write(t, "seed-par-bad-no-root", trie_tree([parent_any(1), parent_any(0)], [1, 1]))
+    write(t, "seed-par-bad-self", trie_tree([parent_earlier(0, -1), parent_any(1)], [1, 1]))
+    write(t, "seed-par-bad-out-of-range", trie_tree([parent_earlier(0, -1), extreme(X_I64MAX), neg(-2)], [1] * 3))
+    write(t, "seed-par-bad-length-zero", trie_tree(tree_tags([-1, 0]), [1, extreme(X_ZERO)]))
+    write(t, "seed-par-bad-length-negative", trie_tree(tree_tags([-1, 0]), [extreme(X_I64MIN), 1]))
+    write(t, "seed-par-bad-lengths-overflow", trie_tree(tree_tags([-1, 0, 0]), [1, extreme(X_I64MAX), extreme(X_I64MAX)]))
+    write(t, "seed-par-bad-replicated-overflow", trie_tree(tree_tags([-1, 0, 0, 0]), [extreme(X_2P62), 1, 1, 1]))
+    write(t, "seed-par-bad-num-zero", trie_tree([], [], n=extreme(X_ZERO)))
+    write(t, "seed-par-bad-lengths-null", trie_tree(tree_tags(tree), [1] * 7, mode=T_PAR | T_NULL_B))
+
+    write(t, "seed-tok-tree", trie_tree(tree_tags([-1, 0, 1, 2, 2, 4, 2, 6, 7, -1, 9]), mode=T_TOK))
+    write(t, "seed-tok-tree-shuffled-single-root", trie_tree(tree_tags([-1, 0, 1, 1, 3, 3, 5, 0, 7]),
+                                                             mode=T_TOK | T_SINGLE, shuffle=0x33))
+    write(t, "seed-tok-comb", trie_tree(tree_tags([-1, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4]), mode=T_TOK, shuffle=9))
+    write(t, "seed-tok-chain", trie_tree(tree_tags(list(range(-1, 47))), mode=T_TOK, shuffle=1))
+    write(t, "seed-tok-bad-cycle", trie_tree([parent_earlier(0, -1), parent_any(3), parent_any(1), parent_any(2)],
+                                             mode=T_TOK))
+    write(t, "seed-tok-bad-cycle-with-branches", trie_tree([parent_earlier(0, -1), parent_any(3), parent_any(1),
+                                                           parent_any(2), parent_any(2), parent_any(2)], mode=T_TOK))
+    write(t, "seed-tok-bad-self", trie_tree([parent_earlier(0, -1), parent_earlier(1, 0), parent_any(2)], mode=T_TOK))
+    write(t, "seed-tok-bad-out-of-range", trie_tree([parent_earlier(0, -1), extreme(X_I32MAX)], mode=T_TOK))
+    write(t, "seed-tok-bad-single-root", trie_tree(tree_tags([-1, 0, -1, 2]), mode=T_TOK | T_SINGLE))
+    write(t, "seed-tok-bad-null", trie_tree(tree_tags([-1, 0]), mode=T_TOK | T_NULL_A))
+
+
 def main():
     prefix_seeds()
     tensor_seeds()
     ctx_seeds()
+    trie_seeds()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 /* `forkattn bench prefix`: shared vs replicated times, useful FLOP rates,
  * memory, and (CPU) OpenBLAS sgemm measured in the same run for reference.
- * Prints a table, or JSON lines with --json. */
+ * Prints a table, or JSON lines with --json. `bench tree`: cmd_bench_tree.c. */
 #include <cblas.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,8 +35,9 @@ static double sgemm_gflops(int n) {
 int cmd_bench(int argc, char **argv) {
   tool_opts o = {{16, 2048, 256, 8, 2, 128, FORKATTN_DTYPE_F32, FORKATTN_MASK_CAUSAL},
                  FORKATTN_BACKEND_AUTO, 3, 0, 0, 1};
+  if (argc >= 2 && !strcmp(argv[1], "tree")) return cmd_bench_tree(argc, argv);
   if (argc < 2 || strcmp(argv[1], "prefix")) {
-    fprintf(stderr, "usage: forkattn bench prefix [options]  (--help for options)\n");
+    fprintf(stderr, "usage: forkattn bench prefix|tree [options]  (--help for options)\n");
     return 2;
   }
   int p = tool_parse(argc, argv, 2, &o);

@@ -13,6 +13,9 @@ install(TARGETS ${_fa_targets} EXPORT forkattnTargets
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(TARGETS forkattn_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 install(FILES include/forkattn.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+if(FORKATTN_MPI)
+  install(FILES include/forkattn_mpi.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+endif()
 
 set(FORKATTN_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/forkattn)
 install(EXPORT forkattnTargets NAMESPACE forkattn:: DESTINATION ${FORKATTN_CMAKE_DIR})
@@ -31,5 +34,9 @@ install(FILES ${CMAKE_CURRENT_BINARY_DIR}/forkattnConfig.cmake
 
 # pkg-config: the shared library carries its dependencies; --static lists them for libforkattn.a.
 set(FORKATTN_PC_OFFLOAD "${FORKATTN_OFFLOAD}")
+set(FORKATTN_PC_REQUIRES "")
+if(FORKATTN_MPI)
+  set(FORKATTN_PC_REQUIRES "Requires: mpi-c\n")   # forkattn_mpi.h includes mpi.h
+endif()
 configure_file(${CMAKE_CURRENT_LIST_DIR}/forkattn.pc.in ${CMAKE_CURRENT_BINARY_DIR}/forkattn.pc @ONLY)
 install(FILES ${CMAKE_CURRENT_BINARY_DIR}/forkattn.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)

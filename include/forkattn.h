@@ -629,10 +629,20 @@ FORKATTN_API const int64_t *forkattn_trie_row_tokens(const forkattn_trie *trie);
  * Predict what a tree costs, split a tree across ranks or GPUs with balanced
  * cost (duplicating shared ancestors where a subtree is split), and group the
  * independent trees of a forest into launches, choosing per launch between
- * tree execution and plain per-sequence attention. All host-side. */
+ * tree execution and plain per-sequence attention. All host-side, O(n) memory,
+ * no recursion (chains of any depth work). Every function here checks all of
+ * its arguments before it allocates, sets pointer outputs to NULL on any error,
+ * and returns FORKATTN_ERR_OUT_OF_MEMORY (having freed everything) when an
+ * allocation fails. Accessors accept NULL and out-of-range indices (they
+ * return empty values). See docs/tree.md. */
 /**@{*/
 
-/** Linear cost model of one forward + backward of tree attention. */
+/** Linear cost model of one forward + backward of tree attention:
+ *  seconds = sec_per_mac * heads_q * head_dim * M + sec_per_row * heads_q * T
+ *  + sec_per_pair * pairs, where M is the number of (query row, visible key)
+ *  pairs, T the packed rows and pairs the (node, key segment) pairs of the
+ *  tree's segment plan (a node has one per key segment on its root path; a
+ *  chain of only children packed back to back reads one segment). */
 typedef struct forkattn_tree_cost_model {
   int64_t heads_q;     /**< query heads of the calls being modelled (>= 1) */
   int64_t head_dim;    /**< head dimension (>= 1) */
@@ -643,17 +653,21 @@ typedef struct forkattn_tree_cost_model {
 
 /**
  * A model with the given shape and coefficients measured by timing a few
- * trees (a chain, a star, a random trie) with forkattn_tree_fwd() and
- * forkattn_tree_bwd() on the context's backend (host memory), fitted by least
- * squares. Takes about a second.
+ * trees (a long sequence, a chain and a binary tree of one-token nodes, a
+ * star, a forest of short sequences, a small trie) with forkattn_tree_fwd()
+ * and forkattn_tree_bwd() on the context's backend (host memory, random
+ * inputs; median of a few runs), fitted by least squares on relative errors
+ * with non-negative coefficients. Takes about a second; sizes shrink as
+ * heads_q * head_dim grows. Timings depend on the machine's load.
  *
  * @param ctx the context whose backend is timed
  * @param heads_q query heads
  * @param heads_kv KV heads (divides heads_q)
  * @param head_dim head dimension
  * @param dtype storage dtype
- * @param model receives the fitted model
- * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT; FORKATTN_ERR_OUT_OF_MEMORY; or a kernel error
+ * @param model receives the fitted model (untouched on error)
+ * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT; FORKATTN_ERR_OUT_OF_MEMORY; or the
+ *         status of a failed forkattn_tree_fwd() / forkattn_tree_bwd()
  */
 FORKATTN_API forkattn_status forkattn_tree_cost_model_calibrate(forkattn_ctx *ctx, int64_t heads_q,
                                                                 int64_t heads_kv, int64_t head_dim,
@@ -661,13 +675,15 @@ FORKATTN_API forkattn_status forkattn_tree_cost_model_calibrate(forkattn_ctx *ct
                                                                 forkattn_tree_cost_model *model);
 
 /**
- * Predicted seconds of forward + backward tree attention over @p tree.
+ * Predicted seconds of forward + backward tree attention over @p tree (the
+ * model's formula; O(n) time).
  *
  * @param ctx the context (error messages)
  * @param tree the packed tree
- * @param model the cost model
- * @param seconds receives the prediction
- * @return FORKATTN_OK or FORKATTN_ERR_INVALID_ARGUMENT
+ * @param model the cost model (heads_q, head_dim >= 1; coefficients finite, >= 0)
+ * @param seconds receives the prediction (untouched on error)
+ * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT; FORKATTN_ERR_OUT_OF_MEMORY
+ *         (O(n) scratch)
  */
 FORKATTN_API forkattn_status forkattn_tree_cost(forkattn_ctx *ctx, const forkattn_tree_layout *tree,
                                                 const forkattn_tree_cost_model *model, double *seconds);
@@ -677,14 +693,22 @@ typedef struct forkattn_partition forkattn_partition;
 
 /**
  * Assign the leaves of @p tree (and so its root-to-leaf paths) to
- * @p num_parts parts so that the largest part's predicted cost over the mean
- * is as small as possible. Each part is a sub-forest of the tree: the nodes
- * of its leaves' paths, packed in the tree's order. A node belongs to every
- * part that holds one of its leaves (shared ancestors are duplicated) and is
- * owned by exactly one of them; a part runs attention over all of its rows and
- * counts outputs and losses only on the rows it owns. Summing every part's
- * dq/dk/dv scattered to global rows (with dout = 0 on rows a part does not
- * own) gives the single-process gradients.
+ * @p num_parts parts so that the largest part's predicted cost (the step time
+ * of parts run in parallel) is as small as possible, which also keeps it close
+ * to the mean. Each part is a sub-forest of the tree: the nodes of its
+ * leaves' paths, packed in the tree's order. A node belongs to every part
+ * that holds one of its leaves (shared ancestors are duplicated) and is owned
+ * by exactly one of them, the part of its first leaf in depth-first order
+ * (children by index); a part runs attention over all of its rows and counts
+ * outputs and losses only on the rows it owns. Summing every part's dq/dk/dv
+ * scattered to global rows (with dout = 0 on rows a part does not own) gives
+ * the single-process gradients.
+ *
+ * Candidates: contiguous ranges of leaves in depth-first order with min-max
+ * split points; greedy LPT over leaves by decreasing path cost; single-leaf
+ * moves and swaps out of the costliest part. The cheapest largest part wins
+ * (ties: lower imbalance); deterministic. With more parts than leaves each
+ * leaf gets its own part and the rest are empty.
  *
  * @param ctx the context (error messages)
  * @param tree the packed tree
@@ -713,13 +737,15 @@ FORKATTN_API forkattn_tree_layout forkattn_partition_layout(const forkattn_parti
 /** Global row (in the partitioned tree) of every row of a part.
  *  @param partition the partition @param part the part
  *  @param num_rows receives the part's row count (may be NULL)
- *  @return [num_rows] row indices, or NULL for an empty part or a bad index */
+ *  @return [num_rows] row indices, or NULL for a part without rows or a bad index */
 FORKATTN_API const int64_t *forkattn_partition_rows(const forkattn_partition *partition, int64_t part,
                                                     int64_t *num_rows);
 
 /** Ownership of every row of a part: 1 where this part owns the row, 0 for a
- *  duplicated ancestor row owned by another part.
- *  @param partition the partition @param part the part @return [num_rows] or NULL */
+ *  duplicated ancestor row owned by another part. Every row of the tree is
+ *  owned by exactly one part.
+ *  @param partition the partition @param part the part
+ *  @return [num_rows], or NULL for a part without rows or a bad index */
 FORKATTN_API const unsigned char *forkattn_partition_owned(const forkattn_partition *partition,
                                                            int64_t part);
 
@@ -727,8 +753,9 @@ FORKATTN_API const unsigned char *forkattn_partition_owned(const forkattn_partit
  *  @param partition the partition @param part the part @return seconds (0 for a bad index) */
 FORKATTN_API double forkattn_partition_cost(const forkattn_partition *partition, int64_t part);
 
-/** Largest part cost over the mean part cost (1 = perfect balance).
- *  @param partition the partition @return the ratio */
+/** Largest part cost over the mean part cost, the mean taken over all parts,
+ *  empty ones included (1 = perfect balance; 1 for an empty tree).
+ *  @param partition the partition @return the ratio (0 for NULL) */
 FORKATTN_API double forkattn_partition_imbalance(const forkattn_partition *partition);
 
 /** How a batch of the batch plan runs. */
@@ -744,9 +771,14 @@ typedef struct forkattn_batch_plan forkattn_batch_plan;
  * Group the root trees of a packed forest (one tree per prompt, say) into
  * batches of at most @p max_batch_rows rows, trees of similar cost together
  * (one launch each), every tree in exactly one batch (a tree larger than the
- * limit gets a batch of its own). For every batch, decide from the model
- * whether tree execution pays against running each root-to-leaf sequence
- * separately (low deduplication or many tiny segments do not), and record why.
+ * limit gets a batch of its own). Trees are taken by decreasing predicted
+ * cost and each goes to the first batch with room (first-fit decreasing); a
+ * batch's nodes keep the forest's order. For every batch, decide from the
+ * model whether tree execution pays against running each root-to-leaf
+ * sequence separately as plain causal attention (predicted with the same
+ * model: M = sum of L(L+1)/2, T = sum of L, one pair per sequence, over the
+ * leaves' path lengths L): it runs replicated when the tree is predicted
+ * slower (low deduplication or many tiny segments), and the reason says why.
  *
  * @param ctx the context (error messages)
  * @param forest the packed forest
@@ -773,16 +805,21 @@ FORKATTN_API forkattn_tree_layout forkattn_batch_plan_layout(const forkattn_batc
                                                              int64_t batch);
 
 /** Global row of every row of a batch. @param plan the plan @param batch the batch
- *  @param num_rows receives the row count (may be NULL) @return [num_rows] or NULL */
+ *  @param num_rows receives the row count (may be NULL; 0 for a bad index)
+ *  @return [num_rows], or NULL for a batch without rows or a bad index */
 FORKATTN_API const int64_t *forkattn_batch_plan_rows(const forkattn_batch_plan *plan, int64_t batch,
                                                      int64_t *num_rows);
 
-/** @param plan the plan @param batch the batch @return how the batch should run */
+/** @param plan the plan @param batch the batch
+ *  @return how the batch should run (FORKATTN_EXEC_TREE for a bad index) */
 FORKATTN_API forkattn_exec_mode forkattn_batch_plan_mode(const forkattn_batch_plan *plan,
                                                          int64_t batch);
 
 /** Why the batch runs that way, with the predicted costs of both modes and the
- *  deduplication ratio. @param plan the plan @param batch the batch @return a string owned by the plan */
+ *  deduplication ratio (replicated rows over packed rows), e.g.
+ *  "tree: predicted 1.23 ms vs replicated 4.56 ms, dedup 3.70x".
+ *  @param plan the plan @param batch the batch
+ *  @return a string owned by the plan ("" for a bad index) */
 FORKATTN_API const char *forkattn_batch_plan_reason(const forkattn_batch_plan *plan, int64_t batch);
 /**@}*/
 

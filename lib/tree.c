@@ -4,8 +4,8 @@
 #include "validate.h"
 
 /* Check the layout; on success *rows = node_offsets[n]. O(n), no recursion:
- * parents[i] < i rules out cycles. */
-static forkattn_status fa_check_tree_layout(forkattn_ctx *ctx, const void *layout, int64_t *rows) {
+ * parents[i] < i rules out cycles. Shared with the cost model (validate.h). */
+forkattn_status fa_check_tree_layout(forkattn_ctx *ctx, const void *layout, int64_t *rows) {
   const forkattn_status bad = FORKATTN_ERR_INVALID_ARGUMENT;
   const forkattn_tree_layout *t = layout;
   if (!t) return fa_fail(ctx, bad, "tree: layout is NULL");

@@ -21,6 +21,10 @@ forkattn_status fa_check_qkv(forkattn_ctx *ctx, const forkattn_tensor *q, const 
 /* scale must be finite and > 0. */
 forkattn_status fa_check_scale(forkattn_ctx *ctx, float scale);
 
+/* A forkattn_tree_layout (passed as void* to fit fa_layout_ops): offsets
+ * non-decreasing from 0, parents -1 or < index. On success *rows = T. (tree.c) */
+forkattn_status fa_check_tree_layout(forkattn_ctx *ctx, const void *layout, int64_t *rows);
+
 /* Number of elements spanned by t (max offset + 1); t already checked. */
 int64_t fa_tensor_span(const forkattn_tensor *t);
 

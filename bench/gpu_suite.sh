@@ -17,7 +17,7 @@ export OMP_TARGET_OFFLOAD=mandatory FORKATTN_BACKEND=gpu
 status=0
 for t in "$b"/tests/test_*; do
   [ -x "$t" ] || continue
-  case "$t" in *slow*) continue ;; esac
+  case "$t" in *slow* | *mpi*) continue ;; esac   # MPI: bench/gpu_mpi.sh runs it under mpirun
   name=$(basename "$t")
   start=$(date +%s.%N)
   run "$t" > "$out/$name.log" 2>&1; rc=$?

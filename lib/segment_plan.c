@@ -225,3 +225,53 @@ int64_t fa_plan_blocks(const fa_plan *p, int64_t block_rows, int by_key, fa_bloc
   fa_free(cb);
   return n;
 }
+
+int64_t fa_plan_key_units(const fa_plan *p, const fa_block *blocks, int64_t nblocks, int64_t chunk,
+                          fa_key_unit **units, int64_t **unit_off) {
+  if (chunk < 1) chunk = 1;
+  *units = NULL;
+  *unit_off = fa_malloc(sizeof **unit_off * (size_t)(nblocks + 1));
+  if (!*unit_off) return -1;
+  int64_t n = 0; /* pass 1: count; pass 2: fill */
+  for (int pass = 0; pass < 2; pass++) {
+    n = 0;
+    for (int64_t b = 0; b < nblocks; b++) {
+      const fa_block *blk = &blocks[b];
+      const int64_t ja = p->k_pair_off[blk->seg], jb = p->k_pair_off[blk->seg + 1];
+      if (pass) (*unit_off)[b] = n;
+      const int64_t first = n;
+      fa_key_unit u = {b, ja, ja, 0, 0};
+      int64_t filled = 0;
+      for (int64_t j = ja; j < jb; j++) {
+        const int64_t len = fa_pair_queries(p->seg, p->pair[p->k_pair_idx[j]], blk->start, p->qshift).len;
+        for (int64_t at = 0; at < len;) {
+          if (filled == chunk) { /* full: emit, the next unit starts here */
+            if (pass) (*units)[n] = u;
+            n++;
+            u = (fa_key_unit){b, j, j, at, at};
+            filled = 0;
+          }
+          const int64_t take = len - at < chunk - filled ? len - at : chunk - filled;
+          at += take;
+          filled += take;
+          u.j1 = j;
+          u.hi = at;
+        }
+      }
+      if (filled > 0 || n == first) { /* the rest, or the one (empty) unit of a block */
+        if (pass) (*units)[n] = u;
+        n++;
+      }
+    }
+    if (!pass) {
+      *units = fa_malloc(sizeof **units * (size_t)(n ? n : 1));
+      if (!*units) {
+        fa_free(*unit_off);
+        *unit_off = NULL;
+        return -1;
+      }
+    }
+  }
+  (*unit_off)[nblocks] = n;
+  return n;
+}

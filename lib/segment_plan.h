@@ -68,6 +68,23 @@ int fa_plan_prefix(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off
  * *out is malloc'ed (free() it); returns the count, or -1 on allocation failure. */
 int64_t fa_plan_blocks(const fa_plan *p, int64_t block_rows, int by_key, fa_block **out);
 
+/* A slice of one key block's readers, for splitting a heavily read block
+ * (a shared prompt) over several GPU teams: the query rows of readers
+ * k_pair_idx[j0..j1] (indices into k_pair_idx, inclusive) as fa_pair_queries
+ * gives them, minus the first `lo` rows of reader j0, up to row `hi` of reader
+ * j1 (exclusive; counted from that reader's first visible query). */
+typedef struct fa_key_unit {
+  int64_t block, j0, j1, lo, hi;
+} fa_key_unit;
+
+/* Cut the readers of every key block into units of about `chunk` query rows
+ * (at least one unit per block; a block's units are contiguous and in reader
+ * order, so summing their partial dK/dV in unit order is deterministic).
+ * unit_off[b]..unit_off[b+1] are block b's units. *units and *unit_off are
+ * malloc'ed (free() them); returns the unit count, or -1 on allocation failure. */
+int64_t fa_plan_key_units(const fa_plan *p, const fa_block *blocks, int64_t nblocks, int64_t chunk,
+                          fa_key_unit **units, int64_t **unit_off);
+
 #pragma omp declare target
 /* Keys of pair pr visible to query rows [q0, q0+qn) (qn > 0): the whole key
  * segment, or for a causal pair those up to the last query's diagonal.

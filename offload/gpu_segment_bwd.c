@@ -22,9 +22,12 @@ typedef struct {
   float *dsum;
   const fa_range *seg;
   const fa_pair *pair;
-  const int64_t *qoff, *koff, *kidx;
+  const int64_t *qoff, *kidx;
   const fa_block *qblocks, *kblocks;
-  int64_t nqb, nkb, rows, qshift, hq, hkv, d;
+  const fa_key_unit *units;  /* dK/dV work: slices of the key blocks' readers */
+  const int64_t *unit_off;   /* [nkb+1] units of each key block */
+  float *part_k, *part_v;    /* [units, hkv, FA_GPU_ROWS, d] partial sums, or NULL: one unit per block */
+  int64_t nqb, nkb, nunits, rows, qshift, hq, hkv, d;
   float scale;
 } fa_gpu_bwd;
 
@@ -116,38 +119,42 @@ static void fa_gpu_dq(const fa_gpu_bwd *b, int dev) {
 static void fa_gpu_dkv(const fa_gpu_bwd *b, int dev) {
   const fa_dev_tensor q = b->q, k = b->k, v = b->v, dout = b->dout, dk = b->dk, dv = b->dv;
   const float *lse = b->lse, *dsum = b->dsum;
+  float *part_k = b->part_k, *part_v = b->part_v;
   const fa_range *seg = b->seg;
   const fa_pair *pair = b->pair;
-  const int64_t *koff = b->koff, *kidx = b->kidx;
+  const int64_t *kidx = b->kidx;
   const fa_block *blocks = b->kblocks;
+  const fa_key_unit *units = b->units;
   const int64_t hq = b->hq, hkv = b->hkv, d = b->d, group = b->hq / b->hkv, pitch = d + 1;
   const int64_t qshift = b->qshift;
   const int64_t bq = fa_gpu_query_tile(d);
   const float scale = b->scale;
-  const int nteams = (int)(b->nkb * hkv);
+  const int nteams = (int)(b->nunits * hkv);
   const size_t smem = sizeof(float) * (size_t)(2 * FA_GPU_ROWS * pitch + 2 * bq * pitch +
                                                2 * FA_GPU_ROWS * (bq + 1) + 2 * bq);
 #pragma omp target teams ompx_bare num_teams(nteams) thread_limit(FA_GPU_THREADS) \
     ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(q, k, v, dout, dk, dv) \
-    is_device_ptr(lse, dsum, seg, pair, koff, kidx, blocks)
+    is_device_ptr(lse, dsum, seg, pair, kidx, blocks, units, part_k, part_v)
   {
     float *Ks = (float *)llvm_omp_target_dynamic_shared_alloc();
     float *Vs = Ks + FA_GPU_ROWS * pitch, *Qs = Vs + FA_GPU_ROWS * pitch, *Os = Qs + bq * pitch,
           *Ps = Os + bq * pitch, *Ds = Ps + FA_GPU_ROWS * (bq + 1), *Ls = Ds + FA_GPU_ROWS * (bq + 1),
           *Rs = Ls + bq;
     const int tid = ompx_thread_id_x(), row = tid / FA_GPU_LANES, lane = tid % FA_GPU_LANES;
-    const int64_t team = ompx_block_id_x(), g = team % hkv;
-    const fa_block blk = blocks[team / hkv];
+    const int64_t team = ompx_block_id_x(), g = team % hkv, ui = team / hkv;
+    const fa_key_unit unit = units[ui];
+    const fa_block blk = blocks[unit.block];
     const int valid = row < blk.len;
     fa_gpu_load_tile(Ks, pitch, FA_GPU_ROWS, k, blk.start, blk.len, g, d, 1.0f, tid);
     fa_gpu_load_tile(Vs, pitch, FA_GPU_ROWS, v, blk.start, blk.len, g, d, 1.0f, tid);
     float adk[FA_GPU_MAX_COLS], adv[FA_GPU_MAX_COLS];
     for (int t = 0; t < FA_GPU_MAX_COLS; t++) adk[t] = adv[t] = 0.0f;
-    for (int64_t j = koff[blk.seg]; j < koff[blk.seg + 1]; j++) {
+    for (int64_t j = unit.j0; j <= unit.j1; j++) {
       const fa_pair pr = pair[kidx[j]];
       const int64_t k_pos = blk.start + row;
       const fa_range queries = fa_pair_queries(seg, pr, blk.start, qshift);
-      const int64_t q0 = queries.start, qn = queries.len;
+      const int64_t lo = j == unit.j0 ? unit.lo : 0, hi = j == unit.j1 ? unit.hi : queries.len;
+      const int64_t q0 = queries.start + lo, qn = hi - lo;
       for (int64_t hh = 0; hh < group; hh++) {
         const int64_t h = g * group + hh;
         for (int64_t qb = q0; qb < q0 + qn; qb += bq) {
@@ -190,10 +197,14 @@ static void fa_gpu_dkv(const fa_gpu_bwd *b, int dev) {
       }
     }
     if (valid) {
-      const int64_t r = blk.start + row;
+      const int64_t r = blk.start + row, slot = ((ui * hkv + g) * FA_GPU_ROWS + row) * d;
       for (int t = 0; t < FA_GPU_MAX_COLS; t++) {
         int64_t c = lane + (int64_t)t * FA_GPU_LANES;
-        if (c < d) {
+        if (c >= d) continue;
+        if (part_k) {
+          part_k[slot + c] = adk[t];
+          part_v[slot + c] = adv[t];
+        } else {
           fa_store(dk.data, dk.dtype, r * dk.rs + g * dk.hs + c, adk[t]);
           fa_store(dv.data, dv.dtype, r * dv.rs + g * dv.hs + c, adv[t]);
         }
@@ -202,32 +213,87 @@ static void fa_gpu_dkv(const fa_gpu_bwd *b, int dev) {
   }
 }
 
+/* Sum the units' partial dK/dV of every key block in unit order (deterministic). */
+static void fa_gpu_dkv_reduce(const fa_gpu_bwd *b, int dev) {
+  const fa_dev_tensor dk = b->dk, dv = b->dv;
+  const float *part_k = b->part_k, *part_v = b->part_v;
+  const fa_block *blocks = b->kblocks;
+  const int64_t *unit_off = b->unit_off;
+  const int64_t hkv = b->hkv, d = b->d, n = b->nkb * hkv * FA_GPU_ROWS * d;
+#pragma omp target teams distribute parallel for device(dev) firstprivate(dk, dv) \
+    is_device_ptr(part_k, part_v, blocks, unit_off)
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t c = i % d, row = (i / d) % FA_GPU_ROWS, g = (i / (d * FA_GPU_ROWS)) % hkv;
+    const int64_t kb = i / (d * FA_GPU_ROWS * hkv);
+    const fa_block blk = blocks[kb];
+    if (row >= blk.len) continue;
+    float sk = 0.0f, sv = 0.0f;
+    for (int64_t u = unit_off[kb]; u < unit_off[kb + 1]; u++) {
+      const int64_t slot = ((u * hkv + g) * FA_GPU_ROWS + row) * d + c;
+      sk += part_k[slot];
+      sv += part_v[slot];
+    }
+    const int64_t r = blk.start + row;
+    fa_store(dk.data, dk.dtype, r * dk.rs + g * dk.hs + c, sk);
+    fa_store(dv.data, dv.dtype, r * dv.rs + g * dv.hs + c, sv);
+  }
+}
+
+/* Teams for dK/dV: one per (key block, KV head) fills the GPU when there are
+ * many key blocks; a few heavily read blocks (a shared prompt) are cut into
+ * units of reader queries so about FA_GPU_DKV_TEAMS teams work at once. */
+#define FA_GPU_DKV_TEAMS 1056 /* 8 per SM of an H200 */
+
+static int64_t fa_gpu_dkv_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int64_t hkv) {
+  if (nkb * hkv >= FA_GPU_DKV_TEAMS) return INT64_MAX;
+  int64_t work = 0;
+  for (int64_t b = 0; b < nkb; b++)
+    for (int64_t j = p->k_pair_off[kb[b].seg]; j < p->k_pair_off[kb[b].seg + 1]; j++)
+      work += fa_pair_queries(p->seg, p->pair[p->k_pair_idx[j]], kb[b].start, p->qshift).len;
+  const int64_t chunk = (work * hkv + FA_GPU_DKV_TEAMS - 1) / FA_GPU_DKV_TEAMS;
+  return chunk < 64 ? 64 : chunk; /* below a few query tiles the partials cost more than they save */
+}
+
 forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkattn_memory memory) {
   const fa_plan *p = a->plan;
   fa_block *qb_h = NULL, *kb_h = NULL;
   int64_t nqb = fa_plan_blocks(p, FA_GPU_ROWS, 0, &qb_h);
   int64_t nkb = fa_plan_blocks(p, FA_GPU_ROWS, 1, &kb_h);
+  fa_key_unit *units_h = NULL;
+  int64_t *unit_off_h = NULL, nunits = -1;
+  if (nqb >= 0 && nkb >= 0)
+    nunits = fa_plan_key_units(p, kb_h, nkb, fa_gpu_dkv_chunk(p, kb_h, nkb, a->hkv), &units_h, &unit_off_h);
   fa_stage st;
   fa_stage_init(&st, ctx->device, memory == FORKATTN_MEMORY_HOST);
   fa_gpu_bwd b = {.rows = p->rows, .qshift = p->qshift, .hq = a->hq, .hkv = a->hkv, .d = a->d, .scale = a->scale,
-                  .nqb = nqb, .nkb = nkb};
-  int bad = nqb < 0 || nkb < 0;
-  if (!bad && (nqb * a->hq > INT_MAX || nkb * a->hkv > INT_MAX)) {
+                  .nqb = nqb, .nkb = nkb, .nunits = nunits};
+  int bad = nunits < 0;
+  if (!bad && (nqb * a->hq > INT_MAX || nunits * a->hkv > INT_MAX)) {
     fa_free(qb_h);
     fa_free(kb_h);
+    fa_free(units_h);
+    fa_free(unit_off_h);
     return fa_fail(ctx, FORKATTN_ERR_UNSUPPORTED, "gpu bwd: too many teams for one launch");
   }
   if (!bad) {
     b.seg = fa_stage_array(&st, p->seg, sizeof *p->seg * (size_t)p->nseg);
     b.pair = fa_stage_array(&st, p->pair, sizeof *p->pair * (size_t)p->npairs);
     b.qoff = fa_stage_array(&st, p->q_pair_off, sizeof(int64_t) * (size_t)(p->nseg + 1));
-    b.koff = fa_stage_array(&st, p->k_pair_off, sizeof(int64_t) * (size_t)(p->nseg + 1));
     b.kidx = fa_stage_array(&st, p->k_pair_idx, sizeof(int64_t) * (size_t)p->npairs);
     b.qblocks = fa_stage_array(&st, qb_h, sizeof *qb_h * (size_t)nqb);
     b.kblocks = fa_stage_array(&st, kb_h, sizeof *kb_h * (size_t)nkb);
+    b.units = fa_stage_array(&st, units_h, sizeof *units_h * (size_t)nunits);
+    b.unit_off = fa_stage_array(&st, unit_off_h, sizeof *unit_off_h * (size_t)(nkb + 1));
+    if (nunits > nkb) { /* split blocks: partial sums, then the reduce kernel */
+      const size_t part = sizeof(float) * (size_t)(nunits * a->hkv * FA_GPU_ROWS * a->d);
+      b.part_k = fa_stage_scratch(&st, part);
+      b.part_v = fa_stage_scratch(&st, part);
+      bad = !b.part_k || !b.part_v;
+    }
     b.dsum = fa_stage_scratch(&st, sizeof(float) * (size_t)(p->rows * a->hq));
     b.lse = fa_stage_floats(&st, (float *)a->lse, (size_t)(p->rows * a->hq), 1);
-    bad = !b.seg || !b.pair || !b.qoff || !b.koff || !b.kidx || !b.qblocks || !b.kblocks || !b.dsum ||
+    bad = bad || !b.units || !b.unit_off || !b.seg || !b.pair || !b.qoff || !b.kidx || !b.qblocks ||
+          !b.kblocks || !b.dsum ||
           !b.lse || fa_stage_tensor(&st, &a->q, 1, &b.q) || fa_stage_tensor(&st, &a->k, 1, &b.k) ||
           fa_stage_tensor(&st, &a->v, 1, &b.v) || fa_stage_tensor(&st, &a->o, 1, &b.o) ||
           fa_stage_tensor(&st, &a->dout, 1, &b.dout) || fa_stage_tensor(&st, &a->dq, 0, &b.dq) ||
@@ -235,6 +301,8 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
   }
   fa_free(qb_h);
   fa_free(kb_h);
+  fa_free(units_h);
+  fa_free(unit_off_h);
   if (bad) {
     forkattn_status status = fa_stage_status(&st);
     fa_stage_free(&st);
@@ -245,6 +313,7 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
   fa_gpu_rowsum(&b, ctx->device);
   fa_gpu_dq(&b, ctx->device);
   fa_gpu_dkv(&b, ctx->device);
+  if (b.part_k) fa_gpu_dkv_reduce(&b, ctx->device);
   int rc = fa_stage_tensor_back(&st, &a->dq, &b.dq) || fa_stage_tensor_back(&st, &a->dk, &b.dk) ||
            fa_stage_tensor_back(&st, &a->dv, &b.dv);
   fa_stage_free(&st);

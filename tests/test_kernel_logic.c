@@ -199,6 +199,72 @@ Test(segment_plan, chain_of_only_children_is_one_key_segment) {
   fa_plan_free(&p);
 }
 
+/* Key units (GPU dK/dV split): every reader's visible query rows of every key
+ * block are covered exactly once, in reader order, in units of <= chunk rows. */
+Test(segment_plan, key_units_cover_every_reader_row_once) {
+  tc_rng rng = tc_rng_for("segment_plan.key_units");
+  for (int trial = 0; trial < 60; trial++) {
+    const int64_t n = tc_randint(&rng, 1, 10);
+    int64_t off[12] = {0}, par[11];
+    for (int64_t i = 0; i < n; i++) {
+      par[i] = i == 0 || tc_randint(&rng, 0, 3) == 0 ? -1 : tc_randint(&rng, 0, i - 1);
+      off[i + 1] = off[i] + tc_randint(&rng, 0, 40);
+    }
+    fa_plan p;
+    cr_assert_eq(fa_plan_tree(&p, n, off, par, 1), 0);
+    fa_block *blk;
+    const int64_t nb = fa_plan_blocks(&p, tc_randint(&rng, 1, 20), 1, &blk);
+    cr_assert_geq(nb, 0);
+    const int64_t chunk = tc_randint(&rng, 1, 50);
+    fa_key_unit *u;
+    int64_t *uo;
+    const int64_t nu = fa_plan_key_units(&p, blk, nb, chunk, &u, &uo);
+    cr_assert_geq(nu, nb);
+    cr_assert_eq(uo[0], 0);
+    cr_assert_eq(uo[nb], nu);
+    for (int64_t b = 0; b < nb; b++) {
+      cr_assert_gt(uo[b + 1], uo[b], "block %lld has no unit", (long long)b);
+      const int64_t ja = p.k_pair_off[blk[b].seg], jb = p.k_pair_off[blk[b].seg + 1];
+      int64_t total = 0, next_j = ja, next_row = 0; /* where the next unit must start */
+      for (int64_t j = ja; j < jb; j++)
+        total += fa_pair_queries(p.seg, p.pair[p.k_pair_idx[j]], blk[b].start, p.qshift).len;
+      int64_t covered = 0;
+      for (int64_t x = uo[b]; x < uo[b + 1]; x++) {
+        const fa_key_unit *k = &u[x];
+        cr_assert_eq(k->block, b);
+        cr_assert(k->j0 >= ja && k->j1 < jb && k->j0 <= k->j1);
+        int64_t rows = 0;
+        for (int64_t j = k->j0; j <= k->j1; j++) {
+          const int64_t len = fa_pair_queries(p.seg, p.pair[p.k_pair_idx[j]], blk[b].start, p.qshift).len;
+          const int64_t lo = j == k->j0 ? k->lo : 0, hi = j == k->j1 ? k->hi : len;
+          cr_assert(lo >= 0 && lo <= hi && hi <= len);
+          rows += hi - lo;
+        }
+        cr_assert_leq(rows, chunk);
+        /* contiguous with the previous unit (empty readers in between are skipped) */
+        if (k->j0 == next_j) cr_assert_eq(k->lo, next_row);
+        else {
+          cr_assert_gt(k->j0, next_j);
+          cr_assert_eq(k->lo, 0);
+          for (int64_t j = next_j; j < k->j0; j++)
+            cr_assert_eq(fa_pair_queries(p.seg, p.pair[p.k_pair_idx[j]], blk[b].start, p.qshift).len - (j == next_j ? next_row : 0), 0);
+        }
+        next_j = k->j1;
+        next_row = k->hi;
+        covered += rows;
+      }
+      cr_assert_eq(covered, total, "block %lld: %lld of %lld reader rows", (long long)b, (long long)covered, (long long)total);
+      const int64_t want = total == 0 ? 1 : (total + chunk - 1) / chunk;
+      cr_assert_eq(uo[b + 1] - uo[b], want, "block %lld: %lld units for %lld rows, chunk %lld", (long long)b,
+                   (long long)(uo[b + 1] - uo[b]), (long long)total, (long long)chunk);
+    }
+    free(u);
+    free(uo);
+    free(blk);
+    fa_plan_free(&p);
+  }
+}
+
 Test(segment_plan, blocks_cover_every_row_once_heaviest_first) {
   tc_rng rng = tc_rng_for("segment_plan.blocks");
   for (int trial = 0; trial < 40; trial++) {

@@ -33,6 +33,7 @@
 
 #include "segment_plan.h"
 #include "test_common.h"
+#include "tree_builder.h"
 
 /* Exported by FORKATTN_ALLOC_TEST builds only (lib/alloc.c); NULL otherwise. */
 extern int64_t forkattn_test_fail_alloc_after(int64_t n) __attribute__((weak));
@@ -41,105 +42,12 @@ extern int64_t forkattn_test_fail_alloc_after(int64_t n) __attribute__((weak));
 
 /* ---- trees ---------------------------------------------------------------- */
 
-typedef struct tp_tree {
-  int64_t n, cap;
-  int64_t *parent, *len;
-} tp_tree;
-
-typedef struct tp_packed {
-  forkattn_tree_layout layout;
-  int64_t *off, *par;
-} tp_packed;
-
-static void tp_init(tp_tree *t, int64_t cap) {
-  t->n = 0;
-  t->cap = cap;
-  t->parent = malloc(sizeof(int64_t) * (size_t)cap);
-  t->len = malloc(sizeof(int64_t) * (size_t)cap);
-  cr_assert(t->parent && t->len);
-}
-
-static int64_t tp_add(tp_tree *t, int64_t parent, int64_t len) {
-  cr_assert_lt(t->n, t->cap);
-  t->parent[t->n] = parent;
-  t->len[t->n] = len;
-  return t->n++;
-}
-
-static void tp_free(tp_tree *t) {
-  free(t->parent);
-  free(t->len);
-}
-
-/* Pack in DFS order (children in index order, iterative) or BFS order. */
-static void tp_pack(tp_packed *p, const tp_tree *t, int bfs) {
-  const int64_t n = t->n;
-  const size_t sz = sizeof(int64_t) * (size_t)(n + 1);
-  int64_t *first = malloc(sz), *next = malloc(sz), *stack = malloc(sz), *packed_of = malloc(sz), *order = malloc(sz);
-  p->off = malloc(sz);
-  p->par = malloc(sz);
-  cr_assert(first && next && stack && packed_of && order && p->off && p->par);
-  for (int64_t i = 0; i < n; i++) first[i] = next[i] = -1;
-  for (int64_t i = n - 1; i >= 0; i--)
-    if (t->parent[i] >= 0) next[i] = first[t->parent[i]], first[t->parent[i]] = i;
-  int64_t k = 0, top = 0, head = 0;
-  for (int64_t r = n - 1; r >= 0; r--)
-    if (t->parent[r] < 0) stack[top++] = r;
-  if (bfs)
-    for (int64_t a = 0, b = top - 1; a < b; a++, b--) {
-      const int64_t x = stack[a];
-      stack[a] = stack[b], stack[b] = x;
-    }
-  while (bfs ? head < top : top > 0) {
-    const int64_t x = bfs ? stack[head++] : stack[--top];
-    order[k] = x;
-    packed_of[x] = k++;
-    if (bfs) {
-      for (int64_t c = first[x]; c >= 0; c = next[c]) stack[top++] = c;
-    } else {
-      int64_t m = 0;
-      for (int64_t c = first[x]; c >= 0; c = next[c]) m++;
-      int64_t j = top + m;
-      for (int64_t c = first[x]; c >= 0; c = next[c]) stack[--j] = c;
-      top += m;
-    }
-  }
-  cr_assert_eq(k, n);
-  p->off[0] = 0;
-  for (int64_t j = 0; j < n; j++) {
-    const int64_t x = order[j];
-    p->off[j + 1] = p->off[j] + t->len[x];
-    p->par[j] = t->parent[x] < 0 ? -1 : packed_of[t->parent[x]];
-  }
-  p->layout = (forkattn_tree_layout){n, p->off, p->par};
-  free(first), free(next), free(stack), free(packed_of), free(order);
-}
-
-static void tp_packed_free(tp_packed *p) {
-  free(p->off);
-  free(p->par);
-}
-
-/* Random RL trie: a prompt root, children hung under random nodes until it has
- * `leaves` leaves; segment lengths in [1, max_seg]. */
-static void tp_random_trie(tp_tree *t, tc_rng *rng, int64_t prompt, int64_t leaves, int64_t max_seg) {
-  tp_init(t, 4 * leaves + 2);
-  tp_add(t, -1, prompt);
-  int64_t *kids = calloc((size_t)(4 * leaves + 2), sizeof *kids), nleaves = 1;
-  cr_assert(kids);
-  while (nleaves < leaves && t->n < 4 * leaves + 1) {
-    const int64_t x = tc_randint(rng, 0, t->n - 1);
-    if (kids[x]++ > 0) nleaves++;
-    tp_add(t, x, tc_randint(rng, 1, max_seg));
-  }
-  free(kids);
-}
-
 /* A layout with parents anywhere before (not a DFS/BFS order), empty nodes and
  * several roots: node i's parent is -1 with probability p_root, else uniform. */
-static void tp_random_general(tp_packed *p, tc_rng *rng, int64_t n, int64_t max_len) {
+static void tp_random_general(tt_packed *p, tc_rng *rng, int64_t n, int64_t max_len) {
   p->off = malloc(sizeof(int64_t) * (size_t)(n + 1));
   p->par = malloc(sizeof(int64_t) * (size_t)(n ? n : 1));
+  p->order = p->row_of_node = NULL; /* not a DFS/BFS packing of a tt_tree */
   cr_assert(p->off && p->par);
   p->off[0] = 0;
   for (int64_t i = 0; i < n; i++) {
@@ -187,7 +95,7 @@ Test(cost, counts_match_brute_force_and_segment_plan) {
   forkattn_ctx *ctx = tc_ctx_default("cost/counts");
   cr_assert(ctx);
   for (int it = 0; it < 300; it++) {
-    tp_packed p;
+    tt_packed p;
     const int64_t n = tc_randint(&rng, 0, 40);
     tp_random_general(&p, &rng, n, it % 3 == 0 ? 1 : 6);
     if (it % 5 == 1 && n > 1) /* chains of 1-token nodes: the merged key segments */
@@ -203,7 +111,7 @@ Test(cost, counts_match_brute_force_and_segment_plan) {
     cr_assert_eq(pairs, (double)plan.npairs, "tree %d (%lld nodes): pairs %.0f, fa_plan_tree %lld", it, (long long)n,
                  pairs, (long long)plan.npairs);
     fa_plan_free(&plan);
-    tp_packed_free(&p);
+    tt_packed_free(&p);
   }
   forkattn_ctx_destroy(ctx);
 }
@@ -211,10 +119,10 @@ Test(cost, counts_match_brute_force_and_segment_plan) {
 Test(cost, monotone_and_linear_in_each_coefficient) {
   tc_rng rng = tc_rng_for("cost/monotone");
   forkattn_ctx *ctx = tc_ctx_default("cost/monotone");
-  tp_tree t;
-  tp_random_trie(&t, &rng, 256, 8, 64);
-  tp_packed p;
-  tp_pack(&p, &t, 0);
+  tt_tree t;
+  tt_random_trie(&t, &rng, 256, 8, 64);
+  tt_packed p;
+  tt_pack(&p, &t, 0);
   const forkattn_tree_cost_model base = {4, 64, 1e-10, 1e-8, 1e-6};
   const double c0 = tp_cost(ctx, &p.layout, &base);
   const double M = tp_cost(ctx, &p.layout, &tp_only_macs), T = tp_cost(ctx, &p.layout, &tp_only_rows);
@@ -239,8 +147,8 @@ Test(cost, monotone_and_linear_in_each_coefficient) {
   cr_assert_gt(tp_cost(ctx, &p.layout, &m), c0, "wider heads cost more");
   const forkattn_tree_layout empty = {0, NULL, NULL};
   cr_assert_eq(tp_cost(ctx, &empty, &base), 0.0);
-  tp_packed_free(&p);
-  tp_free(&t);
+  tt_packed_free(&p);
+  tt_free(&t);
   forkattn_ctx_destroy(ctx);
 }
 
@@ -369,10 +277,10 @@ Test(partition, random_rl_tries_balanced, .timeout = 120) {
   enum { TRIES = 50 };
   double imb[3][TRIES], speedup[3][TRIES]; /* whole-tree cost / largest part */
   for (int it = 0; it < TRIES; it++) {
-    tp_tree t;
-    tp_random_trie(&t, &rng, 1024, 16, 512);
-    tp_packed p;
-    tp_pack(&p, &t, 0);
+    tt_tree t;
+    tt_random_trie(&t, &rng, 1024, 16, 512);
+    tt_packed p;
+    tt_pack(&p, &t, 0);
     for (int K = 2; K <= 4; K++) {
       forkattn_partition *pt = NULL;
       cr_assert_eq(forkattn_tree_partition(ctx, &p.layout, K, &tp_model, &pt), FORKATTN_OK, "%s",
@@ -385,8 +293,8 @@ Test(partition, random_rl_tries_balanced, .timeout = 120) {
       speedup[K - 2][it] = tp_cost(ctx, &p.layout, &tp_model) / mx;
       forkattn_partition_free(pt);
     }
-    tp_packed_free(&p);
-    tp_free(&t);
+    tt_packed_free(&p);
+    tt_free(&t);
   }
   for (int k = 0; k < 3; k++) {
     int good = 0;
@@ -408,10 +316,10 @@ Test(partition, random_rl_tries_balanced, .timeout = 120) {
 Test(partition, more_parts_than_leaves_and_one_part) {
   tc_rng rng = tc_rng_for("partition/parts_vs_leaves");
   forkattn_ctx *ctx = tc_ctx_default("partition/parts_vs_leaves");
-  tp_tree t;
-  tp_random_trie(&t, &rng, 128, 5, 64);
-  tp_packed p;
-  tp_pack(&p, &t, 0);
+  tt_tree t;
+  tt_random_trie(&t, &rng, 128, 5, 64);
+  tt_packed p;
+  tt_pack(&p, &t, 0);
   int64_t leaves = 0;
   int64_t *kids = calloc((size_t)p.layout.num_nodes, sizeof(int64_t));
   cr_assert(kids);
@@ -448,8 +356,8 @@ Test(partition, more_parts_than_leaves_and_one_part) {
   tp_check_partition(ctx, &none, pt, 3, 1, &tp_model, "empty tree");
   cr_assert_eq(forkattn_partition_imbalance(pt), 1.0);
   forkattn_partition_free(pt);
-  tp_packed_free(&p);
-  tp_free(&t);
+  tt_packed_free(&p);
+  tt_free(&t);
   forkattn_ctx_destroy(ctx);
 }
 
@@ -460,19 +368,19 @@ Test(partition, bfs_order_empty_nodes_and_forests) {
     const int64_t K = tc_randint(&rng, 1, 6);
     char what[64];
     if (it % 2) { /* BFS-packed RL trie: strict checks */
-      tp_tree t;
-      tp_random_trie(&t, &rng, 200, tc_randint(&rng, 1, 12), 100);
-      tp_packed p;
-      tp_pack(&p, &t, 1);
+      tt_tree t;
+      tt_random_trie(&t, &rng, 200, tc_randint(&rng, 1, 12), 100);
+      tt_packed p;
+      tt_pack(&p, &t, 1);
       forkattn_partition *pt;
       cr_assert_eq(forkattn_tree_partition(ctx, &p.layout, K, &tp_model, &pt), FORKATTN_OK);
       snprintf(what, sizeof what, "BFS trie %d, %lld parts", it, (long long)K);
       tp_check_partition(ctx, &p.layout, pt, K, 1, &tp_model, what);
       forkattn_partition_free(pt);
-      tp_packed_free(&p);
-      tp_free(&t);
+      tt_packed_free(&p);
+      tt_free(&t);
     } else { /* arbitrary parent order, empty nodes, several roots */
-      tp_packed p;
+      tt_packed p;
       tp_random_general(&p, &rng, tc_randint(&rng, 1, 60), 8);
       forkattn_partition *pt;
       cr_assert_eq(forkattn_tree_partition(ctx, &p.layout, K, &tp_model, &pt), FORKATTN_OK);
@@ -483,7 +391,7 @@ Test(partition, bfs_order_empty_nodes_and_forests) {
       for (int64_t k = 0; k < K; k++) total += forkattn_partition_layout(pt, k).num_nodes;
       cr_assert_geq(total, p.layout.num_nodes);
       forkattn_partition_free(pt);
-      tp_packed_free(&p);
+      tt_packed_free(&p);
     }
   }
   forkattn_ctx_destroy(ctx);
@@ -494,38 +402,38 @@ Test(partition, big_trees_no_recursion, .timeout = 120) {
   forkattn_partition *pt;
   /* a chain of 100k 1-token nodes: one leaf, one busy part */
   const int64_t n = 100000;
-  tp_tree t;
-  tp_init(&t, 2 * n + 2);
-  for (int64_t i = 0; i < n; i++) tp_add(&t, i - 1, 1);
-  tp_packed p;
-  tp_pack(&p, &t, 0);
+  tt_tree t;
+  tt_init(&t, 2 * n + 2);
+  for (int64_t i = 0; i < n; i++) tt_add(&t, i - 1, 1);
+  tt_packed p;
+  tt_pack(&p, &t, 0);
   double t0 = tc_now();
   cr_assert_eq(forkattn_tree_partition(ctx, &p.layout, 4, &tp_model, &pt), FORKATTN_OK);
   fprintf(stderr, "[partition] chain of %lld nodes, 4 parts: %.3f s\n", (long long)n, tc_now() - t0);
   tp_check_partition(ctx, &p.layout, pt, 4, 1, &tp_model, "chain");
   forkattn_partition_free(pt);
-  tp_packed_free(&p);
-  tp_free(&t);
+  tt_packed_free(&p);
+  tt_free(&t);
   /* a caterpillar: a 50k-node spine with a 1-token leaf on every spine node (deep and wide) */
-  tp_init(&t, 2 * n + 2);
+  tt_init(&t, 2 * n + 2);
   for (int64_t i = 0, prev = -1; i < n / 2; i++) {
-    const int64_t s = tp_add(&t, prev, 2);
-    tp_add(&t, s, 1);
+    const int64_t s = tt_add(&t, prev, 2);
+    tt_add(&t, s, 1);
     prev = s;
   }
-  tp_pack(&p, &t, 0);
+  tt_pack(&p, &t, 0);
   t0 = tc_now();
   cr_assert_eq(forkattn_tree_partition(ctx, &p.layout, 4, &tp_model, &pt), FORKATTN_OK);
   fprintf(stderr, "[partition] caterpillar of %lld nodes, 4 parts: %.3f s, imbalance %.4f\n",
           (long long)p.layout.num_nodes, tc_now() - t0, forkattn_partition_imbalance(pt));
   forkattn_partition_free(pt);
-  tp_packed_free(&p);
-  tp_free(&t);
+  tt_packed_free(&p);
+  tt_free(&t);
   /* a star of 100k leaves under a 1024-token prompt, 16 parts */
-  tp_init(&t, n + 2);
-  tp_add(&t, -1, 1024);
-  for (int64_t i = 0; i < n; i++) tp_add(&t, 0, 1 + i % 7);
-  tp_pack(&p, &t, 0);
+  tt_init(&t, n + 2);
+  tt_add(&t, -1, 1024);
+  for (int64_t i = 0; i < n; i++) tt_add(&t, 0, 1 + i % 7);
+  tt_pack(&p, &t, 0);
   t0 = tc_now();
   cr_assert_eq(forkattn_tree_partition(ctx, &p.layout, 16, &tp_model, &pt), FORKATTN_OK);
   const double imb = forkattn_partition_imbalance(pt);
@@ -540,8 +448,8 @@ Test(partition, big_trees_no_recursion, .timeout = 120) {
           tc_now() - t0, forkattn_partition_imbalance(pt));
   tp_check_partition(ctx, &p.layout, pt, 5000, 1, &tp_model, "star, 5000 parts");
   forkattn_partition_free(pt);
-  tp_packed_free(&p);
-  tp_free(&t);
+  tt_packed_free(&p);
+  tt_free(&t);
   forkattn_ctx_destroy(ctx);
 }
 
@@ -567,10 +475,10 @@ Test(partition, parts_reproduce_whole_tree_gradients, .timeout = 120) {
   enum { HQ = 2, HKV = 1, D = 16 };
   const float scale = 0.25f;
   for (int rep = 0; rep < 3; rep++) {
-    tp_tree t;
-    tp_random_trie(&t, &rng, 64, 6, 40);
-    tp_packed p;
-    tp_pack(&p, &t, 0);
+    tt_tree t;
+    tt_random_trie(&t, &rng, 64, 6, 40);
+    tt_packed p;
+    tt_pack(&p, &t, 0);
     const int64_t T = p.off[p.layout.num_nodes];
     const size_t qn = (size_t)(T * HQ * D), kn = (size_t)(T * HKV * D);
     float *q = malloc(4 * qn), *k = malloc(4 * kn), *v = malloc(4 * kn), *dout = malloc(4 * qn);
@@ -647,8 +555,8 @@ Test(partition, parts_reproduce_whole_tree_gradients, .timeout = 120) {
     forkattn_partition_free(pt);
     free(q), free(k), free(v), free(dout), free(o), free(lse), free(dq), free(dk), free(dv);
     free(so), free(slse), free(sdq), free(sdk), free(sdv);
-    tp_packed_free(&p);
-    tp_free(&t);
+    tt_packed_free(&p);
+    tt_free(&t);
   }
   forkattn_ctx_destroy(ctx);
 }
@@ -703,15 +611,15 @@ static void tp_check_plan(const forkattn_tree_layout *f, const forkattn_batch_pl
 }
 
 /* A forest of `trees` random tries (prompts of prompt_lo..prompt_hi tokens). */
-static void tp_forest(tp_tree *f, tc_rng *rng, int64_t trees, int64_t prompt_lo, int64_t prompt_hi, int64_t leaves,
+static void tp_forest(tt_tree *f, tc_rng *rng, int64_t trees, int64_t prompt_lo, int64_t prompt_hi, int64_t leaves,
                       int64_t max_seg) {
-  tp_init(f, trees * (4 * leaves + 2));
+  tt_init(f, trees * (4 * leaves + 2));
   for (int64_t k = 0; k < trees; k++) {
-    tp_tree t;
-    tp_random_trie(&t, rng, tc_randint(rng, prompt_lo, prompt_hi), tc_randint(rng, 1, leaves), max_seg);
+    tt_tree t;
+    tt_random_trie(&t, rng, tc_randint(rng, prompt_lo, prompt_hi), tc_randint(rng, 1, leaves), max_seg);
     const int64_t base = f->n;
-    for (int64_t i = 0; i < t.n; i++) tp_add(f, t.parent[i] < 0 ? -1 : base + t.parent[i], t.len[i]);
-    tp_free(&t);
+    for (int64_t i = 0; i < t.n; i++) tt_add(f, t.parent[i] < 0 ? -1 : base + t.parent[i], t.len[i]);
+    tt_free(&t);
   }
 }
 
@@ -720,10 +628,10 @@ Test(batch, covers_every_node_within_the_limit) {
   forkattn_ctx *ctx = tc_ctx_default("batch/covers");
   const int64_t limits[] = {1, 100, 700, 3000, 100000};
   for (int it = 0; it < 20; it++) {
-    tp_tree f;
+    tt_tree f;
     tp_forest(&f, &rng, tc_randint(&rng, 1, 24), 1, 600, 6, 200);
-    tp_packed p;
-    tp_pack(&p, &f, it % 2); /* BFS packing interleaves the trees' nodes */
+    tt_packed p;
+    tt_pack(&p, &f, it % 2); /* BFS packing interleaves the trees' nodes */
     for (size_t l = 0; l < sizeof limits / sizeof *limits; l++) {
       forkattn_batch_plan *pl;
       cr_assert_eq(forkattn_tree_plan_batches(ctx, &p.layout, limits[l], &tp_model, &pl), FORKATTN_OK, "%s",
@@ -733,18 +641,18 @@ Test(batch, covers_every_node_within_the_limit) {
       tp_check_plan(&p.layout, pl, limits[l], what);
       forkattn_batch_plan_free(pl);
     }
-    tp_packed_free(&p);
-    tp_free(&f);
+    tt_packed_free(&p);
+    tt_free(&f);
   }
   /* arbitrary orders with empty nodes */
   for (int it = 0; it < 40; it++) {
-    tp_packed p;
+    tt_packed p;
     tp_random_general(&p, &rng, tc_randint(&rng, 1, 80), 10);
     forkattn_batch_plan *pl;
     cr_assert_eq(forkattn_tree_plan_batches(ctx, &p.layout, tc_randint(&rng, 1, 60), &tp_model, &pl), FORKATTN_OK);
     tp_check_plan(&p.layout, pl, INT64_MAX, "general forest");
     forkattn_batch_plan_free(pl);
-    tp_packed_free(&p);
+    tt_packed_free(&p);
   }
   const forkattn_tree_layout none = {0, NULL, NULL};
   forkattn_batch_plan *pl;
@@ -759,14 +667,14 @@ Test(batch, thin_trees_run_replicated_shared_prompts_run_as_trees) {
   tc_rng rng = tc_rng_for("batch/modes");
   /* thin: 16 trees, each a 1-token root and 48 answers of 2 tokens (little
    * shared, many tiny segments); a model where a pair costs a lot */
-  tp_tree f;
-  tp_init(&f, 16 * 49);
+  tt_tree f;
+  tt_init(&f, 16 * 49);
   for (int k = 0; k < 16; k++) {
-    const int64_t r = tp_add(&f, -1, 1);
-    for (int j = 0; j < 48; j++) tp_add(&f, r, 2);
+    const int64_t r = tt_add(&f, -1, 1);
+    for (int j = 0; j < 48; j++) tt_add(&f, r, 2);
   }
-  tp_packed p;
-  tp_pack(&p, &f, 0);
+  tt_packed p;
+  tt_pack(&p, &f, 0);
   const forkattn_tree_cost_model pair_heavy = {4, 64, 1e-11, 1e-8, 2e-5};
   forkattn_batch_plan *pl;
   cr_assert_eq(forkattn_tree_plan_batches(ctx, &p.layout, 600, &pair_heavy, &pl), FORKATTN_OK);
@@ -779,11 +687,11 @@ Test(batch, thin_trees_run_replicated_shared_prompts_run_as_trees) {
     cr_assert(strstr(why, "dedup"), "reason mentions dedup: %s", why);
   }
   forkattn_batch_plan_free(pl);
-  tp_packed_free(&p);
-  tp_free(&f);
+  tt_packed_free(&p);
+  tt_free(&f);
   /* tries with long shared prompts under the usual model */
   tp_forest(&f, &rng, 6, 1024, 2048, 8, 256);
-  tp_pack(&p, &f, 0);
+  tt_pack(&p, &f, 0);
   cr_assert_eq(forkattn_tree_plan_batches(ctx, &p.layout, 8192, &tp_model, &pl), FORKATTN_OK);
   tp_check_plan(&p.layout, pl, 8192, "shared prompts");
   for (int64_t b = 0; b < forkattn_batch_plan_count(pl); b++) {
@@ -794,8 +702,8 @@ Test(batch, thin_trees_run_replicated_shared_prompts_run_as_trees) {
     cr_assert_eq(forkattn_batch_plan_mode(pl, b), FORKATTN_EXEC_TREE, "batch %lld: %s", (long long)b, why);
   }
   forkattn_batch_plan_free(pl);
-  tp_packed_free(&p);
-  tp_free(&f);
+  tt_packed_free(&p);
+  tt_free(&f);
   forkattn_ctx_destroy(ctx);
 }
 
@@ -838,10 +746,10 @@ Test(calibrate, fitted_model_predicts_a_random_trie, .timeout = 120) {
   tc_rng rng = tc_rng_for("calibrate/predict");
   forkattn_ctx *ctx = tc_ctx_default("calibrate/predict");
   /* a trie shaped unlike the calibration shapes */
-  tp_tree t;
-  tp_random_trie(&t, &rng, 384, 12, 96);
-  tp_packed p;
-  tp_pack(&p, &t, 0);
+  tt_tree t;
+  tt_random_trie(&t, &rng, 384, 12, 96);
+  tt_packed p;
+  tt_pack(&p, &t, 0);
   double predicted = 0, measured = 0;
   for (int attempt = 1; attempt <= 3; attempt++) {
     forkattn_tree_cost_model m;
@@ -866,8 +774,8 @@ Test(calibrate, fitted_model_predicts_a_random_trie, .timeout = 120) {
   }
   cr_assert(predicted <= 2 * measured && measured <= 2 * predicted, "predicted %.3e s vs measured %.3e s", predicted,
             measured);
-  tp_packed_free(&p);
-  tp_free(&t);
+  tt_packed_free(&p);
+  tt_free(&t);
   forkattn_ctx_destroy(ctx);
 }
 
@@ -990,10 +898,10 @@ Test(alloc, every_failure_returns_out_of_memory) {
   }
   forkattn_ctx *ctx = tc_ctx_default("alloc/partition");
   tc_rng rng = tc_rng_for("alloc/partition");
-  tp_tree f;
+  tt_tree f;
   tp_forest(&f, &rng, 3, 20, 60, 5, 30);
-  tp_packed p;
-  tp_pack(&p, &f, 0);
+  tt_packed p;
+  tt_pack(&p, &f, 0);
   for (int op = 0; op < 4; op++) {
     int n = 0;
     for (;; n++) {
@@ -1018,8 +926,8 @@ Test(alloc, every_failure_returns_out_of_memory) {
     }
     fprintf(stderr, "[alloc] op %d: %d failure points, all OUT_OF_MEMORY\n", op, n);
   }
-  tp_packed_free(&p);
-  tp_free(&f);
+  tt_packed_free(&p);
+  tt_free(&f);
   forkattn_ctx_destroy(ctx);
 }
 

@@ -21,6 +21,7 @@ typedef struct bt_opts {
   forkattn_backend backend;
   int64_t repeats;
   int json;
+  int model; /* --model: calibrate the cost model, predicted vs measured, partition balance */
 } bt_opts;
 
 /* One execution: its context, its rows, and (baselines) which tree row each copies. */
@@ -64,6 +65,9 @@ static void bt_usage(void) {
          "  --backend B    auto | cpu | gpu (default auto; FORKATTN_BACKEND overrides)\n"
          "  --repeats K    timed repetitions after one warm-up, median reported (default 3)\n"
          "  --json         the JSON line only\n"
+         "  --model        also calibrate the cost model on this backend, print its prediction\n"
+         "                 of the tree's fwd+bwd next to the measurement, and the imbalance of\n"
+         "                 forkattn_tree_partition into 2, 3 and 4 parts\n"
          "Exit status 1 when a call fails or an error exceeds 1e-4 (f32) / 2e-2 (bf16, f16).\n",
          (long long)d[0].prompt, (long long)d[1].prompt, (long long)d[2].prompt, (long long)d[0].leaves,
          (long long)d[1].leaves, (long long)d[2].leaves, (long long)d[0].min_seg, (long long)d[1].min_seg,
@@ -94,6 +98,10 @@ static int bt_parse(int argc, char **argv, bt_opts *o) {
   for (int i = 2; i < argc; i++) {
     const char *a = argv[i];
     if (!strcmp(a, "--help") || !strcmp(a, "-h")) return 1;
+    if (!strcmp(a, "--model")) {
+      o->model = 1;
+      continue;
+    }
     if (!strcmp(a, "--json")) {
       o->json = 1;
       continue;
@@ -419,10 +427,39 @@ static int bt_execute(bt_exec *x, const tree_shape *t, const bt_opts *o, tool_er
   return 0;
 }
 
+/* --model: the cost model calibrated on this backend against the measured
+ * tree time, and how evenly the tree splits into 2..4 parts under it. */
+static int bt_model(const bt_exec *tree, const tree_shape *t, const bt_opts *o) {
+  const tool_shape *s = &o->heads;
+  forkattn_tree_cost_model m;
+  double predicted = 0;
+  if (forkattn_tree_cost_model_calibrate(tree->ctx, s->hq, s->hkv, s->d, s->dtype, &m) ||
+      forkattn_tree_cost(tree->ctx, &t->layout, &m, &predicted)) {
+    fprintf(stderr, "forkattn: cost model: %s\n", forkattn_ctx_last_error(tree->ctx));
+    return -1;
+  }
+  printf("cost model (calibrated here, host memory): %.3g s/mac %.3g s/row %.3g s/pair; tree fwd+bwd predicted "
+         "%.1f ms, measured %.1f ms (ratio %.2f)\n", m.sec_per_mac, m.sec_per_row, m.sec_per_pair, predicted * 1e3,
+         tree->both_ms, predicted * 1e3 / tree->both_ms);
+  for (int64_t parts = 2; parts <= 4; parts++) {
+    forkattn_partition *pt;
+    if (forkattn_tree_partition(tree->ctx, &t->layout, parts, &m, &pt)) {
+      fprintf(stderr, "forkattn: partition: %s\n", forkattn_ctx_last_error(tree->ctx));
+      return -1;
+    }
+    double worst = 0;
+    for (int64_t i = 0; i < parts; i++) worst = worst > forkattn_partition_cost(pt, i) ? worst : forkattn_partition_cost(pt, i);
+    printf("partition into %lld parts: imbalance (largest / mean part cost) %.3f, predicted speedup %.2fx\n",
+           (long long)parts, forkattn_partition_imbalance(pt), predicted / worst);
+    forkattn_partition_free(pt);
+  }
+  return 0;
+}
+
 int cmd_bench_tree(int argc, char **argv) {
   bt_opts o = {{TREE_SHAPE_RL, -1, -1, -1, -1, -1, -1},
                {0, 0, 0, 8, 2, 128, FORKATTN_DTYPE_F32, FORKATTN_MASK_CAUSAL},
-               FORKATTN_BACKEND_AUTO, 3, 0};
+               FORKATTN_BACKEND_AUTO, 3, 0, 0};
   const int p = bt_parse(argc, argv, &o);
   if (p) {
     if (p > 0) bt_usage();
@@ -446,6 +483,7 @@ int cmd_bench_tree(int argc, char **argv) {
     if (!o.json) bt_table(x, &t, &o, backend, err, tol, ok);
     bt_json(x, &t, &o, backend, err, ok);
     rc = ok ? 0 : 1;
+    if (o.model && bt_model(&x[BT_TREE], &t, &o)) rc = 1;
   }
   for (int i = 0; i < BT_N; i++) bt_exec_free(&x[i]);
   tree_shape_free(&t);

@@ -1,6 +1,7 @@
 /* Allocation-failure sweep (FORKATTN_ALLOC_TEST builds): fail the Nth library
  * allocation for N = 0, 1, 2, ... until the call succeeds, for context
- * creation, forward and backward. Every failure must return
+ * creation, prefix and tree forward and backward, and a DFS path-stack walk
+ * (the trie and partition builders sweep theirs in their own tests). Every failure must return
  * FORKATTN_ERR_OUT_OF_MEMORY (never crash), the next call on the same context
  * must work and give the same bits as an undisturbed run, and nothing may leak
  * (the ASan build's LeakSanitizer checks at exit). [host or device] */
@@ -16,8 +17,15 @@ FORKATTN_API int64_t forkattn_test_fail_alloc_after(int64_t n);
 #define NT 8
 enum { P = 40, N = 3, HQ = 4, HKV = 2, D = 16 };
 
+/* The same rows as a tree: prompt (40), a 11-row child with a 10-row grandchild,
+ * and a 9-row child (70 rows = P + 30). */
+static const int64_t tree_off[5] = {0, P, P + 11, P + 21, P + 30}, tree_par[4] = {-1, 0, 1, 0};
+
+enum { PREFIX_FWD, PREFIX_BWD, TREE_FWD, TREE_BWD, PATH_WALK };
+
 typedef struct {
   forkattn_prefix_layout lay;
+  forkattn_tree_layout tree;
   int64_t off[N + 1];
   tc_buf buf[NT];
   forkattn_tensor t[NT]; /* q k v o dout dq dk dv */
@@ -30,6 +38,7 @@ static void problem_init(problem *p, forkattn_dtype dt, const char *name) {
   p->off[0] = 0;
   for (int i = 0; i < N; i++) p->off[i + 1] = p->off[i] + lens[i];
   p->lay = (forkattn_prefix_layout){P, N, p->off, FORKATTN_MASK_CAUSAL};
+  p->tree = (forkattn_tree_layout){4, tree_off, tree_par};
   const int64_t T = P + p->off[N], heads[NT] = {HQ, HKV, HKV, HQ, HQ, HQ, HKV, HKV};
   for (int i = 0; i < NT; i++) {
     p->t[i] = tc_buf_contiguous(&p->buf[i], dt, T, heads[i], D);
@@ -41,29 +50,65 @@ static void problem_free(problem *p) {
   for (int i = 0; i < NT; i++) tc_buf_free(&p->buf[i]);
 }
 
-static forkattn_status run(forkattn_ctx *ctx, problem *p, int bwd) {
+/* Rows [r0, r0+n) of tensor i. */
+static forkattn_tensor rows_of(const problem *p, int i, int64_t r0, int64_t n) {
+  forkattn_tensor t = p->t[i];
+  t.data = (char *)t.data + (size_t)(r0 * t.row_stride) * (t.dtype ? 2 : 4);
+  t.rows = n;
+  return t;
+}
+
+/* Push the root and its first child, attend both (fwd, then bwd of the child), pop. */
+static forkattn_status path_walk(forkattn_ctx *ctx, problem *p) {
+  forkattn_path *path;
+  forkattn_status st = forkattn_path_create(ctx, p->t[0].dtype, HQ, HKV, D, &path);
+  for (int node = 0; node < 2 && !st; node++) {
+    const int64_t r0 = tree_off[node], n = tree_off[node + 1] - r0;
+    forkattn_tensor k = rows_of(p, 1, r0, n), v = rows_of(p, 2, r0, n), q = rows_of(p, 0, r0, n);
+    forkattn_tensor o = rows_of(p, 3, r0, n), dout = rows_of(p, 4, r0, n), dq = rows_of(p, 5, r0, n);
+    if (!(st = forkattn_path_push(path, &k, &v)) && !(st = forkattn_path_attend_fwd(path, &q, &o, p->lse + r0 * HQ, 0.25f)))
+      st = forkattn_path_attend_bwd(path, &q, &o, &dout, p->lse + r0 * HQ, &dq, 0.25f);
+  }
+  while (!st && forkattn_path_depth(path) > 0) st = forkattn_path_pop(path, NULL, NULL);
+  forkattn_path_destroy(path);
+  return st;
+}
+
+static forkattn_status run(forkattn_ctx *ctx, problem *p, int op) {
   forkattn_tensor *t = p->t;
-  if (!bwd) return forkattn_prefix_fwd(ctx, &p->lay, &t[0], &t[1], &t[2], &t[3], p->lse, 0.25f, FORKATTN_MEMORY_HOST);
-  return forkattn_prefix_bwd(ctx, &p->lay, &t[0], &t[1], &t[2], &t[3], &t[4], p->lse, &t[5], &t[6], &t[7], 0.25f,
+  switch (op) {
+  case PREFIX_FWD:
+    return forkattn_prefix_fwd(ctx, &p->lay, &t[0], &t[1], &t[2], &t[3], p->lse, 0.25f, FORKATTN_MEMORY_HOST);
+  case PREFIX_BWD:
+    return forkattn_prefix_bwd(ctx, &p->lay, &t[0], &t[1], &t[2], &t[3], &t[4], p->lse, &t[5], &t[6], &t[7], 0.25f,
+                               FORKATTN_MEMORY_HOST);
+  case TREE_FWD:
+    return forkattn_tree_fwd(ctx, &p->tree, &t[0], &t[1], &t[2], &t[3], p->lse, 0.25f, FORKATTN_MEMORY_HOST);
+  case TREE_BWD:
+    return forkattn_tree_bwd(ctx, &p->tree, &t[0], &t[1], &t[2], &t[3], &t[4], p->lse, &t[5], &t[6], &t[7], 0.25f,
                              FORKATTN_MEMORY_HOST);
+  default:
+    return path_walk(ctx, p);
+  }
 }
 
 /* Sweep one operation; returns the number of failure points exercised. */
-static int sweep(forkattn_ctx *ctx, problem *p, problem *want, int bwd, const char *name) {
+static int sweep(forkattn_ctx *ctx, problem *p, problem *want, int op, const char *name) {
   int n = 0;
   for (;; n++) {
     cr_assert_lt(n, 10000, "%s: never succeeded", name);
     forkattn_test_fail_alloc_after(n);
-    forkattn_status st = run(ctx, p, bwd);
+    forkattn_status st = run(ctx, p, op);
     forkattn_test_fail_alloc_after(-1);
     if (st == FORKATTN_OK) break;
     cr_assert_eq(st, FORKATTN_ERR_OUT_OF_MEMORY, "%s: allocation %d failed with status %s (%s)", name, n,
                  forkattn_status_string(st), forkattn_ctx_last_error(ctx));
     cr_assert_neq(forkattn_ctx_last_error(ctx)[0], '\0', "%s: no message after failure %d", name, n);
     /* the very next call on the same context works */
-    cr_assert_eq(run(ctx, p, bwd), FORKATTN_OK, "%s: call after failure %d: %s", name, n, forkattn_ctx_last_error(ctx));
+    cr_assert_eq(run(ctx, p, op), FORKATTN_OK, "%s: call after failure %d: %s", name, n, forkattn_ctx_last_error(ctx));
   }
-  int first = bwd ? 5 : 3, last = bwd ? 7 : 3;
+  if (op == PATH_WALK) return n; /* its outputs are compared in test_path_stack */
+  const int bwd = op == PREFIX_BWD || op == TREE_BWD, first = bwd ? 5 : 3, last = bwd ? 7 : 3;
   for (int i = first; i <= last; i++)
     cr_assert(memcmp(p->buf[i].data, want->buf[i].data, p->buf[i].elems * (p->t[i].dtype ? 2 : 4)) == 0,
               "%s: tensor %d differs from an undisturbed run", name, i);
@@ -93,14 +138,22 @@ static void sweep_all(forkattn_dtype dt, const char *name) {
   problem want, p;
   problem_init(&want, dt, name);
   problem_init(&p, dt, name);
-  cr_assert_eq(run(ctx, &want, 0), FORKATTN_OK);
-  cr_assert_eq(run(ctx, &want, 1), FORKATTN_OK);
-  int nf = sweep(ctx, &p, &want, 0, name);
-  int nb = sweep(ctx, &p, &want, 1, name);
-  fprintf(stderr, "%s: ctx_create %d, forward %d, backward %d failure points, each OUT_OF_MEMORY then recovered\n",
-          name, created_after, nf, nb);
+  cr_assert_eq(run(ctx, &want, PREFIX_FWD), FORKATTN_OK);
+  cr_assert_eq(run(ctx, &want, PREFIX_BWD), FORKATTN_OK);
+  int nf = sweep(ctx, &p, &want, PREFIX_FWD, name);
+  int nb = sweep(ctx, &p, &want, PREFIX_BWD, name);
+  cr_assert_eq(run(ctx, &want, TREE_FWD), FORKATTN_OK);
+  cr_assert_eq(run(ctx, &want, TREE_BWD), FORKATTN_OK);
+  int ntf = sweep(ctx, &p, &want, TREE_FWD, name);
+  int ntb = sweep(ctx, &p, &want, TREE_BWD, name);
+  int npw = sweep(ctx, &p, &want, PATH_WALK, name);
+  fprintf(stderr, "%s: ctx_create %d, prefix forward %d, backward %d, tree forward %d, backward %d, path walk %d "
+          "failure points, each OUT_OF_MEMORY then recovered\n", name, created_after, nf, nb, ntf, ntb, npw);
   cr_assert_gt(nf, 0);
   cr_assert_gt(nb, 0);
+  cr_assert_gt(ntf, 0);
+  cr_assert_gt(ntb, 0);
+  cr_assert_gt(npw, 0);
   problem_free(&want);
   problem_free(&p);
   forkattn_ctx_destroy(ctx);

@@ -1,11 +1,12 @@
 /*
- * test_determinism.c - the shared-prompt forward and backward are bitwise
- * reproducible.
+ * test_determinism.c - the shared-prompt and tree forward and backward are
+ * bitwise reproducible.
  *
  *  repeat:    forkattn_prefix_bwd (and fwd) rerun 1000 times on the same inputs
  *             with the same context give bitwise the same dq/dk/dv (o/lse):
  *             outputs are poisoned before every call, so an element that is not
  *             rewritten shows up as a mismatch too.
+ *  (tree:     the same for forkattn_tree_fwd/bwd on a binary tree under the prompt.)
  *  threads:   the CPU backend gives bitwise the same o/lse/dq/dk/dv whatever
  *             forkattn_ctx_options.threads (1, 2, 3, 5: more threads than work
  *             items and than cores included) and bind_threads are.
@@ -42,12 +43,15 @@ typedef struct dt_shape {
   forkattn_mask mask;
   forkattn_dtype dtype;
   int packed; /* q|k|v in one [T, Hq+2Hkv, d] buffer, dq|dk|dv likewise */
+  int tree;   /* tree attention: node 0 = the P prompt rows, node i+1 = lens[i] rows under node i/2 */
 } dt_shape;
 
 typedef struct dt_problem {
   dt_shape s;
   int64_t off[DT_MAXN + 1], T;
   forkattn_prefix_layout layout;
+  forkattn_tree_layout tree;
+  int64_t node_off[DT_MAXN + 2], parents[DT_MAXN + 1];
   float scale;
   tc_buf bq, bk, bv, bdo;
   forkattn_tensor q, k, v, dout;
@@ -67,9 +71,9 @@ static void dt_describe(const dt_shape *s, char *buf, size_t size) {
   for (int64_t i = 0; i < s->N && n > 0 && (size_t)n < size; i++)
     n += snprintf(buf + n, size - (size_t)n, "%s%" PRId64, i ? "," : "", s->lens[i]);
   if (n > 0 && (size_t)n < size)
-    snprintf(buf + n, size - (size_t)n, "} heads=%" PRId64 "/%" PRId64 " d=%" PRId64 " %s %s%s", s->hq,
+    snprintf(buf + n, size - (size_t)n, "} heads=%" PRId64 "/%" PRId64 " d=%" PRId64 " %s %s%s%s", s->hq,
              s->hkv, s->d, s->mask == FORKATTN_MASK_CAUSAL ? "causal" : "bidirectional",
-             ref_dtype_name(s->dtype), s->packed ? " qkv-packed" : "");
+             ref_dtype_name(s->dtype), s->packed ? " qkv-packed" : "", s->tree ? " tree" : "");
 }
 
 static void dt_problem_init(dt_problem *p, const dt_shape *s, tc_rng *rng) {
@@ -83,6 +87,11 @@ static void dt_problem_init(dt_problem *p, const dt_shape *s, tc_rng *rng) {
   p->layout.num_responses = s->N;
   p->layout.response_offsets = p->off;
   p->layout.mask = s->mask;
+  p->node_off[0] = 0;
+  p->parents[0] = -1;
+  for (int64_t i = 0; i <= s->N; i++) p->node_off[i + 1] = s->P + p->off[i];
+  for (int64_t i = 0; i < s->N; i++) p->parents[i + 1] = i / 2; /* a binary tree under the prompt */
+  p->tree = (forkattn_tree_layout){s->N + 1, p->node_off, p->parents};
   p->scale = (float)(1.0 / sqrt((double)s->d));
   if (s->packed) {
     const int64_t W = (s->hq + 2 * s->hkv) * s->d;
@@ -140,12 +149,17 @@ static void dt_out_free(dt_out *o) {
 
 /* Forward into o/lse of @p out. */
 static forkattn_status dt_fwd(forkattn_ctx *ctx, const dt_problem *p, dt_out *out) {
+  if (p->s.tree)
+    return forkattn_tree_fwd(ctx, &p->tree, &p->q, &p->k, &p->v, &out->o, out->lse, p->scale, FORKATTN_MEMORY_HOST);
   return forkattn_prefix_fwd(ctx, &p->layout, &p->q, &p->k, &p->v, &out->o, out->lse, p->scale,
                              FORKATTN_MEMORY_HOST);
 }
 
 /* Backward from o/lse of @p fwd into dq/dk/dv of @p out. */
 static forkattn_status dt_bwd(forkattn_ctx *ctx, const dt_problem *p, const dt_out *fwd, dt_out *out) {
+  if (p->s.tree)
+    return forkattn_tree_bwd(ctx, &p->tree, &p->q, &p->k, &p->v, &fwd->o, &p->dout, fwd->lse, &out->dq, &out->dk,
+                             &out->dv, p->scale, FORKATTN_MEMORY_HOST);
   return forkattn_prefix_bwd(ctx, &p->layout, &p->q, &p->k, &p->v, &fwd->o, &p->dout, fwd->lse,
                              &out->dq, &out->dk, &out->dv, p->scale, FORKATTN_MEMORY_HOST);
 }
@@ -281,6 +295,11 @@ Test(repeat, bwd_1000_bidir_f32, .timeout = DT_TIMEOUT) {
             &(const dt_shape){SMALL(FORKATTN_MASK_BIDIRECTIONAL, FORKATTN_DTYPE_F32)});
 }
 
+Test(repeat, bwd_1000_tree_f32, .timeout = DT_TIMEOUT) {
+  dt_repeat("repeat/bwd_1000_tree_f32",
+            &(const dt_shape){SMALL(FORKATTN_MASK_CAUSAL, FORKATTN_DTYPE_F32), .tree = 1});
+}
+
 /* ---- threads: thread count and binding change no bit ------------------------- */
 
 typedef struct dt_config {
@@ -350,6 +369,12 @@ Test(threads, multiblock_causal_f32, .timeout = DT_TIMEOUT) {
   dt_threads("threads/multiblock_causal_f32",
              &(const dt_shape){.P = 300, .N = 6, .lens = {130, 0, 7, 200, 1, 64}, .hq = 8, .hkv = 2, .d = 64,
                                .mask = FORKATTN_MASK_CAUSAL, .dtype = FORKATTN_DTYPE_F32});
+}
+
+Test(threads, multiblock_tree_f32, .timeout = DT_TIMEOUT) {
+  dt_threads("threads/multiblock_tree_f32",
+             &(const dt_shape){.P = 300, .N = 6, .lens = {130, 0, 7, 200, 1, 64}, .hq = 8, .hkv = 2, .d = 64,
+                               .mask = FORKATTN_MASK_CAUSAL, .dtype = FORKATTN_DTYPE_F32, .tree = 1});
 }
 
 Test(threads, multiblock_bidir_bf16, .timeout = DT_TIMEOUT) {

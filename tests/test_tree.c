@@ -204,7 +204,8 @@ Test(tree, random_rl_trie_bf16_gqa, .timeout = 600) {
   tt_random_trie(&t, &rng, 1024, 16, 512);
   tt_packed p;
   tt_pack(&p, &t, 0);
-  tt_check("tree/rl_trie_bf16", &p.layout, 8, 2, 128, BF16, PH_CONTIGUOUS, NULL);
+  /* GQA 4/2 at d=64: the float64 reference of this trie dominates the ASan run */
+  tt_check("tree/rl_trie_bf16", &p.layout, 4, 2, 64, BF16, PH_CONTIGUOUS, NULL);
   tt_packed_free(&p);
   tt_free(&t);
 }

@@ -4,7 +4,8 @@
  * sharing (forkattn_prefix with the root as prompt, the rest of each path as a
  * response: the v0.1 kernel). Times, peak memory, forward FLOPs of the visible
  * (query, key) pairs, dedup ratio, achieved vs ideal speedup over replicated,
- * and the errors of the baselines against the tree. A table and a JSON line. */
+ * and the errors of the baselines against the tree. A table and a JSON line;
+ * --sweep runs it per size or shape, --plot draws the sweep (plot.c). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,6 +13,7 @@
 
 #include "commands.h"
 #include "options.h"
+#include "plot.h"
 #include "reference.h"
 #include "tree_shapes.h"
 
@@ -68,6 +70,10 @@ static void bt_usage(void) {
          "  --model        also calibrate the cost model on this backend, print its prediction\n"
          "                 of the tree's fwd+bwd next to the measurement, and the imbalance of\n"
          "                 forkattn_tree_partition into 2, 3 and 4 parts\n"
+         "  --sweep K=V,... one tree per value of K: prompt, leaves, min-seg, max-seg, turns, or\n"
+         "                 shape (e.g. shape=rl,wide,deep; each shape's defaults for sizes not given)\n"
+         "  --plot FILE    with --sweep: FILE.svg or FILE.png (gnuplot) of time and memory against K,\n"
+         "                 tree vs prompt-only vs replicated, plus its data FILE.dat and script FILE.gp\n"
          "Exit status 1 when a call fails or an error exceeds 1e-4 (f32) / 2e-2 (bf16, f16).\n",
          (long long)d[0].prompt, (long long)d[1].prompt, (long long)d[2].prompt, (long long)d[0].leaves,
          (long long)d[1].leaves, (long long)d[2].leaves, (long long)d[0].min_seg, (long long)d[1].min_seg,
@@ -121,14 +127,19 @@ static int bt_parse(int argc, char **argv, bt_opts *o) {
     }
     i++;
   }
-  tree_shape_defaults(&o->shape);
   if (o->heads.hq % o->heads.hkv) {
     fprintf(stderr, "forkattn: --hq must be a multiple of --hkv\n");
     return -1;
   }
-  if (o->shape.min_seg > o->shape.max_seg) {
-    fprintf(stderr, "forkattn: --min-seg %lld exceeds --max-seg %lld\n", (long long)o->shape.min_seg,
-            (long long)o->shape.max_seg);
+  return 0;
+}
+
+/* The kind's defaults for the sizes not given; 0, or -1 (message printed). */
+static int bt_resolve(tree_shape_params *p) {
+  tree_shape_defaults(p);
+  if (p->min_seg > p->max_seg) {
+    fprintf(stderr, "forkattn: %s: --min-seg %lld exceeds --max-seg %lld\n", tree_shape_name(p->kind),
+            (long long)p->min_seg, (long long)p->max_seg);
     return -1;
   }
   return 0;
@@ -456,36 +467,130 @@ static int bt_model(const bt_exec *tree, const tree_shape *t, const bt_opts *o) 
   return 0;
 }
 
-int cmd_bench_tree(int argc, char **argv) {
-  bt_opts o = {{TREE_SHAPE_RL, -1, -1, -1, -1, -1, -1},
-               {0, 0, 0, 8, 2, 128, FORKATTN_DTYPE_F32, FORKATTN_MASK_CAUSAL},
-               FORKATTN_BACKEND_AUTO, 3, 0, 0};
-  const int p = bt_parse(argc, argv, &o);
-  if (p) {
-    if (p > 0) bt_usage();
-    return p > 0 ? 0 : 2;
-  }
+/* .dat columns of a sweep point */
+enum { BT_COLS = 12 };
+static const char *const bt_cols[BT_COLS] = {
+    "tree_fwd_ms", "tree_fwdbwd_ms", "prompt_only_fwd_ms", "prompt_only_fwdbwd_ms", "rep_fwd_ms", "rep_fwdbwd_ms",
+    "tree_mib", "prompt_only_mib", "rep_mib", "ideal_speedup", "achieved_speedup", "dedup_ratio"};
+
+/* One tree (o->shape resolved): build, run, report. row (if set) gets the .dat
+ * values, backend its name. 0, 1 when a check fails, -1 when a call fails. */
+static int bt_point(const bt_opts *o, double *row, char *backend_out) {
   tree_shape t;
-  if (tree_shape_build(&t, &o.shape)) {
+  if (tree_shape_build(&t, &o->shape)) {
     fprintf(stderr, "forkattn: out of host memory building the tree\n");
-    return 1;
+    return -1;
   }
   bt_exec x[BT_N] = {{.name = "tree", .key = "tree"},
                      {.name = "prompt-only", .key = "prompt_only"},
                      {.name = "replicated", .key = "replicated"}};
   tool_errors err[BT_N];
-  int rc = bt_execute(x, &t, &o, err) ? 1 : 0;
+  int rc = bt_execute(x, &t, o, err) ? -1 : 0;
   if (!rc) {
-    const double tol = o.heads.dtype == FORKATTN_DTYPE_F32 ? 1e-4 : 2e-2;
+    const double tol = o->heads.dtype == FORKATTN_DTYPE_F32 ? 1e-4 : 2e-2;
     int ok = 1;
     for (int i = BT_PROMPT; i < BT_N; i++) ok = ok && bt_worst(&err[i]) <= tol && err[i].lse <= tol;
     const char *backend = forkattn_backend_name(forkattn_ctx_backend(x[BT_TREE].ctx));
-    if (!o.json) bt_table(x, &t, &o, backend, err, tol, ok);
-    bt_json(x, &t, &o, backend, err, ok);
+    if (!o->json) bt_table(x, &t, o, backend, err, tol, ok);
+    bt_json(x, &t, o, backend, err, ok);
     rc = ok ? 0 : 1;
-    if (o.model && bt_model(&x[BT_TREE], &t, &o)) rc = 1;
+    if (o->model && bt_model(&x[BT_TREE], &t, o)) rc = -1;
+    fflush(stdout);
+    if (row) {
+      const double mib = 1.0 / 1048576.0;
+      const bt_exec *tr = &x[BT_TREE], *po = &x[BT_PROMPT], *rep = &x[BT_REP];
+      const double v[BT_COLS] = {tr->fwd_ms, tr->both_ms, po->fwd_ms, po->both_ms, rep->fwd_ms, rep->both_ms,
+                                 tr->mem_bytes * mib, po->mem_bytes * mib, rep->mem_bytes * mib,
+                                 rep->pairs / tr->pairs, rep->both_ms / tr->both_ms,
+                                 (double)rep->g.rows / (double)tr->g.rows};
+      memcpy(row, v, sizeof v);
+      snprintf(backend_out, 16, "%s", backend);
+    }
   }
   for (int i = 0; i < BT_N; i++) bt_exec_free(&x[i]);
   tree_shape_free(&t);
   return rc;
+}
+
+/* Sweepable options; the last one is categorical. */
+static const char *const bt_keys[6] = {"prompt", "leaves", "min-seg", "max-seg", "turns", "shape"};
+static const char *const bt_xlabels[6] = {"prompt (root) rows", "leaves L (sequences)", "min rows per segment",
+                                          "max rows per segment", "turns (deep)", "tree shape"};
+
+static int64_t *bt_field(tree_shape_params *p, int k) {
+  int64_t *f[5] = {&p->prompt, &p->leaves, &p->min_seg, &p->max_seg, &p->turns};
+  return f[k];
+}
+
+/* --sweep K=...: one tree per value, then (--plot) the .dat, .gp and picture. */
+static int bt_sweep(const bt_opts *o, const char *arg, const char *plot) {
+  tool_sweep sw;
+  if (tool_sweep_parse(arg, &sw)) return 2;
+  int k = 0;
+  while (k < 6 && strcmp(sw.key, bt_keys[k])) k++;
+  if (k == 6) {
+    fprintf(stderr, "forkattn: bench tree --sweep: the key is prompt, leaves, min-seg, max-seg, turns or shape "
+            "(got '%s')\n", sw.key);
+    return 2;
+  }
+  char opt[24];
+  snprintf(opt, sizeof opt, "--%s", sw.key);
+  bt_opts pt[TOOL_SWEEP_MAX];
+  for (int i = 0; i < sw.count; i++) { /* every point checked before any runs */
+    pt[i] = *o;
+    if (bt_parse_value(opt, sw.text[i], &pt[i]) || (k < 5 && *bt_field(&pt[i].shape, k) < 1)) {
+      fprintf(stderr, "forkattn: bad --sweep value '%s' for %s\n", sw.text[i], sw.key);
+      return 2;
+    }
+    if (k < 5) sw.num[i] = *bt_field(&pt[i].shape, k);
+    if (bt_resolve(&pt[i].shape)) return 2;
+  }
+  if (plot && tool_plot_check_name(plot)) return 2;
+  double rows[TOOL_SWEEP_MAX * BT_COLS];
+  char backend[16] = "";
+  int failed = 0;
+  for (int i = 0; i < sw.count; i++) {
+    const int rc = bt_point(&pt[i], rows + (size_t)i * BT_COLS, backend);
+    if (rc < 0) return 1;
+    failed |= rc;
+  }
+  if (!plot) return failed;
+  /* title: the sizes not swept (shape sweep: only those given) */
+  const tree_shape_params *q = k == 5 ? &o->shape : &pt[0].shape;
+  tree_shape_params c = *q;
+  char title[512], note[160];
+  int used = snprintf(title, sizeof title, "forkattn bench tree: ");
+  if (k != 5) used += snprintf(title + used, sizeof title - (size_t)used, "shape %s, ", tree_shape_name(q->kind));
+  for (int j = 0; j < 5; j++)
+    if (j != k && *bt_field(&c, j) >= 0 && (j < 4 || q->kind == TREE_SHAPE_DEEP || k == 5))
+      used += snprintf(title + used, sizeof title - (size_t)used, "%s %lld, ", bt_keys[j], (long long)*bt_field(&c, j));
+  if (q->seed >= 0) used += snprintf(title + used, sizeof title - (size_t)used, "seed %lld, ", (long long)q->seed);
+  snprintf(title + used, sizeof title - (size_t)used, "heads %lld/%lld, d=%lld, %s, backend %s", (long long)o->heads.hq,
+           (long long)o->heads.hkv, (long long)o->heads.d, tool_dtype_name(o->heads.dtype), backend);
+  snprintf(note, sizeof note,
+           "time (median of %lld): fwd+bwd solid, fwd dashed\nlabels: fwd+bwd speedup of tree over replicated",
+           (long long)o->repeats);
+  const tool_plot p = {plot, bt_xlabels[k], title, note, k == 5, BT_COLS, bt_cols, 3,
+                       {{"tree", 0, 1, 6}, {"prompt-only", 2, 3, 7}, {"replicated", 4, 5, 8}}, 10};
+  return tool_plot_write(&p, &sw, rows) ? 1 : failed;
+}
+
+int cmd_bench_tree(int argc, char **argv) {
+  bt_opts o = {{TREE_SHAPE_RL, -1, -1, -1, -1, -1, -1},
+               {0, 0, 0, 8, 2, 128, FORKATTN_DTYPE_F32, FORKATTN_MASK_CAUSAL},
+               FORKATTN_BACKEND_AUTO, 3, 0, 0};
+  const char *sweep = NULL, *plot = NULL;
+  if (tool_plot_take_args(&argc, argv, 2, &sweep, &plot)) return 2;
+  const int p = bt_parse(argc, argv, &o);
+  if (p) {
+    if (p > 0) bt_usage();
+    return p > 0 ? 0 : 2;
+  }
+  if (plot && !sweep) {
+    fprintf(stderr, "forkattn: --plot needs --sweep\n");
+    return 2;
+  }
+  if (sweep) return bt_sweep(&o, sweep, plot);
+  if (bt_resolve(&o.shape)) return 2;
+  return bt_point(&o, NULL, NULL) ? 1 : 0;
 }

@@ -1,0 +1,82 @@
+"""forkattn: attention primitives for RL post-training with shared prefixes (Python binding).
+
+A pure-Python ctypes binding of libforkattn (no compiled extension). Without PyTorch the
+library, contexts and the numpy functions (:mod:`forkattn.numpy_api`) still work; the torch
+API (layouts, differentiable attention, custom ops) needs ``import torch`` to succeed.
+
+See docs/python.md.
+"""
+
+from ._lib import (  # noqa: F401
+    Context,
+    ForkattnError,
+    ForkattnInvalidArgument,
+    backend,
+    build_has_offload,
+    configure,
+    current_context,
+    default_context,
+    library_path,
+    load_library,
+    use_context,
+    version,
+)
+
+__version__ = "0.1.0"
+
+_TORCH_NAMES = (
+    "SharedPrefixLayout",
+    "TreeLayout",
+    "prefix_attention",
+    "tree_attention",
+    "varlen_attention",
+    "PrefixAttentionFunction",
+    "TreeAttentionFunction",
+    "VarlenAttentionFunction",
+)
+
+try:
+    import torch as _torch  # noqa: F401
+except ImportError as _e:  # numpy-only installs
+    _TORCH_ERROR = _e
+    HAVE_TORCH = False
+else:
+    _TORCH_ERROR = None
+    HAVE_TORCH = True
+    from .layouts import SharedPrefixLayout, TreeLayout  # noqa: F401
+    from .ops import (  # noqa: F401
+        PrefixAttentionFunction,
+        TreeAttentionFunction,
+        VarlenAttentionFunction,
+        prefix_attention,
+        tree_attention,
+        varlen_attention,
+    )
+
+
+def __getattr__(name):
+    if name in _TORCH_NAMES and not HAVE_TORCH:
+        raise ImportError("forkattn.%s needs PyTorch, which could not be imported (%s); the numpy "
+                          "functions are in forkattn.numpy_api" % (name, _TORCH_ERROR))
+    if name == "numpy_api":
+        import importlib
+
+        return importlib.import_module(".numpy_api", __name__)
+    raise AttributeError("module 'forkattn' has no attribute %r" % name)
+
+
+__all__ = [
+    "Context",
+    "ForkattnError",
+    "ForkattnInvalidArgument",
+    "backend",
+    "build_has_offload",
+    "configure",
+    "current_context",
+    "default_context",
+    "library_path",
+    "load_library",
+    "use_context",
+    "version",
+    "HAVE_TORCH",
+] + list(_TORCH_NAMES)

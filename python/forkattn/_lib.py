@@ -1,0 +1,831 @@
+"""ctypes layer: finding and loading libforkattn, C struct mirrors, contexts,
+status -> exception, and the array-library-neutral call helpers that the torch
+(ops.py) and numpy (numpy_api.py) front ends share.
+
+Nothing here imports torch or numpy: tensors reach this module as
+``forkattn_tensor`` descriptors (pointer, dtype code, sizes, element strides)
+built by the front ends with :func:`make_tensor`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import os
+import threading
+from ctypes import POINTER, Structure, byref, c_char_p, c_double, c_float, c_int, c_int64, c_size_t
+from ctypes import c_uint, c_void_p
+
+__all__ = [
+    "ForkattnError",
+    "ForkattnInvalidArgument",
+    "Context",
+    "load_library",
+    "library_path",
+    "backend",
+    "configure",
+    "current_context",
+    "default_context",
+    "use_context",
+    "version",
+]
+
+# --------------------------------------------------------------------------------------------
+# enums (values fixed by include/forkattn.h; only ever appended to)
+
+STATUS_NAMES = {
+    0: "ok",
+    1: "invalid argument",
+    2: "out of memory",
+    3: "unsupported",
+    4: "backend unavailable",
+    5: "device error",
+    6: "internal error",
+}
+OK, ERR_INVALID_ARGUMENT = 0, 1
+BACKENDS = {"auto": 0, "cpu": 1, "gpu": 2}
+BACKEND_NAMES = {0: "auto", 1: "cpu", 2: "gpu"}
+DTYPE_F32, DTYPE_BF16, DTYPE_F16 = 0, 1, 2
+DTYPE_ITEMSIZE = {DTYPE_F32: 4, DTYPE_BF16: 2, DTYPE_F16: 2}
+MEMORY_HOST, MEMORY_DEVICE = 0, 1
+MASK_CAUSAL, MASK_BIDIRECTIONAL = 0, 1
+TRIE_SINGLE_ROOT = 1
+
+# The C library major version this binding speaks (minor versions only add).
+_ABI_MAJOR = 0
+_MIN_VERSION_NUMBER = 100  # 0.1.0
+
+
+# --------------------------------------------------------------------------------------------
+# struct mirrors
+
+
+class Tensor(Structure):
+    """``forkattn_tensor``: a strided [rows, heads, head_dim] view, strides in elements."""
+
+    _fields_ = [
+        ("data", c_void_p),
+        ("dtype", c_int),
+        ("rows", c_int64),
+        ("heads", c_int64),
+        ("head_dim", c_int64),
+        ("row_stride", c_int64),
+        ("head_stride", c_int64),
+    ]
+
+
+class PrefixLayout(Structure):
+    """``forkattn_prefix_layout``: one shared-prompt group (CSR response offsets)."""
+
+    _fields_ = [
+        ("prompt_len", c_int64),
+        ("num_responses", c_int64),
+        ("response_offsets", POINTER(c_int64)),
+        ("mask", c_int),
+    ]
+
+
+class TreeLayoutC(Structure):
+    """``forkattn_tree_layout``: node_offsets [n+1] and parents [n] (host arrays)."""
+
+    _fields_ = [
+        ("num_nodes", c_int64),
+        ("node_offsets", POINTER(c_int64)),
+        ("parents", POINTER(c_int64)),
+    ]
+
+
+class CtxOptions(Structure):
+    """``forkattn_ctx_options``."""
+
+    _fields_ = [
+        ("backend", c_int),
+        ("device", c_int),
+        ("threads", c_int),
+        ("bind_threads", c_int),
+        ("verbose", c_int),
+    ]
+
+
+_T = POINTER(Tensor)
+_I64P = POINTER(c_int64)
+
+# name: (restype, argtypes); optional symbols are looked up lazily (trie_* came in 0.1.0 too,
+# but a stripped-down build may lack them: the binding then fails only when they are used).
+_SIGNATURES = {
+    "forkattn_version_number": (c_uint, []),
+    "forkattn_version_string": (c_char_p, []),
+    "forkattn_status_string": (c_char_p, [c_int]),
+    "forkattn_backend_name": (c_char_p, [c_int]),
+    "forkattn_build_has_offload": (c_int, []),
+    "forkattn_ctx_options_init": (None, [POINTER(CtxOptions)]),
+    "forkattn_ctx_create": (c_int, [POINTER(c_void_p), POINTER(CtxOptions)]),
+    "forkattn_ctx_create_error": (c_char_p, []),
+    "forkattn_ctx_destroy": (None, [c_void_p]),
+    "forkattn_ctx_backend": (c_int, [c_void_p]),
+    "forkattn_ctx_backend_reason": (c_char_p, [c_void_p]),
+    "forkattn_ctx_threads": (c_int, [c_void_p]),
+    "forkattn_ctx_last_error": (c_char_p, [c_void_p]),
+    "forkattn_ctx_peak_workspace": (c_size_t, [c_void_p]),
+    "forkattn_prefix_fwd": (
+        c_int,
+        [c_void_p, POINTER(PrefixLayout), _T, _T, _T, _T, c_void_p, c_float, c_int],
+    ),
+    "forkattn_prefix_bwd": (
+        c_int,
+        [c_void_p, POINTER(PrefixLayout), _T, _T, _T, _T, _T, c_void_p, _T, _T, _T, c_float, c_int],
+    ),
+    "forkattn_tree_fwd": (
+        c_int,
+        [c_void_p, POINTER(TreeLayoutC), _T, _T, _T, _T, c_void_p, c_float, c_int],
+    ),
+    "forkattn_tree_bwd": (
+        c_int,
+        [c_void_p, POINTER(TreeLayoutC), _T, _T, _T, _T, _T, c_void_p, _T, _T, _T, c_float, c_int],
+    ),
+    "forkattn_trie_from_sequences": (
+        c_int,
+        [c_void_p, c_int64, _I64P, _I64P, c_uint, POINTER(c_void_p)],
+    ),
+    "forkattn_trie_from_parents": (
+        c_int,
+        [c_void_p, c_int64, _I64P, _I64P, c_uint, POINTER(c_void_p)],
+    ),
+    "forkattn_trie_from_token_parents": (
+        c_int,
+        [c_void_p, c_int64, _I64P, c_uint, POINTER(c_void_p)],
+    ),
+    "forkattn_trie_free": (None, [c_void_p]),
+    "forkattn_trie_layout": (TreeLayoutC, [c_void_p]),
+    "forkattn_trie_num_rows": (c_int64, [c_void_p]),
+    "forkattn_trie_replicated_tokens": (c_int64, [c_void_p]),
+    "forkattn_trie_dedup_ratio": (c_double, [c_void_p]),
+    "forkattn_trie_input_rows": (_I64P, [c_void_p]),
+    "forkattn_trie_input_nodes": (_I64P, [c_void_p]),
+    "forkattn_trie_row_nodes": (_I64P, [c_void_p]),
+    "forkattn_trie_row_positions": (_I64P, [c_void_p]),
+    "forkattn_trie_node_depths": (_I64P, [c_void_p]),
+    "forkattn_trie_row_tokens": (_I64P, [c_void_p]),
+}
+_REQUIRED = (
+    "forkattn_version_number",
+    "forkattn_ctx_create",
+    "forkattn_prefix_fwd",
+    "forkattn_prefix_bwd",
+    "forkattn_tree_fwd",
+    "forkattn_tree_bwd",
+)
+
+
+# --------------------------------------------------------------------------------------------
+# errors
+
+
+class ForkattnError(RuntimeError):
+    """A forkattn call failed. ``status`` is the C ``forkattn_status`` value, ``message`` the
+    context's last-error text (or the reason a context could not be created)."""
+
+    def __init__(self, status, message=""):
+        self.status = int(status)
+        self.status_name = STATUS_NAMES.get(self.status, "unknown status")
+        self.message = message or ""
+        text = "forkattn: %s (status %d)" % (self.status_name, self.status)
+        if self.message:
+            text += ": " + self.message
+        super().__init__(text)
+
+    def __reduce__(self):  # picklable across processes (DataLoader workers, Ray)
+        return (_make_error, (self.status, self.message))
+
+
+class ForkattnInvalidArgument(ForkattnError, ValueError):
+    """FORKATTN_ERR_INVALID_ARGUMENT: also a ValueError, so ``except ValueError`` catches the
+    library's argument checks as well as the binding's own."""
+
+
+def _make_error(status, message=""):
+    if int(status) == ERR_INVALID_ARGUMENT:
+        return ForkattnInvalidArgument(status, message)
+    return ForkattnError(status, message)
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+
+_lib = None
+_lib_path = None
+_lib_lock = threading.Lock()
+
+
+def _candidate_paths():
+    """Where load_library() looks, in order (FORKATTN_LIBRARY is handled before these)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = []
+    # 1. next to the package (wheels that bundle the library)
+    for pat in ("libforkattn.so", "libforkattn.so.*", "lib/libforkattn.so", "lib/libforkattn.so.*",
+                "libforkattn.dylib", "forkattn.dll"):
+        out.extend(sorted(glob.glob(os.path.join(here, pat))))
+    # 2. the repository's build folders (source checkout or editable install: python/forkattn)
+    repo = os.path.dirname(os.path.dirname(here))
+    builds = ["build", "build-gpu"]
+    if os.path.exists("/dev/nvidiactl"):
+        builds.reverse()  # a GPU node: prefer the offload build (falls back if it cannot load)
+    for b in builds:
+        out.append(os.path.join(repo, b, "libforkattn.so"))
+    return [p for p in out if os.path.isfile(p)]
+
+
+def _bind(lib):
+    for name, (res, args) in _SIGNATURES.items():
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            if name in _REQUIRED:
+                raise OSError("%s lacks the symbol %s: not a forkattn library" % (lib._name, name))
+            continue
+        fn.restype = res
+        fn.argtypes = args
+    num = lib.forkattn_version_number()
+    if num // 10000 != _ABI_MAJOR or num < _MIN_VERSION_NUMBER:
+        raise OSError(
+            "%s is forkattn %s; this binding needs %d.x >= %d.%d"
+            % (lib._name, lib.forkattn_version_string().decode(), _ABI_MAJOR, _ABI_MAJOR,
+               _MIN_VERSION_NUMBER // 100 % 100)
+        )
+    return lib
+
+
+def load_library(path=None):
+    """Load libforkattn (once per process) and return the ``ctypes.CDLL``.
+
+    Search order: ``path`` if given; the ``FORKATTN_LIBRARY`` environment variable; a library
+    next to this package (wheels that bundle it); the repository's ``build/`` and
+    ``build-gpu/`` folders (source checkouts; ``build-gpu`` first on a machine with
+    ``/dev/nvidiactl``); ``ctypes.util.find_library("forkattn")`` and ``libforkattn.so.0``
+    (installed by ``cmake --install``). A candidate that fails to load (e.g. an offload build
+    without its LLVM runtime) is skipped; the error lists every attempt.
+
+    Once a library is loaded, later calls return it; a different explicit ``path`` then raises
+    ``RuntimeError`` (one library per process).
+    """
+    global _lib, _lib_path
+    with _lib_lock:
+        if _lib is not None:
+            if path is not None and os.path.realpath(path) != os.path.realpath(_lib_path or ""):
+                raise RuntimeError(
+                    "forkattn: %s is already loaded; cannot switch to %s in the same process"
+                    % (_lib_path, path)
+                )
+            return _lib
+        tried = []
+        if path is not None:
+            cands = [("argument", path)]
+        elif os.environ.get("FORKATTN_LIBRARY"):
+            # An explicit choice: do not silently fall back to another library.
+            cands = [("FORKATTN_LIBRARY", os.environ["FORKATTN_LIBRARY"])]
+        else:
+            cands = [("package/build", p) for p in _candidate_paths()]
+            found = ctypes.util.find_library("forkattn")
+            if found:
+                cands.append(("find_library", found))
+            cands.append(("system", "libforkattn.so.0"))
+        for origin, cand in cands:
+            try:
+                lib = _bind(ctypes.CDLL(cand))
+            except OSError as e:
+                tried.append("%s (%s): %s" % (cand, origin, e))
+                continue
+            _lib, _lib_path = lib, getattr(lib, "_name", cand)
+            return _lib
+        raise OSError(
+            "forkattn: could not load libforkattn. Build it (cmake -S . -B build && cmake --build "
+            "build) and/or set FORKATTN_LIBRARY=/path/to/libforkattn.so. Tried:\n  "
+            + "\n  ".join(tried or ["(no candidate found)"])
+        )
+
+
+def library_path():
+    """Path of the loaded library (loads it first)."""
+    load_library()
+    return _lib_path
+
+
+def version():
+    """Version string of the loaded C library, e.g. ``"0.1.0"``."""
+    return load_library().forkattn_version_string().decode()
+
+
+def build_has_offload():
+    """True when the loaded library was built with GPU offload."""
+    return bool(load_library().forkattn_build_has_offload())
+
+
+def _fn(name):
+    lib = load_library()
+    try:
+        return getattr(lib, name)
+    except AttributeError:
+        raise ForkattnError(3, "the loaded library (%s) has no %s" % (_lib_path, name)) from None
+
+
+# --------------------------------------------------------------------------------------------
+# contexts
+
+
+class Context:
+    """A forkattn context (``forkattn_ctx``): backend, device, CPU threads, last error.
+
+    ``backend`` is ``"auto"`` (GPU when usable, else CPU), ``"cpu"`` or ``"gpu"``; the
+    ``FORKATTN_BACKEND`` environment variable overrides it (C library rule). A context is not
+    thread-safe: use one per thread. ``with ctx:`` makes it the current context of this thread
+    for the calls inside the block (see :func:`use_context`).
+    """
+
+    def __init__(self, backend="auto", device=0, threads=0, bind_threads=False, verbose=False):
+        if backend not in BACKENDS:
+            raise ValueError("forkattn: backend must be one of %s, not %r" % (sorted(BACKENDS), backend))
+        lib = load_library()
+        self._lib = lib
+        self._handle = None
+        opt = CtxOptions()
+        lib.forkattn_ctx_options_init(byref(opt))
+        opt.backend = BACKENDS[backend]
+        opt.device = int(device)
+        opt.threads = int(threads)
+        opt.bind_threads = 1 if bind_threads else 0
+        opt.verbose = 1 if verbose else 0
+        h = c_void_p()
+        st = lib.forkattn_ctx_create(byref(h), byref(opt))
+        if st != OK:
+            raise _make_error(st, (lib.forkattn_ctx_create_error() or b"").decode(errors="replace"))
+        self._handle = h
+        self.requested_backend = backend
+        self.device = int(device)
+        self._owner = threading.get_ident()
+
+    # -- properties
+    @property
+    def handle(self):
+        if self._handle is None:
+            raise ValueError("forkattn: this Context is closed")
+        return self._handle
+
+    @property
+    def backend(self):
+        """The backend really used: ``"cpu"`` or ``"gpu"``."""
+        return BACKEND_NAMES.get(self._lib.forkattn_ctx_backend(self.handle), "unknown")
+
+    @property
+    def backend_reason(self):
+        return (self._lib.forkattn_ctx_backend_reason(self.handle) or b"").decode(errors="replace")
+
+    @property
+    def threads(self):
+        return int(self._lib.forkattn_ctx_threads(self.handle))
+
+    @property
+    def last_error(self):
+        return (self._lib.forkattn_ctx_last_error(self.handle) or b"").decode(errors="replace")
+
+    @property
+    def peak_workspace(self):
+        """Largest scratch memory (bytes) one call of this context allocated so far."""
+        return int(self._lib.forkattn_ctx_peak_workspace(self.handle))
+
+    def check(self, status):
+        """Raise the ForkattnError of a non-zero status, with this context's last error."""
+        if status != OK:
+            raise _make_error(status, self.last_error)
+
+    # -- lifetime
+    def close(self):
+        if self._handle is not None and self._lib is not None:
+            self._lib.forkattn_ctx_destroy(self._handle)
+        self._handle = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+    def __enter__(self):
+        _push_context(self)
+        return self
+
+    def __exit__(self, *exc):
+        _pop_context(self)
+        return False
+
+    def __repr__(self):
+        if self._handle is None:
+            return "<forkattn.Context closed>"
+        return "<forkattn.Context backend=%s device=%d threads=%d>" % (self.backend, self.device,
+                                                                       self.threads)
+
+
+# Process-wide defaults for lazily created per-thread contexts, and a generation counter so
+# that configure() invalidates every thread's cache.
+_defaults = {"backend": "auto", "threads": 0, "bind_threads": False}
+_generation = [0]
+_tls = threading.local()
+
+
+def configure(backend=None, threads=None, bind_threads=None):
+    """Set the options of the default contexts that every thread creates lazily (host tensors:
+    ``backend``; CUDA tensors always get a ``"gpu"`` context on the tensor's device). Contexts
+    already created are replaced at their thread's next call. Returns the previous settings."""
+    prev = dict(_defaults)
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise ValueError("forkattn: backend must be one of %s, not %r" % (sorted(BACKENDS), backend))
+        _defaults["backend"] = backend
+    if threads is not None:
+        _defaults["threads"] = int(threads)
+    if bind_threads is not None:
+        _defaults["bind_threads"] = bool(bind_threads)
+    _generation[0] += 1
+    return prev
+
+
+def _thread_cache():
+    cache = getattr(_tls, "contexts", None)
+    if cache is None or getattr(_tls, "generation", None) != _generation[0]:
+        cache = {}
+        _tls.contexts = cache
+        _tls.generation = _generation[0]
+    return cache
+
+
+def default_context(cuda_device=None):
+    """This thread's default context: for host memory (``cuda_device=None``), or a GPU context
+    on CUDA device ``cuda_device``. Created on first use."""
+    cache = _thread_cache()
+    key = ("host",) if cuda_device is None else ("cuda", int(cuda_device))
+    ctx = cache.get(key)
+    if ctx is None:
+        if cuda_device is None:
+            ctx = Context(_defaults["backend"], 0, _defaults["threads"], _defaults["bind_threads"])
+        else:
+            try:
+                ctx = Context("gpu", int(cuda_device), _defaults["threads"])
+            except ForkattnError as e:
+                raise ForkattnError(
+                    e.status,
+                    "CUDA tensors need a GPU context on device %d and it could not be created (%s). "
+                    "Load an offload build (FORKATTN_LIBRARY=.../build-gpu/libforkattn.so, see "
+                    "docs/build.md) or move the tensors to the CPU. Loaded: %s (offload: %s)"
+                    % (int(cuda_device), e.message, _lib_path, bool(_lib.forkattn_build_has_offload())),
+                ) from None
+        cache[key] = ctx
+    return ctx
+
+
+def _push_context(ctx):
+    stack = getattr(_tls, "stack", None)
+    if stack is None:
+        stack = _tls.stack = []
+    stack.append(ctx)
+
+
+def _pop_context(ctx):
+    stack = getattr(_tls, "stack", None)
+    if stack and stack[-1] is ctx:
+        stack.pop()
+
+
+class use_context:
+    """``with forkattn.use_context(ctx): ...``: calls on this thread inside the block use ``ctx``.
+
+    Note: autograd may run a backward on another thread (CUDA tensors); that thread uses its
+    own default context. Use :func:`configure` to change defaults process-wide."""
+
+    def __init__(self, ctx):
+        if not isinstance(ctx, Context):
+            raise TypeError("forkattn.use_context expects a forkattn.Context")
+        self.ctx = ctx
+
+    def __enter__(self):
+        _push_context(self.ctx)
+        return self.ctx
+
+    def __exit__(self, *exc):
+        _pop_context(self.ctx)
+        return False
+
+
+def current_context(cuda_device=None):
+    """The context a call on this thread uses: the innermost :func:`use_context` one, else the
+    thread's default context for host memory or for CUDA device ``cuda_device``."""
+    stack = getattr(_tls, "stack", None)
+    if stack:
+        ctx = stack[-1]
+        if cuda_device is not None and (ctx.backend != "gpu" or ctx.device != int(cuda_device)):
+            raise ValueError(
+                "forkattn: the current context (%r) cannot take CUDA tensors of device %d: they "
+                "need a gpu context on that device" % (ctx, int(cuda_device))
+            )
+        return ctx
+    return default_context(cuda_device)
+
+
+def backend(cuda_device=None):
+    """Name of the backend (``"cpu"`` or ``"gpu"``) the current context of this thread uses."""
+    return current_context(cuda_device).backend
+
+
+# --------------------------------------------------------------------------------------------
+# tensor descriptors
+
+
+def make_tensor(ptr, dtype_code, rows, heads, head_dim, row_stride, head_stride):
+    """A ``Tensor`` descriptor for a [rows, heads, head_dim] view with unit stride on head_dim,
+    or ``None`` when the strides are not in a family the C library accepts (row-major or
+    head-major, no overlap): the caller then passes a contiguous copy.
+
+    Strides of size-1 (and empty) axes carry no information and are normalized."""
+    rows, heads, d = int(rows), int(heads), int(head_dim)
+    rs, hs = int(row_stride), int(head_stride)
+    if rows == 0 or heads == 0 or d == 0:
+        rs, hs = heads * d, d
+    else:
+        if heads == 1:  # head stride unused: pick one that makes the view row-major
+            hs = d
+        if rows == 1:  # row stride unused
+            rs = (heads - 1) * hs + d
+        if rs <= 0 or hs <= 0:
+            return None
+        row_major = hs >= d and rs >= (heads - 1) * hs + d
+        head_major = rs >= d and hs >= (rows - 1) * rs + d
+        if not (row_major or head_major):
+            return None
+    return Tensor(c_void_p(int(ptr) or None), int(dtype_code), rows, heads, d, rs, hs)
+
+
+def row_slice(t, start, n):
+    """Descriptor of rows [start, start + n) of ``t``."""
+    off = int(start) * t.row_stride * DTYPE_ITEMSIZE[t.dtype]
+    base = t.data or 0
+    return Tensor(c_void_p(base + off if base else None), t.dtype, int(n), t.heads, t.head_dim,
+                  t.row_stride, t.head_stride)
+
+
+def _i64_array(values):
+    values = [int(x) for x in values]
+    return (c_int64 * max(1, len(values)))(*values), len(values)
+
+
+def _ptr_add(p, nbytes):
+    return None if not p else int(p) + int(nbytes)
+
+
+# --------------------------------------------------------------------------------------------
+# attention calls (array-library neutral). Layout arguments are Python int lists; lse is a
+# pointer to float32 [rows, heads_q] row-major.
+
+# How several causal shared-prompt groups run: "tree" = one forkattn_tree_fwd/bwd call over the
+# forest (root = prompt, children = responses); "loop" = one forkattn_prefix_* call per group
+# on row slices. Both are exact; "tree" is one launch. Bidirectional groups always loop.
+MULTI_GROUP_CAUSAL = "tree"
+
+
+def _forest(prompt_lens, group_sizes, response_lens):
+    offsets, parents = [0], []
+    r = 0
+    for P, n in zip(prompt_lens, group_sizes):
+        root = len(parents)
+        parents.append(-1)
+        offsets.append(offsets[-1] + P)
+        for _ in range(n):
+            parents.append(root)
+            offsets.append(offsets[-1] + response_lens[r])
+            r += 1
+    return offsets, parents
+
+
+def _groups(prompt_lens, group_sizes, response_lens):
+    """Yield (row_start, prompt_len, [response lens]) per group."""
+    row, r = 0, 0
+    for P, n in zip(prompt_lens, group_sizes):
+        lens = response_lens[r:r + n]
+        yield row, P, lens
+        row += P + sum(lens)
+        r += n
+
+
+def _check_layout_lists(prompt_lens, group_sizes, response_lens):
+    if len(prompt_lens) != len(group_sizes):
+        raise ValueError("forkattn: prompt_lens has %d groups, group_sizes %d"
+                         % (len(prompt_lens), len(group_sizes)))
+    if sum(group_sizes) != len(response_lens):
+        raise ValueError("forkattn: group_sizes sum to %d responses, response_lens has %d"
+                         % (sum(group_sizes), len(response_lens)))
+    for name, seq in (("prompt_lens", prompt_lens), ("group_sizes", group_sizes),
+                      ("response_lens", response_lens)):
+        for i, x in enumerate(seq):
+            if x < 0:
+                raise ValueError("forkattn: %s[%d] = %d is negative" % (name, i, x))
+
+
+def _scale(scale):
+    return c_float(float(scale))
+
+
+def prefix_fwd(ctx, prompt_lens, group_sizes, response_lens, causal, q, k, v, o, lse_ptr, scale,
+               memory):
+    """Shared-prompt forward over several groups packed back to back."""
+    _check_layout_lists(prompt_lens, group_sizes, response_lens)
+    G = len(prompt_lens)
+    if G == 0:
+        return
+    hq = q.heads
+    if causal and G > 1 and MULTI_GROUP_CAUSAL == "tree":
+        offs, parents = _forest(prompt_lens, group_sizes, response_lens)
+        tree_fwd(ctx, offs, parents, q, k, v, o, lse_ptr, scale, memory)
+        return
+    mask = MASK_CAUSAL if causal else MASK_BIDIRECTIONAL
+    fn = _fn("forkattn_prefix_fwd")
+    for row, P, lens in _groups(prompt_lens, group_sizes, response_lens):
+        n = P + sum(lens)
+        if G > 1 and n == 0:
+            continue
+        arr, _ = _i64_array([0] + _cumsum(lens))
+        lay = PrefixLayout(P, len(lens), arr, mask)
+        if G == 1:
+            qs, ks, vs, os_, lp = q, k, v, o, lse_ptr
+        else:
+            qs, ks, vs, os_ = (row_slice(t, row, n) for t in (q, k, v, o))
+            lp = _ptr_add(lse_ptr, row * hq * 4)
+        st = fn(ctx.handle, byref(lay), byref(qs), byref(ks), byref(vs), byref(os_), lp,
+                _scale(scale), memory)
+        ctx.check(st)
+
+
+def prefix_bwd(ctx, prompt_lens, group_sizes, response_lens, causal, q, k, v, o, do, lse_ptr, dq,
+               dk, dv, scale, memory):
+    _check_layout_lists(prompt_lens, group_sizes, response_lens)
+    G = len(prompt_lens)
+    if G == 0:
+        return
+    hq = q.heads
+    if causal and G > 1 and MULTI_GROUP_CAUSAL == "tree":
+        offs, parents = _forest(prompt_lens, group_sizes, response_lens)
+        tree_bwd(ctx, offs, parents, q, k, v, o, do, lse_ptr, dq, dk, dv, scale, memory)
+        return
+    mask = MASK_CAUSAL if causal else MASK_BIDIRECTIONAL
+    fn = _fn("forkattn_prefix_bwd")
+    for row, P, lens in _groups(prompt_lens, group_sizes, response_lens):
+        n = P + sum(lens)
+        if G > 1 and n == 0:
+            continue
+        arr, _ = _i64_array([0] + _cumsum(lens))
+        lay = PrefixLayout(P, len(lens), arr, mask)
+        if G == 1:
+            ts = (q, k, v, o, do, dq, dk, dv)
+            lp = lse_ptr
+        else:
+            ts = tuple(row_slice(t, row, n) for t in (q, k, v, o, do, dq, dk, dv))
+            lp = _ptr_add(lse_ptr, row * hq * 4)
+        qs, ks, vs, os_, dos, dqs, dks, dvs = ts
+        st = fn(ctx.handle, byref(lay), byref(qs), byref(ks), byref(vs), byref(os_), byref(dos), lp,
+                byref(dqs), byref(dks), byref(dvs), _scale(scale), memory)
+        ctx.check(st)
+
+
+def varlen_fwd(ctx, cu_seqlens, causal, q, k, v, o, lse_ptr, scale, memory):
+    """Plain variable-length attention: one prefix call with prompt_len 0."""
+    n = len(cu_seqlens) - 1
+    if n < 0:
+        raise ValueError("forkattn: cu_seqlens must have at least one entry (0)")
+    arr, _ = _i64_array(cu_seqlens)
+    lay = PrefixLayout(0, n, arr, MASK_CAUSAL if causal else MASK_BIDIRECTIONAL)
+    st = _fn("forkattn_prefix_fwd")(ctx.handle, byref(lay), byref(q), byref(k), byref(v), byref(o),
+                                    lse_ptr, _scale(scale), memory)
+    ctx.check(st)
+
+
+def varlen_bwd(ctx, cu_seqlens, causal, q, k, v, o, do, lse_ptr, dq, dk, dv, scale, memory):
+    n = len(cu_seqlens) - 1
+    if n < 0:
+        raise ValueError("forkattn: cu_seqlens must have at least one entry (0)")
+    arr, _ = _i64_array(cu_seqlens)
+    lay = PrefixLayout(0, n, arr, MASK_CAUSAL if causal else MASK_BIDIRECTIONAL)
+    st = _fn("forkattn_prefix_bwd")(ctx.handle, byref(lay), byref(q), byref(k), byref(v), byref(o),
+                                    byref(do), lse_ptr, byref(dq), byref(dk), byref(dv),
+                                    _scale(scale), memory)
+    ctx.check(st)
+
+
+def _tree_struct(node_offsets, parents):
+    """node_offsets/parents: int lists, or (pointer, n) pairs of host int64 arrays."""
+    if isinstance(node_offsets, tuple):
+        (op, n1), (pp, n) = node_offsets, parents
+        if n1 != n + 1:
+            raise ValueError("forkattn: node_offsets has %d entries, parents %d (need n+1 and n)"
+                             % (n1, n))
+        keep = ()
+        return TreeLayoutC(n, ctypes.cast(c_void_p(op), _I64P) if n else None,
+                           ctypes.cast(c_void_p(pp), _I64P) if n else None), keep
+    if len(node_offsets) != len(parents) + 1:
+        raise ValueError("forkattn: node_offsets has %d entries, parents %d (need n+1 and n)"
+                         % (len(node_offsets), len(parents)))
+    oa, _ = _i64_array(node_offsets)
+    pa, n = _i64_array(parents)
+    return TreeLayoutC(n, oa if n else None, pa if n else None), (oa, pa)
+
+
+def tree_fwd(ctx, node_offsets, parents, q, k, v, o, lse_ptr, scale, memory):
+    lay, keep = _tree_struct(node_offsets, parents)
+    st = _fn("forkattn_tree_fwd")(ctx.handle, byref(lay), byref(q), byref(k), byref(v), byref(o),
+                                  lse_ptr, _scale(scale), memory)
+    del keep
+    ctx.check(st)
+
+
+def tree_bwd(ctx, node_offsets, parents, q, k, v, o, do, lse_ptr, dq, dk, dv, scale, memory):
+    lay, keep = _tree_struct(node_offsets, parents)
+    st = _fn("forkattn_tree_bwd")(ctx.handle, byref(lay), byref(q), byref(k), byref(v), byref(o),
+                                  byref(do), lse_ptr, byref(dq), byref(dk), byref(dv),
+                                  _scale(scale), memory)
+    del keep
+    ctx.check(st)
+
+
+def _cumsum(xs):
+    out, s = [], 0
+    for x in xs:
+        s += x
+        out.append(s)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# tries
+
+
+def _copy_i64(ptr, n):
+    """Copy n int64 from a C pointer into a fresh ctypes array (None for a NULL pointer)."""
+    if not ptr or n <= 0:
+        return None if not ptr else (c_int64 * 0)()
+    buf = (c_int64 * n)()
+    ctypes.memmove(buf, ptr, n * 8)
+    return buf
+
+
+def _trie_extract(ctx, trie, num_input_tokens, num_input_nodes=None):
+    lib = load_library()
+    try:
+        lay = lib.forkattn_trie_layout(trie)
+        n = int(lay.num_nodes)
+        T = int(lib.forkattn_trie_num_rows(trie))
+        out = {
+            "node_offsets": _copy_i64(lay.node_offsets, n + 1),
+            "parents": _copy_i64(lay.parents, n),
+            "num_nodes": n,
+            "num_rows": T,
+            "replicated_tokens": int(lib.forkattn_trie_replicated_tokens(trie)),
+            "dedup_ratio": float(lib.forkattn_trie_dedup_ratio(trie)),
+            "input_rows": _copy_i64(lib.forkattn_trie_input_rows(trie), num_input_tokens),
+            "row_nodes": _copy_i64(lib.forkattn_trie_row_nodes(trie), T),
+            "row_positions": _copy_i64(lib.forkattn_trie_row_positions(trie), T),
+            "node_depths": _copy_i64(lib.forkattn_trie_node_depths(trie), n),
+            "row_tokens": _copy_i64(lib.forkattn_trie_row_tokens(trie), T),
+            "input_nodes": (_copy_i64(lib.forkattn_trie_input_nodes(trie), num_input_nodes)
+                            if num_input_nodes else None),
+        }
+    finally:
+        lib.forkattn_trie_free(trie)
+    return out
+
+
+def trie_from_sequences(ctx, seq_offsets_ptr, tokens_ptr, num_sequences, num_tokens,
+                        single_root=False):
+    """Build the trie of sequences (CSR host int64 arrays given by address) and return its maps
+    as ctypes int64 arrays (see _trie_extract)."""
+    trie = c_void_p()
+    st = _fn("forkattn_trie_from_sequences")(
+        ctx.handle, int(num_sequences), ctypes.cast(c_void_p(seq_offsets_ptr), _I64P),
+        ctypes.cast(c_void_p(tokens_ptr), _I64P), TRIE_SINGLE_ROOT if single_root else 0,
+        byref(trie))
+    ctx.check(st)
+    return _trie_extract(ctx, trie, num_tokens)
+
+
+def trie_from_parents(ctx, parents_ptr, lengths_ptr, num_nodes, num_tokens, single_root=False):
+    trie = c_void_p()
+    st = _fn("forkattn_trie_from_parents")(
+        ctx.handle, int(num_nodes), ctypes.cast(c_void_p(parents_ptr), _I64P),
+        ctypes.cast(c_void_p(lengths_ptr), _I64P), TRIE_SINGLE_ROOT if single_root else 0,
+        byref(trie))
+    ctx.check(st)
+    return _trie_extract(ctx, trie, num_tokens, num_nodes)
+
+
+def trie_from_token_parents(ctx, token_parents_ptr, num_tokens, single_root=False):
+    trie = c_void_p()
+    st = _fn("forkattn_trie_from_token_parents")(
+        ctx.handle, int(num_tokens), ctypes.cast(c_void_p(token_parents_ptr), _I64P),
+        TRIE_SINGLE_ROOT if single_root else 0, byref(trie))
+    ctx.check(st)
+    return _trie_extract(ctx, trie, num_tokens)

@@ -1,0 +1,497 @@
+"""PyTorch front end: the differentiable attention functions.
+
+Each operation exists twice:
+
+* as ``torch.library`` custom ops (``torch.ops.forkattn.prefix_fwd`` / ``prefix_bwd``,
+  ``tree_fwd`` / ``tree_bwd``, ``varlen_fwd`` / ``varlen_bwd``) with fake (meta)
+  implementations and registered autograd, so ``torch.compile(fullgraph=True)`` traces
+  through them (layouts enter as their integer tensors, never as Python objects);
+* as ``torch.autograd.Function`` s (:class:`PrefixAttentionFunction`,
+  :class:`TreeAttentionFunction`, :class:`VarlenAttentionFunction`) for eager use and older
+  PyTorch without ``torch.library.custom_op``.
+
+The public functions use the custom ops when available (``USE_CUSTOM_OPS``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import torch
+
+from . import _lib
+from .layouts import SharedPrefixLayout, TreeLayout
+
+__all__ = [
+    "prefix_attention",
+    "tree_attention",
+    "varlen_attention",
+    "PrefixAttentionFunction",
+    "TreeAttentionFunction",
+    "VarlenAttentionFunction",
+    "HAVE_CUSTOM_OPS",
+    "USE_CUSTOM_OPS",
+]
+
+_DTYPES = {torch.float32: _lib.DTYPE_F32, torch.bfloat16: _lib.DTYPE_BF16, torch.float16: _lib.DTYPE_F16}
+Tensor = torch.Tensor
+
+
+# --------------------------------------------------------------------------------------------
+# checks and descriptors
+
+
+def _check_qkv(q, k, v):
+    """Checks that need no data (also run by the fake implementations). Sizes (GQA, head_dim
+    range, rows vs layout) are checked by the C library with its own messages."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError("forkattn: %s must be a torch.Tensor, got %s" % (name, type(x).__name__))
+        if x.dim() != 3:
+            raise ValueError("forkattn: %s must be [rows, heads, head_dim], got shape %s"
+                             % (name, tuple(x.shape)))
+    if q.dtype not in _DTYPES:
+        raise ValueError("forkattn: dtype %s is not supported (float32, bfloat16, float16; compute "
+                         "is float32)" % q.dtype)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError("forkattn: q, k, v must share one dtype, got %s, %s, %s" % (q.dtype, k.dtype, v.dtype))
+    if k.device != q.device or v.device != q.device:
+        raise ValueError("forkattn: q, k, v must be on one device, got %s, %s, %s"
+                         % (q.device, k.device, v.device))
+    if q.device.type not in ("cpu", "cuda", "meta"):
+        raise ValueError("forkattn: tensors on %s are not supported (cpu or cuda)" % q.device)
+
+
+def _desc(x):
+    """(tensor kept alive, forkattn_tensor) for a [rows, heads, d] tensor; copies only when the
+    head_dim stride is not 1 or the strides are not a layout the C library accepts."""
+    rows, heads, d = x.shape
+    if d > 1 and x.stride(2) != 1:
+        x = x.contiguous()
+    t = _lib.make_tensor(x.data_ptr(), _DTYPES[x.dtype], rows, heads, d, x.stride(0), x.stride(1))
+    if t is None:
+        x = x.contiguous()
+        t = _lib.make_tensor(x.data_ptr(), _DTYPES[x.dtype], rows, heads, d, x.stride(0), x.stride(1))
+    return x, t
+
+
+def _ctx_for(x):
+    """(context, memory kind) for a call on tensors like ``x``; synchronizes PyTorch's CUDA
+    stream first (the library runs on its own stream)."""
+    if x.is_cuda:
+        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        ctx = _lib.current_context(dev)
+        torch.cuda.current_stream(x.device).synchronize()
+        return ctx, _lib.MEMORY_DEVICE
+    return _lib.current_context(), _lib.MEMORY_HOST
+
+
+def _ints(t, name):
+    if not isinstance(t, torch.Tensor):
+        return [int(a) for a in t]
+    if t.is_floating_point():
+        raise TypeError("forkattn: %s must be an integer tensor" % name)
+    return t.detach().reshape(-1).cpu().tolist()
+
+
+def _host_i64(t):
+    """A CPU contiguous int64 copy/view of a 1-D integer tensor (for host pointers)."""
+    return t.detach().reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
+
+
+def _new_outputs(q):
+    T, Hq, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((T, Hq), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _new_grads(q, k, v):
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            torch.empty(k.shape, dtype=k.dtype, device=k.device),
+            torch.empty(v.shape, dtype=v.dtype, device=v.device))
+
+
+def _check_bwd(dout, out, lse, q):
+    if dout.shape != q.shape or out.shape != q.shape:
+        raise ValueError("forkattn: dout %s / out %s must have q's shape %s"
+                         % (tuple(dout.shape), tuple(out.shape), tuple(q.shape)))
+    if lse.dtype != torch.float32 or tuple(lse.shape) != tuple(q.shape[:2]):
+        raise ValueError("forkattn: lse must be float32 [rows, heads_q] = %s, got %s %s"
+                         % (tuple(q.shape[:2]), lse.dtype, tuple(lse.shape)))
+
+
+# --------------------------------------------------------------------------------------------
+# implementations (eager, real tensors)
+
+
+def _descs(q, *ts):
+    """Descriptors of q and the other [rows, heads, d] tensors (cast to q's dtype, copied when
+    the C library cannot take their strides). Returns (tensors kept alive, descriptors).
+    Any copy is queued on PyTorch's stream: call _ctx_for() (which synchronizes) afterwards."""
+    keep, ds = [], []
+    for t in (q,) + ts:
+        t, d = _desc(t.to(q.dtype) if t.dtype != q.dtype else t)
+        keep.append(t)
+        ds.append(d)
+    return keep, ds
+
+
+def _prefix_fwd_impl(q, k, v, prompt_lens, response_lens, group_sizes, scale, causal):
+    _check_qkv(q, k, v)
+    P, S, R = _ints(prompt_lens, "prompt_lens"), _ints(group_sizes, "group_sizes"), _ints(response_lens, "response_lens")
+    if not P and q.shape[0] != 0:
+        raise ValueError("forkattn: q has %d rows, the (empty) layout needs 0" % q.shape[0])
+    out, lse = _new_outputs(q)
+    keep, ds = _descs(q, k, v, out)
+    ctx, mem = _ctx_for(q)  # after every copy above: synchronizes the CUDA stream
+    _lib.prefix_fwd(ctx, P, S, R, bool(causal), *ds, lse.data_ptr() or None, float(scale), mem)
+    return out, lse
+
+
+def _prefix_bwd_impl(dout, q, k, v, out, lse, prompt_lens, response_lens, group_sizes, scale, causal):
+    _check_qkv(q, k, v)
+    _check_bwd(dout, out, lse, q)
+    P, S, R = _ints(prompt_lens, "prompt_lens"), _ints(group_sizes, "group_sizes"), _ints(response_lens, "response_lens")
+    dq, dk, dv = _new_grads(q, k, v)
+    if not P:
+        return dq, dk, dv
+    keep, ds = _descs(q, k, v, out, dout, dq, dk, dv)
+    lse_c = lse.contiguous()
+    ctx, mem = _ctx_for(q)
+    _lib.prefix_bwd(ctx, P, S, R, bool(causal), *ds[:5], lse_c.data_ptr() or None, *ds[5:],
+                    float(scale), mem)
+    return dq, dk, dv
+
+
+def _tree_fwd_impl(q, k, v, node_offsets, parents, scale):
+    _check_qkv(q, k, v)
+    offs, par = _host_i64(node_offsets), _host_i64(parents)
+    out, lse = _new_outputs(q)
+    keep, ds = _descs(q, k, v, out)
+    ctx, mem = _ctx_for(q)
+    _lib.tree_fwd(ctx, (offs.data_ptr(), offs.numel()), (par.data_ptr(), par.numel()), *ds,
+                  lse.data_ptr() or None, float(scale), mem)
+    return out, lse
+
+
+def _tree_bwd_impl(dout, q, k, v, out, lse, node_offsets, parents, scale):
+    _check_qkv(q, k, v)
+    _check_bwd(dout, out, lse, q)
+    offs, par = _host_i64(node_offsets), _host_i64(parents)
+    dq, dk, dv = _new_grads(q, k, v)
+    keep, ds = _descs(q, k, v, out, dout, dq, dk, dv)
+    lse_c = lse.contiguous()
+    ctx, mem = _ctx_for(q)
+    _lib.tree_bwd(ctx, (offs.data_ptr(), offs.numel()), (par.data_ptr(), par.numel()), *ds[:5],
+                  lse_c.data_ptr() or None, *ds[5:], float(scale), mem)
+    return dq, dk, dv
+
+
+def _varlen_seqlens(cu_seqlens_q, cu_seqlens_k):
+    cq = _ints(cu_seqlens_q, "cu_seqlens_q")
+    ck = cq if cu_seqlens_k is cu_seqlens_q else _ints(cu_seqlens_k, "cu_seqlens_k")
+    if cq != ck:
+        raise NotImplementedError(
+            "forkattn.varlen_attention: cu_seqlens_q must equal cu_seqlens_k (self-attention over "
+            "the same packed sequences); cross-attention with different query and key lengths is "
+            "not supported")
+    if not cq:
+        raise ValueError("forkattn: cu_seqlens must have at least one entry (0)")
+    return cq
+
+
+def _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal):
+    _check_qkv(q, k, v)
+    cu = _varlen_seqlens(cu_seqlens_q, cu_seqlens_k)
+    out, lse = _new_outputs(q)
+    keep, ds = _descs(q, k, v, out)
+    ctx, mem = _ctx_for(q)
+    _lib.varlen_fwd(ctx, cu, bool(causal), *ds, lse.data_ptr() or None, float(scale), mem)
+    return out, lse
+
+
+def _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, causal):
+    _check_qkv(q, k, v)
+    _check_bwd(dout, out, lse, q)
+    cu = _varlen_seqlens(cu_seqlens_q, cu_seqlens_k)
+    dq, dk, dv = _new_grads(q, k, v)
+    keep, ds = _descs(q, k, v, out, dout, dq, dk, dv)
+    lse_c = lse.contiguous()
+    ctx, mem = _ctx_for(q)
+    _lib.varlen_bwd(ctx, cu, bool(causal), *ds[:5], lse_c.data_ptr() or None, *ds[5:], float(scale), mem)
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------
+# autograd.Function versions
+
+
+class PrefixAttentionFunction(torch.autograd.Function):
+    """apply(q, k, v, prompt_lens, response_lens, group_sizes, scale, causal) -> (out, lse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, prompt_lens, response_lens, group_sizes, scale, causal):
+        out, lse = _prefix_fwd_impl(q, k, v, prompt_lens, response_lens, group_sizes, scale, causal)
+        ctx.save_for_backward(q, k, v, out, lse, prompt_lens, response_lens, group_sizes)
+        ctx.scale, ctx.causal = scale, causal
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, P, R, S = ctx.saved_tensors
+        dq, dk, dv = _prefix_bwd_impl(dout, q, k, v, out, lse, P, R, S, ctx.scale, ctx.causal)
+        return dq, dk, dv, None, None, None, None, None
+
+
+class TreeAttentionFunction(torch.autograd.Function):
+    """apply(q, k, v, node_offsets, parents, scale) -> (out, lse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, node_offsets, parents, scale):
+        out, lse = _tree_fwd_impl(q, k, v, node_offsets, parents, scale)
+        ctx.save_for_backward(q, k, v, out, lse, node_offsets, parents)
+        ctx.scale = scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, offs, par = ctx.saved_tensors
+        dq, dk, dv = _tree_bwd_impl(dout, q, k, v, out, lse, offs, par, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+class VarlenAttentionFunction(torch.autograd.Function):
+    """apply(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal) -> (out, lse [rows, heads])."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal):
+        out, lse = _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.scale, ctx.causal = scale, causal
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cq, ck = ctx.saved_tensors
+        dq, dk, dv = _varlen_bwd_impl(dout, q, k, v, out, lse, cq, ck, ctx.scale, ctx.causal)
+        return dq, dk, dv, None, None, None, None
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library custom ops
+
+HAVE_CUSTOM_OPS = hasattr(torch, "library") and hasattr(torch.library, "custom_op")
+USE_CUSTOM_OPS = HAVE_CUSTOM_OPS
+
+
+def _fake_fwd(q, k, v):
+    _check_qkv(q, k, v)
+    return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+
+
+def _fake_bwd(dout, q, k, v, out, lse):
+    _check_qkv(q, k, v)
+    _check_bwd(dout, out, lse, q)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+if HAVE_CUSTOM_OPS:
+
+    @torch.library.custom_op("forkattn::prefix_fwd", mutates_args=())
+    def prefix_fwd(q: Tensor, k: Tensor, v: Tensor, prompt_lens: Tensor, response_lens: Tensor,
+                   group_sizes: Tensor, softmax_scale: float, causal: bool) -> Tuple[Tensor, Tensor]:
+        return _prefix_fwd_impl(q, k, v, prompt_lens, response_lens, group_sizes, softmax_scale, causal)
+
+    @prefix_fwd.register_fake
+    def _(q, k, v, prompt_lens, response_lens, group_sizes, softmax_scale, causal):
+        return _fake_fwd(q, k, v)
+
+    @torch.library.custom_op("forkattn::prefix_bwd", mutates_args=())
+    def prefix_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                   prompt_lens: Tensor, response_lens: Tensor, group_sizes: Tensor,
+                   softmax_scale: float, causal: bool) -> Tuple[Tensor, Tensor, Tensor]:
+        return _prefix_bwd_impl(dout, q, k, v, out, lse, prompt_lens, response_lens, group_sizes,
+                                softmax_scale, causal)
+
+    @prefix_bwd.register_fake
+    def _(dout, q, k, v, out, lse, prompt_lens, response_lens, group_sizes, softmax_scale, causal):
+        return _fake_bwd(dout, q, k, v, out, lse)
+
+    def _prefix_setup(ctx, inputs, output):
+        q, k, v, P, R, S, scale, causal = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, P, R, S)
+        ctx.scale, ctx.causal = scale, causal
+        ctx.mark_non_differentiable(lse)
+
+    def _prefix_backward(ctx, dout, _dlse):
+        q, k, v, out, lse, P, R, S = ctx.saved_tensors
+        dq, dk, dv = torch.ops.forkattn.prefix_bwd(dout, q, k, v, out, lse, P, R, S, ctx.scale, ctx.causal)
+        return dq, dk, dv, None, None, None, None, None
+
+    prefix_fwd.register_autograd(_prefix_backward, setup_context=_prefix_setup)
+
+    @torch.library.custom_op("forkattn::tree_fwd", mutates_args=())
+    def tree_fwd(q: Tensor, k: Tensor, v: Tensor, node_offsets: Tensor, parents: Tensor,
+                 softmax_scale: float) -> Tuple[Tensor, Tensor]:
+        return _tree_fwd_impl(q, k, v, node_offsets, parents, softmax_scale)
+
+    @tree_fwd.register_fake
+    def _(q, k, v, node_offsets, parents, softmax_scale):
+        return _fake_fwd(q, k, v)
+
+    @torch.library.custom_op("forkattn::tree_bwd", mutates_args=())
+    def tree_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                 node_offsets: Tensor, parents: Tensor, softmax_scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+        return _tree_bwd_impl(dout, q, k, v, out, lse, node_offsets, parents, softmax_scale)
+
+    @tree_bwd.register_fake
+    def _(dout, q, k, v, out, lse, node_offsets, parents, softmax_scale):
+        return _fake_bwd(dout, q, k, v, out, lse)
+
+    def _tree_setup(ctx, inputs, output):
+        q, k, v, offs, par, scale = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, offs, par)
+        ctx.scale = scale
+        ctx.mark_non_differentiable(lse)
+
+    def _tree_backward(ctx, dout, _dlse):
+        q, k, v, out, lse, offs, par = ctx.saved_tensors
+        dq, dk, dv = torch.ops.forkattn.tree_bwd(dout, q, k, v, out, lse, offs, par, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+    tree_fwd.register_autograd(_tree_backward, setup_context=_tree_setup)
+
+    @torch.library.custom_op("forkattn::varlen_fwd", mutates_args=())
+    def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                   softmax_scale: float, causal: bool) -> Tuple[Tensor, Tensor]:
+        return _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+
+    @varlen_fwd.register_fake
+    def _(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal):
+        return _fake_fwd(q, k, v)
+
+    @torch.library.custom_op("forkattn::varlen_bwd", mutates_args=())
+    def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                   cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, softmax_scale: float,
+                   causal: bool) -> Tuple[Tensor, Tensor, Tensor]:
+        return _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+
+    @varlen_bwd.register_fake
+    def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal):
+        return _fake_bwd(dout, q, k, v, out, lse)
+
+    def _varlen_setup(ctx, inputs, output):
+        q, k, v, cq, ck, scale, causal = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, cq, ck)
+        ctx.scale, ctx.causal = scale, causal
+        ctx.mark_non_differentiable(lse)
+
+    def _varlen_backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cq, ck = ctx.saved_tensors
+        dq, dk, dv = torch.ops.forkattn.varlen_bwd(dout, q, k, v, out, lse, cq, ck, ctx.scale, ctx.causal)
+        return dq, dk, dv, None, None, None, None
+
+    varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
+
+
+# --------------------------------------------------------------------------------------------
+# public functions
+
+
+def _scale_of(q, softmax_scale):
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(q.shape[-1])
+    return float(softmax_scale)
+
+
+def _use_ops():
+    return USE_CUSTOM_OPS and HAVE_CUSTOM_OPS
+
+
+def prefix_attention(q, k, v, layout, *, softmax_scale=None, causal=True, return_lse=False):
+    """Shared-prompt attention over the packed rows of a :class:`SharedPrefixLayout`.
+
+    q [T, Hq, d], k/v [T, Hkv, d] (Hq a multiple of Hkv), float32/bfloat16/float16, CPU or
+    CUDA. Every prompt attends (causally, or fully with ``causal=False``) to itself; every
+    response to its whole prompt and (causally) to itself. Exact, with the gradients of the
+    replicated batch (a prompt's dk/dv summed over its responses). Returns out [T, Hq, d], and
+    lse [T, Hq] float32 (natural log; not differentiable) with ``return_lse=True``.
+    """
+    if not isinstance(layout, SharedPrefixLayout):
+        raise TypeError("forkattn.prefix_attention: layout must be a SharedPrefixLayout, got %s"
+                        % type(layout).__name__)
+    _check_qkv(q, k, v)
+    scale = _scale_of(q, softmax_scale)
+    args = (q, k, v, layout.prompt_lens, layout.response_lens, layout.group_sizes, scale, bool(causal))
+    if _use_ops():
+        out, lse = torch.ops.forkattn.prefix_fwd(*args)
+    else:
+        out, lse = PrefixAttentionFunction.apply(*args)
+    return (out, lse) if return_lse else out
+
+
+def tree_attention(q, k, v, layout, *, softmax_scale=None, return_lse=False):
+    """Tree attention over the packed rows of a :class:`TreeLayout`: a row attends to every row
+    of its ancestor nodes and causally within its node. Same tensor conventions as
+    :func:`prefix_attention`; lse [T, Hq]."""
+    if not isinstance(layout, TreeLayout):
+        raise TypeError("forkattn.tree_attention: layout must be a TreeLayout, got %s" % type(layout).__name__)
+    _check_qkv(q, k, v)
+    scale = _scale_of(q, softmax_scale)
+    args = (q, k, v, layout.node_offsets, layout.parents, scale)
+    if _use_ops():
+        out, lse = torch.ops.forkattn.tree_fwd(*args)
+    else:
+        out, lse = TreeAttentionFunction.apply(*args)
+    return (out, lse) if return_lse else out
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                     softmax_scale=None, causal=True, return_lse=False):
+    """Variable-length attention with flash-attn's ``flash_attn_varlen_func`` conventions:
+    packed rows q [total, Hq, d], k/v [total, Hkv, d], ``cu_seqlens`` [batch+1] (int32 or
+    int64, any device) of cumulative sequence lengths starting at 0. Self-attention only:
+    ``cu_seqlens_q`` must equal ``cu_seqlens_k`` (else NotImplementedError).
+
+    Differences from flash-attn: ``causal`` defaults to True here; ``max_seqlen_*`` are only
+    checked (>= the longest sequence), not needed. With ``return_lse=True`` returns
+    ``(out, softmax_lse)`` with softmax_lse float32 **[Hq, total]** as flash-attn's varlen
+    functions return it (prefix/tree attention return [T, Hq])."""
+    _check_qkv(q, k, v)
+    if int(max_seqlen_q) != int(max_seqlen_k):
+        raise NotImplementedError("forkattn.varlen_attention: max_seqlen_q (%d) != max_seqlen_k (%d): "
+                                  "self-attention only" % (int(max_seqlen_q), int(max_seqlen_k)))
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.is_floating_point():
+            raise ValueError("forkattn: %s must be a 1-D integer tensor" % name)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise NotImplementedError("forkattn.varlen_attention: cu_seqlens_q and cu_seqlens_k differ "
+                                  "(self-attention only)")
+    if not _compiling() and cu_seqlens_q.numel() > 1:
+        lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+        longest = int(lens.max())
+        if longest > int(max_seqlen_q):
+            raise ValueError("forkattn: max_seqlen_q = %d but a sequence has %d tokens"
+                             % (int(max_seqlen_q), longest))
+    scale = _scale_of(q, softmax_scale)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, scale, bool(causal))
+    if _use_ops():
+        out, lse = torch.ops.forkattn.varlen_fwd(*args)
+    else:
+        out, lse = VarlenAttentionFunction.apply(*args)
+    if return_lse:
+        return out, lse.t().contiguous()
+    return out
+
+
+def _compiling():
+    c = getattr(torch, "compiler", None)
+    return c is not None and hasattr(c, "is_compiling") and c.is_compiling()

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Run the Python binding's tests against one build of libforkattn.
+#
+#   python/run_tests.sh [BUILD_DIR | path/to/libforkattn.so] [pytest arguments...]
+#
+# BUILD_DIR defaults to the repository's build/. The interpreter is $PYTHON (default python3).
+# Without PyTorch only the numpy-only tests run (test_lib.py, test_numpy.py; without numpy
+# test_lib.py alone), and the script says so. Exit status: pytest's; 77 (skipped) when pytest
+# itself is missing; 2 when the library is not found.
+# FORKATTN_TEST_INDUCTOR=0 skips the one torch.compile test that uses inductor (~25 s).
+set -u
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(dirname "$here")
+py=${PYTHON:-python3}
+
+target=${1:-$repo/build}
+[ $# -gt 0 ] && shift
+if [ -d "$target" ]; then
+  lib="$target/libforkattn.so"
+else
+  lib="$target"
+fi
+if [ ! -e "$lib" ]; then
+  echo "run_tests.sh: no library at $lib (build it: cmake -S . -B build && cmake --build build)" >&2
+  exit 2
+fi
+export FORKATTN_LIBRARY=$(cd "$(dirname "$lib")" && pwd)/$(basename "$lib")
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONDONTWRITEBYTECODE=1
+
+if ! "$py" -c "import pytest" 2>/dev/null; then
+  echo "run_tests.sh: SKIPPED: pytest is not installed for $py (pip install pytest numpy)" >&2
+  exit 77
+fi
+
+cd "$here"
+files=()
+if "$py" -c "import torch" 2>/dev/null; then
+  echo "run_tests.sh: $FORKATTN_LIBRARY, torch $("$py" -c 'import torch; print(torch.__version__)')"
+  files=(tests)
+elif "$py" -c "import numpy" 2>/dev/null; then
+  echo "run_tests.sh: torch is not installed for $py: SKIPPING the torch tests; running the" \
+       "numpy-only tests (tests/test_lib.py tests/test_numpy.py) against $FORKATTN_LIBRARY"
+  files=(tests/test_lib.py tests/test_numpy.py)
+else
+  echo "run_tests.sh: neither torch nor numpy is installed for $py: SKIPPING the torch and numpy" \
+       "tests; running tests/test_lib.py against $FORKATTN_LIBRARY"
+  files=(tests/test_lib.py)
+fi
+exec "$py" -m pytest -q -p no:cacheprovider "${files[@]}" "$@"

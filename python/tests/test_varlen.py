@@ -1,0 +1,81 @@
+"""varlen_attention (flash-attn conventions) against per-sequence SDPA in float64."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+import forkattn  # noqa: E402
+from conftest import TOL, abs_err, leaf64, make_qkv, rel_err  # noqa: E402
+
+HQ, HKV, D = 6, 2, 8
+LENS = [5, 1, 0, 9, 3]
+
+
+def _sdpa_reference(q, k, v, lens, scale, causal):
+    """Per-sequence SDPA in float64 (GQA by repeating KV heads); lse from the scores."""
+    outs, lses = [], []
+    start = 0
+    rep = q.shape[1] // k.shape[1]
+    for L in lens:
+        qs, ks, vs = (t[start:start + L].transpose(0, 1) for t in (q, k, v))  # [H, L, d]
+        ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
+        if L:
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale).transpose(0, 1))
+            s = (qs @ ks.transpose(1, 2)) * scale
+            if causal:
+                s = s.masked_fill(~torch.tril(torch.ones(L, L, dtype=torch.bool)), float("-inf"))
+            lses.append(torch.logsumexp(s, -1))  # [H, L]
+        start += L
+    return torch.cat(outs, 0), torch.cat(lses, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_matches_per_sequence_sdpa(dtype, causal):
+    T = sum(LENS)
+    cu = torch.tensor([0] + torch.tensor(LENS).cumsum(0).tolist(), dtype=torch.int32)
+    q, k, v, do = make_qkv(T, HQ, HKV, D, dtype, seed=31 + causal)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = forkattn.varlen_attention(qg, kg, vg, cu, cu, max(LENS), max(LENS), causal=causal,
+                                         return_lse=True)
+    assert lse.shape == (HQ, T) and lse.is_contiguous()  # flash-attn's varlen layout
+    (out * do).sum().backward()
+    q64, k64, v64 = leaf64(q, k, v)
+    ro, rl = _sdpa_reference(q64, k64, v64, LENS, D ** -0.5, causal)
+    (ro * do.double()).sum().backward()
+    tol = TOL[str(dtype).replace("torch.", "")]
+    assert rel_err(out.detach(), ro.detach()) <= tol["o"]
+    assert abs_err(lse, rl.detach()) <= tol["lse"]
+    for g, r in ((qg.grad, q64.grad), (kg.grad, k64.grad), (vg.grad, v64.grad)):
+        assert rel_err(g, r) <= tol["grad"]
+
+
+def test_varlen_matches_prefix_with_empty_prompt():
+    T = sum(LENS)
+    cu = torch.tensor([0] + torch.tensor(LENS).cumsum(0).tolist())
+    q, k, v, _ = make_qkv(T, HQ, HKV, D, torch.float32, seed=2)
+    a = forkattn.varlen_attention(q, k, v, cu, cu, 9, 9)
+    lay = forkattn.SharedPrefixLayout.from_lengths([0], [LENS])
+    b = forkattn.prefix_attention(q, k, v, lay)
+    assert torch.equal(a, b)
+
+
+def test_varlen_errors():
+    T = sum(LENS)
+    cu = torch.tensor([0] + torch.tensor(LENS).cumsum(0).tolist(), dtype=torch.int32)
+    q, k, v, _ = make_qkv(T, HQ, HKV, D, torch.float32, seed=2)
+    cu_k = cu.clone()
+    cu_k[1] += 1
+    with pytest.raises(NotImplementedError, match="cu_seqlens_q must equal cu_seqlens_k"):
+        forkattn.varlen_attention(q, k, v, cu, cu_k, 9, 9)
+    with pytest.raises(NotImplementedError):
+        forkattn.varlen_attention(q, k, v, cu, cu, 9, 10)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        forkattn.varlen_attention(q, k, v, cu, cu, 4, 4)
+    bad = cu.clone()
+    bad[2] = 0  # decreasing offsets: the C library names the argument
+    with pytest.raises(forkattn.ForkattnError, match="monotonic|decreas|offsets"):
+        forkattn.varlen_attention(q, k, v, bad, bad, 100, 100)
+    with pytest.raises(ValueError):
+        forkattn.varlen_attention(q, k, v, cu.float(), cu.float(), 9, 9)

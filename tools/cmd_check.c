@@ -1,5 +1,5 @@
-/* `forkattn check`: run problems against the float64 reference (benchdnn
- * style). One problem from the command line, or many with --batch FILE (one
+/* `forkattn check`: run problems (shared-prompt or tree attention) against
+ * the float64 reference (benchdnn style). One problem from the command line, or many with --batch FILE (one
  * problem per line, same options, '#' starts a comment). Each case prints
  * PASSED / FAILED / UNTRUSTED with its error figures; every failure prints the
  * one command line that reproduces it. Exit status 0 only if all passed.
@@ -29,6 +29,8 @@ typedef enum { DIST_NORMAL, DIST_LARGE, DIST_NEGATIVE, DIST_TINY, DIST_PEAKED } 
 static const char *const dist_names[] = {"normal", "large", "negative", "tiny", "peaked"};
 
 typedef struct check_problem {
+  int tree;                              /* operation: 0 prefix, 1 tree (lens = node lengths) */
+  int64_t parents[CHECK_MAX_N], nparents; /* tree: parent of each node (-1 root, < index) */
   int64_t p, n, lens[CHECK_MAX_N];
   int64_t hq, hkv, d;
   forkattn_dtype dtype;
@@ -40,10 +42,15 @@ typedef struct check_problem {
 
 /* The command line that reproduces p. */
 static void repro(const check_problem *p, char *buf, size_t len) {
-  int o = snprintf(buf, len, "forkattn check --p %lld --lens ", (long long)p->p);
+  int o = p->tree ? snprintf(buf, len, "forkattn check tree --lens ")
+                  : snprintf(buf, len, "forkattn check --p %lld --lens ", (long long)p->p);
   for (int64_t i = 0; i < p->n && o < (int)len; i++)
     o += snprintf(buf + o, len - (size_t)o, "%s%lld", i ? "," : "", (long long)p->lens[i]);
   if (p->n == 0 && o < (int)len) o += snprintf(buf + o, len - (size_t)o, "none");
+  if (p->tree && o < (int)len) o += snprintf(buf + o, len - (size_t)o, " --parents ");
+  for (int64_t i = 0; p->tree && i < p->nparents && o < (int)len; i++)
+    o += snprintf(buf + o, len - (size_t)o, "%s%lld", i ? "," : "", (long long)p->parents[i]);
+  if (p->tree && p->nparents == 0 && o < (int)len) o += snprintf(buf + o, len - (size_t)o, "none");
   if (o < (int)len)
     snprintf(buf + o, len - (size_t)o, " --hq %lld --hkv %lld --d %lld --dtype %s --mask %s --dist %s --backend %s --seed %llu",
              (long long)p->hq, (long long)p->hkv, (long long)p->d, tool_dtype_name(p->dtype),
@@ -51,11 +58,28 @@ static void repro(const check_problem *p, char *buf, size_t len) {
              forkattn_backend_name(p->backend), p->seed);
 }
 
+/* A comma list of int64 in [lo, hi] ("none": empty) into out[CHECK_MAX_N]; 0 ok. */
+static int parse_list(const char *v, int64_t lo, int64_t hi, int64_t *out, int64_t *n) {
+  *n = 0;
+  if (!strcmp(v, "none")) return 0;
+  char tmp[8192];
+  snprintf(tmp, sizeof tmp, "%s", v);
+  int bad = 0;
+  for (char *tok = strtok(tmp, ","); tok && !bad; tok = strtok(NULL, ",")) {
+    if (*n == CHECK_MAX_N) return 1;
+    bad = tool_parse_i64(tok, lo, hi, &out[(*n)++]);
+  }
+  return bad;
+}
+
 /* Parse options into p (defaults already set). 0 ok, -1 error (message printed). */
 static int parse_problem(int argc, char **argv, check_problem *p) {
   for (int i = 0; i < argc; i++) {
     const char *a = argv[i];
-    if (!strcmp(a, "prefix")) continue; /* the only operation so far */
+    if (!strcmp(a, "prefix") || !strcmp(a, "tree")) {
+      p->tree = !strcmp(a, "tree");
+      continue;
+    }
     if (i + 1 >= argc) {
       fprintf(stderr, "check: %s needs a value\n", a);
       return -1;
@@ -68,17 +92,9 @@ static int parse_problem(int argc, char **argv, check_problem *p) {
     else if (!strcmp(a, "--hkv")) bad = tool_parse_i64(v, 1, 1024, &p->hkv);
     else if (!strcmp(a, "--d")) bad = tool_parse_i64(v, 1, 4096, &p->d);
     else if (!strcmp(a, "--seed")) { bad = tool_parse_i64(v, 0, (long long)1 << 62, &x); p->seed = (unsigned long long)x; }
-    else if (!strcmp(a, "--lens")) {
-      p->n = 0;
-      if (strcmp(v, "none")) {
-        char tmp[8192];
-        snprintf(tmp, sizeof tmp, "%s", v);
-        for (char *tok = strtok(tmp, ","); tok && !bad; tok = strtok(NULL, ",")) {
-          if (p->n == CHECK_MAX_N) bad = 1;
-          else bad = tool_parse_i64(tok, 0, 1 << 20, &p->lens[p->n++]);
-        }
-      }
-    } else if (!strcmp(a, "--dtype")) bad = tool_parse_dtype(v, &p->dtype);
+    else if (!strcmp(a, "--lens")) bad = parse_list(v, 0, 1 << 20, p->lens, &p->n);
+    else if (!strcmp(a, "--parents")) bad = parse_list(v, -1, CHECK_MAX_N, p->parents, &p->nparents);
+    else if (!strcmp(a, "--dtype")) bad = tool_parse_dtype(v, &p->dtype);
     else if (!strcmp(a, "--mask")) bad = tool_parse_mask(v, &p->mask);
     else if (!strcmp(a, "--backend")) bad = tool_parse_backend(v, &p->backend);
     else if (!strcmp(a, "--dist")) {
@@ -183,8 +199,19 @@ static int check_one(const check_problem *p) {
   int64_t off[CHECK_MAX_N + 1];
   off[0] = 0;
   for (int64_t i = 0; i < p->n; i++) off[i + 1] = off[i] + p->lens[i];
-  const int64_t T = p->p + off[p->n], hq = p->hq, hkv = p->hkv, d = p->d;
+  const int64_t T = (p->tree ? 0 : p->p) + off[p->n], hq = p->hq, hkv = p->hkv, d = p->d;
   forkattn_prefix_layout lay = {p->p, p->n, off, p->mask};
+  forkattn_tree_layout tl = {p->n, off, p->parents}; /* node i owns rows off[i].. */
+  if (p->tree && p->nparents != p->n) {
+    fprintf(stderr, "check: tree: %lld parents for %lld nodes\n", (long long)p->nparents, (long long)p->n);
+    return -1;
+  }
+  for (int64_t i = 0; p->tree && i < p->n; i++)
+    if (p->parents[i] >= i) {
+      fprintf(stderr, "check: tree: parents[%lld] = %lld must be -1 or an earlier node\n", (long long)i,
+              (long long)p->parents[i]);
+      return -1;
+    }
   const size_t nq = (size_t)(T * hq * d), nk = (size_t)(T * hkv * d), es = ref_dtype_size(p->dtype);
   double *in = malloc(sizeof(double) * (2 * nq + 2 * nk)), *ref = malloc(sizeof(double) * (2 * nq + 2 * nk + T * hq));
   double *got = malloc(sizeof(double) * (2 * nq + 2 * nk + T * hq));
@@ -201,8 +228,9 @@ static int check_one(const check_problem *p) {
   double scale = check_inputs(p, T, q, k, v, dout);
   double *ro = ref, *rdq = ro + nq, *rdk = rdq + nq, *rdv = rdk + nk, *rlse = rdv + nk;
   ref_prefix_args ra = {&lay, hq, hkv, d, scale, q, k, v, dout};
+  ref_tree_args rt = {&tl, hq, hkv, d, scale, q, k, v, dout};
   ref_prefix_out rout = {ro, rlse, rdq, rdk, rdv};
-  if (T > 0 && ref_prefix(&ra, &rout)) {
+  if (T > 0 && (p->tree ? ref_tree(&rt, &rout) : ref_prefix(&ra, &rout))) {
     fprintf(stderr, "check: reference failed\n");
     goto done;
   }
@@ -226,8 +254,13 @@ static int check_one(const check_problem *p) {
     rc = 1;
     goto done;
   }
-  forkattn_status st = forkattn_prefix_fwd(ctx, &lay, &t[0], &t[1], &t[2], &t[3], lse, (float)scale, FORKATTN_MEMORY_HOST);
-  if (!st)
+  forkattn_status st =
+      p->tree ? forkattn_tree_fwd(ctx, &tl, &t[0], &t[1], &t[2], &t[3], lse, (float)scale, FORKATTN_MEMORY_HOST)
+              : forkattn_prefix_fwd(ctx, &lay, &t[0], &t[1], &t[2], &t[3], lse, (float)scale, FORKATTN_MEMORY_HOST);
+  if (!st && p->tree)
+    st = forkattn_tree_bwd(ctx, &tl, &t[0], &t[1], &t[2], &t[3], &t[4], lse, &t[5], &t[6], &t[7], (float)scale,
+                           FORKATTN_MEMORY_HOST);
+  else if (!st)
     st = forkattn_prefix_bwd(ctx, &lay, &t[0], &t[1], &t[2], &t[3], &t[4], lse, &t[5], &t[6], &t[7], (float)scale,
                              FORKATTN_MEMORY_HOST);
   const char *where = forkattn_ctx_backend(ctx) == FORKATTN_BACKEND_GPU ? "device" : "host";
@@ -333,6 +366,8 @@ int cmd_check(int argc, char **argv) {
       printf("usage: forkattn check [prefix] [--p P] [--lens a,b,...|none] [--hq H] [--hkv H] [--d D]\n"
              "                      [--dtype f32|bf16|f16] [--mask causal|bidirectional]\n"
              "                      [--dist normal|large|negative|tiny|peaked] [--backend auto|cpu|gpu] [--seed S]\n"
+             "       forkattn check tree --lens a,b,... --parents -1,0,... [--hq ... same options]\n"
+             "                      (node i has lens[i] rows and parent parents[i]: -1 or an earlier node)\n"
              "       forkattn check --batch FILE [--backend B] [--seed S]   (one problem per line)\n"
              "Runs forward and backward against the float64 reference; prints PASSED, FAILED (with\n"
              "a reproducing command) or UNTRUSTED (reference outputs mostly zero) per problem.\n");

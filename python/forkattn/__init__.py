@@ -58,10 +58,10 @@ def __getattr__(name):
     if name in _TORCH_NAMES and not HAVE_TORCH:
         raise ImportError("forkattn.%s needs PyTorch, which could not be imported (%s); the numpy "
                           "functions are in forkattn.numpy_api" % (name, _TORCH_ERROR))
-    if name == "numpy_api":
+    if name in ("numpy_api", "hf"):  # lazy submodules (forkattn.hf imports transformers only in register())
         import importlib
 
-        return importlib.import_module(".numpy_api", __name__)
+        return importlib.import_module("." + name, __name__)
     raise AttributeError("module 'forkattn' has no attribute %r" % name)
 
 

@@ -11,6 +11,7 @@
 
 #include "cpu_tile.h"
 #include "dtype_convert.h"
+#include "online_kl.h"
 #include "online_softmax.h"
 #include "segment_plan.h"
 #include "test_common.h"
@@ -380,4 +381,129 @@ Test(cpu_exp, accurate_over_the_softmax_range_and_zero_when_masked) {
   cr_assert_eq(sub[0], 1.0f);
   cr_assert_float_eq(sub[1], expf(-2.0f), 4 * FLT_EPSILON);
   cr_assert_eq(sub[2], 0.0f);
+}
+
+/* ---- online KL (StreamKL building block, lib/online_kl.h) --------------------- */
+
+/* float64 KL(T||S), KL(S||T) and the log-sum-exps, directly. */
+static void kl_direct(const float *t, const float *s, int n, double out[4]) {
+  double mt = -INFINITY, ms = -INFINITY, zt = 0, zs = 0;
+  for (int j = 0; j < n; j++) mt = fmax(mt, t[j]), ms = fmax(ms, s[j]);
+  for (int j = 0; j < n; j++) zt += exp(t[j] - mt), zs += exp(s[j] - ms);
+  const double lt = mt + log(zt), ls = ms + log(zs);
+  double f = 0, r = 0;
+  for (int j = 0; j < n; j++) {
+    const double pt = exp(t[j] - lt), ps = exp(s[j] - ls);
+    f += pt * ((t[j] - lt) - (s[j] - ls));
+    r += ps * ((s[j] - ls) - (t[j] - lt));
+  }
+  out[0] = f, out[1] = r, out[2] = lt, out[3] = ls;
+}
+
+/* Stream a row in random tiles, optionally split into two states merged at the end. */
+static void kl_stream(const float *t, const float *s, int n, tc_rng *rng, int split, float out[4]) {
+  fa_kl_state a = fa_kl_init(), b = fa_kl_init();
+  const int cut = split ? (int)tc_randint(rng, 0, n) : n;
+  for (int j = 0; j < n;) {
+    int len = (int)tc_randint(rng, 1, 64);
+    const int lim = j < cut ? cut : n;
+    if (j + len > lim) len = lim - j;
+    fa_kl_tile(j < cut ? &a : &b, t + j, s + j, len);
+    j += len;
+  }
+  fa_kl_merge(&a, b);
+  fa_kl_finish(a, &out[0], &out[1], &out[2], &out[3]);
+}
+
+/* Random rows: spread of the scores, offset of each distribution (up to 1e3:
+ * centring keeps the terms small), peaked rows, merged partial states. The
+ * float32 terms are O(spread); with n <= 300 keys the accumulated rounding is
+ * a few 1e-7 of spread, so |error| <= 1e-5 * (1 + spread) + 1e-5 * KL. */
+Test(online_kl, streamed_matches_float64_direct) {
+  tc_rng rng = tc_rng_for("online_kl.random");
+  float t[300], s[300];
+  for (int trial = 0; trial < 400; trial++) {
+    const int n = (int)tc_randint(&rng, 1, 300);
+    const double spread = tc_uniform(&rng, 0.1, 20.0), off_t = tc_uniform(&rng, -1e3, 1e3);
+    const double off_s = tc_uniform(&rng, -1e3, 1e3), mix = tc_uniform(&rng, 0, 1);
+    const int peaked = trial % 5 == 0;
+    for (int j = 0; j < n; j++) {
+      const double base = tc_uniform(&rng, -spread, spread);
+      t[j] = (float)(off_t + base + (peaked && j == n / 2 ? 60 : 0));
+      s[j] = (float)(off_s + mix * base + (1 - mix) * tc_uniform(&rng, -spread, spread));
+    }
+    double want[4];
+    kl_direct(t, s, n, want);
+    float got[4];
+    kl_stream(t, s, n, &rng, trial % 2, got);
+    const double sp = spread + (peaked ? 60 : 0);
+    for (int k = 0; k < 2; k++)
+      cr_assert_leq(fabs(got[k] - want[k]), 1e-5 * (1 + sp) + 1e-5 * want[k], "trial %d n %d %s: %.9g vs %.9g",
+                    trial, n, k ? "reverse" : "forward", (double)got[k], want[k]);
+    for (int k = 2; k < 4; k++) /* lse of scores near 1e3: half an f32 ulp there is 3e-5 */
+      cr_assert_leq(fabs(got[k] - want[k]), 4e-7 * fabs(want[k]) + 1e-5 * (1 + log((double)n)), "trial %d lse", trial);
+  }
+}
+
+/* T == S shifted by 1e4: KL is 0. The textbook E_T[t - s] - lse_t + lse_s
+ * subtracts two numbers near 1e4 (f32 ulp 1e-3); the centred state must not. */
+Test(online_kl, equal_distributions_give_zero_far_from_the_origin) {
+  tc_rng rng = tc_rng_for("online_kl.equal");
+  float t[200], s[200];
+  for (int trial = 0; trial < 50; trial++) {
+    const int n = (int)tc_randint(&rng, 1, 200);
+    for (int j = 0; j < n; j++) {
+      t[j] = (float)tc_uniform(&rng, -8, 8);
+      s[j] = t[j] + 10000.0f;
+    }
+    float got[4];
+    kl_stream(t, s, n, &rng, trial % 2, got);
+    cr_assert_leq(got[0], 1e-6, "trial %d: KL(T||S) %.3g for identical distributions", trial, (double)got[0]);
+    cr_assert_leq(got[1], 1e-6, "trial %d: KL(S||T) %.3g", trial, (double)got[1]);
+    cr_assert(got[0] >= 0 && got[1] >= 0);
+  }
+}
+
+Test(online_kl, empty_row_and_single_key) {
+  fa_kl_state st = fa_kl_init();
+  float f, r, lt, ls;
+  fa_kl_finish(st, &f, &r, &lt, &ls);
+  cr_assert(f == 0 && r == 0 && lt == -INFINITY && ls == -INFINITY);
+  const float t = 3.5f, s = -2.0f;
+  fa_kl_tile(&st, &t, &s, 1);
+  fa_kl_finish(st, &f, &r, &lt, &ls);
+  cr_assert(f == 0 && r == 0, "one key: both distributions are 1 there");
+  cr_assert_float_eq(lt, 3.5f, 1e-6);
+  cr_assert_float_eq(ls, -2.0f, 1e-6);
+}
+
+/* fa_kl_grad against central differences of the float64 KL. */
+Test(online_kl, gradients_match_finite_differences) {
+  tc_rng rng = tc_rng_for("online_kl.grad");
+  float t[40], s[40];
+  for (int trial = 0; trial < 30; trial++) {
+    const int n = (int)tc_randint(&rng, 2, 40);
+    for (int j = 0; j < n; j++) t[j] = (float)tc_uniform(&rng, -3, 3), s[j] = (float)tc_uniform(&rng, -3, 3);
+    float st[4];
+    kl_stream(t, s, n, &rng, 0, st);
+    for (int rev = 0; rev < 2; rev++)
+      for (int j = 0; j < n; j++) {
+        float g_t, g_s;
+        fa_kl_grad(t[j], s[j], st[2], st[3], st[rev], rev, &g_t, &g_s);
+        const float h = 1e-2f;
+        double up[4], dn[4];
+        const float keep_t = t[j], keep_s = s[j];
+        t[j] = keep_t + h, kl_direct(t, s, n, up);
+        t[j] = keep_t - h, kl_direct(t, s, n, dn);
+        t[j] = keep_t;
+        const double fd_t = (up[rev] - dn[rev]) / (2 * h);
+        s[j] = keep_s + h, kl_direct(t, s, n, up);
+        s[j] = keep_s - h, kl_direct(t, s, n, dn);
+        s[j] = keep_s;
+        const double fd_s = (up[rev] - dn[rev]) / (2 * h);
+        /* central differences: O(h^2) truncation (second derivatives are O(1)) */
+        cr_assert_leq(fabs(g_t - fd_t), 2e-4, "trial %d rev %d key %d: dt %.6g vs %.6g", trial, rev, j, (double)g_t, fd_t);
+        cr_assert_leq(fabs(g_s - fd_s), 2e-4, "trial %d rev %d key %d: ds %.6g vs %.6g", trial, rev, j, (double)g_s, fd_s);
+      }
+  }
 }

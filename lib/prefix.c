@@ -6,8 +6,8 @@
 #include "validate.h"
 
 /* Check the layout; on success *rows = P + offsets[N]. */
-static forkattn_status fa_check_prefix_layout(forkattn_ctx *ctx, const forkattn_prefix_layout *l,
-                                              int64_t *rows) {
+static forkattn_status fa_check_prefix_layout(forkattn_ctx *ctx, const void *layout, int64_t *rows) {
+  const forkattn_prefix_layout *l = layout;
   const forkattn_status bad = FORKATTN_ERR_INVALID_ARGUMENT;
   if (!l) return fa_fail(ctx, bad, "layout: is NULL");
   if (l->prompt_len < 0)
@@ -33,17 +33,13 @@ static forkattn_status fa_check_prefix_layout(forkattn_ctx *ctx, const forkattn_
   return FORKATTN_OK;
 }
 
-static forkattn_status fa_prefix_check(forkattn_ctx *ctx, const void *layout, int64_t *rows) {
-  return fa_check_prefix_layout(ctx, layout, rows);
-}
-
 static int fa_prefix_plan(const void *layout, fa_plan *plan) {
   const forkattn_prefix_layout *l = layout;
   return fa_plan_prefix(plan, l->prompt_len, l->num_responses, l->response_offsets,
                         l->mask == FORKATTN_MASK_CAUSAL);
 }
 
-static const fa_layout_ops fa_prefix_ops = {fa_prefix_check, fa_prefix_plan};
+static const fa_layout_ops fa_prefix_ops = {fa_check_prefix_layout, fa_prefix_plan};
 
 forkattn_status forkattn_prefix_fwd(forkattn_ctx *ctx, const forkattn_prefix_layout *layout,
                                     const forkattn_tensor *q, const forkattn_tensor *k,

@@ -53,14 +53,25 @@ int fa_plan_build(fa_plan *p, int64_t rows, int64_t nseg, const fa_range *seg, i
   return 0;
 }
 
-/* Key segments of a tree: a node continues its parent's key segment when it is
- * the parent's only child and starts right where the parent ends (a chain in
- * DFS order), so a chain of many small nodes is read through one segment.
- * With causal = 0 a node sees all of its own rows, so every node is its own
- * key segment. Empty nodes are skipped (children see through them). */
+void fa_tree_chains(int64_t n, const int64_t *off, const int64_t *parents, int causal, int64_t *near,
+                    int64_t *kids, int64_t *cont) {
+  for (int64_t i = 0; i < n; i++) kids[i] = 0;
+  for (int64_t i = 0; i < n; i++) { /* parents precede children: one pass */
+    const int64_t a = parents[i];
+    near[i] = (a < 0 || off[a + 1] > off[a]) ? a : near[a];
+    if (off[i + 1] > off[i] && near[i] >= 0) kids[near[i]]++;
+  }
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t a = near[i];
+    cont[i] = causal && off[i + 1] > off[i] && a >= 0 && kids[a] == 1 && off[a + 1] == off[i];
+  }
+}
+
+/* Key segments of a tree (fa_tree_chains says which nodes continue their
+ * ancestor's): each node's segment and each segment's first node. */
 typedef struct {
   int64_t *par;   /* nearest non-empty ancestor, -1 for none */
-  int64_t *kseg;  /* key segment of each node */
+  int64_t *kseg;  /* key segment of each node, -1 for an empty node */
   int64_t *first; /* first node of each key segment */
   int64_t nkseg;
 } fa_tree_keys;
@@ -74,31 +85,26 @@ static void fa_tree_keys_free(fa_tree_keys *t) {
 static int fa_tree_keys_build(fa_tree_keys *t, int64_t n, const int64_t *off, const int64_t *parents,
                               int causal) {
   size_t cap = (size_t)(n ? n : 1);
-  int64_t *children = fa_calloc(cap, sizeof *children);
+  int64_t *kids = fa_malloc(sizeof *kids * cap);
   t->par = fa_malloc(sizeof *t->par * cap);
   t->kseg = fa_malloc(sizeof *t->kseg * cap);
   t->first = fa_malloc(sizeof *t->first * cap);
   t->nkseg = 0;
-  if (!children || !t->par || !t->kseg || !t->first) {
-    fa_free(children);
+  if (!kids || !t->par || !t->kseg || !t->first) {
+    fa_free(kids);
     fa_tree_keys_free(t);
     return -1;
   }
-  for (int64_t i = 0; i < n; i++) { /* parents precede children: one pass */
-    int64_t a = parents[i];
-    t->par[i] = (a < 0 || off[a + 1] > off[a]) ? a : t->par[a];
-    if (off[i + 1] > off[i] && t->par[i] >= 0) children[t->par[i]]++;
-  }
-  for (int64_t i = 0; i < n; i++) {
-    t->kseg[i] = -1;
-    if (off[i + 1] == off[i]) continue;
-    const int64_t a = t->par[i];
-    if (causal && a >= 0 && children[a] == 1 && off[a + 1] == off[i])
-      t->kseg[i] = t->kseg[a];
+  fa_tree_chains(n, off, parents, causal, t->par, kids, t->kseg);
+  for (int64_t i = 0; i < n; i++) { /* kseg holds "continues" until rewritten here; ancestors first */
+    if (off[i + 1] == off[i])
+      t->kseg[i] = -1;
+    else if (t->kseg[i])
+      t->kseg[i] = t->kseg[t->par[i]];
     else
       t->first[t->kseg[i] = t->nkseg++] = i;
   }
-  fa_free(children);
+  fa_free(kids);
   return 0;
 }
 

@@ -52,6 +52,16 @@ int fa_plan_build(fa_plan *p, int64_t rows, int64_t nseg, const fa_range *seg, i
                   const fa_pair *pair);
 void fa_plan_free(fa_plan *p);
 
+/* The chain rule of tree key segments, shared by the plan and the cost model:
+ * near[i] = nearest non-empty ancestor of node i (-1 for none); cont[i] = 1 when
+ * non-empty node i continues near[i]'s key segment: causal, near[i]'s only
+ * non-empty child, starting where it ends (a chain in DFS order), so a chain
+ * of many small nodes is read through one segment. With causal = 0 a node
+ * sees all its own rows, so every node is its own key segment. kids: n int64
+ * of scratch (non-empty children per node on return). No allocation. */
+void fa_tree_chains(int64_t n, const int64_t *off, const int64_t *parents, int causal, int64_t *near,
+                    int64_t *kids, int64_t *cont);
+
 /* Tree of n nodes: node i owns rows [off[i], off[i+1]) and reads all rows of
  * its ancestors (parents[i] < i, -1 for a root) and its own rows (causally
  * when causal != 0, else all of them). Pairs per node: one per key segment on

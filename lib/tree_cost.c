@@ -2,6 +2,7 @@
 #include <math.h>
 
 #include "alloc.h"
+#include "segment_plan.h"
 #include "tree_model.h"
 #include "validate.h"
 
@@ -26,30 +27,21 @@ double fa_model_seconds(const forkattn_tree_cost_model *m, double macs, double r
          m->sec_per_pair * pairs;
 }
 
-/* Same key segments as fa_plan_tree (causal): a non-empty node continues its
- * nearest non-empty ancestor's key segment when it is that ancestor's only
- * non-empty child and starts where it ends; a node has one pair per key
- * segment on its root path. Two forward passes (parents precede children). */
+/* One pair per key segment on a node's root path, key segments as fa_plan_tree
+ * (causal) builds them: fa_tree_chains says which nodes continue their nearest
+ * non-empty ancestor's segment. Parents precede children: forward passes. */
 void fa_tree_count(int64_t n, const int64_t *off, const int64_t *par, int64_t *work,
                    fa_tree_counts *c, const forkattn_tree_cost_model *m, double *node_cost) {
   int64_t *anc = work, *ne = work + n, *kids = work + 2 * n, *kd = work + 3 * n;
   c->macs = 0;
   c->rows = n ? off[n] : 0;
   c->pairs = 0;
-  for (int64_t i = 0; i < n; i++) kids[i] = 0;
+  fa_tree_chains(n, off, par, 1, ne, kids, kd);
   for (int64_t i = 0; i < n; i++) {
-    const int64_t p = par[i];
+    const int64_t p = par[i], len = off[i + 1] - off[i], a = ne[i];
     anc[i] = p < 0 ? 0 : anc[p] + (off[p + 1] - off[p]);
-    ne[i] = (p < 0 || off[p + 1] > off[p]) ? p : ne[p];
-    if (off[i + 1] > off[i] && ne[i] >= 0) kids[ne[i]]++;
-  }
-  for (int64_t i = 0; i < n; i++) {
-    const int64_t len = off[i + 1] - off[i], a = ne[i];
-    kd[i] = 0;
-    if (len > 0) {
-      const int merged = a >= 0 && kids[a] == 1 && off[a + 1] == off[i];
-      kd[i] = (a >= 0 ? kd[a] : 0) + !merged;
-    }
+    /* kd[i] holds "continues" until rewritten here as key segments on the root path */
+    kd[i] = len > 0 ? (a >= 0 ? kd[a] : 0) + !kd[i] : 0;
     /* each row sees all ancestor rows and itself plus the earlier rows of its node */
     const double macs = (double)len * (double)anc[i] + 0.5 * (double)len * ((double)len + 1);
     c->macs += macs;

@@ -38,13 +38,14 @@ static void fa_bwd_load_queries(const fa_attn_bwd *a, const float *dsum, int64_t
 /* With S = Q K^T in t->s (M x nk): P in t->s and dS = P * (dO V^T - D) in t->dp,
  * exactly 0 wherever P is 0 (masked keys included, even when dO V^T is not
  * finite there). Returns non-zero when the tile crosses the causal diagonal. */
-static int fa_bwd_probs(const fa_pair *pr, const fa_plan *p, int64_t group, int64_t q0, int64_t qn,
-                        int64_t kb, int64_t nk, const float *V, int64_t ldv, int64_t d,
+static int fa_bwd_probs(const fa_pair *pr, const fa_plan *p, const fa_kept *kept, int64_t g, int64_t group,
+                        int64_t q0, int64_t qn, int64_t kb, int64_t nk, const float *V, int64_t ldv, int64_t d,
                         fa_bwd_tiles *t) {
   const int64_t M = group * qn;
   const int64_t q_pos0 = q0 + p->qshift;
   const int crossing = pr->causal && kb + nk - 1 > q_pos0;
   if (crossing) fa_cpu_mask_causal(t->s, nk, group, qn, q_pos0, nk, kb);
+  if (kept) fa_cpu_mask_kept(t->s, nk, kept, g, group, qn, q0, nk, kb);
   for (int64_t i = 0; i < M; i++) {
     float *srow = t->s + i * nk;
     if (t->lse[i] == -INFINITY)
@@ -76,12 +77,16 @@ static void fa_bwd_dq_block(const fa_attn_bwd *a, const float *dsum, const fa_bl
     const int64_t k0 = keys.start, kn = keys.len;
     for (int64_t kb = k0; kb < k0 + kn; kb += FA_CPU_KEY_BLOCK) {
       const int64_t nk = k0 + kn - kb < FA_CPU_KEY_BLOCK ? k0 + kn - kb : FA_CPU_KEY_BLOCK;
+      if (fa_kept_tile_dropped(a->kept, g * group, (g + 1) * group, b->start, qn, kb, nk)) continue;
       int64_t ldk, ldv;
       const float *K = fa_cpu_rows_view(&a->k, kb, nk, g, t->kbuf, &ldk);
       const float *V = fa_cpu_rows_view(&a->v, kb, nk, g, t->vbuf, &ldv);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)nk, (int)d, 1.0f, t->q,
                   (int)d, K, (int)ldk, 0.0f, t->s, (int)nk);
-      if (fa_bwd_probs(pr, p, group, b->start, qn, kb, nk, V, ldv, d, t) && !fa_cpu_all_finite(K, nk, d, ldk))
+      const int crossing = fa_bwd_probs(pr, p, a->kept, g, group, b->start, qn, kb, nk, V, ldv, d, t);
+      if (a->kept)
+        fa_cpu_sparse_ab(t->dp, nk, M, nk, K, ldk, d, a->scale, t->acc, d);
+      else if (crossing && !fa_cpu_all_finite(K, nk, d, ldk))
         fa_cpu_causal_ab(t->dp, nk, K, ldk, t->acc, d, group, qn, b->start + p->qshift, nk, kb, d,
                          a->scale);
       else
@@ -110,10 +115,16 @@ static void fa_bwd_dkv_block(const fa_attn_bwd *a, const float *dsum, const fa_b
     const int64_t q0 = queries.start, qn = queries.len;
     for (int64_t qb = q0; qb < q0 + qn; qb += bq) {
       const int64_t nq = q0 + qn - qb < bq ? q0 + qn - qb : bq, M = group * nq;
+      if (fa_kept_tile_dropped(a->kept, g * group, (g + 1) * group, qb, nq, b->start, nk)) continue;
       fa_bwd_load_queries(a, dsum, g, qb, nq, t);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)nk, (int)d, 1.0f, t->q,
                   (int)d, K, (int)ldk, 0.0f, t->s, (int)nk);
-      const int crossing = fa_bwd_probs(pr, p, group, qb, nq, b->start, nk, V, ldv, d, t);
+      const int crossing = fa_bwd_probs(pr, p, a->kept, g, group, qb, nq, b->start, nk, V, ldv, d, t);
+      if (a->kept) { /* P and dS are exactly 0 on dropped keys */
+        fa_cpu_sparse_atb(t->s, nk, M, nk, t->dout, d, d, dv, d);
+        fa_cpu_sparse_atb(t->dp, nk, M, nk, t->q, d, d, dk, d);
+        continue;
+      }
       if (crossing && !(fa_cpu_all_finite(t->dout, M, d, d) && fa_cpu_all_finite(t->q, M, d, d))) {
         const int64_t q_pos0 = qb + p->qshift;
         fa_cpu_causal_atb(t->s, nk, t->dout, d, dv, d, group, nq, q_pos0, nk, b->start, d);

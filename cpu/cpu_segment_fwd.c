@@ -38,6 +38,7 @@ static void fa_fwd_block(const fa_attn_fwd *a, const fa_block *b, int64_t g, fa_
     const int64_t k0 = keys.start, kn = keys.len;
     for (int64_t kb = k0; kb < k0 + kn; kb += FA_CPU_KEY_BLOCK) {
       const int64_t nk = k0 + kn - kb < FA_CPU_KEY_BLOCK ? k0 + kn - kb : FA_CPU_KEY_BLOCK;
+      if (fa_kept_tile_dropped(a->kept, g * group, (g + 1) * group, b->start, qn, kb, nk)) continue;
       int64_t ldk, ldv;
       const float *K = fa_cpu_rows_view(&a->k, kb, nk, g, t->kbuf, &ldk);
       const float *V = fa_cpu_rows_view(&a->v, kb, nk, g, t->vbuf, &ldv);
@@ -45,6 +46,7 @@ static void fa_fwd_block(const fa_attn_fwd *a, const fa_block *b, int64_t g, fa_
                   (int)d, K, (int)ldk, 0.0f, t->s, (int)nk);
       const int crossing = pr->causal && kb + nk - 1 > q_pos0;
       if (crossing) fa_cpu_mask_causal(t->s, nk, group, qn, q_pos0, nk, kb);
+      if (a->kept) fa_cpu_mask_kept(t->s, nk, a->kept, g, group, qn, b->start, nk, kb);
       for (int64_t i = 0; i < M; i++) {
         float *srow = t->s + i * nk, mx = fa_cpu_row_max(srow, nk);
         float m_new = mx > t->m[i] ? mx : t->m[i];
@@ -67,7 +69,9 @@ static void fa_fwd_block(const fa_attn_fwd *a, const fa_block *b, int64_t g, fa_
           for (int64_t c = 0; c < d; c++) orow[c] *= alpha;
         }
       }
-      if (crossing && !fa_cpu_all_finite(V, nk, d, ldv))
+      if (a->kept) /* P is exactly 0 on dropped keys: keep their non-finite values out */
+        fa_cpu_sparse_ab(t->s, nk, M, nk, V, ldv, d, 1.0f, t->o, d);
+      else if (crossing && !fa_cpu_all_finite(V, nk, d, ldv))
         fa_cpu_causal_ab(t->s, nk, V, ldv, t->o, d, group, qn, q_pos0, nk, kb, d, 1.0f);
       else
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, (int)d, (int)nk, 1.0f, t->s,

@@ -190,3 +190,43 @@ int64_t fa_cpu_query_block(int64_t group) {
   if (b < 32) b = 32;
   return b;
 }
+
+void fa_cpu_mask_kept(float *s, int64_t ld, const fa_kept *kept, int64_t g, int64_t group, int64_t qn, int64_t q0,
+                      int64_t nk, int64_t k0) {
+  for (int64_t hh = 0; hh < group; hh++)
+    for (int64_t r = 0; r < qn; r++) {
+      float *row = s + (hh * qn + r) * ld;
+      for (int64_t j = 0; j < nk; j++)
+        if (!fa_kept_visible(kept, g * group + hh, q0 + r, k0 + j)) row[j] = -INFINITY;
+    }
+}
+
+void fa_cpu_sparse_ab(const float *A, int64_t lda, int64_t m, int64_t k, const float *B, int64_t ldb, int64_t n,
+                      float alpha, float *C, int64_t ldc) {
+  if (fa_cpu_all_finite(B, k, n, ldb)) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)m, (int)n, (int)k, alpha, A, (int)lda, B, (int)ldb,
+                1.0f, C, (int)ldc);
+    return;
+  }
+  for (int64_t i = 0; i < m; i++)
+    for (int64_t j = 0; j < k; j++) {
+      const float a = A[i * lda + j] * alpha;
+      if (A[i * lda + j] == 0.0f) continue;
+      for (int64_t e = 0; e < n; e++) C[i * ldc + e] += a * B[j * ldb + e];
+    }
+}
+
+void fa_cpu_sparse_atb(const float *A, int64_t lda, int64_t m, int64_t k, const float *B, int64_t ldb, int64_t n,
+                       float *C, int64_t ldc) {
+  if (fa_cpu_all_finite(B, m, n, ldb)) {
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)k, (int)n, (int)m, 1.0f, A, (int)lda, B, (int)ldb, 1.0f,
+                C, (int)ldc);
+    return;
+  }
+  for (int64_t i = 0; i < m; i++)
+    for (int64_t j = 0; j < k; j++) {
+      const float a = A[i * lda + j];
+      if (a == 0.0f) continue;
+      for (int64_t e = 0; e < n; e++) C[j * ldc + e] += a * B[i * ldb + e];
+    }
+}

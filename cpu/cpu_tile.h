@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 #include "forkattn.h"
+#include "kept_mask.h"
 #include "segment_plan.h"
 
 /* dst[r*ld + c] = mul * t[row0 + r, head, c] for r < nrows, c < d. */
@@ -53,6 +54,22 @@ void fa_cpu_causal_ab(const float *A, int64_t lda, const float *B, int64_t ldb, 
                       float alpha);
 void fa_cpu_causal_atb(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,
                        int64_t group, int64_t qn, int64_t q_pos0, int64_t nk, int64_t k_pos0, int64_t d);
+
+/* Kept-set mask of a tile whose rows are `group` stacked copies of query rows
+ * q0 .. q0+qn-1 of query heads g*group .. g*group+group-1 against key rows
+ * k0 .. k0+nk-1: S = -inf where the kept set drops the key. */
+void fa_cpu_mask_kept(float *s, int64_t ld, const fa_kept *kept, int64_t g, int64_t group, int64_t qn, int64_t q0,
+                      int64_t nk, int64_t k0);
+
+/* Products over a tile's non-zero A entries when the other operand is not all
+ * finite (A is a probability or gradient tile, exactly 0 on keys a row does
+ * not see, so 0 * NaN must not happen); plain GEMMs otherwise.
+ *   fa_cpu_sparse_ab:  C[i, :] += alpha * sum_{j: A[i,j] != 0} A[i, j] * B[j, :]   (A: m x k)
+ *   fa_cpu_sparse_atb: C[j, :] += sum_{i: A[i,j] != 0} A[i, j] * B[i, :]           (A: m x k) */
+void fa_cpu_sparse_ab(const float *A, int64_t lda, int64_t m, int64_t k, const float *B, int64_t ldb, int64_t n,
+                      float alpha, float *C, int64_t ldc);
+void fa_cpu_sparse_atb(const float *A, int64_t lda, int64_t m, int64_t k, const float *B, int64_t ldb, int64_t n,
+                       float *C, int64_t ldc);
 
 /* Make OpenBLAS single-threaded while our OpenMP workers call it (its setting
  * is process-wide; nested and concurrent calls are counted), then restore it. */

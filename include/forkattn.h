@@ -823,6 +823,233 @@ FORKATTN_API forkattn_exec_mode forkattn_batch_plan_mode(const forkattn_batch_pl
 FORKATTN_API const char *forkattn_batch_plan_reason(const forkattn_batch_plan *plan, int64_t batch);
 /**@}*/
 
+/** @name Layouts, kept sets (KV compression) and kept-set attention
+ * StreamKL and kept-set attention take either layout of the attention calls
+ * above. A single dense sequence of T rows is the prefix layout with
+ * prompt_len = T and no responses. */
+/**@{*/
+
+/** One of the two packed layouts: exactly one pointer is non-NULL. */
+typedef struct forkattn_layout {
+  const forkattn_prefix_layout *prefix; /**< shared-prompt group (or one dense sequence) */
+  const forkattn_tree_layout *tree;     /**< packed tree */
+} forkattn_layout;
+
+/** Side of a block of the block-mask form of a kept set (rows and keys). */
+#define FORKATTN_KEPT_BLOCK 64
+
+/**
+ * The keys a compressed KV cache keeps, per head: the student side of
+ * shadow-mask distillation and the mask of kept-set attention. Two forms,
+ * either or both (they combine with AND); all arrays in host memory.
+ *
+ *  - Index lists (CSR): head h keeps key rows index[offsets[h] .. offsets[h+1])
+ *    (strictly increasing, each < compressed_rows) among the key rows
+ *    [0, compressed_rows); key rows >= compressed_rows (tokens generated after
+ *    compression) are always kept. The lists apply to query rows >= query_start
+ *    only: rows before it (a prefill that saw the full cache) are unrestricted.
+ *    This is what forkattn_kv_select() produces, with rows relative to the
+ *    compressed sequence starting at packed row 0 (a prompt, a tree's root).
+ *  - Block mask: block_mask[(h * nb + i) * nb + j] = 0 drops every key of key
+ *    block j for every query of query block i (nb = ceil(T / 64), blocks of
+ *    ::FORKATTN_KEPT_BLOCK packed rows).
+ *
+ * Query head hq uses kept head hq / (Hq / heads). A query row whose kept keys
+ * are all masked sees no key: o = 0, lse = -inf, zero gradients.
+ */
+typedef struct forkattn_kept_set {
+  int64_t heads;                   /**< >= 1, divides the query heads it is used with */
+  int64_t compressed_rows;         /**< index lists cover key rows [0, compressed_rows) */
+  int64_t query_start;             /**< index lists apply to query rows >= query_start */
+  const int64_t *offsets;          /**< [heads+1] CSR offsets from 0, or NULL (no lists) */
+  const int64_t *index;            /**< kept key rows, per head ascending; NULL iff offsets is */
+  const unsigned char *block_mask; /**< [heads, nb, nb] 0/1, or NULL (no block mask) */
+} forkattn_kept_set;
+
+/**
+ * Forward attention restricted to a kept set (the compressed rollout's
+ * attention): a row sees the keys its layout shows it that the kept set keeps.
+ * Tensors, lse and errors as in forkattn_prefix_fwd() with T the layout's rows.
+ *
+ * @param ctx the context
+ * @param layout the packed layout (host memory)
+ * @param kept the kept set (host memory), or NULL for the full layout
+ * @param q queries [T, Hq, d] @param k keys [T, Hkv, d] @param v values [T, Hkv, d]
+ * @param o output [T, Hq, d] @param lse optional float32 [T, Hq]
+ * @param scale softmax scale (finite, > 0) @param memory where tensors and lse live
+ * @return as forkattn_prefix_fwd()
+ */
+FORKATTN_API forkattn_status forkattn_kept_fwd(forkattn_ctx *ctx, const forkattn_layout *layout,
+                                               const forkattn_kept_set *kept, const forkattn_tensor *q,
+                                               const forkattn_tensor *k, const forkattn_tensor *v,
+                                               const forkattn_tensor *o, float *lse, float scale,
+                                               forkattn_memory memory);
+
+/**
+ * Backward of forkattn_kept_fwd(), deterministic, outputs overwritten; dropped
+ * keys receive no gradient from the rows that do not see them.
+ * @return as forkattn_prefix_bwd()
+ */
+FORKATTN_API forkattn_status forkattn_kept_bwd(forkattn_ctx *ctx, const forkattn_layout *layout,
+                                               const forkattn_kept_set *kept, const forkattn_tensor *q,
+                                               const forkattn_tensor *k, const forkattn_tensor *v,
+                                               const forkattn_tensor *o, const forkattn_tensor *dout,
+                                               const float *lse, const forkattn_tensor *dq,
+                                               const forkattn_tensor *dk, const forkattn_tensor *dv,
+                                               float scale, forkattn_memory memory);
+
+/** KV-cache compression policies of forkattn_kv_select(). */
+typedef enum forkattn_kv_policy_kind {
+  /** StreamingLLM: the first `sinks` keys and the most recent budget - sinks. */
+  FORKATTN_KV_STREAMING_LLM = 0,
+  /** H2O: the `window` most recent keys plus the budget - window heavy hitters,
+   *  ranked by the attention mass every query of the sequence gives them
+   *  (causal softmax, summed over the query heads of the KV head). */
+  FORKATTN_KV_H2O = 1,
+  /** SnapKV: the last `window` queries (observation window) score the keys
+   *  before them (causal softmax mass summed over the window's rows and the
+   *  KV head's query heads), scores are summed over a sliding window of
+   *  `pool_kernel` positions (average pooling up to a constant), the top
+   *  budget - window are kept together with the window itself. */
+  FORKATTN_KV_SNAPKV = 2
+} forkattn_kv_policy_kind;
+
+/** A compression policy and its budget. */
+typedef struct forkattn_kv_policy {
+  forkattn_kv_policy_kind kind; /**< the policy */
+  int64_t budget;               /**< kept keys per KV head (>= 1); shorter sequences keep all */
+  int64_t sinks;                /**< StreamingLLM attention sinks (0 <= sinks <= budget) */
+  int64_t window;               /**< H2O recent keys / SnapKV observation window (0..budget) */
+  int64_t pool_kernel;          /**< SnapKV pooling width (odd, >= 1) */
+  float scale;                  /**< score softmax scale; 0 = 1/sqrt(head_dim) */
+} forkattn_kv_policy;
+
+/** Defaults for a kind and budget: sinks 4, H2O window budget/2, SnapKV window
+ *  min(32, budget), pool_kernel 5, scale 0 (each clamped to the budget). */
+FORKATTN_API void forkattn_kv_policy_init(forkattn_kv_policy *policy, forkattn_kv_policy_kind kind,
+                                          int64_t budget);
+
+/**
+ * Select the kept keys of one causal sequence of L = q->rows = k->rows rows
+ * per KV head, streaming (no L x L buffer; H2O and SnapKV recompute the
+ * softmax tile by tile from saved row statistics). Ties go to the earlier key.
+ *
+ * @param ctx the context (CPU work; device tensors are staged to the host)
+ * @param policy the policy
+ * @param q queries [L, Hq, d] (unused by StreamingLLM but validated)
+ * @param k keys [L, Hkv, d]
+ * @param offsets output [Hkv + 1] CSR offsets (host)
+ * @param index output [Hkv * min(budget, L)] kept rows, per head ascending (host)
+ * @param memory where q and k live
+ * @return FORKATTN_OK or an error as for the attention calls
+ */
+FORKATTN_API forkattn_status forkattn_kv_select(forkattn_ctx *ctx, const forkattn_kv_policy *policy,
+                                                const forkattn_tensor *q, const forkattn_tensor *k,
+                                                int64_t *offsets, int64_t *index, forkattn_memory memory);
+/**@}*/
+
+/** @name StreamKL: attention distillation in O(rows) extra memory
+ * Per query row i and query head h, the KL divergence between the teacher's
+ * attention distribution T = softmax(t) and the student's S = softmax(s) over
+ * the keys the layout shows row i, with t_j = scale_teacher * q_t.k_tj / tau
+ * and s_j = scale_student * q_s.k_sj / tau; one tiled pass over the keys, no
+ * rows x keys buffer in forward or backward. Teacher and student share the
+ * query head count H and the rows; their KV heads (GQA) and head_dims may
+ * differ. With a kept set the student sees only the kept keys (shadow mask):
+ * forward KL(T||S) uses the teacher renormalised on the kept keys and
+ * reports the teacher mass outside them; reverse KL(S||T) uses the full
+ * teacher (it is finite since S lives inside T's support). docs/distillation.md. */
+/**@{*/
+
+/** Direction of the divergence. */
+typedef enum forkattn_kl_direction {
+  FORKATTN_KL_FORWARD = 0, /**< KL(T||S) = sum_j T_j log(T_j / S_j) */
+  FORKATTN_KL_REVERSE = 1  /**< KL(S||T) = sum_j S_j log(S_j / T_j) */
+} forkattn_kl_direction;
+
+/** Number of floats per (row, head) in the saved statistics. */
+#define FORKATTN_KL_STATS 4
+
+/** StreamKL options. */
+typedef struct forkattn_kl_options {
+  forkattn_kl_direction direction; /**< which divergence */
+  float scale_teacher;             /**< teacher score scale; 0 = 1/sqrt(teacher head_dim) */
+  float scale_student;             /**< student score scale; 0 = 1/sqrt(student head_dim) */
+  float temperature;               /**< tau > 0: scores divided by tau */
+  int scale_by_tau2;               /**< non-zero: the loss is multiplied by tau^2 */
+} forkattn_kl_options;
+
+/** Forward KL, default scales, tau = 1. */
+FORKATTN_API void forkattn_kl_options_init(forkattn_kl_options *opt);
+
+/**
+ * StreamKL forward.
+ *
+ * @param ctx the context
+ * @param layout the packed layout (host memory); T its rows
+ * @param q_t teacher queries [T, H, d_t] @param k_t teacher keys [T, Hkv_t, d_t]
+ * @param q_s student queries [T, H, d_s] @param k_s student keys [T, Hkv_s, d_s]
+ *        (teacher and student dtypes may differ)
+ * @param kept the student's kept set (host memory), or NULL for a dense student
+ * @param opt options (NULL: forkattn_kl_options_init())
+ * @param kl output float32 [T, H]: the divergence of each row (times tau^2 on
+ *        request); 0 for a row that sees no key or keeps none
+ * @param stats optional output float32 [T, H, ::FORKATTN_KL_STATS] for the
+ *        backward (NULL to skip)
+ * @param outside_mass optional output float32 [T, H]: teacher probability on
+ *        keys the kept set drops (0 without a kept set, 1 for a row keeping none)
+ * @param memory where tensors and outputs live
+ * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT (outputs untouched);
+ *         FORKATTN_ERR_OUT_OF_MEMORY; FORKATTN_ERR_DEVICE
+ */
+FORKATTN_API forkattn_status forkattn_kl_fwd(forkattn_ctx *ctx, const forkattn_layout *layout,
+                                             const forkattn_tensor *q_t, const forkattn_tensor *k_t,
+                                             const forkattn_tensor *q_s, const forkattn_tensor *k_s,
+                                             const forkattn_kept_set *kept,
+                                             const forkattn_kl_options *opt, float *kl, float *stats,
+                                             float *outside_mass, forkattn_memory memory);
+
+/**
+ * StreamKL backward: gradients of sum_{i,h} dkl[i,h] * kl[i,h] with respect to
+ * the student's q and k, and optionally the teacher's, recomputing both
+ * distributions tile by tile from the saved statistics. Deterministic;
+ * outputs overwritten (dtype of the matching input).
+ *
+ * @param ctx the context
+ * @param layout, q_t, k_t, q_s, k_s, kept, opt as in the forward
+ * @param stats float32 [T, H, ::FORKATTN_KL_STATS] from the forward (required)
+ * @param dkl float32 [T, H] upstream gradient of kl
+ * @param dq_s [T, H, d_s] @param dk_s [T, Hkv_s, d_s] student gradients (required)
+ * @param dq_t [T, H, d_t] @param dk_t [T, Hkv_t, d_t] teacher gradients: both
+ *        NULL to skip, or both given
+ * @param memory where tensors and arrays live
+ * @return as forkattn_kl_fwd()
+ */
+FORKATTN_API forkattn_status forkattn_kl_bwd(forkattn_ctx *ctx, const forkattn_layout *layout,
+                                             const forkattn_tensor *q_t, const forkattn_tensor *k_t,
+                                             const forkattn_tensor *q_s, const forkattn_tensor *k_s,
+                                             const forkattn_kept_set *kept,
+                                             const forkattn_kl_options *opt, const float *stats,
+                                             const float *dkl, const forkattn_tensor *dq_s,
+                                             const forkattn_tensor *dk_s, const forkattn_tensor *dq_t,
+                                             const forkattn_tensor *dk_t, forkattn_memory memory);
+
+/**
+ * Weighted mean of a [rows, heads] float32 array over rows (e.g. kl with a
+ * loss mask of response tokens): sum_{i,h} w_i x[i,h] / (heads * sum_i w_i),
+ * accumulated in double. weights NULL means all 1; weights must be finite and
+ * >= 0; a zero total weight gives 0. The gradient of the mean with respect to
+ * x[i,h] is w_i / (heads * sum w): pass that as dkl.
+ *
+ * @param ctx the context @param x [rows, heads] @param rows >= 0 @param heads >= 1
+ * @param weights [rows] or NULL @param mean output (host)
+ * @param memory where x and weights live
+ */
+FORKATTN_API forkattn_status forkattn_rows_mean(forkattn_ctx *ctx, const float *x, int64_t rows,
+                                                int64_t heads, const float *weights, double *mean,
+                                                forkattn_memory memory);
+/**@}*/
+
 #ifdef __cplusplus
 }
 #endif

@@ -12,13 +12,22 @@ typedef struct fa_layout_ops {
   int (*plan)(const void *layout, fa_plan *plan);
 } fa_layout_ops;
 
+/* The two layouts' ops (prefix.c, tree.c). */
+extern const fa_layout_ops fa_prefix_ops, fa_tree_ops;
+
+/* Resolve a forkattn_layout to its ops and layout pointer (exactly one of
+ * prefix / tree set). */
+forkattn_status fa_layout_pick(forkattn_ctx *ctx, const forkattn_layout *layout, const fa_layout_ops **ops,
+                               const void **l);
+
+/* kept: optional kept set restricting the keys (forkattn_kept_fwd/bwd). */
 forkattn_status fa_layout_fwd(forkattn_ctx *ctx, const fa_layout_ops *ops, const void *layout,
-                              const forkattn_tensor *q, const forkattn_tensor *k,
+                              const forkattn_kept_set *kept, const forkattn_tensor *q, const forkattn_tensor *k,
                               const forkattn_tensor *v, const forkattn_tensor *o, float *lse,
                               float scale, forkattn_memory memory);
 
 forkattn_status fa_layout_bwd(forkattn_ctx *ctx, const fa_layout_ops *ops, const void *layout,
-                              const forkattn_tensor *q, const forkattn_tensor *k,
+                              const forkattn_kept_set *kept, const forkattn_tensor *q, const forkattn_tensor *k,
                               const forkattn_tensor *v, const forkattn_tensor *o,
                               const forkattn_tensor *dout, const float *lse,
                               const forkattn_tensor *dq, const forkattn_tensor *dk,

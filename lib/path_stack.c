@@ -179,7 +179,7 @@ forkattn_status forkattn_path_attend_fwd(forkattn_path *path, const forkattn_ten
   if ((st = fa_path_plan(path, &plan))) return st;
   fa_attn_fwd a = {&plan, *q, fa_path_tensor(path, path->k, path->dtype, path->rows),
                    fa_path_tensor(path, path->v, path->dtype, path->rows), *o, lse, scale,
-                   path->hq, path->hkv, path->d};
+                   path->hq, path->hkv, path->d, NULL};
   st = fa_attn_fwd_run(path->ctx, &a, FORKATTN_MEMORY_HOST);
   fa_plan_free(&plan);
   return st;
@@ -205,7 +205,7 @@ forkattn_status forkattn_path_attend_bwd(forkattn_path *path, const forkattn_ten
                    fa_path_tensor(path, path->v, path->dtype, path->rows), *o, *dout, *dq,
                    fa_path_tensor(path, path->gk, FORKATTN_DTYPE_F32, path->rows),
                    fa_path_tensor(path, path->gv, FORKATTN_DTYPE_F32, path->rows), lse, scale,
-                   path->hq, path->hkv, path->d};
+                   path->hq, path->hkv, path->d, NULL};
   st = fa_attn_bwd_run(ctx, &a, FORKATTN_MEMORY_HOST);
   fa_plan_free(&plan);
   if (st) return st;

@@ -39,13 +39,13 @@ static int fa_prefix_plan(const void *layout, fa_plan *plan) {
                         l->mask == FORKATTN_MASK_CAUSAL);
 }
 
-static const fa_layout_ops fa_prefix_ops = {fa_check_prefix_layout, fa_prefix_plan};
+const fa_layout_ops fa_prefix_ops = {fa_check_prefix_layout, fa_prefix_plan};
 
 forkattn_status forkattn_prefix_fwd(forkattn_ctx *ctx, const forkattn_prefix_layout *layout,
                                     const forkattn_tensor *q, const forkattn_tensor *k,
                                     const forkattn_tensor *v, const forkattn_tensor *o, float *lse,
                                     float scale, forkattn_memory memory) {
-  return fa_layout_fwd(ctx, &fa_prefix_ops, layout, q, k, v, o, lse, scale, memory);
+  return fa_layout_fwd(ctx, &fa_prefix_ops, layout, NULL, q, k, v, o, lse, scale, memory);
 }
 
 forkattn_status forkattn_prefix_bwd(forkattn_ctx *ctx, const forkattn_prefix_layout *layout,
@@ -55,5 +55,5 @@ forkattn_status forkattn_prefix_bwd(forkattn_ctx *ctx, const forkattn_prefix_lay
                                     const forkattn_tensor *dq, const forkattn_tensor *dk,
                                     const forkattn_tensor *dv, float scale,
                                     forkattn_memory memory) {
-  return fa_layout_bwd(ctx, &fa_prefix_ops, layout, q, k, v, o, dout, lse, dq, dk, dv, scale, memory);
+  return fa_layout_bwd(ctx, &fa_prefix_ops, layout, NULL, q, k, v, o, dout, lse, dq, dk, dv, scale, memory);
 }

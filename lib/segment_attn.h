@@ -5,6 +5,7 @@
 #ifndef FORKATTN_SEGMENT_ATTN_H
 #define FORKATTN_SEGMENT_ATTN_H
 #include "context_internal.h"
+#include "kept_mask.h"
 #include "segment_plan.h"
 
 typedef struct fa_attn_fwd {
@@ -13,6 +14,7 @@ typedef struct fa_attn_fwd {
   float *lse;                 /* [rows, hq] or NULL */
   float scale;
   int64_t hq, hkv, d;
+  const fa_kept *kept; /* kept-set mask (host copy; GPU kernels stage it) or NULL */
 } fa_attn_fwd;
 
 typedef struct fa_attn_bwd {
@@ -21,6 +23,7 @@ typedef struct fa_attn_bwd {
   const float *lse; /* [rows, hq] from the forward */
   float scale;
   int64_t hq, hkv, d;
+  const fa_kept *kept; /* as in fa_attn_fwd */
 } fa_attn_bwd;
 
 /* memory must be a known value, and DEVICE needs the GPU backend. */

@@ -35,13 +35,13 @@ static int fa_tree_plan(const void *layout, fa_plan *plan) {
   return fa_plan_tree(plan, t->num_nodes, t->node_offsets, t->parents, 1);
 }
 
-static const fa_layout_ops fa_tree_ops = {fa_check_tree_layout, fa_tree_plan};
+const fa_layout_ops fa_tree_ops = {fa_check_tree_layout, fa_tree_plan};
 
 forkattn_status forkattn_tree_fwd(forkattn_ctx *ctx, const forkattn_tree_layout *tree,
                                   const forkattn_tensor *q, const forkattn_tensor *k,
                                   const forkattn_tensor *v, const forkattn_tensor *o, float *lse,
                                   float scale, forkattn_memory memory) {
-  return fa_layout_fwd(ctx, &fa_tree_ops, tree, q, k, v, o, lse, scale, memory);
+  return fa_layout_fwd(ctx, &fa_tree_ops, tree, NULL, q, k, v, o, lse, scale, memory);
 }
 
 forkattn_status forkattn_tree_bwd(forkattn_ctx *ctx, const forkattn_tree_layout *tree,
@@ -50,5 +50,5 @@ forkattn_status forkattn_tree_bwd(forkattn_ctx *ctx, const forkattn_tree_layout 
                                   const forkattn_tensor *dout, const float *lse,
                                   const forkattn_tensor *dq, const forkattn_tensor *dk,
                                   const forkattn_tensor *dv, float scale, forkattn_memory memory) {
-  return fa_layout_bwd(ctx, &fa_tree_ops, tree, q, k, v, o, dout, lse, dq, dk, dv, scale, memory);
+  return fa_layout_bwd(ctx, &fa_tree_ops, tree, NULL, q, k, v, o, dout, lse, dq, dk, dv, scale, memory);
 }

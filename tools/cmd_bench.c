@@ -1,7 +1,7 @@
 /* `forkattn bench prefix`: shared vs replicated times, useful FLOP rates,
  * memory, and (CPU) OpenBLAS sgemm measured in the same run for reference.
  * Prints a table, or JSON lines with --json; --sweep runs it per size, --plot
- * draws the sweep (plot.c). `bench tree`: cmd_bench_tree.c. */
+ * draws the sweep (plot.c). `bench tree`: cmd_bench_tree.c, `bench kl`: cmd_bench_kl.c. */
 #include <cblas.h>
 #include <math.h>
 #include <stdio.h>
@@ -152,8 +152,9 @@ int cmd_bench(int argc, char **argv) {
   tool_opts o = {{16, 2048, 256, 8, 2, 128, FORKATTN_DTYPE_F32, FORKATTN_MASK_CAUSAL},
                  FORKATTN_BACKEND_AUTO, 3, 0, 0, 1};
   if (argc >= 2 && !strcmp(argv[1], "tree")) return cmd_bench_tree(argc, argv);
+  if (argc >= 2 && !strcmp(argv[1], "kl")) return cmd_bench_kl(argc, argv);
   if (argc < 2 || strcmp(argv[1], "prefix")) {
-    fprintf(stderr, "usage: forkattn bench prefix|tree [options]  (--help for options)\n");
+    fprintf(stderr, "usage: forkattn bench prefix|tree|kl [options]  (--help for options)\n");
     return 2;
   }
   const char *sweep = NULL, *plot = NULL;

@@ -6,5 +6,7 @@ int cmd_demo(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 /* `bench tree`; argv[0] = "bench", argv[1] = "tree" */
 int cmd_bench_tree(int argc, char **argv);
+/* `bench kl`; argv[1] = "kl" */
+int cmd_bench_kl(int argc, char **argv);
 int cmd_check(int argc, char **argv);
 #endif

@@ -13,6 +13,7 @@ static int usage(FILE *f) {
           "  demo [--backend B]   GRPO-shaped group: shared-prompt fwd+bwd vs replicated\n"
           "  bench prefix [...]   time shared vs replicated (forkattn bench prefix --help)\n"
           "  bench tree [...]     time tree vs replicated vs prompt-only (forkattn bench tree --help)\n"
+          "  bench kl [...]       time StreamKL vs a materialized KL (forkattn bench kl --help)\n"
           "  check [...]          problems against the float64 reference (forkattn check --help)\n"
           "  version              print the version\n"
           "Environment: FORKATTN_BACKEND=cpu|gpu|auto overrides the backend.\n",

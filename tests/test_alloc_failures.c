@@ -1,6 +1,7 @@
 /* Allocation-failure sweep (FORKATTN_ALLOC_TEST builds): fail the Nth library
  * allocation for N = 0, 1, 2, ... until the call succeeds, for context
- * creation, prefix and tree forward and backward, and a DFS path-stack walk
+ * creation, prefix and tree forward and backward, kept-set attention and
+ * StreamKL (sparse student) forward and backward, and a DFS path-stack walk
  * (the trie and partition builders sweep theirs in their own tests). Every failure must return
  * FORKATTN_ERR_OUT_OF_MEMORY (never crash), the next call on the same context
  * must work and give the same bits as an undisturbed run, and nothing may leak
@@ -21,7 +22,16 @@ enum { P = 40, N = 3, HQ = 4, HKV = 2, D = 16 };
  * and a 9-row child (70 rows = P + 30). */
 static const int64_t tree_off[5] = {0, P, P + 11, P + 21, P + 30}, tree_par[4] = {-1, 0, 1, 0};
 
-enum { PREFIX_FWD, PREFIX_BWD, TREE_FWD, TREE_BWD, PATH_WALK };
+enum { PREFIX_FWD, PREFIX_BWD, TREE_FWD, TREE_BWD, KEPT_FWD, KEPT_BWD, KL_FWD, KL_BWD, PATH_WALK, NOPS };
+static const char *const op_names[NOPS] = {"prefix forward", "prefix backward", "tree forward", "tree backward",
+                                           "kept forward", "kept backward", "kl forward", "kl backward",
+                                           "path walk"};
+
+/* Kept set over the 70 rows (2 blocks per side): per KV head, CSR lists over
+ * the prompt for the responses' queries and a block mask. */
+static const int64_t kept_off[3] = {0, 3, 5}, kept_idx[5] = {0, 7, 30, 2, 39};
+static const unsigned char kept_blocks[8] = {1, 0, 1, 1, 1, 1, 0, 1};
+static const forkattn_kept_set kept = {HKV, P, P, kept_off, kept_idx, kept_blocks};
 
 typedef struct {
   forkattn_prefix_layout lay;
@@ -30,6 +40,7 @@ typedef struct {
   tc_buf buf[NT];
   forkattn_tensor t[NT]; /* q k v o dout dq dk dv */
   float lse[(P + 30) * HQ];
+  float kl[(P + 30) * HQ], stats[(P + 30) * HQ * FORKATTN_KL_STATS], dkl[(P + 30) * HQ];
 } problem;
 
 static void problem_init(problem *p, forkattn_dtype dt, const char *name) {
@@ -44,6 +55,7 @@ static void problem_init(problem *p, forkattn_dtype dt, const char *name) {
     p->t[i] = tc_buf_contiguous(&p->buf[i], dt, T, heads[i], D);
     tc_fill_tensor(&rng, &p->t[i], -1.0, 1.0);
   }
+  for (int64_t i = 0; i < T * HQ; i++) p->dkl[i] = 1.0f / (float)(1 + i % 7);
 }
 
 static void problem_free(problem *p) {
@@ -74,9 +86,23 @@ static forkattn_status path_walk(forkattn_ctx *ctx, problem *p) {
   return st;
 }
 
+/* StreamKL: teacher (q, k), student (o as queries, v as keys); backward
+ * writes the student's gradients to dq, dk and the teacher's to dout, dv. */
 static forkattn_status run(forkattn_ctx *ctx, problem *p, int op) {
   forkattn_tensor *t = p->t;
+  const forkattn_layout lay = {&p->lay, NULL};
   switch (op) {
+  case KEPT_FWD:
+    return forkattn_kept_fwd(ctx, &lay, &kept, &t[0], &t[1], &t[2], &t[3], p->lse, 0.25f, FORKATTN_MEMORY_HOST);
+  case KEPT_BWD:
+    return forkattn_kept_bwd(ctx, &lay, &kept, &t[0], &t[1], &t[2], &t[3], &t[4], p->lse, &t[5], &t[6], &t[7], 0.25f,
+                             FORKATTN_MEMORY_HOST);
+  case KL_FWD:
+    return forkattn_kl_fwd(ctx, &lay, &t[0], &t[1], &t[3], &t[2], &kept, NULL, p->kl, p->stats, NULL,
+                           FORKATTN_MEMORY_HOST);
+  case KL_BWD:
+    return forkattn_kl_bwd(ctx, &lay, &t[0], &t[1], &t[3], &t[2], &kept, NULL, p->stats, p->dkl, &t[5], &t[6], &t[4],
+                           &t[7], FORKATTN_MEMORY_HOST);
   case PREFIX_FWD:
     return forkattn_prefix_fwd(ctx, &p->lay, &t[0], &t[1], &t[2], &t[3], p->lse, 0.25f, FORKATTN_MEMORY_HOST);
   case PREFIX_BWD:
@@ -108,7 +134,13 @@ static int sweep(forkattn_ctx *ctx, problem *p, problem *want, int op, const cha
     cr_assert_eq(run(ctx, p, op), FORKATTN_OK, "%s: call after failure %d: %s", name, n, forkattn_ctx_last_error(ctx));
   }
   if (op == PATH_WALK) return n; /* its outputs are compared in test_path_stack */
-  const int bwd = op == PREFIX_BWD || op == TREE_BWD, first = bwd ? 5 : 3, last = bwd ? 7 : 3;
+  if (op == KL_FWD) {
+    cr_assert(memcmp(p->kl, want->kl, sizeof p->kl) == 0 && memcmp(p->stats, want->stats, sizeof p->stats) == 0,
+              "%s: kl or stats differ from an undisturbed run", name);
+    return n;
+  }
+  const int bwd = op == PREFIX_BWD || op == TREE_BWD || op == KEPT_BWD || op == KL_BWD;
+  const int first = op == KL_BWD ? 4 : bwd ? 5 : 3, last = bwd ? 7 : 3;
   for (int i = first; i <= last; i++)
     cr_assert(memcmp(p->buf[i].data, want->buf[i].data, p->buf[i].elems * (p->t[i].dtype ? 2 : 4)) == 0,
               "%s: tensor %d differs from an undisturbed run", name, i);
@@ -138,22 +170,16 @@ static void sweep_all(forkattn_dtype dt, const char *name) {
   problem want, p;
   problem_init(&want, dt, name);
   problem_init(&p, dt, name);
-  cr_assert_eq(run(ctx, &want, PREFIX_FWD), FORKATTN_OK);
-  cr_assert_eq(run(ctx, &want, PREFIX_BWD), FORKATTN_OK);
-  int nf = sweep(ctx, &p, &want, PREFIX_FWD, name);
-  int nb = sweep(ctx, &p, &want, PREFIX_BWD, name);
-  cr_assert_eq(run(ctx, &want, TREE_FWD), FORKATTN_OK);
-  cr_assert_eq(run(ctx, &want, TREE_BWD), FORKATTN_OK);
-  int ntf = sweep(ctx, &p, &want, TREE_FWD, name);
-  int ntb = sweep(ctx, &p, &want, TREE_BWD, name);
-  int npw = sweep(ctx, &p, &want, PATH_WALK, name);
-  fprintf(stderr, "%s: ctx_create %d, prefix forward %d, backward %d, tree forward %d, backward %d, path walk %d "
-          "failure points, each OUT_OF_MEMORY then recovered\n", name, created_after, nf, nb, ntf, ntb, npw);
-  cr_assert_gt(nf, 0);
-  cr_assert_gt(nb, 0);
-  cr_assert_gt(ntf, 0);
-  cr_assert_gt(ntb, 0);
-  cr_assert_gt(npw, 0);
+  int npoints[NOPS];
+  for (int op = 0; op < NOPS; op++) {
+    /* forward then backward on `want` first, so both problems see the same inputs */
+    if (op != PATH_WALK) cr_assert_eq(run(ctx, &want, op), FORKATTN_OK, "%s: %s", name, op_names[op]);
+    npoints[op] = sweep(ctx, &p, &want, op, name);
+    cr_assert_gt(npoints[op], 0, "%s: %s allocates nothing?", name, op_names[op]);
+  }
+  fprintf(stderr, "%s: ctx_create %d", name, created_after);
+  for (int op = 0; op < NOPS; op++) fprintf(stderr, ", %s %d", op_names[op], npoints[op]);
+  fprintf(stderr, " failure points, each OUT_OF_MEMORY then recovered\n");
   problem_free(&want);
   problem_free(&p);
   forkattn_ctx_destroy(ctx);

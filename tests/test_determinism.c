@@ -7,6 +7,9 @@
  *             outputs are poisoned before every call, so an element that is not
  *             rewritten shows up as a mismatch too.
  *  (tree:     the same for forkattn_tree_fwd/bwd on a binary tree under the prompt.)
+ *  streamkl:  forkattn_kl_fwd/bwd (sparse student, teacher gradients) rerun
+ *             1000 times and with 1, 2, 3, 5 threads: the same kl, stats and
+ *             dq_s/dk_s/dq_t/dk_t bits.
  *  threads:   the CPU backend gives bitwise the same o/lse/dq/dk/dv whatever
  *             forkattn_ctx_options.threads (1, 2, 3, 5: more threads than work
  *             items and than cores included) and bind_threads are.
@@ -396,4 +399,115 @@ Test(threads, packed_bidir_f32, .timeout = DT_TIMEOUT) {
   dt_threads("threads/packed_bidir_f32",
              &(const dt_shape){.P = 131, .N = 3, .lens = {64, 129, 1}, .hq = 4, .hkv = 4, .d = 64,
                                .mask = FORKATTN_MASK_BIDIRECTIONAL, .dtype = FORKATTN_DTYPE_F32, .packed = 1});
+}
+
+/* ---- StreamKL: backward reruns and thread counts, sparse student --------------- */
+
+/* Teacher 4/2 heads d=32, student 4/1 heads d=16, a GRPO group (prompt 200,
+ * responses 150, 0, 77), a kept set (prompt lists per kept head + a block
+ * mask), teacher gradients on: dq_s, dk_s, dq_t, dk_t and kl/stats compared
+ * bitwise. */
+enum { KL_P = 200, KL_T = 427, KL_H = 4 };
+typedef struct kl_problem {
+  int64_t off[4];
+  forkattn_prefix_layout pl;
+  forkattn_layout layout;
+  int64_t kept_off[3], kept_idx[2 * KL_P];
+  unsigned char blocks[2 * 7 * 7];
+  forkattn_kept_set kept;
+  tc_buf in[4];                 /* q_t k_t q_s k_s */
+  forkattn_tensor t[4];
+  float dkl[KL_T * KL_H];
+} kl_problem;
+
+typedef struct kl_out {
+  tc_buf g[4]; /* dq_s dk_s dq_t dk_t */
+  forkattn_tensor t[4];
+  float kl[KL_T * KL_H], stats[KL_T * KL_H * FORKATTN_KL_STATS];
+} kl_out;
+
+static void kl_problem_init(kl_problem *p, tc_rng *rng) {
+  const int64_t lens[3] = {150, 0, 77}, heads[4] = {KL_H, 2, KL_H, 1}, dims[4] = {32, 32, 16, 16};
+  p->off[0] = 0;
+  for (int i = 0; i < 3; i++) p->off[i + 1] = p->off[i] + lens[i];
+  p->pl = (forkattn_prefix_layout){KL_P, 3, p->off, FORKATTN_MASK_CAUSAL};
+  p->layout = (forkattn_layout){&p->pl, NULL};
+  int64_t n = 0;
+  p->kept_off[0] = 0;
+  for (int h = 0; h < 2; h++) {
+    for (int64_t r = 0; r < KL_P; r++)
+      if (tc_uniform(rng, 0.0, 1.0) < 0.4) p->kept_idx[n++] = r;
+    p->kept_off[h + 1] = n;
+  }
+  for (int i = 0; i < 2 * 7 * 7; i++) p->blocks[i] = (i % 7 == (i / 7) % 7) || tc_uniform(rng, 0.0, 1.0) < 0.6;
+  p->kept = (forkattn_kept_set){2, KL_P, KL_P, p->kept_off, p->kept_idx, p->blocks};
+  for (int i = 0; i < 4; i++) {
+    p->t[i] = tc_buf_contiguous(&p->in[i], FORKATTN_DTYPE_F32, KL_T, heads[i], dims[i]);
+    tc_fill_tensor(rng, &p->t[i], -1.5, 1.5);
+  }
+  for (int i = 0; i < KL_T * KL_H; i++) p->dkl[i] = (float)tc_uniform(rng, 0.0, 1.0);
+}
+
+static void kl_out_init(kl_out *o, const kl_problem *p) {
+  for (int i = 0; i < 4; i++) {
+    const forkattn_tensor *x = &p->t[i < 2 ? i + 2 : i - 2];
+    o->t[i] = tc_buf_contiguous(&o->g[i], FORKATTN_DTYPE_F32, KL_T, x->heads, x->head_dim);
+    tc_buf_poison(&o->g[i]);
+  }
+}
+
+static forkattn_status kl_run(forkattn_ctx *ctx, kl_problem *p, kl_out *o) {
+  forkattn_kl_options opt;
+  forkattn_kl_options_init(&opt);
+  opt.direction = FORKATTN_KL_REVERSE; /* teacher gradients over the full support too */
+  for (int i = 0; i < 4; i++) tc_buf_poison(&o->g[i]);
+  forkattn_status st = forkattn_kl_fwd(ctx, &p->layout, &p->t[0], &p->t[1], &p->t[2], &p->t[3], &p->kept, &opt,
+                                       o->kl, o->stats, NULL, FORKATTN_MEMORY_HOST);
+  if (st) return st;
+  return forkattn_kl_bwd(ctx, &p->layout, &p->t[0], &p->t[1], &p->t[2], &p->t[3], &p->kept, &opt, o->stats, p->dkl,
+                         &o->t[0], &o->t[1], &o->t[2], &o->t[3], FORKATTN_MEMORY_HOST);
+}
+
+static void kl_same(const kl_out *a, const kl_out *b, const char *name, int run) {
+  static const char *const gn[4] = {"dq_s", "dk_s", "dq_t", "dk_t"};
+  cr_assert(memcmp(a->kl, b->kl, sizeof a->kl) == 0 && memcmp(a->stats, b->stats, sizeof a->stats) == 0,
+            "%s: run %d: kl/stats differ", name, run);
+  for (int i = 0; i < 4; i++)
+    cr_assert(memcmp(a->g[i].data, b->g[i].data, a->g[i].elems * 4) == 0, "%s: run %d: %s differs", name, run, gn[i]);
+}
+
+Test(streamkl, bwd_1000_and_threads, .timeout = DT_TIMEOUT) {
+  const char *name = "streamkl/bwd_1000_and_threads";
+  tc_rng rng = tc_rng_for(name);
+  kl_problem p;
+  kl_problem_init(&p, &rng);
+  kl_out ref, cur;
+  kl_out_init(&ref, &p);
+  kl_out_init(&cur, &p);
+  forkattn_ctx *ctx = dt_ctx(0, 0, name);
+  cr_assert_eq(kl_run(ctx, &p, &ref), FORKATTN_OK, "%s: %s", name, forkattn_ctx_last_error(ctx));
+  for (int i = 0; i < 4; i++) {
+    tc_write_check wc = tc_buf_check(&ref.g[i]);
+    cr_assert(wc.guard_bad == 0 && wc.unwritten == 0, "%s: gradient %d: %zu guard bytes changed, %zu unwritten", name,
+              i, wc.guard_bad, wc.unwritten);
+  }
+  const int reps = dt_reps();
+  for (int it = 0; it < reps; it++) {
+    cr_assert_eq(kl_run(ctx, &p, &cur), FORKATTN_OK);
+    kl_same(&cur, &ref, name, it + 1);
+  }
+  forkattn_ctx_destroy(ctx);
+  const int threads[4] = {1, 2, 3, 5};
+  for (int k = 0; k < 4; k++) {
+    forkattn_ctx *c = dt_ctx(threads[k], k % 2, name);
+    cr_assert_eq(kl_run(c, &p, &cur), FORKATTN_OK);
+    kl_same(&cur, &ref, name, -threads[k]);
+    forkattn_ctx_destroy(c);
+  }
+  fprintf(stderr, "%s: %d StreamKL fwd+bwd runs and threads 1/2/3/5 bitwise identical\n", name, reps);
+  for (int i = 0; i < 4; i++) {
+    tc_buf_free(&ref.g[i]);
+    tc_buf_free(&cur.g[i]);
+    tc_buf_free(&p.in[i]);
+  }
 }

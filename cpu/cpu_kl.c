@@ -24,13 +24,13 @@
 #define FA_KL_KB FA_CPU_KEY_BLOCK
 
 typedef struct {
-  float *qt, *qs, *kt, *ks, *st, *ss, *acc_t, *acc_s, *vt, *vs, *row;
+  float *qt, *qs, *kt, *ks, *st, *ss, *acc_t, *acc_s, *vt, *vs, *dd, *row;
 } fa_kl_tiles;
 
 static int64_t fa_kl_ws_floats(const fa_kl_call *c) {
   const int64_t b = FA_KL_QB > FA_KL_KB ? FA_KL_QB : FA_KL_KB;
-  return b * (c->dt + c->ds) * 2 + 2 * FA_KL_QB * FA_KL_KB + b * (c->dt + c->ds) + 2 * FA_KL_KB +
-         16 * FA_KL_QB + 11 * 16;
+  return b * (c->dt + c->ds) * 2 + 2 * FA_KL_QB * FA_KL_KB + b * (c->dt + c->ds) + 3 * FA_KL_KB +
+         16 * FA_KL_QB + 12 * 16;
 }
 
 static fa_kl_tiles fa_kl_take(fa_cpu_ws *ws, const fa_kl_call *c) {
@@ -46,6 +46,7 @@ static fa_kl_tiles fa_kl_take(fa_cpu_ws *ws, const fa_kl_call *c) {
   t.acc_s = fa_cpu_ws_take(ws, b * c->ds);
   t.vt = fa_cpu_ws_take(ws, FA_KL_KB);
   t.vs = fa_cpu_ws_take(ws, FA_KL_KB);
+  t.dd = fa_cpu_ws_take(ws, FA_KL_KB);
   t.row = fa_cpu_ws_take(ws, 16 * FA_KL_QB);
   return t;
 }
@@ -76,6 +77,51 @@ static int64_t fa_kl_visible_count(int causal, int64_t q, int64_t kb, int64_t nk
 
 /* ---- forward ------------------------------------------------------------ */
 
+/* fa_kl_tile with the vectorized exp: the same update, scores t and s
+ * overwritten, d: n floats of scratch. Rows holding NaN or infinite scores
+ * take the scalar path (its NaN and overflow behaviour is the reference). */
+static void fa_kl_tile_cpu(fa_kl_state *st, float *t, float *s, int64_t n, float *d) {
+  if (n <= 0) return;
+  const float mt = fmaxf(st->mt, fa_cpu_row_max(t, n)), ms = fmaxf(st->ms, fa_cpu_row_max(s, n));
+  if (!(isfinite(mt) && isfinite(ms)) || fa_cpu_any_nan(t, n) || fa_cpu_any_nan(s, n)) {
+    fa_kl_tile(st, t, s, (int)n);
+    return;
+  }
+  fa_kl_rebase(st, mt, ms);
+#pragma omp simd
+  for (int64_t j = 0; j < n; j++) d[j] = (t[j] - mt) - (s[j] - ms);
+  fa_cpu_exp_sub(t, n, mt);
+  fa_cpu_exp_sub(s, n, ms);
+  float lt = 0.0f, ls = 0.0f, a = 0.0f, b = 0.0f;
+#pragma omp simd reduction(+ : lt, ls, a, b)
+  for (int64_t j = 0; j < n; j++) {
+    lt += t[j];
+    ls += s[j];
+    a += t[j] * d[j];
+    b += s[j] * d[j];
+  }
+  st->lt += lt;
+  st->ls += ls;
+  st->a += a;
+  st->b -= b;
+}
+
+/* The teacher's online log-sum-exp over all n visible scores (overwritten). */
+static void fa_kl_lse_tile(float *mtf, float *ltf, float *t, int64_t n) {
+  if (n <= 0) return;
+  const float m = fmaxf(*mtf, fa_cpu_row_max(t, n));
+  if (m == -INFINITY) { /* NaN scores only */
+    if (fa_cpu_any_nan(t, n)) *mtf = *ltf = NAN;
+    return;
+  }
+  float l = *mtf == -INFINITY ? 0.0f : *ltf * expf(*mtf - m);
+  fa_cpu_exp_sub(t, n, m);
+#pragma omp simd reduction(+ : l)
+  for (int64_t j = 0; j < n; j++) l += t[j];
+  *ltf = l;
+  *mtf = m;
+}
+
 static void fa_kl_fwd_block(const fa_kl_call *c, const fa_block *b, int64_t h, fa_kl_tiles *t) {
   const fa_plan *p = c->plan;
   const int64_t qn = b->len;
@@ -98,30 +144,19 @@ static void fa_kl_fwd_block(const fa_kl_call *c, const fa_block *b, int64_t h, f
       for (int64_t r = 0; r < qn; r++) {
         const int64_t row = b->start + r;
         const int64_t nv = fa_kl_visible_count((int)pr.causal, row + p->qshift, kb, nk);
-        const float *trow = t->st + r * nk, *srow = t->ss + r * nk;
+        float *trow = t->st + r * nk, *srow = t->ss + r * nk;
         if (!c->kept) {
-          fa_kl_tile(&state[r], trow, srow, (int)nv);
+          fa_kl_tile_cpu(&state[r], trow, srow, nv, t->dd);
           continue;
         }
-        int n = 0;
-        float m = mtf[r];
-        for (int64_t j = 0; j < nv; j++) {
-          m = fmaxf(m, trow[j]);
+        int64_t n = 0;
+        for (int64_t j = 0; j < nv; j++)
           if (fa_kept_visible(c->kept, h, row, kb + j)) {
             t->vt[n] = trow[j];
             t->vs[n++] = srow[j];
           }
-        }
-        if (nv > 0 && m != -INFINITY) { /* teacher over its full support */
-          float l = mtf[r] == -INFINITY ? 0.0f : ltf[r] * expf(mtf[r] - m);
-          for (int64_t j = 0; j < nv; j++) l += expf(trow[j] - m);
-          ltf[r] = l;
-          mtf[r] = m;
-        } else if (nv > 0) { /* NaN scores only */
-          ltf[r] = NAN;
-          mtf[r] = NAN;
-        }
-        fa_kl_tile(&state[r], t->vt, t->vs, n);
+        fa_kl_lse_tile(&mtf[r], &ltf[r], trow, nv);
+        fa_kl_tile_cpu(&state[r], t->vt, t->vs, n, t->dd);
       }
     }
   }
@@ -163,22 +198,42 @@ forkattn_status fa_cpu_kl_fwd(forkattn_ctx *ctx, const fa_kl_call *c) {
 /* ---- backward ----------------------------------------------------------- */
 
 /* Turn the score tiles into score gradients, times each row's upstream
- * gradient: t->st = G_t, t->ss = G_s (0 on every key the row does not see). */
+ * gradient: t->st = G_t, t->ss = G_s (0 on every key the row does not see).
+ * fa_kl_elem_grad's formulas, vectorized: probabilities by the vectorized exp
+ * in place, visibility by selects (a dropped key's score never reaches G). */
 static void fa_kl_grad_tile(const fa_kl_call *c, int64_t h, int causal, int64_t q0, int64_t qn, int64_t kb,
                             int64_t nk, fa_kl_tiles *t) {
+  float *d = t->dd, *vis = t->vt;
   for (int64_t r = 0; r < qn; r++) {
     const int64_t row = q0 + r, i = row * c->h + h;
     const float *stats4 = c->stats_in + i * FORKATTN_KL_STATS;
-    const float g = c->dkl[i] * c->loss_mul;
-    const int64_t nv = fa_kl_visible_count(causal, row + c->plan->qshift, kb, nk);
+    const float g = c->dkl[i] * c->loss_mul, lse_s = stats4[FA_KL_LSE_S], kl = stats4[FA_KL_DIV];
+    const float lse_t = c->reverse ? stats4[FA_KL_LSE_TF] : stats4[FA_KL_LSE_T];
+    const int64_t nv = lse_s == -INFINITY ? 0 : fa_kl_visible_count(causal, row + c->plan->qshift, kb, nk);
     float *trow = t->st + r * nk, *srow = t->ss + r * nk;
-    for (int64_t j = 0; j < nk; j++) {
-      float gt = 0.0f, gs = 0.0f;
-      if (j < nv) fa_kl_elem_grad(trow[j], srow[j], 1, fa_kept_visible(c->kept, h, row, kb + j), stats4, c->reverse,
-                                  &gt, &gs);
-      trow[j] = gt == 0.0f ? 0.0f : g * gt;
-      srow[j] = gs == 0.0f ? 0.0f : g * gs;
+    for (int64_t j = 0; j < nv; j++) vis[j] = c->kept && !fa_kept_visible(c->kept, h, row, kb + j) ? 0.0f : 1.0f;
+#pragma omp simd
+    for (int64_t j = 0; j < nv; j++) d[j] = trow[j] - srow[j];
+    fa_cpu_exp_sub(trow, nv, lse_t); /* T_j (kept-renormalised forward, full reverse) */
+    fa_cpu_exp_sub(srow, nv, lse_s); /* S_j where kept */
+    if (!c->reverse) {
+      const float shift = kl + lse_t - lse_s;
+#pragma omp simd
+      for (int64_t j = 0; j < nv; j++) {
+        const float pt = trow[j], ps = srow[j], on = vis[j] != 0.0f;
+        trow[j] = on ? g * (pt * (d[j] - shift)) : 0.0f;
+        srow[j] = on ? g * (ps - pt) : 0.0f;
+      }
+    } else {
+      const float shift = kl + lse_s - lse_t;
+#pragma omp simd
+      for (int64_t j = 0; j < nv; j++) {
+        const float pt = trow[j], ps = vis[j] != 0.0f ? srow[j] : 0.0f;
+        trow[j] = g * (pt - ps);
+        srow[j] = vis[j] != 0.0f ? g * (ps * (-d[j] - shift)) : 0.0f;
+      }
     }
+    for (int64_t j = nv; j < nk; j++) trow[j] = srow[j] = 0.0f;
   }
 }
 

@@ -1,7 +1,7 @@
 /* Allocation-failure sweep (FORKATTN_ALLOC_TEST builds): fail the Nth library
  * allocation for N = 0, 1, 2, ... until the call succeeds, for context
  * creation, prefix and tree forward and backward, kept-set attention and
- * StreamKL (sparse student) forward and backward, and a DFS path-stack walk
+ * StreamKL (sparse student) forward and backward, H2O key selection, and a DFS path-stack walk
  * (the trie and partition builders sweep theirs in their own tests). Every failure must return
  * FORKATTN_ERR_OUT_OF_MEMORY (never crash), the next call on the same context
  * must work and give the same bits as an undisturbed run, and nothing may leak
@@ -22,10 +22,10 @@ enum { P = 40, N = 3, HQ = 4, HKV = 2, D = 16 };
  * and a 9-row child (70 rows = P + 30). */
 static const int64_t tree_off[5] = {0, P, P + 11, P + 21, P + 30}, tree_par[4] = {-1, 0, 1, 0};
 
-enum { PREFIX_FWD, PREFIX_BWD, TREE_FWD, TREE_BWD, KEPT_FWD, KEPT_BWD, KL_FWD, KL_BWD, PATH_WALK, NOPS };
+enum { PREFIX_FWD, PREFIX_BWD, TREE_FWD, TREE_BWD, KEPT_FWD, KEPT_BWD, KL_FWD, KL_BWD, KV_SELECT, PATH_WALK, NOPS };
 static const char *const op_names[NOPS] = {"prefix forward", "prefix backward", "tree forward", "tree backward",
                                            "kept forward", "kept backward", "kl forward", "kl backward",
-                                           "path walk"};
+                                           "kv select (H2O)", "path walk"};
 
 /* Kept set over the 70 rows (2 blocks per side): per KV head, CSR lists over
  * the prompt for the responses' queries and a block mask. */
@@ -41,6 +41,7 @@ typedef struct {
   forkattn_tensor t[NT]; /* q k v o dout dq dk dv */
   float lse[(P + 30) * HQ];
   float kl[(P + 30) * HQ], stats[(P + 30) * HQ * FORKATTN_KL_STATS], dkl[(P + 30) * HQ];
+  int64_t sel_off[HKV + 1], sel_idx[HKV * 16];
 } problem;
 
 static void problem_init(problem *p, forkattn_dtype dt, const char *name) {
@@ -100,6 +101,11 @@ static forkattn_status run(forkattn_ctx *ctx, problem *p, int op) {
   case KL_FWD:
     return forkattn_kl_fwd(ctx, &lay, &t[0], &t[1], &t[3], &t[2], &kept, NULL, p->kl, p->stats, NULL,
                            FORKATTN_MEMORY_HOST);
+  case KV_SELECT: {
+    forkattn_kv_policy pol;
+    forkattn_kv_policy_init(&pol, FORKATTN_KV_H2O, 16);
+    return forkattn_kv_select(ctx, &pol, &t[0], &t[1], p->sel_off, p->sel_idx, FORKATTN_MEMORY_HOST);
+  }
   case KL_BWD:
     return forkattn_kl_bwd(ctx, &lay, &t[0], &t[1], &t[3], &t[2], &kept, NULL, p->stats, p->dkl, &t[5], &t[6], &t[4],
                            &t[7], FORKATTN_MEMORY_HOST);
@@ -134,6 +140,12 @@ static int sweep(forkattn_ctx *ctx, problem *p, problem *want, int op, const cha
     cr_assert_eq(run(ctx, p, op), FORKATTN_OK, "%s: call after failure %d: %s", name, n, forkattn_ctx_last_error(ctx));
   }
   if (op == PATH_WALK) return n; /* its outputs are compared in test_path_stack */
+  if (op == KV_SELECT) {
+    cr_assert(memcmp(p->sel_off, want->sel_off, sizeof p->sel_off) == 0 &&
+                  memcmp(p->sel_idx, want->sel_idx, sizeof p->sel_idx) == 0,
+              "%s: kept keys differ from an undisturbed run", name);
+    return n;
+  }
   if (op == KL_FWD) {
     cr_assert(memcmp(p->kl, want->kl, sizeof p->kl) == 0 && memcmp(p->stats, want->stats, sizeof p->stats) == 0,
               "%s: kl or stats differ from an undisturbed run", name);

@@ -47,7 +47,9 @@ static inline float fa_kl_row_finish(fa_kl_state st, float mtf, float ltf, int r
   stats4[FA_KL_LSE_S] = lse_s;
   stats4[FA_KL_DIV] = div;
   stats4[FA_KL_LSE_TF] = lse_tf;
-  *outside = lse_tf == -INFINITY ? 0.0f : (lse_t == -INFINITY ? 1.0f : -expm1f(lse_t - lse_tf));
+  /* clamped: rounding can put the kept lse a few ulps above the full one */
+  const float out = lse_tf == -INFINITY ? 0.0f : (lse_t == -INFINITY ? 1.0f : -expm1f(lse_t - lse_tf));
+  *outside = out > 0.0f ? out : 0.0f;
   return div;
 }
 

@@ -33,6 +33,13 @@ _TORCH_NAMES = (
     "PrefixAttentionFunction",
     "TreeAttentionFunction",
     "VarlenAttentionFunction",
+    "KeptSet",
+    "kv_select",
+    "stream_kl",
+    "kept_attention",
+    "kl_outside_mass",
+    "StreamKLFunction",
+    "KeptAttentionFunction",
 )
 
 try:
@@ -52,13 +59,22 @@ else:
         tree_attention,
         varlen_attention,
     )
+    from .distill import (  # noqa: F401
+        KeptAttentionFunction,
+        KeptSet,
+        StreamKLFunction,
+        kept_attention,
+        kl_outside_mass,
+        kv_select,
+        stream_kl,
+    )
 
 
 def __getattr__(name):
     if name in _TORCH_NAMES and not HAVE_TORCH:
         raise ImportError("forkattn.%s needs PyTorch, which could not be imported (%s); the numpy "
                           "functions are in forkattn.numpy_api" % (name, _TORCH_ERROR))
-    if name in ("numpy_api", "hf"):  # lazy submodules (forkattn.hf imports transformers only in register())
+    if name in ("numpy_api", "hf", "distill"):  # lazy submodules (forkattn.hf imports transformers only in register())
         import importlib
 
         return importlib.import_module("." + name, __name__)

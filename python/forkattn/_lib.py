@@ -51,6 +51,12 @@ DTYPE_ITEMSIZE = {DTYPE_F32: 4, DTYPE_BF16: 2, DTYPE_F16: 2}
 MEMORY_HOST, MEMORY_DEVICE = 0, 1
 MASK_CAUSAL, MASK_BIDIRECTIONAL = 0, 1
 TRIE_SINGLE_ROOT = 1
+KL_FORWARD, KL_REVERSE = 0, 1
+KL_DIRECTIONS = {"forward": KL_FORWARD, "reverse": KL_REVERSE}
+KL_STATS = 4  # FORKATTN_KL_STATS: floats per (row, head) of StreamKL's saved statistics
+KEPT_BLOCK = 64  # FORKATTN_KEPT_BLOCK: side of a block of a kept set's block mask
+KV_STREAMING_LLM, KV_H2O, KV_SNAPKV = 0, 1, 2
+KV_POLICIES = {"streaming_llm": KV_STREAMING_LLM, "h2o": KV_H2O, "snapkv": KV_SNAPKV}
 
 # The C library major version this binding speaks (minor versions only add).
 _ABI_MAJOR = 0
@@ -96,6 +102,53 @@ class TreeLayoutC(Structure):
     ]
 
 
+class LayoutC(Structure):
+    """``forkattn_layout``: exactly one of ``prefix`` / ``tree`` is non-NULL."""
+
+    _fields_ = [
+        ("prefix", POINTER(PrefixLayout)),
+        ("tree", POINTER(TreeLayoutC)),
+    ]
+
+
+class KeptSetC(Structure):
+    """``forkattn_kept_set``: CSR kept-key lists and/or a [heads, nb, nb] block mask (host)."""
+
+    _fields_ = [
+        ("heads", c_int64),
+        ("compressed_rows", c_int64),
+        ("query_start", c_int64),
+        ("offsets", POINTER(c_int64)),
+        ("index", POINTER(c_int64)),
+        ("block_mask", POINTER(ctypes.c_ubyte)),
+    ]
+
+
+class KlOptions(Structure):
+    """``forkattn_kl_options``."""
+
+    _fields_ = [
+        ("direction", c_int),
+        ("scale_teacher", c_float),
+        ("scale_student", c_float),
+        ("temperature", c_float),
+        ("scale_by_tau2", c_int),
+    ]
+
+
+class KvPolicy(Structure):
+    """``forkattn_kv_policy``."""
+
+    _fields_ = [
+        ("kind", c_int),
+        ("budget", c_int64),
+        ("sinks", c_int64),
+        ("window", c_int64),
+        ("pool_kernel", c_int64),
+        ("scale", c_float),
+    ]
+
+
 class CtxOptions(Structure):
     """``forkattn_ctx_options``."""
 
@@ -112,7 +165,8 @@ _T = POINTER(Tensor)
 _I64P = POINTER(c_int64)
 
 # name: (restype, argtypes); optional symbols are looked up lazily (trie_* came in 0.1.0 too,
-# but a stripped-down build may lack them: the binding then fails only when they are used).
+# but a stripped-down build may lack them: the binding then fails only when they are used; the
+# same holds for kept sets, StreamKL and kv_select, newer additions).
 _SIGNATURES = {
     "forkattn_version_number": (c_uint, []),
     "forkattn_version_string": (c_char_p, []),
@@ -167,6 +221,37 @@ _SIGNATURES = {
     "forkattn_trie_row_positions": (_I64P, [c_void_p]),
     "forkattn_trie_node_depths": (_I64P, [c_void_p]),
     "forkattn_trie_row_tokens": (_I64P, [c_void_p]),
+    # kept sets, kept-set attention, StreamKL (0.1 additions; optional: an older build lacks them
+    # and only these functions fail, with FORKATTN_ERR_UNSUPPORTED)
+    "forkattn_kept_fwd": (
+        c_int,
+        [c_void_p, POINTER(LayoutC), POINTER(KeptSetC), _T, _T, _T, _T, c_void_p, c_float, c_int],
+    ),
+    "forkattn_kept_bwd": (
+        c_int,
+        [c_void_p, POINTER(LayoutC), POINTER(KeptSetC), _T, _T, _T, _T, _T, c_void_p, _T, _T, _T,
+         c_float, c_int],
+    ),
+    "forkattn_kl_options_init": (None, [POINTER(KlOptions)]),
+    "forkattn_kl_fwd": (
+        c_int,
+        [c_void_p, POINTER(LayoutC), _T, _T, _T, _T, POINTER(KeptSetC), POINTER(KlOptions),
+         c_void_p, c_void_p, c_void_p, c_int],
+    ),
+    "forkattn_kl_bwd": (
+        c_int,
+        [c_void_p, POINTER(LayoutC), _T, _T, _T, _T, POINTER(KeptSetC), POINTER(KlOptions),
+         c_void_p, c_void_p, _T, _T, _T, _T, c_int],
+    ),
+    "forkattn_rows_mean": (
+        c_int,
+        [c_void_p, c_void_p, c_int64, c_int64, c_void_p, POINTER(c_double), c_int],
+    ),
+    "forkattn_kv_policy_init": (None, [POINTER(KvPolicy), c_int, c_int64]),
+    "forkattn_kv_select": (
+        c_int,
+        [c_void_p, POINTER(KvPolicy), _T, _T, _I64P, _I64P, c_int],
+    ),
 }
 _REQUIRED = (
     "forkattn_version_number",
@@ -319,6 +404,11 @@ def version():
 def build_has_offload():
     """True when the loaded library was built with GPU offload."""
     return bool(load_library().forkattn_build_has_offload())
+
+
+def has_symbol(name):
+    """True when the loaded library exports ``name`` (e.g. ``"forkattn_kv_select"``)."""
+    return hasattr(load_library(), name)
 
 
 def _fn(name):
@@ -829,3 +919,198 @@ def trie_from_token_parents(ctx, token_parents_ptr, num_tokens, single_root=Fals
         TRIE_SINGLE_ROOT if single_root else 0, byref(trie))
     ctx.check(st)
     return _trie_extract(ctx, trie, num_tokens)
+
+
+# --------------------------------------------------------------------------------------------
+# layouts, kept sets, kept-set attention, StreamKL, KV selection (array-library neutral).
+#
+# A layout spec is ("prefix", prompt_lens, group_sizes, response_lens) (int lists; causal
+# groups packed back to back: one group is a forkattn_prefix_layout, several the forest
+# forkattn_tree_layout of _forest) or ("tree", node_offsets, parents) (int lists or
+# (pointer, n) pairs of host int64 arrays, as for tree_fwd). A kept set is None or the dict of
+# make_kept(). Output arrays (kl, stats, outside, lse) are pointers to float32 row-major arrays
+# in the call's memory.
+
+
+def _invalid(msg):
+    return ForkattnInvalidArgument(ERR_INVALID_ARGUMENT, msg)
+
+
+def layout_struct(spec):
+    """(forkattn_layout, objects to keep alive) of a layout spec (see above)."""
+    kind = spec[0]
+    if kind == "prefix":
+        _, P, S, R = spec
+        _check_layout_lists(P, S, R)
+        if len(P) > 1:
+            offs, parents = _forest(P, S, R)
+            tl, keep = _tree_struct(offs, parents)
+            return LayoutC(None, ctypes.pointer(tl)), (tl, keep)
+        if P:
+            arr, _ = _i64_array([0] + _cumsum(R))
+            pl = PrefixLayout(P[0], len(R), arr, MASK_CAUSAL)
+        else:  # no group: zero rows
+            arr = None
+            pl = PrefixLayout(0, 0, None, MASK_CAUSAL)
+        return LayoutC(ctypes.pointer(pl), None), (pl, arr)
+    if kind == "tree":
+        _, offs, parents = spec
+        tl, keep = _tree_struct(offs, parents)
+        return LayoutC(None, ctypes.pointer(tl)), (tl, keep)
+    raise ValueError("forkattn: unknown layout kind %r" % (kind,))
+
+
+def kept_blocks(rows):
+    """Blocks per side of a kept set's block mask for a layout of ``rows`` packed rows."""
+    return (int(rows) + KEPT_BLOCK - 1) // KEPT_BLOCK
+
+
+def make_kept(heads, compressed_rows, query_start, offsets, index, block_mask, rows):
+    """Check a kept set's array sizes for a layout of ``rows`` packed rows (what the C library
+    cannot check: it trusts the lengths) and return the dict kept_struct() takes.
+
+    offsets: int list [heads+1] or None; index: (host pointer, n) int64 or None; block_mask:
+    (host pointer, n) uint8 or None. Raises ForkattnInvalidArgument."""
+    heads, compressed_rows, query_start = int(heads), int(compressed_rows), int(query_start)
+    if (offsets is None) != (index is None):
+        raise _invalid("kept: offsets and index must both be given or both be None")
+    if heads >= 1:
+        if offsets is not None:
+            offsets = [int(x) for x in offsets]
+            if len(offsets) != heads + 1:
+                raise _invalid("kept: offsets has %d entries, need heads + 1 = %d" % (len(offsets), heads + 1))
+            if offsets[0] != 0:
+                raise _invalid("kept: offsets[0] is %d, must be 0" % offsets[0])
+            for h in range(heads):
+                if offsets[h + 1] < offsets[h]:
+                    raise _invalid("kept: offsets not monotonic at head %d (%d > %d)"
+                                   % (h, offsets[h], offsets[h + 1]))
+            if offsets[-1] != int(index[1]):
+                raise _invalid("kept: offsets[-1] = %d but index has %d entries" % (offsets[-1], int(index[1])))
+        if block_mask is not None:
+            nb = kept_blocks(rows)
+            if int(block_mask[1]) != heads * nb * nb:
+                raise _invalid("kept: block_mask has %d entries, need heads * nb * nb = %d * %d * %d for %d "
+                               "rows (blocks of %d)" % (int(block_mask[1]), heads, nb, nb, int(rows), KEPT_BLOCK))
+    return {"heads": heads, "compressed_rows": compressed_rows, "query_start": query_start,
+            "offsets": offsets, "index": index, "block_mask": block_mask}
+
+
+def kept_struct(kept):
+    """(pointer to forkattn_kept_set or None, objects to keep alive) of a make_kept() dict."""
+    if kept is None:
+        return None, ()
+    offs_arr = None
+    if kept["offsets"] is not None:
+        offs_arr, _ = _i64_array(kept["offsets"])
+    idx = None
+    if kept["index"] is not None:
+        idx = ctypes.cast(c_void_p(int(kept["index"][0]) or None), _I64P) if int(kept["index"][1]) else \
+            (c_int64 * 1)()
+    bm = None
+    if kept["block_mask"] is not None:
+        bm = ctypes.cast(c_void_p(int(kept["block_mask"][0]) or None), POINTER(ctypes.c_ubyte))
+    ks = KeptSetC(kept["heads"], kept["compressed_rows"], kept["query_start"],
+                  ctypes.cast(offs_arr, _I64P) if offs_arr is not None else None, idx, bm)
+    return ctypes.pointer(ks), (ks, offs_arr, idx, bm)
+
+
+def kl_options(direction, scale_teacher, scale_student, temperature, scale_by_tau2):
+    """A ``forkattn_kl_options``; scales of 0 (or None) mean 1/sqrt(head_dim) of that side."""
+    opt = KlOptions()
+    init = getattr(load_library(), "forkattn_kl_options_init", None)
+    if init is not None:
+        init(byref(opt))
+    if isinstance(direction, str):
+        if direction not in KL_DIRECTIONS:
+            raise ValueError("forkattn: direction must be 'forward' (KL(T||S)) or 'reverse' (KL(S||T)), "
+                             "not %r" % direction)
+        direction = KL_DIRECTIONS[direction]
+    opt.direction = int(direction)
+    opt.scale_teacher = float(scale_teacher or 0.0)
+    opt.scale_student = float(scale_student or 0.0)
+    opt.temperature = float(temperature)
+    opt.scale_by_tau2 = 1 if scale_by_tau2 else 0
+    return opt
+
+
+def kept_fwd(ctx, spec, kept, q, k, v, o, lse_ptr, scale, memory):
+    lay, keep = layout_struct(spec)
+    kp, keep2 = kept_struct(kept)
+    st = _fn("forkattn_kept_fwd")(ctx.handle, byref(lay), kp, byref(q), byref(k), byref(v), byref(o),
+                                  lse_ptr, _scale(scale), memory)
+    del keep, keep2
+    ctx.check(st)
+
+
+def kept_bwd(ctx, spec, kept, q, k, v, o, do, lse_ptr, dq, dk, dv, scale, memory):
+    lay, keep = layout_struct(spec)
+    kp, keep2 = kept_struct(kept)
+    st = _fn("forkattn_kept_bwd")(ctx.handle, byref(lay), kp, byref(q), byref(k), byref(v), byref(o),
+                                  byref(do), lse_ptr, byref(dq), byref(dk), byref(dv), _scale(scale), memory)
+    del keep, keep2
+    ctx.check(st)
+
+
+def kl_fwd(ctx, spec, q_t, k_t, q_s, k_s, kept, opt, kl_ptr, stats_ptr, outside_ptr, memory):
+    """StreamKL forward: kl [T, H], stats [T, H, KL_STATS] (or None), outside mass [T, H] (or
+    None), float32 pointers in ``memory``."""
+    lay, keep = layout_struct(spec)
+    kp, keep2 = kept_struct(kept)
+    st = _fn("forkattn_kl_fwd")(ctx.handle, byref(lay), byref(q_t), byref(k_t), byref(q_s), byref(k_s), kp,
+                                byref(opt), kl_ptr, stats_ptr, outside_ptr, memory)
+    del keep, keep2
+    ctx.check(st)
+
+
+def kl_bwd(ctx, spec, q_t, k_t, q_s, k_s, kept, opt, stats_ptr, dkl_ptr, dq_s, dk_s, dq_t, dk_t, memory):
+    """StreamKL backward; dq_t/dk_t both None to skip the teacher's gradients."""
+    lay, keep = layout_struct(spec)
+    kp, keep2 = kept_struct(kept)
+    st = _fn("forkattn_kl_bwd")(ctx.handle, byref(lay), byref(q_t), byref(k_t), byref(q_s), byref(k_s), kp,
+                                byref(opt), stats_ptr, dkl_ptr, byref(dq_s), byref(dk_s),
+                                byref(dq_t) if dq_t is not None else None,
+                                byref(dk_t) if dk_t is not None else None, memory)
+    del keep, keep2
+    ctx.check(st)
+
+
+def rows_mean(ctx, x_ptr, rows, heads, weights_ptr, memory):
+    """Weighted mean over rows of a float32 [rows, heads] array (double accumulation)."""
+    out = c_double()
+    st = _fn("forkattn_rows_mean")(ctx.handle, x_ptr, int(rows), int(heads), weights_ptr, byref(out), memory)
+    ctx.check(st)
+    return float(out.value)
+
+
+def kv_policy(kind, budget, sinks=None, window=None, pool_kernel=None, scale=None):
+    """A ``forkattn_kv_policy``: forkattn_kv_policy_init()'s defaults for the kind and budget,
+    then the fields given. ``kind``: "streaming_llm", "h2o", "snapkv" (or the C value)."""
+    if isinstance(kind, str):
+        key = kind.lower().replace("-", "_")
+        if key not in KV_POLICIES:
+            raise ValueError("forkattn: policy must be one of %s, not %r" % (sorted(KV_POLICIES), kind))
+        kind = KV_POLICIES[key]
+    p = KvPolicy()
+    _fn("forkattn_kv_policy_init")(byref(p), int(kind), int(budget))
+    if sinks is not None:
+        p.sinks = int(sinks)
+    if window is not None:
+        p.window = int(window)
+    if pool_kernel is not None:
+        p.pool_kernel = int(pool_kernel)
+    if scale is not None:
+        p.scale = float(scale)
+    return p
+
+
+def kv_select(ctx, policy, q, k, memory):
+    """Kept keys of one causal sequence: (offsets [Hkv+1], index [Hkv * min(budget, L)]) as
+    ctypes int64 arrays."""
+    hkv = int(k.heads)
+    n = min(int(policy.budget), int(q.rows)) if policy.budget > 0 else 0
+    offs = (c_int64 * (hkv + 1 if hkv > 0 else 1))()
+    idx = (c_int64 * max(1, hkv * n if hkv > 0 else 0))()
+    st = _fn("forkattn_kv_select")(ctx.handle, byref(policy), byref(q), byref(k), offs, idx, memory)
+    ctx.check(st)
+    return offs, idx, hkv * n

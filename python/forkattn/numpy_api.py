@@ -23,6 +23,12 @@ __all__ = [
     "varlen_attention",
     "varlen_attention_backward",
     "trie_from_sequences",
+    "kept_attention",
+    "kept_attention_backward",
+    "stream_kl",
+    "stream_kl_backward",
+    "kv_select",
+    "rows_mean",
 ]
 
 
@@ -208,3 +214,173 @@ def trie_from_sequences(sequences, single_root=False, context=None):
             res[key] = np.frombuffer(val, dtype=np.int64).copy() if len(val) else np.zeros(0, np.int64)
     res["seq_offsets"] = offs
     return res
+
+
+# --------------------------------------------------------------------------------------------
+# kept sets, kept-set attention, StreamKL, KV selection
+
+
+def _get(obj, key, default=None):
+    if isinstance(obj, dict):
+        return obj.get(key, default)
+    return getattr(obj, key, default)
+
+
+def _layout_spec(layout, rows):
+    """A layout as a _lib spec: an int T (one dense causal sequence of T rows), a dict (or object)
+    with ``node_offsets`` and ``parents`` (a tree: e.g. trie_from_sequences' result), or with
+    ``prompt_lens``, ``response_lens`` and ``group_sizes`` (causal shared-prompt groups; a scalar
+    ``prompt_lens`` is one group, ``group_sizes`` then optional). None: one dense sequence of
+    ``rows`` rows."""
+    if layout is None:
+        layout = rows
+    if isinstance(layout, (int, np.integer)):
+        return ("prefix", [int(layout)], [0], [])
+    offs = _get(layout, "node_offsets")
+    if offs is not None:
+        return ("tree", [int(x) for x in np.asarray(offs).reshape(-1)],
+                [int(x) for x in np.asarray(_get(layout, "parents")).reshape(-1)])
+    P = _get(layout, "prompt_lens")
+    if P is None:
+        raise TypeError("forkattn: layout must be an int (rows of one dense sequence), or have node_offsets and "
+                        "parents, or prompt_lens, response_lens (and group_sizes)")
+    P, S, R = _groups(np.asarray(P), _get(layout, "response_lens"), _get(layout, "group_sizes"))
+    return ("prefix", P, S, R)
+
+
+def _kept_arg(kept, rows):
+    """(make_kept dict or None, arrays kept alive) from a dict like kv_select()'s result or an
+    object with the same attributes (a forkattn.KeptSet)."""
+    if kept is None:
+        return None, ()
+    offs, idx, bm = _get(kept, "offsets"), _get(kept, "index"), _get(kept, "block_mask")
+    keep = []
+    ip = bp = None
+    if idx is not None:
+        ia = np.ascontiguousarray(np.asarray(idx), dtype=np.int64).reshape(-1)
+        keep.append(ia)
+        ip = (ia.ctypes.data, ia.size)
+        offs = [int(x) for x in np.asarray(offs).reshape(-1)] if offs is not None else None
+    if bm is not None:
+        ba = np.ascontiguousarray((np.asarray(bm) != 0).astype(np.uint8)).reshape(-1)
+        keep.append(ba)
+        bp = (ba.ctypes.data, ba.size)
+    d = _lib.make_kept(_get(kept, "heads"), _get(kept, "compressed_rows", 0) or 0,
+                       _get(kept, "query_start", 0) or 0, offs, ip, bp, rows)
+    return d, keep
+
+
+def kept_attention(q, k, v, layout=None, kept=None, *, softmax_scale=None, return_lse=False, context=None):
+    """Attention restricted to a kept set: a row sees the keys its layout shows it that ``kept``
+    keeps (a dict like :func:`kv_select`'s: ``heads``, ``compressed_rows``, ``query_start``,
+    ``offsets``, ``index``, ``block_mask``; None: the whole layout). ``layout``: see
+    _layout_spec (an int T, a tree dict, or prefix lengths). Returns out (and lse [rows, Hq])."""
+    q, k, v = _qkv(q, k, v)
+    spec = _layout_spec(layout, q.shape[0])
+    kd, keep = _kept_arg(kept, q.shape[0])
+    out, lse = _fwd_outputs(q)
+    (q, qd), (k, kd_), (v, vd), (_, od) = _desc(q), _desc(k), _desc(v), _desc(out)
+    _lib.kept_fwd(_ctx(context), spec, kd, qd, kd_, vd, od, lse.ctypes.data, _scale(q, softmax_scale),
+                  _lib.MEMORY_HOST)
+    return (out, lse) if return_lse else out
+
+
+def kept_attention_backward(dout, q, k, v, out, lse, layout=None, kept=None, *, softmax_scale=None, context=None):
+    """Gradients (dq, dk, dv) of sum(out * dout) for :func:`kept_attention`."""
+    q, k, v = _qkv(q, k, v)
+    spec = _layout_spec(layout, q.shape[0])
+    kd, keep = _kept_arg(kept, q.shape[0])
+    dq, dk, dv = _grads(q, k, v)
+    lse = _lse_arg(lse, q)
+    ds = [_desc(_arr(np.asarray(t, dtype=q.dtype), "tensor")) for t in (q, k, v, out, dout, dq, dk, dv)]
+    d = [t for _, t in ds]
+    _lib.kept_bwd(_ctx(context), spec, kd, *d[:5], lse.ctypes.data, *d[5:], _scale(q, softmax_scale),
+                  _lib.MEMORY_HOST)
+    return dq, dk, dv
+
+
+def _kl_qk(q_t, k_t, q_s, k_s):
+    q_t, k_t, q_s, k_s = _arr(q_t, "q_t"), _arr(k_t, "k_t"), _arr(q_s, "q_s"), _arr(k_s, "k_s")
+    if q_t.dtype != k_t.dtype or q_s.dtype != k_s.dtype:
+        raise ValueError("forkattn: q_t/k_t and q_s/k_s must each share one dtype, got %s, %s, %s, %s"
+                         % (q_t.dtype, k_t.dtype, q_s.dtype, k_s.dtype))
+    return q_t, k_t, q_s, k_s
+
+
+def stream_kl(q_t, k_t, q_s, k_s, layout=None, kept=None, *, direction="forward", temperature=1.0,
+              scale_by_tau2=False, scale_teacher=None, scale_student=None, context=None):
+    """StreamKL forward (see forkattn.stream_kl): returns ``(kl, stats, outside_mass)``, float32
+    [rows, H], [rows, H, 4] (for :func:`stream_kl_backward`) and [rows, H]."""
+    q_t, k_t, q_s, k_s = _kl_qk(q_t, k_t, q_s, k_s)
+    T, H = q_t.shape[0], q_t.shape[1]
+    spec = _layout_spec(layout, T)
+    kd, keep = _kept_arg(kept, T)
+    opt = _lib.kl_options(direction, scale_teacher, scale_student, temperature, scale_by_tau2)
+    kl = np.empty((T, H), np.float32)
+    stats = np.empty((T, H, _lib.KL_STATS), np.float32)
+    outside = np.empty((T, H), np.float32)
+    ds = [_desc(a) for a in (q_t, k_t, q_s, k_s)]
+    _lib.kl_fwd(_ctx(context), spec, *[d for _, d in ds], kd, opt, kl.ctypes.data, stats.ctypes.data,
+                outside.ctypes.data, _lib.MEMORY_HOST)
+    return kl, stats, outside
+
+
+def stream_kl_backward(dkl, q_t, k_t, q_s, k_s, stats, layout=None, kept=None, *, direction="forward",
+                       temperature=1.0, scale_by_tau2=False, scale_teacher=None, scale_student=None,
+                       teacher_grad=False, context=None):
+    """Gradients of sum(kl * dkl): ``(dq_s, dk_s)``, or ``(dq_s, dk_s, dq_t, dk_t)`` with
+    ``teacher_grad=True``. ``stats`` from :func:`stream_kl` with the same arguments."""
+    q_t, k_t, q_s, k_s = _kl_qk(q_t, k_t, q_s, k_s)
+    T, H = q_t.shape[0], q_t.shape[1]
+    dkl = np.ascontiguousarray(dkl, dtype=np.float32)
+    stats = np.ascontiguousarray(stats, dtype=np.float32)
+    if dkl.shape != (T, H) or stats.shape != (T, H, _lib.KL_STATS):
+        raise ValueError("forkattn: dkl must be float32 %s and stats %s, got %s and %s"
+                         % ((T, H), (T, H, _lib.KL_STATS), dkl.shape, stats.shape))
+    spec = _layout_spec(layout, T)
+    kd, keep = _kept_arg(kept, T)
+    opt = _lib.kl_options(direction, scale_teacher, scale_student, temperature, scale_by_tau2)
+    dq_s, dk_s = np.empty(q_s.shape, q_s.dtype), np.empty(k_s.shape, k_s.dtype)
+    outs = [dq_s, dk_s]
+    if teacher_grad:
+        outs += [np.empty(q_t.shape, q_t.dtype), np.empty(k_t.shape, k_t.dtype)]
+    ds = [_desc(a) for a in (q_t, k_t, q_s, k_s)]
+    od = [_desc(a)[1] for a in outs]
+    if not teacher_grad:
+        od += [None, None]
+    _lib.kl_bwd(_ctx(context), spec, *[d for _, d in ds], kd, opt, stats.ctypes.data, dkl.ctypes.data, *od,
+                _lib.MEMORY_HOST)
+    return tuple(outs)
+
+
+def kv_select(q, k, policy="h2o", budget=None, *, sinks=None, window=None, pool_kernel=None, scale=None,
+              query_start=None, context=None):
+    """Kept keys of one causal sequence (q [L, Hq, d], k [L, Hkv, d]) under a compression policy
+    (``"streaming_llm"``, ``"h2o"``, ``"snapkv"``; see forkattn.kv_select). Returns a kept-set
+    dict: ``heads`` (Hkv), ``compressed_rows`` (L), ``query_start`` (L unless given),
+    ``offsets`` [Hkv+1] and ``index`` int64, ``block_mask`` None."""
+    if budget is None:
+        raise TypeError("forkattn.kv_select: budget is required")
+    q, k = _arr(q, "q"), _arr(k, "k")
+    pol = _lib.kv_policy(policy, budget, sinks, window, pool_kernel, scale)
+    (q, qd), (k, kd) = _desc(q), _desc(k)
+    offs, idx, n = _lib.kv_select(_ctx(context), pol, qd, kd, _lib.MEMORY_HOST)
+    L = q.shape[0]
+    return {"heads": k.shape[1], "compressed_rows": L, "query_start": L if query_start is None else int(query_start),
+            "offsets": np.array(list(offs), dtype=np.int64),
+            "index": np.array(list(idx)[:n], dtype=np.int64), "block_mask": None}
+
+
+def rows_mean(x, weights=None, context=None):
+    """``sum_{i,h} w_i x[i,h] / (heads * sum_i w_i)`` of a [rows, heads] array in double
+    (``forkattn_rows_mean``; weights None = all 1, a zero total weight gives 0)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2:
+        raise ValueError("forkattn: x must be [rows, heads], got shape %s" % (x.shape,))
+    w = None
+    if weights is not None:
+        w = np.ascontiguousarray(weights, dtype=np.float32).reshape(-1)
+        if w.size != x.shape[0]:
+            raise ValueError("forkattn: weights has %d entries, x %d rows" % (w.size, x.shape[0]))
+    return _lib.rows_mean(_ctx(context), x.ctypes.data if x.size else None, x.shape[0], x.shape[1],
+                          w.ctypes.data if w is not None and w.size else None, _lib.MEMORY_HOST)

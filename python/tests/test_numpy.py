@@ -167,3 +167,91 @@ def test_numpy_errors():
         fnp.prefix_attention(q.astype(np.float64), k, v, 3, [4])
     with pytest.raises(ValueError, match="rows"):
         fnp.prefix_attention(q[:, :2], k, v, 3, [5])
+
+
+# --------------------------------------------------------------------------------------------
+# StreamKL and kept-set attention (numpy only): forward against a float64 numpy reference,
+# backward against central finite differences of it along a random direction
+
+
+def _kl64(qt, kt, qs, ks, vis, keep, reverse, tau, st, ss):
+    """kl [T, H] and outside mass; vis [T, T] layout mask, keep [H, T, T] kept mask (or None)."""
+    H = qt.shape[1]
+    ktr, ksr = np.repeat(kt, H // kt.shape[1], 1), np.repeat(ks, H // ks.shape[1], 1)
+    t = np.einsum("ihd,jhd->hij", qt, ktr) * st / tau
+    s = np.einsum("ihd,jhd->hij", qs, ksr) * ss / tau
+    V = np.broadcast_to(vis, t.shape)
+    K = V if keep is None else V & keep
+
+    def logsm(x, m):
+        x = np.where(m, x, -1e30)
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    lt_full, lt, ls = logsm(t, V), logsm(t, K), logsm(s, K)
+    if reverse:
+        kl = np.where(K, np.exp(ls) * (ls - lt_full), 0).sum(-1)
+    else:
+        kl = np.where(K, np.exp(lt) * (lt - ls), 0).sum(-1)
+    kl = np.where(K.any(-1), kl, 0)
+    return kl.T, (1 - np.where(K, np.exp(lt_full), 0).sum(-1)).T
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_numpy_stream_kl_and_kept_attention(reverse):
+    if not hasattr(forkattn.load_library(), "forkattn_kl_fwd"):
+        pytest.skip("the loaded libforkattn has no StreamKL")
+    rng = np.random.default_rng(3 + reverse)
+    P, R = [9], [5, 0, 6]  # one group: prompt 9, responses 5, 0, 6
+    T, H = 20, 4
+    qt = rng.uniform(-2, 2, (T, H, 8)).astype(np.float32)
+    kt = rng.uniform(-1, 1, (T, 2, 8)).astype(np.float32)
+    qs = rng.uniform(-2, 2, (T, H, 4)).astype(np.float32)
+    ks = rng.uniform(-1, 1, (T, 1, 4)).astype(np.float32)
+    layout = {"prompt_lens": 9, "response_lens": R}
+    kept = {"heads": 2, "compressed_rows": 9, "query_start": 9, "offsets": np.array([0, 3, 7]),
+            "index": np.array([0, 4, 8, 1, 2, 3, 7]), "block_mask": None}
+    vis = np.zeros((T, T), bool)  # prompt causal; responses see the prompt and themselves causally
+    starts = np.cumsum([P[0]] + R)
+    for i in range(T):
+        vis[i, :min(i, P[0] - 1) + 1] = True
+        for a, b in zip(starts[:-1], starts[1:]):
+            if a <= i < b:
+                vis[i, a:i + 1] = True
+    keep = np.ones((H, T, T), bool)
+    for h, idx in ((0, [0, 4, 8]), (1, [1, 2, 3, 7])):
+        drop = np.setdiff1d(np.arange(9), idx)
+        for hq in (2 * h, 2 * h + 1):
+            keep[hq, 9:, drop] = False
+    kw = dict(direction="reverse" if reverse else "forward", temperature=1.5, scale_by_tau2=True)
+    kl, stats, outside = fnp.stream_kl(qt, kt, qs, ks, layout, kept, **kw)
+    args64 = [x.astype(np.float64) for x in (qt, kt, qs, ks)]
+    ref, rout = _kl64(*args64, vis, keep, reverse, 1.5, 8 ** -0.5, 0.5)
+    assert rel_err(kl, ref * 2.25) <= 1e-5 and abs_err(outside, rout) <= 1e-5
+    assert np.all(outside[:9] == 0)
+    dkl = rng.uniform(0, 1, (T, H)).astype(np.float32)
+    dq_s, dk_s, dq_t, dk_t = fnp.stream_kl_backward(dkl, qt, kt, qs, ks, stats, layout, kept, teacher_grad=True,
+                                                    **kw)
+    dirs = [rng.standard_normal(x.shape) for x in args64]
+    eps = 1e-5
+
+    def f(sign):
+        xs = [x + sign * eps * d for x, d in zip(args64, dirs)]
+        return (_kl64(*xs, vis, keep, reverse, 1.5, 8 ** -0.5, 0.5)[0] * 2.25 * dkl).sum()
+
+    fd = (f(1) - f(-1)) / (2 * eps)
+    an = sum((g.astype(np.float64) * d).sum() for g, d in zip((dq_t, dk_t, dq_s, dk_s), dirs))
+    assert abs(an - fd) <= 1e-4 * max(1.0, abs(fd))
+    # kept-set attention: the same masks, numpy reference
+    v = rng.uniform(-1, 1, (T, 1, 4)).astype(np.float32)
+    out, lse = fnp.kept_attention(qs, ks, v, layout, kept, return_lse=True)
+    s = np.einsum("ihd,jhd->hij", qs.astype(np.float64), np.repeat(ks, H, 1).astype(np.float64)) * 0.5
+    m = vis[None] & keep
+    p = np.exp(np.where(m, s, -1e30) - np.where(m, s, -1e30).max(-1, keepdims=True)) * m
+    ro = np.einsum("hij,jhd->ihd", p / p.sum(-1, keepdims=True), np.repeat(v, H, 1).astype(np.float64))
+    assert rel_err(out, ro) <= 1e-5
+    dq, dk, dv = fnp.kept_attention_backward(np.ones_like(out), qs, ks, v, out, lse, layout, kept)
+    assert dq.shape == qs.shape and dk.shape == ks.shape and np.isfinite(dv).all()
+    sel = fnp.kv_select(qs[:9], ks[:9], "streaming_llm", budget=5, sinks=2)
+    assert sel["heads"] == 1 and sel["index"].tolist() == [0, 1, 6, 7, 8] and sel["query_start"] == 9
+    assert fnp.rows_mean(kl) == pytest.approx(float(kl.astype(np.float64).mean()), rel=1e-12)

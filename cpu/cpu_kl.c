@@ -3,7 +3,7 @@
  * Forward: work item = (query head, query block). For each key tile of each
  * pair of the block's segment, two GEMMs give the teacher and student score
  * tiles; each row folds its visible keys into an online KL state (online_kl.h)
- * and, with a kept set, the teacher's full-support log-sum-exp. Extra memory:
+ * and, with a kept set, the teacher's scores of dropped keys into a log-sum-exp. Extra memory:
  * the tiles, O(rows * heads) outputs; never rows x keys.
  *
  * Backward: scores are recomputed tile by tile from the saved statistics and
@@ -106,7 +106,7 @@ static void fa_kl_tile_cpu(fa_kl_state *st, float *t, float *s, int64_t n, float
   st->b -= b;
 }
 
-/* The teacher's online log-sum-exp over all n visible scores (overwritten). */
+/* Online log-sum-exp of n teacher scores (overwritten): the keys a kept set drops. */
 static void fa_kl_lse_tile(float *mtf, float *ltf, float *t, int64_t n) {
   if (n <= 0) return;
   const float m = fmaxf(*mtf, fa_cpu_row_max(t, n));
@@ -149,13 +149,15 @@ static void fa_kl_fwd_block(const fa_kl_call *c, const fa_block *b, int64_t h, f
           fa_kl_tile_cpu(&state[r], trow, srow, nv, t->dd);
           continue;
         }
-        int64_t n = 0;
+        int64_t n = 0, nd = 0;
         for (int64_t j = 0; j < nv; j++)
           if (fa_kept_visible(c->kept, h, row, kb + j)) {
             t->vt[n] = trow[j];
             t->vs[n++] = srow[j];
+          } else {
+            trow[nd++] = trow[j]; /* dropped keys' teacher scores, compacted in place */
           }
-        fa_kl_lse_tile(&mtf[r], &ltf[r], trow, nv);
+        fa_kl_lse_tile(&mtf[r], &ltf[r], trow, nd);
         fa_kl_tile_cpu(&state[r], t->vt, t->vs, n, t->dd);
       }
     }
@@ -163,8 +165,7 @@ static void fa_kl_fwd_block(const fa_kl_call *c, const fa_block *b, int64_t h, f
   for (int64_t r = 0; r < qn; r++) {
     const int64_t i = (b->start + r) * c->h + h;
     float stats4[FORKATTN_KL_STATS], outside;
-    const float mt = c->kept ? mtf[r] : state[r].mt, lt = c->kept ? ltf[r] : state[r].lt;
-    const float div = fa_kl_row_finish(state[r], mt, lt, c->reverse, stats4, &outside);
+    const float div = fa_kl_row_finish(state[r], mtf[r], ltf[r], c->reverse, stats4, &outside);
     c->kl[i] = div * c->loss_mul;
     if (c->stats) memcpy(c->stats + i * FORKATTN_KL_STATS, stats4, sizeof stats4);
     if (c->outside) c->outside[i] = outside;

@@ -64,20 +64,23 @@ static inline void fa_kl_tile(fa_kl_state *st, const float *t, const float *s, i
   }
 }
 
-/* Merge two states of the same row (keys split between them, e.g. by segment). */
-static inline void fa_kl_merge(fa_kl_state *x, fa_kl_state y) {
-  if (y.mt == -INFINITY) return;
+/* Merge two states of the same row (keys split between them, e.g. by segment
+ * or by lane); y is rebased in place. Pointers, not a by-value y: in an
+ * `ompx_bare` kernel taking a local's address moves it to the runtime's
+ * shared stack, which this runtime cannot provide (the kernel silently stops). */
+static inline void fa_kl_merge(fa_kl_state *x, fa_kl_state *y) {
+  if (y->mt == -INFINITY) return;
   if (x->mt == -INFINITY) {
-    *x = y;
+    *x = *y;
     return;
   }
-  const float mt = fmaxf(x->mt, y.mt), ms = fmaxf(x->ms, y.ms);
+  const float mt = fmaxf(x->mt, y->mt), ms = fmaxf(x->ms, y->ms);
   fa_kl_rebase(x, mt, ms);
-  fa_kl_rebase(&y, mt, ms);
-  x->lt += y.lt;
-  x->ls += y.ls;
-  x->a += y.a;
-  x->b += y.b;
+  fa_kl_rebase(y, mt, ms);
+  x->lt += y->lt;
+  x->ls += y->ls;
+  x->a += y->a;
+  x->b += y->b;
 }
 
 /* Final per-row results. An empty row (no visible key) gives KL 0 and

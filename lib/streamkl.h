@@ -31,25 +31,37 @@ typedef struct fa_kl_call {
 } fa_kl_call;
 
 #pragma omp declare target
-/* Per-row results from the kept-support state and the teacher's full-support
- * (m, l) (equal to the kept state's teacher part without a kept set).
- * Writes the 4 statistics and returns the divergence before tau^2. */
-static inline float fa_kl_row_finish(fa_kl_state st, float mtf, float ltf, int reverse, float *stats4,
+/* Per-row results from the kept-support state and the online (m, l) of the
+ * teacher's scores on the keys the kept set drops (-inf, 0 without a kept
+ * set). The full-support lse is their log-add; the outside mass is taken from
+ * the dropped keys' own sum, so it is exactly 0 when nothing is dropped and
+ * relatively accurate when small. Writes the 4 statistics and the outside
+ * mass, returns the divergence before tau^2. Writes through the caller's
+ * pointers only (no locals' addresses: see fa_kl_merge on `ompx_bare`). */
+static inline float fa_kl_row_finish(fa_kl_state st, float m_drop, float l_drop, int reverse, float *stats4,
                                      float *outside) {
-  float kf, kr, lse_t, lse_s;
-  fa_kl_finish(st, &kf, &kr, &lse_t, &lse_s);
-  const float lse_tf = ltf > 0.0f ? mtf + logf(ltf) : -INFINITY;
+  fa_kl_finish(st, stats4 + FA_KL_DIV, outside, stats4 + FA_KL_LSE_T, stats4 + FA_KL_LSE_S);
+  const float kf = stats4[FA_KL_DIV], kr = *outside, lse_t = stats4[FA_KL_LSE_T], lse_s = stats4[FA_KL_LSE_S];
+  const float lse_drop = l_drop > 0.0f ? m_drop + logf(l_drop) : (l_drop == l_drop ? -INFINITY : NAN);
+  float lse_tf = lse_t, out = 0.0f, gap = 0.0f; /* gap = lse_tf - lse_t = -log(1 - outside) */
+  if (lse_drop != -INFINITY) {
+    if (lse_t == -INFINITY) {
+      lse_tf = lse_drop;
+      out = 1.0f;
+    } else {
+      const float x = lse_drop - lse_t; /* log(dropped / kept) */
+      gap = x > 0.0f ? x + log1pf(expf(-x)) : log1pf(expf(x));
+      lse_tf = lse_t + gap;
+      out = expf(lse_drop - lse_tf);
+    }
+  }
   float div = reverse ? kr : kf;
   /* reverse KL against the full teacher: KL(S||T') - log(teacher mass kept) */
-  if (reverse && lse_s != -INFINITY) div += lse_tf - lse_t;
+  if (reverse && lse_s != -INFINITY) div += gap;
   if (lse_s == -INFINITY) div = 0.0f;
-  stats4[FA_KL_LSE_T] = lse_t;
-  stats4[FA_KL_LSE_S] = lse_s;
   stats4[FA_KL_DIV] = div;
   stats4[FA_KL_LSE_TF] = lse_tf;
-  /* clamped: rounding can put the kept lse a few ulps above the full one */
-  const float out = lse_tf == -INFINITY ? 0.0f : (lse_t == -INFINITY ? 1.0f : -expm1f(lse_t - lse_tf));
-  *outside = out > 0.0f ? out : 0.0f;
+  *outside = out;
   return div;
 }
 

@@ -2,7 +2,8 @@
  * D = rowsum(dO * O); dQ by query block (team = query block x query head);
  * dK/dV by key block (team = key block x KV head) summing over every pair and
  * query head that reads it, so a shared prompt's gradients need no atomics.
- * FP32 compute; same team shape and tiles as the forward (gpu_tiles.h). */
+ * FP32 compute; same team shape and tiles as the forward (gpu_tiles.h).
+ * A kept-set mask zeroes P and dS of the keys it drops, by query head. */
 #include "alloc.h"
 #include <limits.h>
 #include <math.h>
@@ -15,6 +16,7 @@
 #include "gpu_stage.h"
 #include "gpu_tiles.h"
 #include "online_softmax.h"
+
 
 typedef struct {
   fa_dev_tensor q, k, v, o, dout, dq, dk, dv;
@@ -29,6 +31,8 @@ typedef struct {
   float *part_k, *part_v;    /* [units, hkv, FA_GPU_ROWS, d] partial sums, or NULL: one unit per block */
   int64_t nqb, nkb, nunits, rows, qshift, hq, hkv, d;
   float scale;
+  fa_kept kept; /* device copy, used when has_kept */
+  int has_kept;
 } fa_gpu_bwd;
 
 static void fa_gpu_rowsum(const fa_gpu_bwd *b, int dev) {
@@ -55,10 +59,12 @@ static void fa_gpu_dq(const fa_gpu_bwd *b, int dev) {
   const int64_t hq = b->hq, d = b->d, group = b->hq / b->hkv, pitch = d + 1, bk = fa_gpu_key_tile(d, 1);
   const int64_t qshift = b->qshift;
   const float scale = b->scale;
+  const fa_kept kept = b->kept;
+  const int has_kept = b->has_kept;
   const int nteams = (int)(b->nqb * hq);
   const size_t smem = sizeof(float) * (size_t)(2 * FA_GPU_ROWS * pitch + 2 * bk * pitch + FA_GPU_ROWS * (bk + 1));
 #pragma omp target teams ompx_bare num_teams(nteams) thread_limit(FA_GPU_THREADS) \
-    ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(q, k, v, dout, dq) \
+    ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(q, k, v, dout, dq, kept) \
     is_device_ptr(lse, dsum, seg, pair, qoff, blocks)
   {
     float *Qs = (float *)llvm_omp_target_dynamic_shared_alloc();
@@ -69,6 +75,7 @@ static void fa_gpu_dq(const fa_gpu_bwd *b, int dev) {
     const fa_block blk = blocks[team / hq];
     const int valid = row < blk.len;
     const int64_t r = blk.start + row, q_pos = r + qshift;
+    const fa_kept *kp = has_kept ? &kept : NULL; /* kept sets come with qshift = 0 */
     const float row_lse = valid ? lse[r * hq + h] : -INFINITY, row_d = valid ? dsum[r * hq + h] : 0.0f;
     fa_gpu_load_tile(Qs, pitch, FA_GPU_ROWS, q, blk.start, blk.len, h, d, scale, tid);
     fa_gpu_load_tile(Os, pitch, FA_GPU_ROWS, dout, blk.start, blk.len, h, d, 1.0f, tid);
@@ -81,12 +88,13 @@ static void fa_gpu_dq(const fa_gpu_bwd *b, int dev) {
       const int64_t k0 = keys.start, kn = keys.len;
       for (int64_t kb = k0; kb < k0 + kn; kb += bk) {
         const int64_t nk = k0 + kn - kb < bk ? k0 + kn - kb : bk;
+        if (fa_kept_tile_dropped(kp, h, h + 1, blk.start, blk.len, kb, nk)) continue; /* team-uniform */
         fa_gpu_load_tile(Ks, pitch, bk, k, kb, nk, g, d, 1.0f, tid);
         fa_gpu_load_tile(Vs, pitch, bk, v, kb, nk, g, d, 1.0f, tid);
         ompx_sync_block_acq_rel();
         for (int64_t j = lane; j < bk; j += FA_GPU_LANES) {
           float ds = 0.0f;
-          if (valid && j < nk && fa_visible((int)pr.causal, q_pos, kb + j)) {
+          if (valid && j < nk && fa_visible((int)pr.causal, q_pos, kb + j) && fa_kept_visible(kp, h, r, kb + j)) {
             float s = 0.0f, dp = 0.0f;
             for (int64_t c = 0; c < d; c++) {
               s += Qs[row * pitch + c] * Ks[j * pitch + c];
@@ -129,11 +137,13 @@ static void fa_gpu_dkv(const fa_gpu_bwd *b, int dev) {
   const int64_t qshift = b->qshift;
   const int64_t bq = fa_gpu_query_tile(d);
   const float scale = b->scale;
+  const fa_kept kept = b->kept;
+  const int has_kept = b->has_kept;
   const int nteams = (int)(b->nunits * hkv);
   const size_t smem = sizeof(float) * (size_t)(2 * FA_GPU_ROWS * pitch + 2 * bq * pitch +
                                                2 * FA_GPU_ROWS * (bq + 1) + 2 * bq);
 #pragma omp target teams ompx_bare num_teams(nteams) thread_limit(FA_GPU_THREADS) \
-    ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(q, k, v, dout, dk, dv) \
+    ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(q, k, v, dout, dk, dv, kept) \
     is_device_ptr(lse, dsum, seg, pair, kidx, blocks, units, part_k, part_v)
   {
     float *Ks = (float *)llvm_omp_target_dynamic_shared_alloc();
@@ -145,6 +155,7 @@ static void fa_gpu_dkv(const fa_gpu_bwd *b, int dev) {
     const fa_key_unit unit = units[ui];
     const fa_block blk = blocks[unit.block];
     const int valid = row < blk.len;
+    const fa_kept *kp = has_kept ? &kept : NULL; /* applied with each query head of the group */
     fa_gpu_load_tile(Ks, pitch, FA_GPU_ROWS, k, blk.start, blk.len, g, d, 1.0f, tid);
     fa_gpu_load_tile(Vs, pitch, FA_GPU_ROWS, v, blk.start, blk.len, g, d, 1.0f, tid);
     float adk[FA_GPU_MAX_COLS], adv[FA_GPU_MAX_COLS];
@@ -159,6 +170,7 @@ static void fa_gpu_dkv(const fa_gpu_bwd *b, int dev) {
         const int64_t h = g * group + hh;
         for (int64_t qb = q0; qb < q0 + qn; qb += bq) {
           const int64_t nq = q0 + qn - qb < bq ? q0 + qn - qb : bq;
+          if (fa_kept_tile_dropped(kp, h, h + 1, qb, nq, blk.start, blk.len)) continue; /* team-uniform */
           ompx_sync_block_acq_rel(); /* previous tile fully consumed */
           fa_gpu_load_tile(Qs, pitch, bq, q, qb, nq, h, d, scale, tid);
           fa_gpu_load_tile(Os, pitch, bq, dout, qb, nq, h, d, 1.0f, tid);
@@ -169,7 +181,8 @@ static void fa_gpu_dkv(const fa_gpu_bwd *b, int dev) {
           ompx_sync_block_acq_rel();
           for (int64_t i = lane; i < bq; i += FA_GPU_LANES) {
             float pv = 0.0f, ds = 0.0f;
-            if (valid && i < nq && fa_visible((int)pr.causal, qb + i + qshift, k_pos)) {
+            if (valid && i < nq && fa_visible((int)pr.causal, qb + i + qshift, k_pos) &&
+                fa_kept_visible(kp, h, qb + i, k_pos)) {
               float s = 0.0f, dp = 0.0f;
               for (int64_t c = 0; c < d; c++) {
                 s += Qs[i * pitch + c] * Ks[row * pitch + c];
@@ -291,6 +304,8 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
       bad = !b.part_k || !b.part_v;
     }
     b.dsum = fa_stage_scratch(&st, sizeof(float) * (size_t)(p->rows * a->hq));
+    b.has_kept = a->kept != NULL;
+    bad = bad || fa_gpu_stage_kept(&st, a->kept, &b.kept);
     b.lse = fa_stage_floats(&st, (float *)a->lse, (size_t)(p->rows * a->hq), 1);
     bad = bad || !b.units || !b.unit_off || !b.seg || !b.pair || !b.qoff || !b.kidx || !b.qblocks ||
           !b.kblocks || !b.dsum ||

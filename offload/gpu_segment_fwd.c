@@ -1,11 +1,14 @@
 /* GPU forward of segment attention: OpenMP offload, `ompx_bare` teams of 128
  * threads, team-shared Q/K/V tiles, one online softmax per query row across
  * every pair of its segment. FP32 compute on CUDA cores (correctness first;
- * tensor cores are a later step). One team = (query block, query head). */
+ * tensor cores are a later step). One team = (query block, query head).
+ * A kept-set mask (KV compression) drops keys on top of the layout's mask;
+ * key tiles its block mask drops entirely are skipped. */
 #include "alloc.h"
 #include <limits.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 #include <omp.h>
 #include <ompx.h>
 
@@ -14,6 +17,20 @@
 #include "gpu_stage.h"
 #include "gpu_tiles.h"
 #include "online_softmax.h"
+
+
+/* Device copy of a kept mask: its byte maps staged, the struct's pointers
+ * swapped for the device copies (pass it to kernels by value). host NULL
+ * gives an all-zero *dev. 0, or -1 when staging failed. */
+int fa_gpu_stage_kept(fa_stage *s, const fa_kept *host, fa_kept *dev) {
+  memset(dev, 0, sizeof *dev);
+  if (!host) return 0;
+  *dev = *host;
+  const int64_t keep = fa_kept_keep_bytes(host), block = fa_kept_block_bytes(host);
+  dev->key_keep = keep > 0 ? fa_stage_array(s, host->key_keep, (size_t)keep) : NULL;
+  dev->block = block > 0 ? fa_stage_array(s, host->block, (size_t)block) : NULL;
+  return (keep > 0 && !dev->key_keep) || (block > 0 && !dev->block) ? -1 : 0;
+}
 
 forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkattn_memory memory) {
   const fa_plan *p = a->plan;
@@ -33,9 +50,11 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
   const fa_pair *pair = fa_stage_array(&st, p->pair, sizeof *p->pair * (size_t)p->npairs);
   const int64_t *qoff = fa_stage_array(&st, p->q_pair_off, sizeof(int64_t) * (size_t)(p->nseg + 1));
   const fa_block *blocks = fa_stage_array(&st, blocks_h, sizeof *blocks_h * (size_t)nb);
-  int bad = !seg || !pair || !qoff || !blocks || fa_stage_tensor(&st, &a->q, 1, &q) ||
-            fa_stage_tensor(&st, &a->k, 1, &k) || fa_stage_tensor(&st, &a->v, 1, &v) ||
-            fa_stage_tensor(&st, &a->o, 0, &o);
+  fa_kept kept;
+  const int has_kept = a->kept != NULL;
+  int bad = fa_gpu_stage_kept(&st, a->kept, &kept) || !seg || !pair || !qoff || !blocks ||
+            fa_stage_tensor(&st, &a->q, 1, &q) || fa_stage_tensor(&st, &a->k, 1, &k) ||
+            fa_stage_tensor(&st, &a->v, 1, &v) || fa_stage_tensor(&st, &a->o, 0, &o);
   if (!bad && a->lse) bad = !(lse = fa_stage_floats(&st, a->lse, (size_t)(rows * hq), 0));
   fa_free(blocks_h);
   if (bad) {
@@ -53,7 +72,7 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
   fa_note_workspace(ctx, st.bytes);
 
 #pragma omp target teams ompx_bare num_teams(nteams) thread_limit(FA_GPU_THREADS) \
-    ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(q, k, v, o) \
+    ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(q, k, v, o, kept) \
     is_device_ptr(seg, pair, qoff, blocks, lse)
   {
     float *Qs = (float *)llvm_omp_target_dynamic_shared_alloc();
@@ -63,6 +82,7 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
     const fa_block blk = blocks[team / hq];
     const int valid = row < blk.len;
     const int64_t q_pos = blk.start + row + qshift; /* causal masks compare key-frame rows */
+    const fa_kept *kp = has_kept ? &kept : NULL;     /* kept sets come with qshift = 0 */
 
     fa_gpu_load_tile(Qs, pitch, FA_GPU_ROWS, q, blk.start, blk.len, h, d, scale, tid);
     float acc[FA_GPU_MAX_COLS];
@@ -76,12 +96,14 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
       const int64_t k0 = keys.start, kn = keys.len;
       for (int64_t kb = k0; kb < k0 + kn; kb += bk) {
         const int64_t nk = k0 + kn - kb < bk ? k0 + kn - kb : bk;
+        if (fa_kept_tile_dropped(kp, h, h + 1, blk.start, blk.len, kb, nk)) continue; /* team-uniform */
         fa_gpu_load_tile(Ks, pitch, bk, k, kb, nk, g, d, 1.0f, tid);
         fa_gpu_load_tile(Vs, pitch, bk, v, kb, nk, g, d, 1.0f, tid);
         ompx_sync_block_acq_rel();
         for (int64_t j = lane; j < bk; j += FA_GPU_LANES) {
           float s = -INFINITY;
-          if (valid && j < nk && fa_visible((int)pr.causal, q_pos, kb + j)) {
+          if (valid && j < nk && fa_visible((int)pr.causal, q_pos, kb + j) &&
+              fa_kept_visible(kp, h, blk.start + row, kb + j)) {
             s = 0.0f;
             for (int64_t c = 0; c < d; c++) s += Qs[row * pitch + c] * Ks[j * pitch + c];
           }

@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "forkattn.h"
+#include "kept_mask.h"
 
 typedef struct fa_dev_tensor {
   void *data; /* device pointer */
@@ -40,6 +41,10 @@ int fa_stage_floats_back(fa_stage *s, float *host, const float *dev, size_t n);
 /* Scratch device memory owned by the stage. */
 void *fa_stage_scratch(fa_stage *s, size_t bytes);
 void fa_stage_free(fa_stage *s);
+/* Device copy of a kept-set mask: its maps staged, *dev holding device
+ * pointers (pass it to a kernel by value). host NULL gives an empty mask.
+ * 0 or -1. (gpu_segment_fwd.c) */
+int fa_gpu_stage_kept(fa_stage *s, const fa_kept *host, fa_kept *dev);
 /* Status for a failed staging step: DEVICE when a copy failed, else OUT_OF_MEMORY. */
 forkattn_status fa_stage_status(const fa_stage *s);
 

@@ -411,7 +411,7 @@ static void kl_stream(const float *t, const float *s, int n, tc_rng *rng, int sp
     fa_kl_tile(j < cut ? &a : &b, t + j, s + j, len);
     j += len;
   }
-  fa_kl_merge(&a, b);
+  fa_kl_merge(&a, &b);
   fa_kl_finish(a, &out[0], &out[1], &out[2], &out[3]);
 }
 

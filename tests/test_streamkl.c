@@ -544,7 +544,9 @@ Test(dtype, bf16_mixed_and_strided, .timeout = 300) {
 /* StreamKL keeps O(rows) state: at T = 4096, H = 1 a rows x keys f32 buffer
  * would be T*T*4 = 64 MiB. After a forward and a backward (teacher gradients
  * too, and once more with a block mask), the context's peak workspace must
- * stay below an eighth of that (8 MiB), which no N^2 buffer fits. */
+ * stay below an eighth of that (8 MiB), which no N^2 buffer fits (plus, on the
+ * GPU backend with host tensors, the staged device copies of the inputs and
+ * outputs, which are O(rows)). */
 Test(memory, no_rows_by_keys_buffer_at_4096, .timeout = 300) {
   const int64_t T = 4096, H = 1, d = 64;
   tc_rng rng = tc_rng_for("memory/4096");
@@ -585,10 +587,15 @@ Test(memory, no_rows_by_keys_buffer_at_4096, .timeout = 300) {
         cr_expect_eq(tc_count_nonfinite_tensor(&t[i]), 0, "gradient %d has NaN/inf", i);
     }
   }
-  const size_t peak = forkattn_ctx_peak_workspace(ctx), limit = (size_t)(T * T * 4 / 8);
-  fprintf(stderr, "  memory/4096: peak workspace %zu bytes (%.2f MiB); a rows x keys f32 buffer is %.0f MiB, "
-          "limit %.0f MiB\n", peak, peak / 1048576.0, T * T * 4 / 1048576.0, limit / 1048576.0);
-  cr_expect_lt(peak, limit, "peak workspace %zu bytes >= T*T*4/8 = %zu: a rows x keys buffer?", peak, limit);
+  /* The GPU backend with host memory stages every tensor and float array on the
+   * device (O(rows * heads * d), counted as workspace): allow exactly that on top. */
+  const size_t staged = forkattn_ctx_backend(ctx) == FORKATTN_BACKEND_GPU ? sizeof(float) * (size_t)(T * H * d * 8 + T * H * 7) : 0;
+  const size_t peak = forkattn_ctx_peak_workspace(ctx), limit = (size_t)(T * T * 4 / 8) + staged;
+  fprintf(stderr, "  memory/4096: peak workspace %zu bytes (%.2f MiB, staged copies %.2f MiB); a rows x keys f32 buffer "
+          "is %.0f MiB, limit %.0f MiB\n", peak, peak / 1048576.0, staged / 1048576.0, T * T * 4 / 1048576.0,
+          limit / 1048576.0);
+  cr_expect_lt(peak, limit, "peak workspace %zu bytes >= T*T*4/8 + staged %zu = %zu: a rows x keys buffer?", peak,
+               staged, limit);
   free(bm);
   free(buf);
   forkattn_ctx_destroy(ctx);

@@ -103,8 +103,9 @@ def torch_kl(qt, kt, qs, ks, reverse):
     S, H, d = qt.shape
     scale = 1.0 / math.sqrt(d)
     mask = torch.ones(S, S, dtype=torch.bool, device=qt.device).tril()
-    lt = torch.log_softmax((torch.einsum("shd,thd->hst", qt, kt) * scale).masked_fill(~mask, float("-inf")), -1)
-    ls = torch.log_softmax((torch.einsum("shd,thd->hst", qs, ks) * scale).masked_fill(~mask, float("-inf")), -1)
+    # a large finite fill, not -inf: (-inf) - (-inf) = NaN would poison autograd through torch.where
+    lt = torch.log_softmax((torch.einsum("shd,thd->hst", qt, kt) * scale).masked_fill(~mask, -1e30), -1)
+    ls = torch.log_softmax((torch.einsum("shd,thd->hst", qs, ks) * scale).masked_fill(~mask, -1e30), -1)
     if reverse:
         term = torch.where(mask, ls.exp() * (ls - lt), torch.zeros((), device=qt.device))
     else:
@@ -201,6 +202,7 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--million", action="store_true")
     ap.add_argument("--million-bwd", action="store_true")
+    ap.add_argument("--no-cases", action="store_true", help="skip the S=4096/16384 comparisons")
     a = ap.parse_args()
     lib = load(a.lib)
     ctx = C.c_void_p()
@@ -208,7 +210,7 @@ def main():
     if lib.forkattn_ctx_create(C.byref(ctx), C.byref(o)):
         sys.exit("no GPU context: %s" % lib.forkattn_ctx_create_error())
     rows = []
-    for S, H in ((4096, 16), (16384, 4)):
+    for S, H in () if a.no_cases else ((4096, 16), (16384, 4)):
         for rev in (False, True):
             rows.append(case(lib, ctx, S, H, 128, rev, a.reps))
             print(json.dumps(rows[-1]), flush=True)

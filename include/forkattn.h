@@ -888,6 +888,15 @@ FORKATTN_API forkattn_status forkattn_kept_fwd(forkattn_ctx *ctx, const forkattn
 /**
  * Backward of forkattn_kept_fwd(), deterministic, outputs overwritten; dropped
  * keys receive no gradient from the rows that do not see them.
+ *
+ * @param ctx the context
+ * @param layout the packed layout (host memory), as in the forward
+ * @param kept the kept set of the forward (host memory), or NULL
+ * @param q queries [T, Hq, d] @param k keys [T, Hkv, d] @param v values [T, Hkv, d]
+ * @param o the forward's output [T, Hq, d] @param dout gradient of the loss with respect to o
+ * @param lse float32 [T, Hq] from the forward (required)
+ * @param dq output [T, Hq, d] @param dk output [T, Hkv, d] @param dv output [T, Hkv, d]
+ * @param scale the forward's softmax scale @param memory where every tensor and lse live
  * @return as forkattn_prefix_bwd()
  */
 FORKATTN_API forkattn_status forkattn_kept_bwd(forkattn_ctx *ctx, const forkattn_layout *layout,
@@ -925,7 +934,9 @@ typedef struct forkattn_kv_policy {
 } forkattn_kv_policy;
 
 /** Defaults for a kind and budget: sinks 4, H2O window budget/2, SnapKV window
- *  min(32, budget), pool_kernel 5, scale 0 (each clamped to the budget). */
+ *  min(32, budget), pool_kernel 5, scale 0 (each clamped to the budget).
+ *  @param policy filled in (NULL: nothing happens) @param kind the policy
+ *  @param budget kept keys per KV head */
 FORKATTN_API void forkattn_kv_policy_init(forkattn_kv_policy *policy, forkattn_kv_policy_kind kind,
                                           int64_t budget);
 
@@ -979,7 +990,8 @@ typedef struct forkattn_kl_options {
   int scale_by_tau2;               /**< non-zero: the loss is multiplied by tau^2 */
 } forkattn_kl_options;
 
-/** Forward KL, default scales, tau = 1. */
+/** Forward KL, default scales, tau = 1.
+ *  @param opt filled in (NULL: nothing happens) */
 FORKATTN_API void forkattn_kl_options_init(forkattn_kl_options *opt);
 
 /**
@@ -1016,7 +1028,10 @@ FORKATTN_API forkattn_status forkattn_kl_fwd(forkattn_ctx *ctx, const forkattn_l
  * outputs overwritten (dtype of the matching input).
  *
  * @param ctx the context
- * @param layout, q_t, k_t, q_s, k_s, kept, opt as in the forward
+ * @param layout the packed layout (host memory), as in the forward
+ * @param q_t teacher queries @param k_t teacher keys @param q_s student queries
+ * @param k_s student keys (as in the forward)
+ * @param kept the forward's kept set, or NULL @param opt the forward's options (NULL: defaults)
  * @param stats float32 [T, H, ::FORKATTN_KL_STATS] from the forward (required)
  * @param dkl float32 [T, H] upstream gradient of kl
  * @param dq_s [T, H, d_s] @param dk_s [T, Hkv_s, d_s] student gradients (required)
@@ -1044,6 +1059,8 @@ FORKATTN_API forkattn_status forkattn_kl_bwd(forkattn_ctx *ctx, const forkattn_l
  * @param ctx the context @param x [rows, heads] @param rows >= 0 @param heads >= 1
  * @param weights [rows] or NULL @param mean output (host)
  * @param memory where x and weights live
+ * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT; FORKATTN_ERR_OUT_OF_MEMORY (device
+ *         arrays are copied to the host); FORKATTN_ERR_DEVICE
  */
 FORKATTN_API forkattn_status forkattn_rows_mean(forkattn_ctx *ctx, const float *x, int64_t rows,
                                                 int64_t heads, const float *weights, double *mean,

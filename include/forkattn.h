@@ -1067,6 +1067,199 @@ FORKATTN_API forkattn_status forkattn_rows_mean(forkattn_ctx *ctx, const float *
                                                 forkattn_memory memory);
 /**@}*/
 
+/** @name Shared-prefix KV cache for diffusion LMs (BiCache)
+ * Diffusion LMs attend bidirectionally, so a prefix's K/V depends on what
+ * follows it: reusing it is only safe in the shallow layers where it barely
+ * changes. The cache stores a prefix's per-layer K/V computed alone; a
+ * reuse-depth profile says, from the share r = prefix / sequence of a request,
+ * how many leading layers b(r) may reuse it; the request's tokens then attend
+ * to [cached prefix K/V ; own K/V] (forkattn_prefix_cached_fwd()) in those
+ * layers and everything is recomputed in the deeper ones. docs/dlm-cache.md. */
+/**@{*/
+
+/**
+ * Attention of new rows against a shared prefix whose K/V already exist (a
+ * cache): only the responses' rows have queries. Keys and values hold the
+ * prefix rows first, then the responses: [P + R_total, Hkv, d]; queries,
+ * outputs and lse hold the responses only: [R_total, Hq, d]. Response i's
+ * query rows [off[i], off[i+1]) see all P prefix keys and their own keys
+ * (causally with FORKATTN_MASK_CAUSAL, all of them with
+ * FORKATTN_MASK_BIDIRECTIONAL); it is forkattn_prefix_fwd() on the same
+ * layout minus the prompt's own query rows.
+ *
+ * @param ctx the context @param layout the group (P = prompt_len cached rows)
+ * @param q queries [R_total, Hq, d] @param k keys [P + R_total, Hkv, d]
+ * @param v values [P + R_total, Hkv, d] @param o output [R_total, Hq, d]
+ * @param lse optional float32 [R_total, Hq] @param scale softmax scale (finite, > 0)
+ * @param memory where tensors and lse live
+ * @return as forkattn_prefix_fwd()
+ */
+FORKATTN_API forkattn_status forkattn_prefix_cached_fwd(forkattn_ctx *ctx, const forkattn_prefix_layout *layout,
+                                                        const forkattn_tensor *q, const forkattn_tensor *k,
+                                                        const forkattn_tensor *v, const forkattn_tensor *o,
+                                                        float *lse, float scale, forkattn_memory memory);
+
+/**
+ * Backward of forkattn_prefix_cached_fwd(): dq of the responses' rows and
+ * dk/dv of every key row (the prefix rows' summed over all responses).
+ * Deterministic; outputs overwritten.
+ *
+ * @param ctx the context @param layout the group, as in the forward
+ * @param q queries [R_total, Hq, d] @param k keys [P + R_total, Hkv, d]
+ * @param v values [P + R_total, Hkv, d] @param o the forward's output
+ * @param dout gradient with respect to o @param lse float32 [R_total, Hq] (required)
+ * @param dq output [R_total, Hq, d] @param dk output [P + R_total, Hkv, d]
+ * @param dv output [P + R_total, Hkv, d] @param scale the forward's scale
+ * @param memory where every tensor and lse live
+ * @return as forkattn_prefix_bwd()
+ */
+FORKATTN_API forkattn_status forkattn_prefix_cached_bwd(forkattn_ctx *ctx, const forkattn_prefix_layout *layout,
+                                                        const forkattn_tensor *q, const forkattn_tensor *k,
+                                                        const forkattn_tensor *v, const forkattn_tensor *o,
+                                                        const forkattn_tensor *dout, const float *lse,
+                                                        const forkattn_tensor *dq, const forkattn_tensor *dk,
+                                                        const forkattn_tensor *dv, float scale,
+                                                        forkattn_memory memory);
+
+/** A cache of prefixes' per-layer K/V, keyed by token prefix. Thread-safe:
+ *  any number of threads may insert, look up and release at once. */
+typedef struct forkattn_kv_cache forkattn_kv_cache;
+/** A cached prefix held by a reader: never evicted while held. */
+typedef struct forkattn_kv_entry forkattn_kv_entry;
+
+/** Shape and budget of a cache. */
+typedef struct forkattn_kv_cache_options {
+  size_t capacity_bytes;  /**< > 0: the entries' K/V bytes never exceed it */
+  int64_t block_tokens;   /**< tokens per hashed block of the radix index (0: 16) */
+  int64_t layers;         /**< layers per entry (>= 1) */
+  int64_t kv_heads;       /**< KV heads (>= 1) */
+  int64_t head_dim;       /**< 1..256 */
+  forkattn_dtype dtype;   /**< storage type of K/V */
+  forkattn_memory memory; /**< where entries live: host, or device (GPU backend) */
+} forkattn_kv_cache_options;
+
+/** Counters of a cache (forkattn_kv_cache_get_stats()). */
+typedef struct forkattn_kv_cache_stats {
+  uint64_t hits;        /**< lookups that found a cached prefix */
+  uint64_t misses;      /**< lookups that found none */
+  uint64_t insertions;  /**< entries stored */
+  uint64_t evictions;   /**< entries evicted (LRU) */
+  uint64_t rejected;    /**< insertions refused: larger than the capacity, or only held entries to evict */
+  size_t bytes;         /**< K/V bytes held now (<= capacity_bytes) */
+  int64_t entries;      /**< entries held now */
+} forkattn_kv_cache_stats;
+
+/**
+ * Create a cache. The context supplies the backend for device entries; the
+ * cache must be destroyed before the context.
+ * @param ctx the context @param opt shape and budget @param cache the new cache
+ * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT (capacity 0, bad shape,
+ *         device memory without the GPU backend); FORKATTN_ERR_OUT_OF_MEMORY
+ */
+FORKATTN_API forkattn_status forkattn_kv_cache_create(forkattn_ctx *ctx, const forkattn_kv_cache_options *opt,
+                                                      forkattn_kv_cache **cache);
+/** Destroy a cache (no entry may still be held). @param cache the cache (NULL: nothing) */
+FORKATTN_API void forkattn_kv_cache_destroy(forkattn_kv_cache *cache);
+
+/**
+ * Store the K/V of the prefix tokens[0..n) computed alone: k[l], v[l] for
+ * each of the cache's layers, [n, kv_heads, head_dim] in the cache's dtype, in
+ * `memory`. An equal prefix already cached is refreshed (its K/V replaced
+ * unless held, then kept) and becomes most recently used. Least recently used
+ * unheld entries are evicted to make room; an entry that cannot fit is
+ * rejected (counted, FORKATTN_OK returned, *stored = 0).
+ * @param cache the cache @param tokens n token ids (host) @param n >= 1
+ * @param k array of `layers` key tensors @param v array of `layers` value tensors
+ * @param memory where k and v live @param stored optional: 1 if stored, else 0
+ * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT; FORKATTN_ERR_OUT_OF_MEMORY; FORKATTN_ERR_DEVICE
+ */
+FORKATTN_API forkattn_status forkattn_kv_cache_insert(forkattn_kv_cache *cache, const int32_t *tokens, int64_t n,
+                                                      const forkattn_tensor *k, const forkattn_tensor *v,
+                                                      forkattn_memory memory, int *stored);
+
+/**
+ * Find the longest cached prefix of tokens[0..n) (an entry whose tokens equal
+ * tokens[0..m) for the largest m) and hold it: it is not evicted until
+ * forkattn_kv_cache_release(). A miss gives *entry = NULL and *matched = 0.
+ * @param cache the cache @param tokens the request's tokens (host) @param n >= 0
+ * @param entry the held entry or NULL @param matched its length m
+ * @return FORKATTN_OK or FORKATTN_ERR_INVALID_ARGUMENT
+ */
+FORKATTN_API forkattn_status forkattn_kv_cache_lookup(forkattn_kv_cache *cache, const int32_t *tokens, int64_t n,
+                                                      forkattn_kv_entry **entry, int64_t *matched);
+
+/** K of layer `layer` of a held entry: [m, kv_heads, head_dim] in the cache's
+ *  memory (read-only for the holder). A bad layer gives a tensor with data NULL.
+ *  @param entry a held entry @param layer 0..layers-1 @return the view */
+FORKATTN_API forkattn_tensor forkattn_kv_entry_k(const forkattn_kv_entry *entry, int64_t layer);
+/** V of layer `layer` of a held entry, as forkattn_kv_entry_k().
+ *  @param entry a held entry @param layer 0..layers-1 @return the view */
+FORKATTN_API forkattn_tensor forkattn_kv_entry_v(const forkattn_kv_entry *entry, int64_t layer);
+/** Release a held entry. @param cache the cache @param entry from forkattn_kv_cache_lookup() (NULL: nothing) */
+FORKATTN_API void forkattn_kv_cache_release(forkattn_kv_cache *cache, forkattn_kv_entry *entry);
+/** Counters. @param cache the cache @param stats filled in @return FORKATTN_OK or INVALID_ARGUMENT */
+FORKATTN_API forkattn_status forkattn_kv_cache_get_stats(forkattn_kv_cache *cache, forkattn_kv_cache_stats *stats);
+
+/**
+ * Per-head similarity of two K (or V) tensors over the same rows, fused and
+ * streaming: sim[h] = mean over rows r of cos(a[r,h,:], b[r,h,:]) (a row where
+ * either vector is all zero counts as 1 if both are, else 0). Used to measure
+ * how far a prefix's K/V computed alone drifts from the same rows computed
+ * inside the full input.
+ * @param ctx the context @param a [rows, heads, d] @param b same shape (dtype may differ)
+ * @param sim output float32 [heads] (host) @param mean optional: mean over heads (host)
+ * @param memory where a and b live
+ * @return FORKATTN_OK or an error as for the attention calls
+ */
+FORKATTN_API forkattn_status forkattn_kv_similarity(forkattn_ctx *ctx, const forkattn_tensor *a,
+                                                    const forkattn_tensor *b, float *sim, float *mean,
+                                                    forkattn_memory memory);
+
+/** Reuse-depth profile: b(r) per prefix-ratio bin. */
+typedef struct forkattn_reuse_profile forkattn_reuse_profile;
+
+/**
+ * An empty profile over `layers` layers with 1% ratio bins (r in [0, 1]).
+ * Errors of the profile calls are explained in forkattn_ctx_last_error(ctx).
+ * @param ctx the context (messages only) @param layers >= 1 @param threshold similarity a reused layer must keep (0..1; 0.95 usual)
+ * @param profile the new profile @return FORKATTN_OK, INVALID_ARGUMENT or OUT_OF_MEMORY
+ */
+FORKATTN_API forkattn_status forkattn_reuse_profile_create(forkattn_ctx *ctx, int64_t layers, float threshold,
+                                                           forkattn_reuse_profile **profile);
+/** Free a profile. @param profile the profile (NULL: nothing) */
+FORKATTN_API void forkattn_reuse_profile_free(forkattn_reuse_profile *profile);
+/**
+ * Add one measurement: a request with prefix ratio r and per-layer similarity
+ * sim[0..layers) (e.g. forkattn_kv_similarity()'s mean per layer). Bins average
+ * their measurements.
+ * @param ctx the context @param profile the profile @param ratio r in [0, 1]
+ * @param sim [layers] values in [-1, 1]
+ * @return FORKATTN_OK or FORKATTN_ERR_INVALID_ARGUMENT
+ */
+FORKATTN_API forkattn_status forkattn_reuse_profile_add(forkattn_ctx *ctx, forkattn_reuse_profile *profile,
+                                                        double ratio, const float *sim);
+/**
+ * Reuse depth b(r): the number of leading layers whose averaged similarity in
+ * r's bin stays >= the threshold, made monotone non-decreasing in r
+ * conservatively (a bin never reuses more than any higher-ratio bin with data
+ * allows; bins without data take the nearest lower bin with data, or 0).
+ * @param ctx the context @param profile the profile @param ratio r in [0, 1] @param depth 0..layers
+ * @return FORKATTN_OK or FORKATTN_ERR_INVALID_ARGUMENT
+ */
+FORKATTN_API forkattn_status forkattn_reuse_profile_depth(forkattn_ctx *ctx, const forkattn_reuse_profile *profile,
+                                                          double ratio, int64_t *depth);
+/** Save as a small text file (layers, threshold, per-bin counts and means).
+ *  @param ctx the context @param profile the profile @param path file path
+ *  @return FORKATTN_OK, INVALID_ARGUMENT (also when the file cannot be written) */
+FORKATTN_API forkattn_status forkattn_reuse_profile_save(forkattn_ctx *ctx, const forkattn_reuse_profile *profile,
+                                                         const char *path);
+/** Load a file written by forkattn_reuse_profile_save(); malformed files are refused.
+ *  @param ctx the context @param path file path @param profile the loaded profile
+ *  @return FORKATTN_OK, INVALID_ARGUMENT or OUT_OF_MEMORY */
+FORKATTN_API forkattn_status forkattn_reuse_profile_load(forkattn_ctx *ctx, const char *path,
+                                                         forkattn_reuse_profile **profile);
+/**@}*/
+
 #ifdef __cplusplus
 }
 #endif

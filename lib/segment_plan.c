@@ -184,6 +184,32 @@ int fa_plan_prefix(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off
   return rc;
 }
 
+int fa_plan_prefix_cached(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off, int causal) {
+  /* segments: 0 = prefix keys, then per response its keys and its queries */
+  fa_range *seg = fa_malloc(sizeof *seg * (size_t)(2 * n + 1));
+  fa_pair *pair = fa_malloc(sizeof *pair * (size_t)(2 * n + 1));
+  if (!seg || !pair) {
+    fa_free(seg);
+    fa_free(pair);
+    return -1;
+  }
+  seg[0] = (fa_range){0, prompt_len};
+  int64_t np = 0;
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t len = off[i + 1] - off[i];
+    seg[1 + i] = (fa_range){prompt_len + off[i], len};
+    seg[1 + n + i] = (fa_range){off[i], len};
+    if (len == 0) continue;
+    if (prompt_len > 0) pair[np++] = (fa_pair){1 + n + i, 0, 0};
+    pair[np++] = (fa_pair){1 + n + i, 1 + i, causal != 0};
+  }
+  int rc = fa_plan_build(p, n ? off[n] : 0, 2 * n + 1, seg, np, pair);
+  if (!rc) p->qshift = prompt_len;
+  fa_free(seg);
+  fa_free(pair);
+  return rc;
+}
+
 typedef struct {
   fa_block b;
   int64_t cost, order;

@@ -72,6 +72,13 @@ int fa_plan_tree(fa_plan *p, int64_t n, const int64_t *off, const int64_t *paren
  * P + off[i] .. P + off[i+1]. causal != 0 for the causal mask. */
 int fa_plan_prefix(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off, int causal);
 
+/* Cached prefix: keys [0, P) are a prefix with no queries of its own (a KV
+ * cache), response i's queries are rows [off[i], off[i+1]) of the query
+ * tensors and its keys rows P + off[i] .. of the key tensors; qshift = P.
+ * Response i reads the prefix (full) and its own keys (causally when causal
+ * != 0). Empty responses are dropped. */
+int fa_plan_prefix_cached(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off, int causal);
+
 /* Split segments into blocks of at most block_rows rows, heaviest first.
  * by_key = 0: query blocks of segments that have pairs as queries;
  * by_key = 1: key blocks of segments read by at least one pair.

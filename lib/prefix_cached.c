@@ -1,0 +1,111 @@
+/* Attention of new rows against a cached shared prefix (issue 6): the
+ * responses' queries only, keys = [prefix ; responses]. The same segment
+ * primitive with queries in their own row space (segment_plan.h, qshift). */
+#include <string.h>
+
+#include "alloc.h"
+#include "layout_attn.h"
+#include "validate.h"
+#ifdef FORKATTN_HAVE_OFFLOAD
+#include "gpu_backend.h"
+#endif
+
+/* Layout, shapes and scale; *r = response rows, *t = P + r key rows. */
+static forkattn_status fa_cached_begin(forkattn_ctx *ctx, const forkattn_prefix_layout *l, const forkattn_tensor *q,
+                                       const forkattn_tensor *k, const forkattn_tensor *v, float scale,
+                                       forkattn_memory memory, int64_t *r, int64_t *hq, int64_t *hkv, int64_t *d) {
+  const forkattn_status bad = FORKATTN_ERR_INVALID_ARGUMENT;
+  forkattn_status st;
+  int64_t total;
+  if ((st = fa_check_memory(ctx, memory)) || (st = fa_prefix_ops.check(ctx, l, &total))) return st;
+  *r = total - l->prompt_len;
+  if (!q) return fa_fail(ctx, bad, "q: tensor descriptor is NULL");
+  if (!k) return fa_fail(ctx, bad, "k: tensor descriptor is NULL");
+  if (!v) return fa_fail(ctx, bad, "v: tensor descriptor is NULL");
+  if (q->heads <= 0 || k->heads <= 0 || q->heads % k->heads)
+    return fa_fail(ctx, bad, "q/k: query heads %lld must be a positive multiple of KV heads %lld (GQA)",
+                   (long long)q->heads, (long long)k->heads);
+  if (q->head_dim <= 0 || q->head_dim > FA_MAX_HEAD_DIM)
+    return fa_fail(ctx, bad, "q: head_dim %lld outside the supported 1..%d", (long long)q->head_dim, FA_MAX_HEAD_DIM);
+  *hq = q->heads;
+  *hkv = k->heads;
+  *d = q->head_dim;
+  if ((st = fa_check_tensor(ctx, "q", q, q->dtype, *r, *hq, *d)) ||
+      (st = fa_check_tensor(ctx, "k", k, q->dtype, total, *hkv, *d)) ||
+      (st = fa_check_tensor(ctx, "v", v, q->dtype, total, *hkv, *d)))
+    return st;
+  return fa_check_scale(ctx, scale);
+}
+
+/* Zero every element of t (key rows no response reads: their gradient is 0). */
+static forkattn_status fa_tensor_zero(forkattn_ctx *ctx, const forkattn_tensor *t, forkattn_memory memory) {
+  const size_t es = t->dtype == FORKATTN_DTYPE_F32 ? 4 : 2, bytes = es * (size_t)t->head_dim;
+  void *zero = memory == FORKATTN_MEMORY_DEVICE ? fa_calloc(1, bytes) : NULL;
+  if (memory == FORKATTN_MEMORY_DEVICE && !zero)
+    return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "prefix_cached_bwd: cannot allocate a zero row");
+  int failed = 0;
+  for (int64_t r = 0; r < t->rows && !failed; r++)
+    for (int64_t h = 0; h < t->heads && !failed; h++) {
+      char *dst = (char *)t->data + es * (size_t)(r * t->row_stride + h * t->head_stride);
+      if (memory == FORKATTN_MEMORY_HOST)
+        memset(dst, 0, bytes);
+#ifdef FORKATTN_HAVE_OFFLOAD
+      else
+        failed = fa_gpu_memcpy(ctx->device, dst, 1, zero, 0, bytes) != 0;
+#endif
+    }
+  fa_free(zero);
+  return failed ? fa_fail(ctx, FORKATTN_ERR_DEVICE, "prefix_cached_bwd: zeroing dk/dv failed") : FORKATTN_OK;
+}
+
+forkattn_status forkattn_prefix_cached_fwd(forkattn_ctx *ctx, const forkattn_prefix_layout *layout,
+                                           const forkattn_tensor *q, const forkattn_tensor *k,
+                                           const forkattn_tensor *v, const forkattn_tensor *o, float *lse,
+                                           float scale, forkattn_memory memory) {
+  if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
+  fa_clear_error(ctx);
+  int64_t r = 0, hq = 0, hkv = 0, d = 0;
+  forkattn_status st = fa_cached_begin(ctx, layout, q, k, v, scale, memory, &r, &hq, &hkv, &d);
+  if (st || (st = fa_check_tensor(ctx, "o", o, q->dtype, r, hq, d))) return st;
+  if (r == 0) return FORKATTN_OK;
+  fa_plan plan;
+  if (fa_plan_prefix_cached(&plan, layout->prompt_len, layout->num_responses, layout->response_offsets,
+                            layout->mask == FORKATTN_MASK_CAUSAL))
+    return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "layout: cannot allocate the segment plan");
+  fa_attn_fwd a = {&plan, *q, *k, *v, *o, lse, scale, hq, hkv, d, NULL};
+  st = fa_attn_fwd_run(ctx, &a, memory);
+  fa_plan_free(&plan);
+  return st;
+}
+
+forkattn_status forkattn_prefix_cached_bwd(forkattn_ctx *ctx, const forkattn_prefix_layout *layout,
+                                           const forkattn_tensor *q, const forkattn_tensor *k,
+                                           const forkattn_tensor *v, const forkattn_tensor *o,
+                                           const forkattn_tensor *dout, const float *lse,
+                                           const forkattn_tensor *dq, const forkattn_tensor *dk,
+                                           const forkattn_tensor *dv, float scale, forkattn_memory memory) {
+  if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
+  fa_clear_error(ctx);
+  int64_t r = 0, hq = 0, hkv = 0, d = 0;
+  forkattn_status st = fa_cached_begin(ctx, layout, q, k, v, scale, memory, &r, &hq, &hkv, &d);
+  if (st || (st = fa_check_tensor(ctx, "o", o, q->dtype, r, hq, d)) ||
+      (st = fa_check_tensor(ctx, "dout", dout, q->dtype, r, hq, d)) ||
+      (st = fa_check_tensor(ctx, "dq", dq, q->dtype, r, hq, d)) ||
+      (st = fa_check_tensor(ctx, "dk", dk, q->dtype, k->rows, hkv, d)) ||
+      (st = fa_check_tensor(ctx, "dv", dv, q->dtype, k->rows, hkv, d)))
+    return st;
+  if (!lse && r > 0)
+    return fa_fail(ctx, FORKATTN_ERR_INVALID_ARGUMENT, "lse: is NULL (the forward's log-sum-exp is required)");
+  if (r == 0) { /* nothing reads the prefix */
+    if ((st = fa_tensor_zero(ctx, dk, memory))) return st;
+    return fa_tensor_zero(ctx, dv, memory);
+  }
+  fa_plan plan;
+  if (fa_plan_prefix_cached(&plan, layout->prompt_len, layout->num_responses, layout->response_offsets,
+                            layout->mask == FORKATTN_MASK_CAUSAL))
+    return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "layout: cannot allocate the segment plan");
+  fa_attn_bwd a = {&plan, *q, *k, *v, *o, *dout, *dq, *dk, *dv, lse, scale, hq, hkv, d, NULL};
+  st = fa_attn_bwd_run(ctx, &a, memory);
+  fa_plan_free(&plan);
+  return st;
+}

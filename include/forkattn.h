@@ -859,8 +859,8 @@ typedef struct forkattn_layout {
  */
 typedef struct forkattn_kept_set {
   int64_t heads;                   /**< >= 1, divides the query heads it is used with */
-  int64_t compressed_rows;         /**< index lists cover key rows [0, compressed_rows) */
-  int64_t query_start;             /**< index lists apply to query rows >= query_start */
+  int64_t compressed_rows;         /**< index lists cover key rows [0, compressed_rows), 0 <= compressed_rows <= T */
+  int64_t query_start;             /**< index lists apply to query rows >= query_start (>= 0; T or more: none) */
   const int64_t *offsets;          /**< [heads+1] CSR offsets from 0, or NULL (no lists) */
   const int64_t *index;            /**< kept key rows, per head ascending; NULL iff offsets is */
   const unsigned char *block_mask; /**< [heads, nb, nb] 0/1, or NULL (no block mask) */
@@ -986,8 +986,8 @@ typedef struct forkattn_kl_options {
   forkattn_kl_direction direction; /**< which divergence */
   float scale_teacher;             /**< teacher score scale; 0 = 1/sqrt(teacher head_dim) */
   float scale_student;             /**< student score scale; 0 = 1/sqrt(student head_dim) */
-  float temperature;               /**< tau > 0: scores divided by tau */
-  int scale_by_tau2;               /**< non-zero: the loss is multiplied by tau^2 */
+  float temperature;               /**< tau > 0, finite: scores divided by tau */
+  int scale_by_tau2;               /**< non-zero: the loss is multiplied by tau^2 (tau^2 must be finite) */
 } forkattn_kl_options;
 
 /** Forward KL, default scales, tau = 1.

@@ -25,6 +25,8 @@ static forkattn_status fa_kl_check_options(forkattn_ctx *ctx, const forkattn_kl_
     return fa_fail(ctx, bad, "opt: direction %d is neither forward nor reverse", (int)o->direction);
   if (!(isfinite(o->temperature) && o->temperature > 0.0f))
     return fa_fail(ctx, bad, "opt: temperature %g must be finite and > 0", (double)o->temperature);
+  if (o->scale_by_tau2 && !isfinite(o->temperature * o->temperature))
+    return fa_fail(ctx, bad, "opt: temperature %g squared overflows float (scale_by_tau2)", (double)o->temperature);
   if (!(isfinite(o->scale_teacher) && o->scale_teacher >= 0.0f))
     return fa_fail(ctx, bad, "opt: scale_teacher %g must be finite and >= 0 (0 = 1/sqrt(d))", (double)o->scale_teacher);
   if (!(isfinite(o->scale_student) && o->scale_student >= 0.0f))

@@ -315,11 +315,136 @@ def trie_seeds():
     write(t, "seed-tok-bad-null", trie_tree(tree_tags([-1, 0]), mode=T_TOK | T_NULL_A))
 
 
+# ---- fuzz_kept_kl -------------------------------------------------------------
+# lay, layout, rows, hkv group d hkv_s d_s (tags of fz_int(1, range): value - 1), seed,
+# kf, heads (sel, field), cr (sel, field), query_start (field), per-head list densities,
+# corruptions, block mask, ko, nulls, direction, temperature, scale_t, scale_s, scale
+# (format at the top of fuzz_kept_kl.c)
+KL_TREE, KL_BIDIR, KL_RAWOFF, KL_RAW2, KL_OFFNULL = 1, 16, 32, 64, 128
+KL_LAYOUT_NULL, KL_BOTH, KL_NEITHER = 5 << 1, 6 << 1, 7 << 1
+K_NULL, K_LISTS, K_MISMATCH, K_BLOCK, K_BADBLOCK, K_BADOFF, K_BADIDX, K_BADIDX2 = 1, 2, 4, 8, 16, 32, 64, 128
+O_NULL, O_TAU2, O_TGRAD, O_STATS_FIRST, O_OUT_NULL, O_ONLY_DQT, O_QS_HEADS, O_KL_NULL = 1, 2, 4, 8, 16, 32, 64, 128
+N_STATS, N_DKL, N_LSE_FIRST, N_BWD_LSE = 1, 2, 4, 8
+GRPO_T = 120
+
+
+def kl_prefix(P, lengths):
+    """Prefix layout bytes (delta offsets): P, N, response lengths."""
+    return small(P) + small(len(lengths)) + [b for x in lengths for b in small(x)]
+
+
+def kl_tree(lengths, parents):
+    """Tree layout bytes (delta offsets; parent p of node i as the byte p + 1)."""
+    return small(len(lengths)) + [b for x in lengths for b in small(x)] + [p + 1 for p in parents]
+
+
+def kl_cr(T, cr):
+    """(sel, tag) of compressed_rows = cr <= T: the nominal T - sel % (T+1)."""
+    return [T - cr, 0]
+
+
+def kept_kl(lay=0, layout=None, rows=NOMINAL, hkv=2, group=2, d=16, hkv_s=1, d_s=8, seed=1, kf=K_LISTS,
+            heads=(1, 0), cr=None, qs=NOMINAL, lists=(128, 128), badoff=(), badidx=(), block=(), ko=O_TGRAD,
+            nulls=0, direction=0, tau=0, scale_t=0, scale_s=0, scale=6):
+    """Defaults: a GRPO group (P=70 > one 64-row block, responses 20, 0, 30: T=120), Hq=4 over
+    Hkv=2, d=16, a student with one KV head and d=8, index lists on 2 kept heads over the prompt
+    (compressed_rows 70), forward KL with teacher gradients, attention scale 1/sqrt(d)."""
+    layout = kl_prefix(70, (20, 0, 30)) if layout is None else layout
+    cr = kl_cr(GRPO_T, 70) if cr is None else cr
+    out = [lay] + list(layout) + list(rows)
+    divisors = [x for x in range(1, hkv * group + 1) if hkv * group % x == 0]
+    hkv_s_tag = divisors.index(hkv_s) if hkv_s in divisors else 0x80 + hkv_s - 1
+    out += [hkv - 1, group - 1, d - 1, hkv_s_tag, d_s - 1, seed, kf] + list(heads) + list(cr) + list(qs)
+    out += list(lists) + list(badoff) + list(badidx) + list(block)
+    out += [ko, nulls, direction, tau, scale_t, scale_s, scale]
+    return out
+
+
+def kept_kl_seeds():
+    t = "fuzz_kept_kl"
+    write(t, "seed-empty", [])
+    write(t, "seed-grpo-lists-forward-kl", kept_kl())
+    # lists apply from query row 70 on (the prompt was prefilled with the full cache)
+    write(t, "seed-grpo-lists-query-start", kept_kl(qs=field_small(40), lists=(40, 200)))
+    write(t, "seed-grpo-lists-qs-beyond-rows", kept_kl(qs=raw64(1000)))
+    write(t, "seed-grpo-bidir-lists-and-block", kept_kl(lay=KL_BIDIR, kf=K_LISTS | K_BLOCK, heads=(2, 0),
+                                                        lists=(100, 30, 200, 0), block=(60,), d=24, d_s=24, hkv_s=4))
+    # tree (4 nodes, 120 rows), block mask on one kept head, reverse KL, tau 2 with tau^2
+    tree = kl_tree((24, 20, 24, 22), (-1, 0, 0, 1))  # 90 rows
+    write(t, "seed-tree-block-reverse-tau2", kept_kl(lay=KL_TREE, layout=tree, kf=K_BLOCK, heads=(0, 0),
+                                                     lists=(), block=(64,), ko=O_TGRAD | O_TAU2, direction=1, tau=2))
+    write(t, "seed-tree-lists-gqa3", kept_kl(lay=KL_TREE, layout=tree, hkv=1, group=3, d=5, hkv_s=3, d_s=11,
+                                             heads=(1, 0), lists=(90, 10, 250), ko=O_TGRAD, direction=1))
+    # every key dropped: block mask almost all 0, lists keeping nothing
+    write(t, "seed-all-dropped-block", kept_kl(kf=K_BLOCK, lists=(), block=(255,)))
+    write(t, "seed-all-dropped-lists", kept_kl(cr=kl_cr(GRPO_T, GRPO_T), lists=(255, 255), direction=1))
+    write(t, "seed-kept-null-dense-reverse", kept_kl(kf=K_NULL, lists=(), direction=1, ko=O_TGRAD | O_NULL))
+    write(t, "seed-kept-heads-equal-hq", kept_kl(heads=(2, 0), lists=(10, 60, 120, 240)))
+    write(t, "seed-one-row", kept_kl(layout=kl_prefix(1, ()), cr=kl_cr(1, 1), hkv=1, group=1, d=1, d_s=1,
+                                     heads=(0, 0), lists=(0,)))
+    write(t, "seed-zero-rows-lists", kept_kl(layout=kl_prefix(0, ()), cr=kl_cr(0, 0), lists=(0, 0)))
+    # optional outputs and inputs: lse, stats, outside mass NULL (valid)
+    write(t, "seed-optional-nulls", kept_kl(ko=O_TGRAD | O_STATS_FIRST | O_OUT_NULL, nulls=N_LSE_FIRST))
+    write(t, "seed-options-sane-scales", kept_kl(tau=4, scale_t=9, scale_s=20, direction=1, ko=O_TAU2))
+    write(t, "seed-scale-minus-zero-default", kept_kl(scale_t=0xE1, scale_s=0xE1))
+    # invalid kept sets
+    write(t, "seed-bad-heads-zero", kept_kl(heads=(0, 0x80), lists=()))
+    write(t, "seed-bad-heads-not-divisor", kept_kl(heads=(0, 0x83), lists=(128, 128, 128)))
+    write(t, "seed-bad-heads-above-hq", kept_kl(heads=(0, 0x88), lists=(128,) * 8))
+    write(t, "seed-bad-heads-negative", kept_kl(heads=(0, 0xE6), lists=()))
+    write(t, "seed-bad-heads-max", kept_kl(heads=(0, 0xC0 + X_I64MAX), lists=()))
+    write(t, "seed-bad-offsets-first-nonzero", kept_kl(kf=K_LISTS | K_BADOFF, badoff=(0, 0x90)))
+    write(t, "seed-bad-offsets-not-monotonic", kept_kl(kf=K_LISTS | K_BADOFF, badoff=(2, 1, 10)))
+    write(t, "seed-bad-offsets-huge", kept_kl(kf=K_LISTS | K_BADOFF, badoff=(1, 3 + 4 * X_I64MAX)))
+    write(t, "seed-bad-offsets-min", kept_kl(kf=K_LISTS | K_BADOFF, badoff=(2, 3 + 4 * X_I64MIN)))
+    write(t, "seed-bad-index-duplicate", kept_kl(kf=K_LISTS | K_BADIDX, badidx=(5, 0, 0)))
+    write(t, "seed-bad-index-unsorted", kept_kl(kf=K_LISTS | K_BADIDX, badidx=(5, 0, 1)))
+    write(t, "seed-bad-index-out-of-range", kept_kl(kf=K_LISTS | K_BADIDX, badidx=(20, 0, 2)))
+    write(t, "seed-bad-index-negative", kept_kl(kf=K_LISTS | K_BADIDX, badidx=(0, 0, 3)))
+    write(t, "seed-bad-index-max", kept_kl(kf=K_LISTS | K_BADIDX | K_BADIDX2, badidx=(7, 0, 4) + tuple(raw64(1 << 62))
+                                           + (9, 0, 41)))  # 41: op 5, extreme X_I64MAX
+    write(t, "seed-bad-index-null", kept_kl(kf=K_LISTS | K_MISMATCH))
+    write(t, "seed-bad-offsets-null", kept_kl(kf=K_MISMATCH, lists=()))
+    write(t, "seed-bad-block-value", kept_kl(kf=K_BLOCK | K_BADBLOCK, lists=(), heads=(2, 0), block=(0, 3, 0, 7)))
+    # the header does not bound these: either answer, the same for all four calls
+    write(t, "seed-either-query-start-negative", kept_kl(qs=[0xE7]))
+    write(t, "seed-either-compressed-rows-above-rows", kept_kl(cr=[0, 0xE9], lists=(0, 10)))
+    write(t, "seed-either-compressed-rows-negative", kept_kl(cr=[0, 0xC0 + X_MINUS1], lists=(0, 10)))
+    # invalid options, tensors, NULLs
+    write(t, "seed-bad-direction", kept_kl(direction=0xF3))
+    write(t, "seed-bad-temperature-zero", kept_kl(tau=0xE0))
+    write(t, "seed-bad-temperature-nan", kept_kl(tau=0xE3))
+    write(t, "seed-bad-temperature-negative", kept_kl(tau=0xE2))
+    write(t, "seed-bad-scale-teacher-inf", kept_kl(scale_t=0xE4))
+    write(t, "seed-bad-scale-student-negative", kept_kl(scale_s=0xE2))
+    write(t, "seed-bad-attention-scale-nan", kept_kl(scale=0xE3))
+    write(t, "seed-bad-attention-scale-zero", kept_kl(scale=0xE0))
+    write(t, "seed-bad-student-query-heads", kept_kl(ko=O_QS_HEADS))
+    write(t, "seed-bad-student-kv-heads", kept_kl(hkv_s=3))
+    write(t, "seed-bad-kl-null", kept_kl(ko=O_TGRAD | O_KL_NULL))
+    write(t, "seed-bad-stats-null", kept_kl(nulls=N_STATS))
+    write(t, "seed-bad-dkl-null", kept_kl(nulls=N_DKL))
+    write(t, "seed-bad-one-teacher-grad", kept_kl(ko=O_ONLY_DQT))
+    write(t, "seed-bad-bwd-lse-null", kept_kl(nulls=N_BWD_LSE))
+    write(t, "seed-bad-layout-null", kept_kl(lay=KL_LAYOUT_NULL))
+    write(t, "seed-bad-layout-both", kept_kl(lay=KL_BOTH))
+    write(t, "seed-bad-layout-neither", kept_kl(lay=KL_TREE | KL_NEITHER, layout=tree))
+    write(t, "seed-bad-rows-mismatch", kept_kl(rows=[0xE9]))
+    write(t, "seed-bad-tree-parent", kept_kl(lay=KL_TREE | KL_RAW2, layout=kl_tree((40, 30), (-1, 1))))
+    # Bug: temperature 1e30 is valid (finite, > 0) but tau^2 overflows float to +inf with
+    # scale_by_tau2, and kl = divergence * tau^2 = 0 * inf = NaN for a row that keeps no key
+    # (the header: 0), here one row whose only key block the block mask drops.
+    write(t, "crash-kl-tau2-overflow-nan", kept_kl(layout=kl_prefix(1, ()), hkv=1, group=1, d=1, d_s=1, kf=K_BLOCK,
+                                                   heads=(0, 0), cr=kl_cr(1, 1), lists=(), block=(255,), ko=O_TAU2,
+                                                   tau=0xE9))
+
+
 def main():
     prefix_seeds()
     tensor_seeds()
     ctx_seeds()
     trie_seeds()
+    kept_kl_seeds()
 
 
 if __name__ == "__main__":

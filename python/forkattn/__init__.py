@@ -70,11 +70,29 @@ else:
     )
 
 
+# forkattn.tree_exec (DFS path stack, tree cost model, partition, batch plan): numpy arrays or
+# torch tensors, needs neither to import; loaded on first use.
+_TREE_EXEC_NAMES = (
+    "PathStack",
+    "dfs_walk",
+    "TreeCostModel",
+    "tree_cost",
+    "tree_partition",
+    "TreePartition",
+    "tree_plan_batches",
+    "BatchPlan",
+)
+
+
 def __getattr__(name):
+    if name in _TREE_EXEC_NAMES:
+        from . import tree_exec
+
+        return getattr(tree_exec, name)
     if name in _TORCH_NAMES and not HAVE_TORCH:
         raise ImportError("forkattn.%s needs PyTorch, which could not be imported (%s); the numpy "
                           "functions are in forkattn.numpy_api" % (name, _TORCH_ERROR))
-    if name in ("numpy_api", "hf", "distill"):  # lazy submodules (forkattn.hf imports transformers only in register())
+    if name in ("numpy_api", "hf", "distill", "tree_exec"):  # lazy submodules (forkattn.hf imports transformers only in register())
         import importlib
 
         return importlib.import_module("." + name, __name__)
@@ -95,4 +113,4 @@ __all__ = [
     "use_context",
     "version",
     "HAVE_TORCH",
-] + list(_TORCH_NAMES)
+] + list(_TORCH_NAMES) + list(_TREE_EXEC_NAMES)

@@ -57,6 +57,8 @@ KL_STATS = 4  # FORKATTN_KL_STATS: floats per (row, head) of StreamKL's saved st
 KEPT_BLOCK = 64  # FORKATTN_KEPT_BLOCK: side of a block of a kept set's block mask
 KV_STREAMING_LLM, KV_H2O, KV_SNAPKV = 0, 1, 2
 KV_POLICIES = {"streaming_llm": KV_STREAMING_LLM, "h2o": KV_H2O, "snapkv": KV_SNAPKV}
+EXEC_TREE, EXEC_REPLICATED = 0, 1
+EXEC_MODES = {EXEC_TREE: "tree", EXEC_REPLICATED: "replicated"}
 
 # The C library major version this binding speaks (minor versions only add).
 _ABI_MAJOR = 0
@@ -149,6 +151,19 @@ class KvPolicy(Structure):
     ]
 
 
+class TreeCostModelC(Structure):
+    """``forkattn_tree_cost_model``: seconds = sec_per_mac * heads_q * head_dim * M
+    + sec_per_row * heads_q * T + sec_per_pair * pairs."""
+
+    _fields_ = [
+        ("heads_q", c_int64),
+        ("head_dim", c_int64),
+        ("sec_per_mac", c_double),
+        ("sec_per_row", c_double),
+        ("sec_per_pair", c_double),
+    ]
+
+
 class CtxOptions(Structure):
     """``forkattn_ctx_options``."""
 
@@ -166,7 +181,8 @@ _I64P = POINTER(c_int64)
 
 # name: (restype, argtypes); optional symbols are looked up lazily (trie_* came in 0.1.0 too,
 # but a stripped-down build may lack them: the binding then fails only when they are used; the
-# same holds for kept sets, StreamKL and kv_select, newer additions).
+# same holds for kept sets, StreamKL, kv_select, the DFS path stack and the tree cost model /
+# partition / batch plan, newer additions).
 _SIGNATURES = {
     "forkattn_version_number": (c_uint, []),
     "forkattn_version_string": (c_char_p, []),
@@ -252,6 +268,46 @@ _SIGNATURES = {
         c_int,
         [c_void_p, POINTER(KvPolicy), _T, _T, _I64P, _I64P, c_int],
     ),
+    # DFS path stack (optional, like the above: only PathStack fails without them)
+    "forkattn_path_create": (c_int, [c_void_p, c_int, c_int64, c_int64, c_int64, POINTER(c_void_p)]),
+    "forkattn_path_destroy": (None, [c_void_p]),
+    "forkattn_path_push": (c_int, [c_void_p, _T, _T]),
+    "forkattn_path_attend_fwd": (c_int, [c_void_p, _T, _T, c_void_p, c_float]),
+    "forkattn_path_attend_bwd": (c_int, [c_void_p, _T, _T, _T, c_void_p, _T, c_float]),
+    "forkattn_path_pop": (c_int, [c_void_p, _T, _T]),
+    "forkattn_path_depth": (c_int64, [c_void_p]),
+    "forkattn_path_rows": (c_int64, [c_void_p]),
+    "forkattn_path_peak_bytes": (c_size_t, [c_void_p]),
+    # tree cost model, partition, batch plan (optional)
+    "forkattn_tree_cost_model_calibrate": (
+        c_int,
+        [c_void_p, c_int64, c_int64, c_int64, c_int, POINTER(TreeCostModelC)],
+    ),
+    "forkattn_tree_cost": (
+        c_int,
+        [c_void_p, POINTER(TreeLayoutC), POINTER(TreeCostModelC), POINTER(c_double)],
+    ),
+    "forkattn_tree_partition": (
+        c_int,
+        [c_void_p, POINTER(TreeLayoutC), c_int64, POINTER(TreeCostModelC), POINTER(c_void_p)],
+    ),
+    "forkattn_partition_free": (None, [c_void_p]),
+    "forkattn_partition_num_parts": (c_int64, [c_void_p]),
+    "forkattn_partition_layout": (TreeLayoutC, [c_void_p, c_int64]),
+    "forkattn_partition_rows": (_I64P, [c_void_p, c_int64, _I64P]),
+    "forkattn_partition_owned": (POINTER(ctypes.c_ubyte), [c_void_p, c_int64]),
+    "forkattn_partition_cost": (c_double, [c_void_p, c_int64]),
+    "forkattn_partition_imbalance": (c_double, [c_void_p]),
+    "forkattn_tree_plan_batches": (
+        c_int,
+        [c_void_p, POINTER(TreeLayoutC), c_int64, POINTER(TreeCostModelC), POINTER(c_void_p)],
+    ),
+    "forkattn_batch_plan_free": (None, [c_void_p]),
+    "forkattn_batch_plan_count": (c_int64, [c_void_p]),
+    "forkattn_batch_plan_layout": (TreeLayoutC, [c_void_p, c_int64]),
+    "forkattn_batch_plan_rows": (_I64P, [c_void_p, c_int64, _I64P]),
+    "forkattn_batch_plan_mode": (c_int, [c_void_p, c_int64]),
+    "forkattn_batch_plan_reason": (c_char_p, [c_void_p, c_int64]),
 }
 _REQUIRED = (
     "forkattn_version_number",
@@ -1114,3 +1170,151 @@ def kv_select(ctx, policy, q, k, memory):
     st = _fn("forkattn_kv_select")(ctx.handle, byref(policy), byref(q), byref(k), offs, idx, memory)
     ctx.check(st)
     return offs, idx, hkv * n
+
+
+# --------------------------------------------------------------------------------------------
+# DFS path stack (host memory). ``path`` is the forkattn_path handle (a c_void_p) that
+# forkattn.tree_exec.PathStack owns; its errors are reported through its context.
+
+
+def path_create(ctx, dtype_code, heads_q, heads_kv, head_dim):
+    """A new ``forkattn_path`` on ``ctx`` (the caller frees it with path_destroy)."""
+    h = c_void_p()
+    st = _fn("forkattn_path_create")(ctx.handle, int(dtype_code), int(heads_q), int(heads_kv),
+                                     int(head_dim), byref(h))
+    ctx.check(st)
+    return h
+
+
+def path_destroy(path):
+    if path:
+        _fn("forkattn_path_destroy")(path)
+
+
+def path_push(ctx, path, k, v):
+    ctx.check(_fn("forkattn_path_push")(path, byref(k), byref(v)))
+
+
+def path_attend_fwd(ctx, path, q, o, lse_ptr, scale):
+    ctx.check(_fn("forkattn_path_attend_fwd")(path, byref(q), byref(o), lse_ptr, _scale(scale)))
+
+
+def path_attend_bwd(ctx, path, q, o, do, lse_ptr, dq, scale):
+    ctx.check(_fn("forkattn_path_attend_bwd")(path, byref(q), byref(o), byref(do), lse_ptr, byref(dq),
+                                              _scale(scale)))
+
+
+def path_pop(ctx, path, dk, dv):
+    """Pop the top node; dk/dv descriptors or None (discard)."""
+    ctx.check(_fn("forkattn_path_pop")(path, byref(dk) if dk is not None else None,
+                                       byref(dv) if dv is not None else None))
+
+
+def path_depth(path):
+    return int(_fn("forkattn_path_depth")(path))
+
+
+def path_rows(path):
+    return int(_fn("forkattn_path_rows")(path))
+
+
+def path_peak_bytes(path):
+    return int(_fn("forkattn_path_peak_bytes")(path))
+
+
+# --------------------------------------------------------------------------------------------
+# tree cost model, partition, batch plan (host). Layout arguments as for tree_fwd: int lists or
+# (pointer, n) pairs of host int64 arrays. Results are copied out of the C objects, which are
+# freed before returning: no C pointer outlives a call.
+
+
+def cost_model_struct(heads_q, head_dim, sec_per_mac, sec_per_row, sec_per_pair):
+    return TreeCostModelC(int(heads_q), int(head_dim), float(sec_per_mac), float(sec_per_row),
+                          float(sec_per_pair))
+
+
+def tree_cost_model_calibrate(ctx, heads_q, heads_kv, head_dim, dtype_code):
+    """(heads_q, head_dim, sec_per_mac, sec_per_row, sec_per_pair) fitted on ctx's backend."""
+    m = TreeCostModelC()
+    st = _fn("forkattn_tree_cost_model_calibrate")(ctx.handle, int(heads_q), int(heads_kv), int(head_dim),
+                                                   int(dtype_code), byref(m))
+    ctx.check(st)
+    return (int(m.heads_q), int(m.head_dim), float(m.sec_per_mac), float(m.sec_per_row),
+            float(m.sec_per_pair))
+
+
+def tree_cost(ctx, node_offsets, parents, model):
+    """Predicted seconds of fwd + bwd over the tree (``model`` a TreeCostModelC)."""
+    lay, keep = _tree_struct(node_offsets, parents)
+    out = c_double()
+    st = _fn("forkattn_tree_cost")(ctx.handle, byref(lay), byref(model), byref(out))
+    del keep
+    ctx.check(st)
+    return float(out.value)
+
+
+def _copy_layout(lay):
+    """(node_offsets, parents) ctypes int64 copies of a borrowed forkattn_tree_layout; an empty
+    layout gives ([0], [])."""
+    n = int(lay.num_nodes)
+    if n <= 0 or not lay.node_offsets or not lay.parents:
+        return (c_int64 * 1)(0), (c_int64 * 0)()
+    return _copy_i64(lay.node_offsets, n + 1), _copy_i64(lay.parents, n)
+
+
+def _copy_rows(fn, obj, i):
+    """Row map of part/batch i as a ctypes int64 array (length 0 when it has no rows)."""
+    nr = c_int64(0)
+    ptr = fn(obj, int(i), byref(nr))
+    n = int(nr.value)
+    if not ptr or n <= 0:
+        return (c_int64 * 0)()
+    return _copy_i64(ptr, n)
+
+
+def tree_partition(ctx, node_offsets, parents, num_parts, model):
+    """Partition a tree; returns {"parts": [dict(node_offsets, parents, rows: ctypes int64 arrays,
+    owned: bytes, cost: float)], "imbalance": float}. The C partition is freed here."""
+    lay, keep = _tree_struct(node_offsets, parents)
+    h = c_void_p()
+    st = _fn("forkattn_tree_partition")(ctx.handle, byref(lay), int(num_parts), byref(model), byref(h))
+    del keep
+    ctx.check(st)
+    lib = load_library()
+    try:
+        parts = []
+        for i in range(int(lib.forkattn_partition_num_parts(h))):
+            offs, par = _copy_layout(lib.forkattn_partition_layout(h, i))
+            rows = _copy_rows(lib.forkattn_partition_rows, h, i)
+            optr = lib.forkattn_partition_owned(h, i)
+            owned = ctypes.string_at(optr, len(rows)) if optr and len(rows) else b""
+            parts.append({"node_offsets": offs, "parents": par, "rows": rows, "owned": owned,
+                          "cost": float(lib.forkattn_partition_cost(h, i))})
+        return {"parts": parts, "imbalance": float(lib.forkattn_partition_imbalance(h))}
+    finally:
+        lib.forkattn_partition_free(h)
+
+
+def tree_plan_batches(ctx, node_offsets, parents, max_batch_rows, model):
+    """Batch plan of a forest: a list of dict(node_offsets, parents, rows: ctypes int64 arrays,
+    mode: "tree" / "replicated", reason: str). The C plan is freed here."""
+    lay, keep = _tree_struct(node_offsets, parents)
+    h = c_void_p()
+    st = _fn("forkattn_tree_plan_batches")(ctx.handle, byref(lay), int(max_batch_rows), byref(model),
+                                           byref(h))
+    del keep
+    ctx.check(st)
+    lib = load_library()
+    try:
+        out = []
+        for i in range(int(lib.forkattn_batch_plan_count(h))):
+            offs, par = _copy_layout(lib.forkattn_batch_plan_layout(h, i))
+            mode = int(lib.forkattn_batch_plan_mode(h, i))
+            out.append({"node_offsets": offs, "parents": par,
+                        "rows": _copy_rows(lib.forkattn_batch_plan_rows, h, i),
+                        "mode": EXEC_MODES.get(mode, str(mode)),
+                        "reason": (lib.forkattn_batch_plan_reason(h, i) or b"").decode(errors="replace")})
+        return out
+    finally:
+        lib.forkattn_batch_plan_free(h)
+

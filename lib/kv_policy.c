@@ -57,24 +57,8 @@ static forkattn_status fa_kv_check_policy(forkattn_ctx *ctx, const forkattn_kv_p
 
 /* q [L, Hq, d] and k [L, Hkv, d]: one dtype, Hq % Hkv == 0, 1 <= d <= 256. */
 static forkattn_status fa_kv_check_qk(forkattn_ctx *ctx, const forkattn_tensor *q, const forkattn_tensor *k) {
-  const forkattn_status bad = FORKATTN_ERR_INVALID_ARGUMENT;
-  if (!q) return fa_fail(ctx, bad, "q: tensor descriptor is NULL");
-  if (!k) return fa_fail(ctx, bad, "k: tensor descriptor is NULL");
-  if (q->heads <= 0 || k->heads <= 0)
-    return fa_fail(ctx, bad, "q/k: heads must be positive (q %lld, k %lld)", (long long)q->heads,
-                   (long long)k->heads);
-  if (q->heads % k->heads)
-    return fa_fail(ctx, bad, "q/k: query heads %lld are not a multiple of KV heads %lld (GQA)",
-                   (long long)q->heads, (long long)k->heads);
-  if (q->head_dim <= 0 || q->head_dim > FA_MAX_HEAD_DIM)
-    return fa_fail(ctx, bad, "q: head_dim %lld outside the supported 1..%d", (long long)q->head_dim,
-                   FA_MAX_HEAD_DIM);
-  forkattn_status st = fa_check_tensor(ctx, "q", q, q->dtype, q->rows, q->heads, q->head_dim);
-  if (st) return st;
-  if (k->rows != q->rows)
-    return fa_fail(ctx, bad, "k: has %lld rows, q has %lld (one sequence: both have L rows)",
-                   (long long)k->rows, (long long)q->rows);
-  return fa_check_tensor(ctx, "k", k, q->dtype, q->rows, k->heads, q->head_dim);
+  int64_t hq, hkv, d;
+  return fa_check_qk(ctx, "q", "k", q, k, q ? q->rows : 0, q ? q->rows : 0, &hq, &hkv, &d);
 }
 
 /* Host copy of a device tensor (its whole span, same strides). */

@@ -19,19 +19,8 @@ static forkattn_status fa_cached_begin(forkattn_ctx *ctx, const forkattn_prefix_
   int64_t total;
   if ((st = fa_check_memory(ctx, memory)) || (st = fa_prefix_ops.check(ctx, l, &total))) return st;
   *r = total - l->prompt_len;
-  if (!q) return fa_fail(ctx, bad, "q: tensor descriptor is NULL");
-  if (!k) return fa_fail(ctx, bad, "k: tensor descriptor is NULL");
   if (!v) return fa_fail(ctx, bad, "v: tensor descriptor is NULL");
-  if (q->heads <= 0 || k->heads <= 0 || q->heads % k->heads)
-    return fa_fail(ctx, bad, "q/k: query heads %lld must be a positive multiple of KV heads %lld (GQA)",
-                   (long long)q->heads, (long long)k->heads);
-  if (q->head_dim <= 0 || q->head_dim > FA_MAX_HEAD_DIM)
-    return fa_fail(ctx, bad, "q: head_dim %lld outside the supported 1..%d", (long long)q->head_dim, FA_MAX_HEAD_DIM);
-  *hq = q->heads;
-  *hkv = k->heads;
-  *d = q->head_dim;
-  if ((st = fa_check_tensor(ctx, "q", q, q->dtype, *r, *hq, *d)) ||
-      (st = fa_check_tensor(ctx, "k", k, q->dtype, total, *hkv, *d)) ||
+  if ((st = fa_check_qk(ctx, "q", "k", q, k, *r, total, hq, hkv, d)) ||
       (st = fa_check_tensor(ctx, "v", v, q->dtype, total, *hkv, *d)))
     return st;
   return fa_check_scale(ctx, scale);

@@ -34,28 +34,17 @@ static forkattn_status fa_kl_check_options(forkattn_ctx *ctx, const forkattn_kl_
   return FORKATTN_OK;
 }
 
-/* q [T, H, d] and k [T, hkv, d] of one side (teacher or student). */
+/* q [T, H, d] and k [T, hkv, d] of one side (teacher or student); heads >= 0:
+ * the query heads the teacher has. */
 static forkattn_status fa_kl_check_side(forkattn_ctx *ctx, const char *qn, const char *kn, const forkattn_tensor *q,
                                         const forkattn_tensor *k, int64_t rows, int64_t heads, int64_t *hkv,
                                         int64_t *d) {
-  const forkattn_status bad = FORKATTN_ERR_INVALID_ARGUMENT;
-  if (!q) return fa_fail(ctx, bad, "%s: tensor descriptor is NULL", qn);
-  if (!k) return fa_fail(ctx, bad, "%s: tensor descriptor is NULL", kn);
-  if (heads >= 0 && q->heads != heads)
-    return fa_fail(ctx, bad, "%s: %lld query heads, the teacher has %lld (distributions pair by query head)", qn,
+  if (q && heads >= 0 && q->heads != heads)
+    return fa_fail(ctx, FORKATTN_ERR_INVALID_ARGUMENT,
+                   "%s: %lld query heads, the teacher has %lld (distributions pair by query head)", qn,
                    (long long)q->heads, (long long)heads);
-  if (q->heads <= 0 || k->heads <= 0 || q->heads % k->heads)
-    return fa_fail(ctx, bad, "%s/%s: query heads %lld must be a positive multiple of KV heads %lld (GQA)", qn, kn,
-                   (long long)q->heads, (long long)k->heads);
-  if (q->head_dim <= 0 || q->head_dim > FA_MAX_HEAD_DIM)
-    return fa_fail(ctx, bad, "%s: head_dim %lld outside the supported 1..%d", qn, (long long)q->head_dim,
-                   FA_MAX_HEAD_DIM);
-  forkattn_status st;
-  if ((st = fa_check_tensor(ctx, qn, q, q->dtype, rows, q->heads, q->head_dim))) return st;
-  if ((st = fa_check_tensor(ctx, kn, k, q->dtype, rows, k->heads, q->head_dim))) return st;
-  *hkv = k->heads;
-  *d = q->head_dim;
-  return FORKATTN_OK;
+  int64_t hq;
+  return fa_check_qk(ctx, qn, kn, q, k, rows, rows, &hq, hkv, d);
 }
 
 /* Everything both directions check; fills the call (plan excluded). */

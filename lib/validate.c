@@ -58,30 +58,36 @@ forkattn_status fa_check_tensor(forkattn_ctx *ctx, const char *name, const forka
   return FORKATTN_OK;
 }
 
-forkattn_status fa_check_qkv(forkattn_ctx *ctx, const forkattn_tensor *q, const forkattn_tensor *k,
-                             const forkattn_tensor *v, int64_t rows, int64_t *hq, int64_t *hkv,
-                             int64_t *d) {
+forkattn_status fa_check_qk(forkattn_ctx *ctx, const char *qn, const char *kn, const forkattn_tensor *q,
+                            const forkattn_tensor *k, int64_t q_rows, int64_t k_rows, int64_t *hq, int64_t *hkv,
+                            int64_t *d) {
   const forkattn_status bad = FORKATTN_ERR_INVALID_ARGUMENT;
-  if (!q) return fa_fail(ctx, bad, "q: tensor descriptor is NULL");
-  if (!k) return fa_fail(ctx, bad, "k: tensor descriptor is NULL");
-  if (!v) return fa_fail(ctx, bad, "v: tensor descriptor is NULL");
+  if (!q) return fa_fail(ctx, bad, "%s: tensor descriptor is NULL", qn);
+  if (!k) return fa_fail(ctx, bad, "%s: tensor descriptor is NULL", kn);
   if (q->heads <= 0 || k->heads <= 0)
-    return fa_fail(ctx, bad, "q/k: heads must be positive (q %lld, k %lld)", (long long)q->heads,
+    return fa_fail(ctx, bad, "%s/%s: heads must be positive (%s %lld, %s %lld)", qn, kn, qn, (long long)q->heads, kn,
                    (long long)k->heads);
   if (q->heads % k->heads)
-    return fa_fail(ctx, bad, "q/k: query heads %lld are not a multiple of KV heads %lld (GQA)",
+    return fa_fail(ctx, bad, "%s/%s: query heads %lld are not a multiple of KV heads %lld (GQA)", qn, kn,
                    (long long)q->heads, (long long)k->heads);
   if (q->head_dim <= 0 || q->head_dim > FA_MAX_HEAD_DIM)
-    return fa_fail(ctx, bad, "q: head_dim %lld outside the supported 1..%d", (long long)q->head_dim,
+    return fa_fail(ctx, bad, "%s: head_dim %lld outside the supported 1..%d", qn, (long long)q->head_dim,
                    FA_MAX_HEAD_DIM);
   forkattn_status st;
-  if ((st = fa_check_tensor(ctx, "q", q, q->dtype, rows, q->heads, q->head_dim))) return st;
-  if ((st = fa_check_tensor(ctx, "k", k, q->dtype, rows, k->heads, q->head_dim))) return st;
-  if ((st = fa_check_tensor(ctx, "v", v, q->dtype, rows, k->heads, q->head_dim))) return st;
+  if ((st = fa_check_tensor(ctx, qn, q, q->dtype, q_rows, q->heads, q->head_dim))) return st;
+  if ((st = fa_check_tensor(ctx, kn, k, q->dtype, k_rows, k->heads, q->head_dim))) return st;
   *hq = q->heads;
   *hkv = k->heads;
   *d = q->head_dim;
   return FORKATTN_OK;
+}
+
+forkattn_status fa_check_qkv(forkattn_ctx *ctx, const forkattn_tensor *q, const forkattn_tensor *k,
+                             const forkattn_tensor *v, int64_t rows, int64_t *hq, int64_t *hkv,
+                             int64_t *d) {
+  if (!v) return fa_fail(ctx, FORKATTN_ERR_INVALID_ARGUMENT, "v: tensor descriptor is NULL");
+  forkattn_status st = fa_check_qk(ctx, "q", "k", q, k, rows, rows, hq, hkv, d);
+  return st ? st : fa_check_tensor(ctx, "v", v, q->dtype, rows, *hkv, *d);
 }
 
 forkattn_status fa_check_scale(forkattn_ctx *ctx, float scale) {

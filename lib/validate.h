@@ -12,6 +12,13 @@ forkattn_status fa_check_tensor(forkattn_ctx *ctx, const char *name, const forka
                                 forkattn_dtype dtype, int64_t rows, int64_t heads,
                                 int64_t head_dim);
 
+/* q [q_rows, Hq, d] and k [k_rows, Hkv, d] of one attention side: non-NULL,
+ * positive heads, Hq % Hkv == 0, 1 <= d <= 256, k in q's dtype; qn/kn name
+ * them in messages. Fills *hq, *hkv, *d. */
+forkattn_status fa_check_qk(forkattn_ctx *ctx, const char *qn, const char *kn, const forkattn_tensor *q,
+                            const forkattn_tensor *k, int64_t q_rows, int64_t k_rows, int64_t *hq, int64_t *hkv,
+                            int64_t *d);
+
 /* q/k/v shapes of an attention call: positive heads, Hq % Hkv == 0, 1 <= d <= 256,
  * same dtype, rows given. Fills *hq, *hkv, *d. */
 forkattn_status fa_check_qkv(forkattn_ctx *ctx, const forkattn_tensor *q, const forkattn_tensor *k,

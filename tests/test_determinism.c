@@ -493,14 +493,14 @@ Test(streamkl, bwd_1000_and_threads, .timeout = DT_TIMEOUT) {
   }
   const int reps = dt_reps();
   for (int it = 0; it < reps; it++) {
-    cr_assert_eq(kl_run(ctx, &p, &cur), FORKATTN_OK);
+    cr_assert_eq(kl_run(ctx, &p, &cur), FORKATTN_OK, "%s: run %d: %s", name, it + 1, forkattn_ctx_last_error(ctx));
     kl_same(&cur, &ref, name, it + 1);
   }
   forkattn_ctx_destroy(ctx);
   const int threads[4] = {1, 2, 3, 5};
   for (int k = 0; k < 4; k++) {
     forkattn_ctx *c = dt_ctx(threads[k], k % 2, name);
-    cr_assert_eq(kl_run(c, &p, &cur), FORKATTN_OK);
+    cr_assert_eq(kl_run(c, &p, &cur), FORKATTN_OK, "%s: %d threads: %s", name, threads[k], forkattn_ctx_last_error(c));
     kl_same(&cur, &ref, name, -threads[k]);
     forkattn_ctx_destroy(c);
   }

@@ -40,6 +40,17 @@ _TORCH_NAMES = (
     "kl_outside_mass",
     "StreamKLFunction",
     "KeptAttentionFunction",
+    "prefix_cached_attention",
+    "PrefixCachedAttentionFunction",
+)
+
+# forkattn.dlm_cache (shared-prefix KV cache for diffusion LMs): the cache, K/V similarity and
+# the reuse-depth profile work with numpy arrays too (loaded on first use without torch).
+_DLM_NAMES = (
+    "KVCache",
+    "KVEntry",
+    "kv_similarity",
+    "ReuseProfile",
 )
 
 try:
@@ -68,6 +79,14 @@ else:
         kv_select,
         stream_kl,
     )
+    from .dlm_cache import (  # noqa: F401  (registers torch.ops.forkattn.prefix_cached_fwd/_bwd)
+        KVCache,
+        KVEntry,
+        PrefixCachedAttentionFunction,
+        ReuseProfile,
+        kv_similarity,
+        prefix_cached_attention,
+    )
 
 
 # forkattn.tree_exec (DFS path stack, tree cost model, partition, batch plan): numpy arrays or
@@ -89,10 +108,14 @@ def __getattr__(name):
         from . import tree_exec
 
         return getattr(tree_exec, name)
+    if name in _DLM_NAMES:
+        from . import dlm_cache
+
+        return getattr(dlm_cache, name)
     if name in _TORCH_NAMES and not HAVE_TORCH:
         raise ImportError("forkattn.%s needs PyTorch, which could not be imported (%s); the numpy "
                           "functions are in forkattn.numpy_api" % (name, _TORCH_ERROR))
-    if name in ("numpy_api", "hf", "distill", "tree_exec"):  # lazy submodules (forkattn.hf imports transformers only in register())
+    if name in ("numpy_api", "hf", "distill", "tree_exec", "dlm_cache"):  # lazy submodules (forkattn.hf imports transformers only in register())
         import importlib
 
         return importlib.import_module("." + name, __name__)
@@ -113,4 +136,4 @@ __all__ = [
     "use_context",
     "version",
     "HAVE_TORCH",
-] + list(_TORCH_NAMES) + list(_TREE_EXEC_NAMES)
+] + list(_TORCH_NAMES) + list(_TREE_EXEC_NAMES) + list(_DLM_NAMES)

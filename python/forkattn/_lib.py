@@ -15,7 +15,7 @@ import glob
 import os
 import threading
 from ctypes import POINTER, Structure, byref, c_char_p, c_double, c_float, c_int, c_int64, c_size_t
-from ctypes import c_uint, c_void_p
+from ctypes import c_uint, c_uint64, c_void_p
 
 __all__ = [
     "ForkattnError",
@@ -164,6 +164,34 @@ class TreeCostModelC(Structure):
     ]
 
 
+class KvCacheOptions(Structure):
+    """``forkattn_kv_cache_options``: shape and byte budget of a shared-prefix KV cache."""
+
+    _fields_ = [
+        ("capacity_bytes", c_size_t),
+        ("block_tokens", c_int64),
+        ("layers", c_int64),
+        ("kv_heads", c_int64),
+        ("head_dim", c_int64),
+        ("dtype", c_int),
+        ("memory", c_int),
+    ]
+
+
+class KvCacheStats(Structure):
+    """``forkattn_kv_cache_stats``."""
+
+    _fields_ = [
+        ("hits", c_uint64),
+        ("misses", c_uint64),
+        ("insertions", c_uint64),
+        ("evictions", c_uint64),
+        ("rejected", c_uint64),
+        ("bytes", c_size_t),
+        ("entries", c_int64),
+    ]
+
+
 class CtxOptions(Structure):
     """``forkattn_ctx_options``."""
 
@@ -181,8 +209,8 @@ _I64P = POINTER(c_int64)
 
 # name: (restype, argtypes); optional symbols are looked up lazily (trie_* came in 0.1.0 too,
 # but a stripped-down build may lack them: the binding then fails only when they are used; the
-# same holds for kept sets, StreamKL, kv_select, the DFS path stack and the tree cost model /
-# partition / batch plan, newer additions).
+# same holds for kept sets, StreamKL, kv_select, the DFS path stack, the tree cost model /
+# partition / batch plan and the diffusion-LM KV cache (BiCache), newer additions).
 _SIGNATURES = {
     "forkattn_version_number": (c_uint, []),
     "forkattn_version_string": (c_char_p, []),
@@ -308,6 +336,31 @@ _SIGNATURES = {
     "forkattn_batch_plan_rows": (_I64P, [c_void_p, c_int64, _I64P]),
     "forkattn_batch_plan_mode": (c_int, [c_void_p, c_int64]),
     "forkattn_batch_plan_reason": (c_char_p, [c_void_p, c_int64]),
+    # shared-prefix KV cache for diffusion LMs (issue 6; optional): cached-prefix attention, the
+    # cache, K/V similarity, the reuse-depth profile. Tokens are int32 host arrays (c_void_p).
+    "forkattn_prefix_cached_fwd": (
+        c_int,
+        [c_void_p, POINTER(PrefixLayout), _T, _T, _T, _T, c_void_p, c_float, c_int],
+    ),
+    "forkattn_prefix_cached_bwd": (
+        c_int,
+        [c_void_p, POINTER(PrefixLayout), _T, _T, _T, _T, _T, c_void_p, _T, _T, _T, c_float, c_int],
+    ),
+    "forkattn_kv_cache_create": (c_int, [c_void_p, POINTER(KvCacheOptions), POINTER(c_void_p)]),
+    "forkattn_kv_cache_destroy": (None, [c_void_p]),
+    "forkattn_kv_cache_insert": (c_int, [c_void_p, c_void_p, c_int64, _T, _T, c_int, POINTER(c_int)]),
+    "forkattn_kv_cache_lookup": (c_int, [c_void_p, c_void_p, c_int64, POINTER(c_void_p), POINTER(c_int64)]),
+    "forkattn_kv_entry_k": (Tensor, [c_void_p, c_int64]),
+    "forkattn_kv_entry_v": (Tensor, [c_void_p, c_int64]),
+    "forkattn_kv_cache_release": (None, [c_void_p, c_void_p]),
+    "forkattn_kv_cache_get_stats": (c_int, [c_void_p, POINTER(KvCacheStats)]),
+    "forkattn_kv_similarity": (c_int, [c_void_p, _T, _T, POINTER(c_float), POINTER(c_float), c_int]),
+    "forkattn_reuse_profile_create": (c_int, [c_void_p, c_int64, c_float, POINTER(c_void_p)]),
+    "forkattn_reuse_profile_free": (None, [c_void_p]),
+    "forkattn_reuse_profile_add": (c_int, [c_void_p, c_void_p, c_double, POINTER(c_float)]),
+    "forkattn_reuse_profile_depth": (c_int, [c_void_p, c_void_p, c_double, POINTER(c_int64)]),
+    "forkattn_reuse_profile_save": (c_int, [c_void_p, c_void_p, c_char_p]),
+    "forkattn_reuse_profile_load": (c_int, [c_void_p, c_char_p, POINTER(c_void_p)]),
 }
 _REQUIRED = (
     "forkattn_version_number",
@@ -1318,3 +1371,143 @@ def tree_plan_batches(ctx, node_offsets, parents, max_batch_rows, model):
     finally:
         lib.forkattn_batch_plan_free(h)
 
+
+
+# --------------------------------------------------------------------------------------------
+# shared-prefix KV cache for diffusion LMs (BiCache): cached-prefix attention, the cache, K/V
+# similarity, the reuse-depth profile. Handles (cache, entry, profile) are c_void_p values owned
+# by forkattn.dlm_cache's classes. Tokens are (host pointer, n) pairs of int32 arrays.
+
+
+def _cached_layout(prompt_len, response_lens, causal):
+    """(forkattn_prefix_layout of one group, offsets array kept alive)."""
+    _check_layout_lists([int(prompt_len)], [len(response_lens)], response_lens)
+    arr, _ = _i64_array([0] + _cumsum(response_lens))
+    return PrefixLayout(int(prompt_len), len(response_lens), arr,
+                        MASK_CAUSAL if causal else MASK_BIDIRECTIONAL), arr
+
+
+def prefix_cached_fwd(ctx, prompt_len, response_lens, causal, q, k, v, o, lse_ptr, scale, memory):
+    """Attention of one group's response rows (q, o [R_total, Hq, d]) against keys/values
+    [P + R_total, Hkv, d] whose first P rows are a cached prefix."""
+    lay, keep = _cached_layout(prompt_len, response_lens, causal)
+    st = _fn("forkattn_prefix_cached_fwd")(ctx.handle, byref(lay), byref(q), byref(k), byref(v), byref(o),
+                                           lse_ptr, _scale(scale), memory)
+    del keep
+    ctx.check(st)
+
+
+def prefix_cached_bwd(ctx, prompt_len, response_lens, causal, q, k, v, o, do, lse_ptr, dq, dk, dv, scale,
+                      memory):
+    lay, keep = _cached_layout(prompt_len, response_lens, causal)
+    st = _fn("forkattn_prefix_cached_bwd")(ctx.handle, byref(lay), byref(q), byref(k), byref(v), byref(o),
+                                           byref(do), lse_ptr, byref(dq), byref(dk), byref(dv), _scale(scale),
+                                           memory)
+    del keep
+    ctx.check(st)
+
+
+def kv_cache_create(ctx, capacity_bytes, block_tokens, layers, kv_heads, head_dim, dtype_code, memory):
+    """A new ``forkattn_kv_cache`` on ``ctx`` (freed with kv_cache_destroy, before the context)."""
+    opt = KvCacheOptions(int(capacity_bytes), int(block_tokens), int(layers), int(kv_heads), int(head_dim),
+                         int(dtype_code), int(memory))
+    h = c_void_p()
+    st = _fn("forkattn_kv_cache_create")(ctx.handle, byref(opt), byref(h))
+    ctx.check(st)
+    return h
+
+
+def kv_cache_destroy(cache):
+    if cache:
+        _fn("forkattn_kv_cache_destroy")(cache)
+
+
+def kv_cache_insert(ctx, cache, layers, tokens_ptr, n, ks, vs, memory):
+    """Store the prefix tokens[0..n) with per-layer descriptors ``ks``/``vs`` (lists of exactly
+    ``layers`` Tensor: the C library reads that many). Returns True when stored (or refreshed),
+    False when the cache rejected it. Errors are reported through ``ctx``, the cache's context."""
+    layers = int(layers)
+    if len(ks) != layers or len(vs) != layers:
+        raise _invalid("insert: %d key and %d value tensors given, the cache has %d layers"
+                       % (len(ks), len(vs), layers))
+    karr = (Tensor * max(1, layers))(*ks)
+    varr = (Tensor * max(1, layers))(*vs)
+    stored = c_int(0)
+    st = _fn("forkattn_kv_cache_insert")(cache, c_void_p(int(tokens_ptr) or None), int(n), karr, varr,
+                                         int(memory), byref(stored))
+    ctx.check(st)
+    return bool(stored.value)
+
+
+def kv_cache_lookup(ctx, cache, tokens_ptr, n):
+    """(held entry handle or None, matched length) of the longest cached prefix of tokens[0..n)."""
+    e = c_void_p()
+    m = c_int64(0)
+    st = _fn("forkattn_kv_cache_lookup")(cache, c_void_p(int(tokens_ptr) or None), int(n), byref(e), byref(m))
+    ctx.check(st)
+    return (e if e.value else None), int(m.value)
+
+
+def kv_entry_view(entry, layer, which):
+    """The contiguous descriptor of K (which=0) or V (which=1) of ``layer`` of a held entry."""
+    return _fn("forkattn_kv_entry_v" if which else "forkattn_kv_entry_k")(entry, int(layer))
+
+
+def kv_cache_release(cache, entry):
+    if cache and entry:
+        _fn("forkattn_kv_cache_release")(cache, entry)
+
+
+def kv_cache_stats(ctx, cache):
+    s = KvCacheStats()
+    ctx.check(_fn("forkattn_kv_cache_get_stats")(cache, byref(s)))
+    return {name: int(getattr(s, name)) for name, _ in KvCacheStats._fields_}
+
+
+def kv_similarity(ctx, a, b, memory):
+    """(per-head similarities as a list of floats, their mean) of two [rows, heads, d] tensors."""
+    heads = int(a.heads)
+    sim = (c_float * max(1, heads))()
+    mean = c_float(0.0)
+    st = _fn("forkattn_kv_similarity")(ctx.handle, byref(a), byref(b), sim, byref(mean), int(memory))
+    ctx.check(st)
+    return [float(x) for x in sim[:heads]], float(mean.value)
+
+
+def reuse_profile_create(ctx, layers, threshold):
+    h = c_void_p()
+    st = _fn("forkattn_reuse_profile_create")(ctx.handle, int(layers), c_float(float(threshold)), byref(h))
+    ctx.check(st)
+    return h
+
+
+def reuse_profile_free(profile):
+    if profile:
+        _fn("forkattn_reuse_profile_free")(profile)
+
+
+def reuse_profile_add(ctx, profile, layers, ratio, sims):
+    """``sims``: a sequence of exactly ``layers`` floats (the C library reads that many)."""
+    sims = [float(x) for x in sims]
+    if len(sims) != int(layers):
+        raise _invalid("sims: %d values given, the profile has %d layers (one similarity per layer)"
+                       % (len(sims), int(layers)))
+    arr = (c_float * max(1, len(sims)))(*sims)
+    ctx.check(_fn("forkattn_reuse_profile_add")(ctx.handle, profile, c_double(float(ratio)), arr))
+
+
+def reuse_profile_depth(ctx, profile, ratio):
+    d = c_int64(0)
+    ctx.check(_fn("forkattn_reuse_profile_depth")(ctx.handle, profile, c_double(float(ratio)), byref(d)))
+    return int(d.value)
+
+
+def reuse_profile_save(ctx, profile, path):
+    ctx.check(_fn("forkattn_reuse_profile_save")(ctx.handle, profile, os.fsencode(path)))
+
+
+def reuse_profile_load(ctx, path):
+    h = c_void_p()
+    st = _fn("forkattn_reuse_profile_load")(ctx.handle, os.fsencode(path), byref(h))
+    ctx.check(st)
+    return h

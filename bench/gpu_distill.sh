@@ -10,18 +10,8 @@ final=${OUT:-gpu-logs}
 mkdir -p "$final"
 export OMP_TARGET_OFFLOAD=mandatory FORKATTN_BACKEND=gpu
 status=0
-for name in test_streamkl test_kept_attn test_kv_policy test_determinism test_prefix test_tree test_prefix_device \
-            test_nonfinite test_path_stack; do
-  start=$(date +%s.%N)
-  bash bench/gpu_run.sh "$b/tests/$name" > "$final/$name.log" 2>&1; rc=$?
-  end=$(date +%s.%N)
-  printf '%-20s rc=%d  %.1f s  %s\n' "$name" "$rc" "$(awk "BEGIN{print $end - $start}")" \
-    "$(grep -o 'Synthesis:.*' "$final/$name.log" | tail -1)" | tee -a "$final/tests.txt"
-  if [ $rc -ne 0 ]; then
-    status=1
-    { echo "### $name"; grep -B2 -A12 -E "FAIL|Assertion|failed" "$final/$name.log" | head -80; } >> "$final/failures.txt"
-  fi
-done
+bash bench/gpu_tests.sh "$b" test_streamkl test_kept_attn test_kv_policy test_determinism test_prefix test_tree \
+  test_prefix_device test_nonfinite test_path_stack || status=1
 bash bench/gpu_run.sh bash python/run_tests.sh "$b" > "$final/python.log" 2>&1 || status=1
 tail -3 "$final/python.log" | tee -a "$final/tests.txt"
 for args in "--seq 4096 --heads 16 --d 128" "--seq 4096 --heads 16 --d 128 --reverse" \

@@ -1,7 +1,7 @@
 /* `forkattn bench prefix`: shared vs replicated times, useful FLOP rates,
  * memory, and (CPU) OpenBLAS sgemm measured in the same run for reference.
  * Prints a table, or JSON lines with --json; --sweep runs it per size, --plot
- * draws the sweep (plot.c). `bench tree`: cmd_bench_tree.c, `bench kl`: cmd_bench_kl.c. */
+ * draws the sweep (plot.c). `bench tree`: cmd_bench_tree.c, `bench kl`: cmd_bench_kl.c, `bench dlm`: cmd_bench_dlm.c. */
 #include <cblas.h>
 #include <math.h>
 #include <stdio.h>
@@ -153,8 +153,9 @@ int cmd_bench(int argc, char **argv) {
                  FORKATTN_BACKEND_AUTO, 3, 0, 0, 1};
   if (argc >= 2 && !strcmp(argv[1], "tree")) return cmd_bench_tree(argc, argv);
   if (argc >= 2 && !strcmp(argv[1], "kl")) return cmd_bench_kl(argc, argv);
+  if (argc >= 2 && !strcmp(argv[1], "dlm")) return cmd_bench_dlm(argc, argv);
   if (argc < 2 || strcmp(argv[1], "prefix")) {
-    fprintf(stderr, "usage: forkattn bench prefix|tree|kl [options]  (--help for options)\n");
+    fprintf(stderr, "usage: forkattn bench prefix|tree|kl|dlm [options]  (--help for options)\n");
     return 2;
   }
   const char *sweep = NULL, *plot = NULL;

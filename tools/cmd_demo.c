@@ -1,13 +1,15 @@
 /* `forkattn demo`: the main job. A GRPO-shaped group (N responses sharing one
  * prompt) runs shared-prompt attention forward+backward on the best backend,
  * is checked against the replicated computation, and reports errors, time,
- * memory and the speedup over replicated. */
+ * memory and the speedup over replicated. `demo dlm`: cmd_demo_dlm.c. */
 #include <stdio.h>
+#include <string.h>
 
 #include "commands.h"
 #include "measure.h"
 
 int cmd_demo(int argc, char **argv) {
+  if (argc >= 2 && !strcmp(argv[1], "dlm")) return cmd_demo_dlm(argc, argv); /* BiCache serving */
   tool_opts o = {{8, 1024, 256, 8, 2, 64, FORKATTN_DTYPE_F32, FORKATTN_MASK_CAUSAL},
                  FORKATTN_BACKEND_AUTO, 5, 0, 0, 20261130};
   int p = tool_parse(argc, argv, 1, &o);

@@ -8,5 +8,8 @@ int cmd_bench(int argc, char **argv);
 int cmd_bench_tree(int argc, char **argv);
 /* `bench kl`; argv[1] = "kl" */
 int cmd_bench_kl(int argc, char **argv);
+/* `bench dlm` and `demo dlm` (BiCache serving); argv[1] = "dlm" */
+int cmd_bench_dlm(int argc, char **argv);
+int cmd_demo_dlm(int argc, char **argv);
 int cmd_check(int argc, char **argv);
 #endif

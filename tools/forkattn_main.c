@@ -11,9 +11,11 @@ static int usage(FILE *f) {
           "usage: forkattn <command> [options]\n"
           "  info                 version, backends, devices, CPU topology\n"
           "  demo [--backend B]   GRPO-shaped group: shared-prompt fwd+bwd vs replicated\n"
+          "  demo dlm [...]       diffusion-LM serving with a shared-prefix KV cache (BiCache; --help)\n"
           "  bench prefix [...]   time shared vs replicated (forkattn bench prefix --help)\n"
           "  bench tree [...]     time tree vs replicated vs prompt-only (forkattn bench tree --help)\n"
           "  bench kl [...]       time StreamKL vs a materialized KL (forkattn bench kl --help)\n"
+          "  bench dlm [...]      BiCache serving throughput per prefix ratio (forkattn bench dlm --help)\n"
           "  check [...]          problems against the float64 reference (forkattn check --help)\n"
           "  version              print the version\n"
           "Environment: FORKATTN_BACKEND=cpu|gpu|auto overrides the backend.\n",

@@ -1121,6 +1121,48 @@ FORKATTN_API forkattn_status forkattn_prefix_cached_bwd(forkattn_ctx *ctx, const
                                                         const forkattn_tensor *dv, float scale,
                                                         forkattn_memory memory);
 
+/**
+ * Block-causal variant of forkattn_prefix_cached_fwd() (block diffusion LMs,
+ * semi-autoregressive decoding): response i's rows form blocks of block_size
+ * rows from its first row (the last may be shorter); a row of block j sees all
+ * P prefix keys and every key of the response's blocks 0..j (bidirectional
+ * inside a block, causal across blocks). The layout's mask is not used.
+ *
+ * @param ctx the context @param layout the group (P = prompt_len cached rows)
+ * @param block_size rows per block (>= 1; 1 is the causal mask)
+ * @param q queries [R_total, Hq, d] @param k keys [P + R_total, Hkv, d]
+ * @param v values [P + R_total, Hkv, d] @param o output [R_total, Hq, d]
+ * @param lse optional float32 [R_total, Hq] @param scale softmax scale (finite, > 0)
+ * @param memory where tensors and lse live
+ * @return as forkattn_prefix_fwd()
+ */
+FORKATTN_API forkattn_status forkattn_prefix_cached_block_fwd(forkattn_ctx *ctx, const forkattn_prefix_layout *layout,
+                                                              int64_t block_size, const forkattn_tensor *q,
+                                                              const forkattn_tensor *k, const forkattn_tensor *v,
+                                                              const forkattn_tensor *o, float *lse, float scale,
+                                                              forkattn_memory memory);
+
+/**
+ * Backward of forkattn_prefix_cached_block_fwd(), as forkattn_prefix_cached_bwd().
+ *
+ * @param ctx the context @param layout the group, as in the forward
+ * @param block_size the forward's block size
+ * @param q queries [R_total, Hq, d] @param k keys [P + R_total, Hkv, d]
+ * @param v values [P + R_total, Hkv, d] @param o the forward's output
+ * @param dout gradient with respect to o @param lse float32 [R_total, Hq] (required)
+ * @param dq output [R_total, Hq, d] @param dk output [P + R_total, Hkv, d]
+ * @param dv output [P + R_total, Hkv, d] @param scale the forward's scale
+ * @param memory where every tensor and lse live
+ * @return as forkattn_prefix_bwd()
+ */
+FORKATTN_API forkattn_status forkattn_prefix_cached_block_bwd(forkattn_ctx *ctx, const forkattn_prefix_layout *layout,
+                                                              int64_t block_size, const forkattn_tensor *q,
+                                                              const forkattn_tensor *k, const forkattn_tensor *v,
+                                                              const forkattn_tensor *o, const forkattn_tensor *dout,
+                                                              const float *lse, const forkattn_tensor *dq,
+                                                              const forkattn_tensor *dk, const forkattn_tensor *dv,
+                                                              float scale, forkattn_memory memory);
+
 /** A cache of prefixes' per-layer K/V, keyed by token prefix. Thread-safe:
  *  any number of threads may insert, look up and release at once. */
 typedef struct forkattn_kv_cache forkattn_kv_cache;

@@ -47,34 +47,40 @@ static forkattn_status fa_tensor_zero(forkattn_ctx *ctx, const forkattn_tensor *
   return failed ? fa_fail(ctx, FORKATTN_ERR_DEVICE, "prefix_cached_bwd: zeroing dk/dv failed") : FORKATTN_OK;
 }
 
-forkattn_status forkattn_prefix_cached_fwd(forkattn_ctx *ctx, const forkattn_prefix_layout *layout,
-                                           const forkattn_tensor *q, const forkattn_tensor *k,
-                                           const forkattn_tensor *v, const forkattn_tensor *o, float *lse,
-                                           float scale, forkattn_memory memory) {
-  if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
-  fa_clear_error(ctx);
+/* block 0: the layout's mask; > 0: block-causal over blocks of that many rows. */
+static forkattn_status fa_cached_plan(forkattn_ctx *ctx, const forkattn_prefix_layout *l, int64_t block, fa_plan *plan) {
+  const int rc = block > 0 ? fa_plan_prefix_cached_blocks(plan, l->prompt_len, l->num_responses, l->response_offsets, block)
+                           : fa_plan_prefix_cached(plan, l->prompt_len, l->num_responses, l->response_offsets,
+                                                   l->mask == FORKATTN_MASK_CAUSAL);
+  return rc ? fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "layout: cannot allocate the segment plan") : FORKATTN_OK;
+}
+
+static forkattn_status fa_check_block(forkattn_ctx *ctx, int64_t block) {
+  if (block < 1)
+    return fa_fail(ctx, FORKATTN_ERR_INVALID_ARGUMENT, "block_size: %lld must be >= 1", (long long)block);
+  return FORKATTN_OK;
+}
+
+static forkattn_status fa_cached_fwd(forkattn_ctx *ctx, const forkattn_prefix_layout *layout, int64_t block,
+                                     const forkattn_tensor *q, const forkattn_tensor *k, const forkattn_tensor *v,
+                                     const forkattn_tensor *o, float *lse, float scale, forkattn_memory memory) {
   int64_t r = 0, hq = 0, hkv = 0, d = 0;
   forkattn_status st = fa_cached_begin(ctx, layout, q, k, v, scale, memory, &r, &hq, &hkv, &d);
   if (st || (st = fa_check_tensor(ctx, "o", o, q->dtype, r, hq, d))) return st;
   if (r == 0) return FORKATTN_OK;
   fa_plan plan;
-  if (fa_plan_prefix_cached(&plan, layout->prompt_len, layout->num_responses, layout->response_offsets,
-                            layout->mask == FORKATTN_MASK_CAUSAL))
-    return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "layout: cannot allocate the segment plan");
+  if ((st = fa_cached_plan(ctx, layout, block, &plan))) return st;
   fa_attn_fwd a = {&plan, *q, *k, *v, *o, lse, scale, hq, hkv, d, NULL};
   st = fa_attn_fwd_run(ctx, &a, memory);
   fa_plan_free(&plan);
   return st;
 }
 
-forkattn_status forkattn_prefix_cached_bwd(forkattn_ctx *ctx, const forkattn_prefix_layout *layout,
-                                           const forkattn_tensor *q, const forkattn_tensor *k,
-                                           const forkattn_tensor *v, const forkattn_tensor *o,
-                                           const forkattn_tensor *dout, const float *lse,
-                                           const forkattn_tensor *dq, const forkattn_tensor *dk,
-                                           const forkattn_tensor *dv, float scale, forkattn_memory memory) {
-  if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
-  fa_clear_error(ctx);
+static forkattn_status fa_cached_bwd(forkattn_ctx *ctx, const forkattn_prefix_layout *layout, int64_t block,
+                                     const forkattn_tensor *q, const forkattn_tensor *k, const forkattn_tensor *v,
+                                     const forkattn_tensor *o, const forkattn_tensor *dout, const float *lse,
+                                     const forkattn_tensor *dq, const forkattn_tensor *dk, const forkattn_tensor *dv,
+                                     float scale, forkattn_memory memory) {
   int64_t r = 0, hq = 0, hkv = 0, d = 0;
   forkattn_status st = fa_cached_begin(ctx, layout, q, k, v, scale, memory, &r, &hq, &hkv, &d);
   if (st || (st = fa_check_tensor(ctx, "o", o, q->dtype, r, hq, d)) ||
@@ -90,11 +96,53 @@ forkattn_status forkattn_prefix_cached_bwd(forkattn_ctx *ctx, const forkattn_pre
     return fa_tensor_zero(ctx, dv, memory);
   }
   fa_plan plan;
-  if (fa_plan_prefix_cached(&plan, layout->prompt_len, layout->num_responses, layout->response_offsets,
-                            layout->mask == FORKATTN_MASK_CAUSAL))
-    return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "layout: cannot allocate the segment plan");
+  if ((st = fa_cached_plan(ctx, layout, block, &plan))) return st;
   fa_attn_bwd a = {&plan, *q, *k, *v, *o, *dout, *dq, *dk, *dv, lse, scale, hq, hkv, d, NULL};
   st = fa_attn_bwd_run(ctx, &a, memory);
   fa_plan_free(&plan);
   return st;
+}
+
+forkattn_status forkattn_prefix_cached_fwd(forkattn_ctx *ctx, const forkattn_prefix_layout *layout,
+                                           const forkattn_tensor *q, const forkattn_tensor *k,
+                                           const forkattn_tensor *v, const forkattn_tensor *o, float *lse,
+                                           float scale, forkattn_memory memory) {
+  if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
+  fa_clear_error(ctx);
+  return fa_cached_fwd(ctx, layout, 0, q, k, v, o, lse, scale, memory);
+}
+
+forkattn_status forkattn_prefix_cached_bwd(forkattn_ctx *ctx, const forkattn_prefix_layout *layout,
+                                           const forkattn_tensor *q, const forkattn_tensor *k,
+                                           const forkattn_tensor *v, const forkattn_tensor *o,
+                                           const forkattn_tensor *dout, const float *lse,
+                                           const forkattn_tensor *dq, const forkattn_tensor *dk,
+                                           const forkattn_tensor *dv, float scale, forkattn_memory memory) {
+  if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
+  fa_clear_error(ctx);
+  return fa_cached_bwd(ctx, layout, 0, q, k, v, o, dout, lse, dq, dk, dv, scale, memory);
+}
+
+forkattn_status forkattn_prefix_cached_block_fwd(forkattn_ctx *ctx, const forkattn_prefix_layout *layout,
+                                                 int64_t block_size, const forkattn_tensor *q,
+                                                 const forkattn_tensor *k, const forkattn_tensor *v,
+                                                 const forkattn_tensor *o, float *lse, float scale,
+                                                 forkattn_memory memory) {
+  if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
+  fa_clear_error(ctx);
+  forkattn_status st = fa_check_block(ctx, block_size);
+  return st ? st : fa_cached_fwd(ctx, layout, block_size, q, k, v, o, lse, scale, memory);
+}
+
+forkattn_status forkattn_prefix_cached_block_bwd(forkattn_ctx *ctx, const forkattn_prefix_layout *layout,
+                                                 int64_t block_size, const forkattn_tensor *q,
+                                                 const forkattn_tensor *k, const forkattn_tensor *v,
+                                                 const forkattn_tensor *o, const forkattn_tensor *dout,
+                                                 const float *lse, const forkattn_tensor *dq,
+                                                 const forkattn_tensor *dk, const forkattn_tensor *dv, float scale,
+                                                 forkattn_memory memory) {
+  if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
+  fa_clear_error(ctx);
+  forkattn_status st = fa_check_block(ctx, block_size);
+  return st ? st : fa_cached_bwd(ctx, layout, block_size, q, k, v, o, dout, lse, dq, dk, dv, scale, memory);
 }

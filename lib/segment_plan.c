@@ -210,6 +210,40 @@ int fa_plan_prefix_cached(fa_plan *p, int64_t prompt_len, int64_t n, const int64
   return rc;
 }
 
+int fa_plan_prefix_cached_blocks(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off, int64_t block) {
+  /* segments: 0 = prefix keys, then per block its keys and its queries */
+  int64_t nb = 0, np = 0;
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t b = (off[i + 1] - off[i] + block - 1) / block;
+    nb += b;
+    np += b * (b + 1) / 2 + (prompt_len > 0 ? b : 0);
+  }
+  fa_range *seg = fa_malloc(sizeof *seg * (size_t)(2 * nb + 1));
+  fa_pair *pair = fa_malloc(sizeof *pair * (size_t)(np ? np : 1));
+  if (!seg || !pair) {
+    fa_free(seg);
+    fa_free(pair);
+    return -1;
+  }
+  seg[0] = (fa_range){0, prompt_len};
+  int64_t s = 0, k = 0;
+  for (int64_t i = 0; i < n; i++) { /* key segments 1..nb, query segments nb+1..2nb */
+    const int64_t first = s;
+    for (int64_t r = off[i]; r < off[i + 1]; r += block, s++) {
+      const int64_t len = off[i + 1] - r < block ? off[i + 1] - r : block;
+      seg[1 + s] = (fa_range){prompt_len + r, len};
+      seg[1 + nb + s] = (fa_range){r, len};
+      if (prompt_len > 0) pair[k++] = (fa_pair){1 + nb + s, 0, 0};
+      for (int64_t j = first; j <= s; j++) pair[k++] = (fa_pair){1 + nb + s, 1 + j, 0};
+    }
+  }
+  int rc = fa_plan_build(p, n ? off[n] : 0, 2 * nb + 1, seg, k, pair);
+  if (!rc) p->qshift = prompt_len;
+  fa_free(seg);
+  fa_free(pair);
+  return rc;
+}
+
 typedef struct {
   fa_block b;
   int64_t cost, order;

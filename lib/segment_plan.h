@@ -79,6 +79,12 @@ int fa_plan_prefix(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off
  * != 0). Empty responses are dropped. */
 int fa_plan_prefix_cached(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off, int causal);
 
+/* Block-causal variant (block diffusion): response i's rows form blocks of
+ * `block` rows from its first row; block j's queries read the prefix and the
+ * response's blocks 0..j, all of their keys. Key segments are the blocks
+ * themselves (disjoint, so each key row has one owner in the backward). */
+int fa_plan_prefix_cached_blocks(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off, int64_t block);
+
 /* Split segments into blocks of at most block_rows rows, heaviest first.
  * by_key = 0: query blocks of segments that have pairs as queries;
  * by_key = 1: key blocks of segments read by at least one pair.

@@ -142,3 +142,146 @@ Test(cached, bad_shapes) {
   cr_assert_eq(forkattn_prefix_cached_fwd(ctx, &lay, &tq, &tk, &tv, &to, lse, 0.3f, FORKATTN_MEMORY_HOST), FORKATTN_OK);
   forkattn_ctx_destroy(ctx);
 }
+
+/* ---- block-causal (forkattn_prefix_cached_block_fwd/bwd) --------------------------- */
+
+/* Rows [r0, r0+n) of a contiguous f32 tensor copied into dst (contiguous). */
+static void bc_copy_rows(const forkattn_tensor *t, int64_t r0, int64_t n, float *dst) {
+  memcpy(dst, (const float *)t->data + r0 * t->row_stride, sizeof(float) * (size_t)(n * t->row_stride));
+}
+
+/* Forward against a float64 computation straight from the block-causal mask;
+ * backward against the definition: block j of response i is a bidirectional
+ * cached call whose prefix is [prefix ; blocks 0..j-1], and the key gradients
+ * of all those calls add up (f32 sums in another order: 1e-5 relative). */
+static void bc_run(const char *name, int64_t P, int64_t n, const int64_t *lens, int64_t block, int64_t hq,
+                   int64_t hkv, int64_t d) {
+  tc_rng rng = tc_rng_for(name);
+  forkattn_ctx *ctx = tc_ctx_default(name);
+  int64_t off[5] = {0};
+  for (int i = 0; i < n; i++) off[i + 1] = off[i] + lens[i];
+  const int64_t R = off[n], T = P + R;
+  const forkattn_prefix_layout lay = {P, n, off, FORKATTN_MASK_BIDIRECTIONAL};
+  const float scale = 1.0f / sqrtf((float)d);
+  tc_buf b[9];
+  const int64_t rows[9] = {R, T, T, R, R, R, T, T, R}, heads[9] = {hq, hkv, hkv, hq, hq, hq, hkv, hkv, hq};
+  forkattn_tensor t[9]; /* q k v o dout dq dk dv, [8] scratch */
+  for (int i = 0; i < 9; i++) t[i] = tc_buf_contiguous(&b[i], FORKATTN_DTYPE_F32, rows[i], heads[i], d);
+  for (int i = 0; i < 5; i++) tc_fill_tensor(&rng, &t[i], -1.5, 1.5);
+  float *lse = malloc(sizeof(float) * (size_t)(R * hq + 1));
+  for (int i = 3; i < 8; i++)
+    if (i != 4) tc_buf_poison(&b[i]);
+  cr_assert_eq(forkattn_prefix_cached_block_fwd(ctx, &lay, block, &t[0], &t[1], &t[2], &t[3], lse, scale,
+                                                FORKATTN_MEMORY_HOST),
+               FORKATTN_OK, "%s: %s", name, forkattn_ctx_last_error(ctx));
+  /* float64 forward */
+  const float *q = t[0].data, *k = t[1].data, *v = t[2].data, *o = t[3].data;
+  double worst = 0.0, worst_lse = 0.0;
+  for (int64_t i = 0; i < n; i++)
+    for (int64_t r = off[i]; r < off[i + 1]; r++)
+      for (int64_t h = 0; h < hq; h++) {
+        const int64_t g = h / (hq / hkv), qb = (r - off[i]) / block;
+        double m = -INFINITY, l = 0.0, acc[256] = {0};
+        for (int64_t key = 0; key < T; key++) {
+          const int own = key >= P + off[i] && key < P + off[i + 1];
+          if (!(key < P || (own && (key - P - off[i]) / block <= qb))) continue;
+          double s = 0.0;
+          for (int64_t c = 0; c < d; c++) s += (double)q[(r * hq + h) * d + c] * k[(key * hkv + g) * d + c];
+          s *= scale;
+          const double m2 = fmax(m, s), a = exp(m - m2), p = exp(s - m2);
+          l = l * a + p;
+          for (int64_t c = 0; c < d; c++) acc[c] = acc[c] * a + p * v[(key * hkv + g) * d + c];
+          m = m2;
+        }
+        for (int64_t c = 0; c < d; c++) worst = fmax(worst, fabs(o[(r * hq + h) * d + c] - acc[c] / l));
+        worst_lse = fmax(worst_lse, fabs(lse[r * hq + h] - (m + log(l))));
+      }
+  cr_assert(worst <= 1e-5 && worst_lse <= 1e-4, "%s: o off by %g, lse by %g against float64", name, worst, worst_lse);
+
+  cr_assert_eq(forkattn_prefix_cached_block_bwd(ctx, &lay, block, &t[0], &t[1], &t[2], &t[3], &t[4], lse, &t[5], &t[6],
+                                                &t[7], scale, FORKATTN_MEMORY_HOST),
+               FORKATTN_OK, "%s: %s", name, forkattn_ctx_last_error(ctx));
+  for (int i = 5; i < 8; i++) {
+    tc_write_check wc = tc_buf_check(&b[i]);
+    cr_assert(wc.guard_bad == 0 && wc.unwritten == 0, "%s: gradient %d: %zu guard bytes, %zu unwritten", name, i,
+              wc.guard_bad, wc.unwritten);
+  }
+  /* the definition, block by block */
+  double *dk = calloc((size_t)(T * hkv * d), sizeof(double)), *dv = calloc((size_t)(T * hkv * d), sizeof(double));
+  float *kb = malloc(sizeof(float) * (size_t)(T * hkv * d)), *vb = malloc(sizeof(float) * (size_t)(T * hkv * d));
+  float *qb = malloc(sizeof(float) * (size_t)(block * hq * d)), *ob = malloc(sizeof(float) * (size_t)(block * hq * d));
+  float *db = malloc(sizeof(float) * (size_t)(block * hq * d)), *dqb = malloc(sizeof(float) * (size_t)(block * hq * d));
+  float *dkb = malloc(sizeof(float) * (size_t)(T * hkv * d)), *dvb = malloc(sizeof(float) * (size_t)(T * hkv * d));
+  float *lb = malloc(sizeof(float) * (size_t)(block * hq));
+  double worst_dq = 0.0, max_dq = 0.0;
+  const float *dqlib = t[5].data;
+  for (int64_t i = 0; i < n; i++)
+    for (int64_t r0 = off[i]; r0 < off[i + 1]; r0 += block) {
+      const int64_t nb = off[i + 1] - r0 < block ? off[i + 1] - r0 : block, pre = P + (r0 - off[i]);
+      bc_copy_rows(&t[1], 0, P, kb); /* keys: prefix, the response's earlier blocks, this block */
+      bc_copy_rows(&t[1], P + off[i], r0 - off[i] + nb, kb + P * hkv * d);
+      bc_copy_rows(&t[2], 0, P, vb);
+      bc_copy_rows(&t[2], P + off[i], r0 - off[i] + nb, vb + P * hkv * d);
+      bc_copy_rows(&t[0], r0, nb, qb);
+      bc_copy_rows(&t[4], r0, nb, db);
+      int64_t boff[2] = {0, nb};
+      const forkattn_prefix_layout bl = {pre, 1, boff, FORKATTN_MASK_BIDIRECTIONAL};
+      forkattn_tensor tq = forkattn_tensor_contiguous(qb, FORKATTN_DTYPE_F32, nb, hq, d);
+      forkattn_tensor tk = forkattn_tensor_contiguous(kb, FORKATTN_DTYPE_F32, pre + nb, hkv, d);
+      forkattn_tensor tv = forkattn_tensor_contiguous(vb, FORKATTN_DTYPE_F32, pre + nb, hkv, d);
+      forkattn_tensor to = forkattn_tensor_contiguous(ob, FORKATTN_DTYPE_F32, nb, hq, d);
+      forkattn_tensor tdo = forkattn_tensor_contiguous(db, FORKATTN_DTYPE_F32, nb, hq, d);
+      forkattn_tensor tdq = forkattn_tensor_contiguous(dqb, FORKATTN_DTYPE_F32, nb, hq, d);
+      forkattn_tensor tdk = forkattn_tensor_contiguous(dkb, FORKATTN_DTYPE_F32, pre + nb, hkv, d);
+      forkattn_tensor tdv = forkattn_tensor_contiguous(dvb, FORKATTN_DTYPE_F32, pre + nb, hkv, d);
+      cr_assert_eq(forkattn_prefix_cached_fwd(ctx, &bl, &tq, &tk, &tv, &to, lb, scale, FORKATTN_MEMORY_HOST), 0);
+      cr_assert_eq(forkattn_prefix_cached_bwd(ctx, &bl, &tq, &tk, &tv, &to, &tdo, lb, &tdq, &tdk, &tdv, scale,
+                                              FORKATTN_MEMORY_HOST), 0);
+      for (int64_t x = 0; x < nb * hq * d; x++) {
+        worst_dq = fmax(worst_dq, fabs(dqlib[r0 * hq * d + x] - dqb[x]));
+        max_dq = fmax(max_dq, fabs(dqb[x]));
+      }
+      for (int64_t row = 0; row < pre + nb; row++) { /* scatter back to packed key rows */
+        const int64_t dst = row < P ? row : P + off[i] + (row - P);
+        for (int64_t x = 0; x < hkv * d; x++) {
+          dk[dst * hkv * d + x] += dkb[row * hkv * d + x];
+          dv[dst * hkv * d + x] += dvb[row * hkv * d + x];
+        }
+      }
+    }
+  cr_assert(worst_dq <= 1e-5 * (1.0 + max_dq), "%s: dq differs from the per-block definition by %g", name, worst_dq);
+  tc_err ek = tc_compare_tensor(&t[6], dk), ev = tc_compare_tensor(&t[7], dv);
+  cr_assert(ek.rel <= 1e-5 && ev.rel <= 1e-5, "%s: dk rel %g, dv rel %g against the per-block definition", name,
+            ek.rel, ev.rel);
+  fprintf(stderr, "%s: P=%lld R=%lld block %lld: o/lse vs float64 %.1e/%.1e, dq/dk/dv vs per-block calls %.1e/%.1e/%.1e\n",
+          name, (long long)P, (long long)R, (long long)block, worst, worst_lse, worst_dq, ek.rel, ev.rel);
+  free(dk); free(dv); free(kb); free(vb); free(qb); free(ob); free(db); free(dqb); free(dkb); free(dvb); free(lb);
+  free(lse);
+  for (int i = 0; i < 9; i++) tc_buf_free(&b[i]);
+  forkattn_ctx_destroy(ctx);
+}
+
+Test(block_causal, group_blocks_of_32) {
+  const int64_t lens[3] = {100, 0, 64};
+  bc_run("block_causal/group_blocks_of_32", 150, 3, lens, 32, 4, 2, 32);
+}
+Test(block_causal, blocks_of_one_and_no_prefix) {
+  const int64_t lens[2] = {17, 9};
+  bc_run("block_causal/blocks_of_one", 0, 2, lens, 1, 2, 1, 16);
+}
+Test(block_causal, one_block_is_bidirectional) {
+  const int64_t lens[2] = {40, 23};
+  bc_run("block_causal/one_block", 70, 2, lens, 64, 2, 2, 24);
+}
+Test(block_causal, bad_block_size) {
+  forkattn_ctx *ctx = tc_ctx_default("block_causal/bad_block_size");
+  int64_t off[2] = {0, 4};
+  const forkattn_prefix_layout lay = {4, 1, off, FORKATTN_MASK_BIDIRECTIONAL};
+  float x[8 * 4] = {0};
+  forkattn_tensor q = forkattn_tensor_contiguous(x, FORKATTN_DTYPE_F32, 4, 1, 4);
+  forkattn_tensor k = forkattn_tensor_contiguous(x, FORKATTN_DTYPE_F32, 8, 1, 4);
+  cr_assert_eq(forkattn_prefix_cached_block_fwd(ctx, &lay, 0, &q, &k, &k, &q, NULL, 1.0f, FORKATTN_MEMORY_HOST),
+               FORKATTN_ERR_INVALID_ARGUMENT);
+  cr_assert(strstr(forkattn_ctx_last_error(ctx), "block_size"), "%s", forkattn_ctx_last_error(ctx));
+  forkattn_ctx_destroy(ctx);
+}

@@ -346,6 +346,14 @@ _SIGNATURES = {
         c_int,
         [c_void_p, POINTER(PrefixLayout), _T, _T, _T, _T, _T, c_void_p, _T, _T, _T, c_float, c_int],
     ),
+    "forkattn_prefix_cached_block_fwd": (
+        c_int,
+        [c_void_p, POINTER(PrefixLayout), c_int64, _T, _T, _T, _T, c_void_p, c_float, c_int],
+    ),
+    "forkattn_prefix_cached_block_bwd": (
+        c_int,
+        [c_void_p, POINTER(PrefixLayout), c_int64, _T, _T, _T, _T, _T, c_void_p, _T, _T, _T, c_float, c_int],
+    ),
     "forkattn_kv_cache_create": (c_int, [c_void_p, POINTER(KvCacheOptions), POINTER(c_void_p)]),
     "forkattn_kv_cache_destroy": (None, [c_void_p]),
     "forkattn_kv_cache_insert": (c_int, [c_void_p, c_void_p, c_int64, _T, _T, c_int, POINTER(c_int)]),
@@ -1387,22 +1395,35 @@ def _cached_layout(prompt_len, response_lens, causal):
                         MASK_CAUSAL if causal else MASK_BIDIRECTIONAL), arr
 
 
-def prefix_cached_fwd(ctx, prompt_len, response_lens, causal, q, k, v, o, lse_ptr, scale, memory):
+def prefix_cached_fwd(ctx, prompt_len, response_lens, causal, q, k, v, o, lse_ptr, scale, memory, block_size=None):
     """Attention of one group's response rows (q, o [R_total, Hq, d]) against keys/values
-    [P + R_total, Hkv, d] whose first P rows are a cached prefix."""
+    [P + R_total, Hkv, d] whose first P rows are a cached prefix. ``block_size`` None: the
+    ``causal`` / bidirectional mask (``forkattn_prefix_cached_fwd``); an int: block-causal
+    attention over blocks of that many rows (``forkattn_prefix_cached_block_fwd``, which checks
+    it is >= 1; ``causal`` is then not used)."""
     lay, keep = _cached_layout(prompt_len, response_lens, causal)
-    st = _fn("forkattn_prefix_cached_fwd")(ctx.handle, byref(lay), byref(q), byref(k), byref(v), byref(o),
-                                           lse_ptr, _scale(scale), memory)
+    if block_size is None:
+        st = _fn("forkattn_prefix_cached_fwd")(ctx.handle, byref(lay), byref(q), byref(k), byref(v), byref(o),
+                                               lse_ptr, _scale(scale), memory)
+    else:
+        st = _fn("forkattn_prefix_cached_block_fwd")(ctx.handle, byref(lay), int(block_size), byref(q), byref(k),
+                                                     byref(v), byref(o), lse_ptr, _scale(scale), memory)
     del keep
     ctx.check(st)
 
 
 def prefix_cached_bwd(ctx, prompt_len, response_lens, causal, q, k, v, o, do, lse_ptr, dq, dk, dv, scale,
-                      memory):
+                      memory, block_size=None):
+    """Backward of :func:`prefix_cached_fwd` (same ``causal`` / ``block_size``)."""
     lay, keep = _cached_layout(prompt_len, response_lens, causal)
-    st = _fn("forkattn_prefix_cached_bwd")(ctx.handle, byref(lay), byref(q), byref(k), byref(v), byref(o),
-                                           byref(do), lse_ptr, byref(dq), byref(dk), byref(dv), _scale(scale),
-                                           memory)
+    if block_size is None:
+        st = _fn("forkattn_prefix_cached_bwd")(ctx.handle, byref(lay), byref(q), byref(k), byref(v), byref(o),
+                                               byref(do), lse_ptr, byref(dq), byref(dk), byref(dv), _scale(scale),
+                                               memory)
+    else:
+        st = _fn("forkattn_prefix_cached_block_bwd")(ctx.handle, byref(lay), int(block_size), byref(q), byref(k),
+                                                     byref(v), byref(o), byref(do), lse_ptr, byref(dq), byref(dk),
+                                                     byref(dv), _scale(scale), memory)
     del keep
     ctx.check(st)
 

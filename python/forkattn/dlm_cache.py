@@ -6,6 +6,7 @@ be reused only in the shallow layers where they barely change. This module binds
 
 * :func:`prefix_cached_attention` (``forkattn_prefix_cached_fwd`` / ``_bwd``): attention of one
   group's response rows against ``[cached prefix K/V ; own K/V]``; differentiable in q, k and v.
+  ``block_size=n`` makes it block-causal (``forkattn_prefix_cached_block_fwd`` / ``_bwd``).
   Also a ``torch.library`` custom op pair (``torch.ops.forkattn.prefix_cached_fwd`` /
   ``prefix_cached_bwd``) with fake implementations and registered autograd,
   :class:`PrefixCachedAttentionFunction` for PyTorch without custom ops, and the numpy
@@ -17,7 +18,8 @@ be reused only in the shallow layers where they barely change. This module binds
 * :class:`ReuseProfile` (``forkattn_reuse_profile``): reuse depth b(r) per prefix-ratio bin.
 
 Works with numpy arrays without PyTorch (the torch names then raise ImportError). The symbols are
-looked up lazily: with an older library every call here raises ``ForkattnError`` (status 3).
+looked up lazily: with an older library every call here raises ``ForkattnError`` (status 3);
+a library without the block-causal functions fails so only when ``block_size`` is used.
 """
 
 from __future__ import annotations
@@ -86,6 +88,18 @@ def _int_arg(x, name, lo=None):
     if lo is not None and i < lo:
         raise _invalid("%s = %d must be >= %d" % (name, i, lo))
     return i
+
+
+def _block_arg(block_size):
+    """0 (not block-causal) for None or 0, else the block size (an int >= 1; negative raises)."""
+    if block_size is None:
+        return 0
+    b = _int_arg(block_size, "block_size")
+    if b < 0:
+        raise _invalid("block_size = %d must be >= 1 (or None / 0: not block-causal)" % b)
+    if b > (1 << 63) - 1:
+        raise _invalid("block_size = %d does not fit in int64" % b)
+    return b
 
 
 def _dtype_code(dtype):
@@ -237,17 +251,18 @@ def _one_group(prompt_lens, response_lens):
     return P[0], _ints(response_lens, "response_lens")
 
 
-def _cached_fwd_impl(q, k, v, prompt_lens, response_lens, scale, causal):
+def _cached_fwd_impl(q, k, v, prompt_lens, response_lens, scale, causal, block_size=0):
     _check_qkv(q, k, v)
     P, R = _one_group(prompt_lens, response_lens)
     out, lse = _new_outputs(q)
     keep, ds = _descs(q, k, v, out)
     ctx, mem = _ctx_for(q)  # after every copy: synchronizes the CUDA stream
-    _lib.prefix_cached_fwd(ctx, P, R, bool(causal), *ds, lse.data_ptr() or None, float(scale), mem)
+    _lib.prefix_cached_fwd(ctx, P, R, bool(causal), *ds, lse.data_ptr() or None, float(scale), mem,
+                           int(block_size) or None)
     return out, lse
 
 
-def _cached_bwd_impl(dout, q, k, v, out, lse, prompt_lens, response_lens, scale, causal):
+def _cached_bwd_impl(dout, q, k, v, out, lse, prompt_lens, response_lens, scale, causal, block_size=0):
     _check_qkv(q, k, v)
     _check_bwd(dout, out, lse, q)
     P, R = _one_group(prompt_lens, response_lens)
@@ -255,28 +270,30 @@ def _cached_bwd_impl(dout, q, k, v, out, lse, prompt_lens, response_lens, scale,
     keep, ds = _descs(q, k, v, out, dout, dq, dk, dv)
     lse_c = lse.contiguous()
     ctx, mem = _ctx_for(q)
-    _lib.prefix_cached_bwd(ctx, P, R, bool(causal), *ds[:5], lse_c.data_ptr() or None, *ds[5:], float(scale), mem)
+    _lib.prefix_cached_bwd(ctx, P, R, bool(causal), *ds[:5], lse_c.data_ptr() or None, *ds[5:], float(scale), mem,
+                           int(block_size) or None)
     return dq, dk, dv
 
 
 if torch is not None:
 
     class PrefixCachedAttentionFunction(torch.autograd.Function):
-        """apply(q, k, v, prompt_lens, response_lens, scale, causal) -> (out, lse [R_total, Hq])."""
+        """apply(q, k, v, prompt_lens, response_lens, scale, causal, block_size=0) -> (out, lse
+        [R_total, Hq]); block_size 0: the causal / bidirectional mask, >= 1: block-causal."""
 
         @staticmethod
-        def forward(ctx, q, k, v, prompt_lens, response_lens, scale, causal):
-            out, lse = _cached_fwd_impl(q, k, v, prompt_lens, response_lens, scale, causal)
+        def forward(ctx, q, k, v, prompt_lens, response_lens, scale, causal, block_size=0):
+            out, lse = _cached_fwd_impl(q, k, v, prompt_lens, response_lens, scale, causal, block_size)
             ctx.save_for_backward(q, k, v, out, lse, prompt_lens, response_lens)
-            ctx.scale, ctx.causal = scale, causal
+            ctx.scale, ctx.causal, ctx.block_size = scale, causal, block_size
             ctx.mark_non_differentiable(lse)
             return out, lse
 
         @staticmethod
         def backward(ctx, dout, _dlse):
             q, k, v, out, lse, P, R = ctx.saved_tensors
-            dq, dk, dv = _cached_bwd_impl(dout, q, k, v, out, lse, P, R, ctx.scale, ctx.causal)
-            return dq, dk, dv, None, None, None, None
+            dq, dk, dv = _cached_bwd_impl(dout, q, k, v, out, lse, P, R, ctx.scale, ctx.causal, ctx.block_size)
+            return dq, dk, dv, None, None, None, None, None
 
 else:  # pragma: no cover
     PrefixCachedAttentionFunction = None
@@ -286,37 +303,45 @@ if HAVE_CUSTOM_OPS:
 
     @torch.library.custom_op("forkattn::prefix_cached_fwd", mutates_args=())
     def prefix_cached_fwd(q: Tensor, k: Tensor, v: Tensor, prompt_lens: Tensor, response_lens: Tensor,
-                          softmax_scale: float, causal: bool) -> Tuple[Tensor, Tensor]:
-        return _cached_fwd_impl(q, k, v, prompt_lens, response_lens, softmax_scale, causal)
+                          softmax_scale: float, causal: bool, block_size: int = 0) -> Tuple[Tensor, Tensor]:
+        return _cached_fwd_impl(q, k, v, prompt_lens, response_lens, softmax_scale, causal, block_size)
 
     @prefix_cached_fwd.register_fake
-    def _(q, k, v, prompt_lens, response_lens, softmax_scale, causal):
+    def _(q, k, v, prompt_lens, response_lens, softmax_scale, causal, block_size=0):
         _check_qkv(q, k, v)
         return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
 
     @torch.library.custom_op("forkattn::prefix_cached_bwd", mutates_args=())
     def prefix_cached_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                           prompt_lens: Tensor, response_lens: Tensor, softmax_scale: float,
-                          causal: bool) -> Tuple[Tensor, Tensor, Tensor]:
-        return _cached_bwd_impl(dout, q, k, v, out, lse, prompt_lens, response_lens, softmax_scale, causal)
+                          causal: bool, block_size: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
+        return _cached_bwd_impl(dout, q, k, v, out, lse, prompt_lens, response_lens, softmax_scale, causal,
+                                block_size)
 
     @prefix_cached_bwd.register_fake
-    def _(dout, q, k, v, out, lse, prompt_lens, response_lens, softmax_scale, causal):
+    def _(dout, q, k, v, out, lse, prompt_lens, response_lens, softmax_scale, causal, block_size=0):
         _check_qkv(q, k, v)
         _check_bwd(dout, out, lse, q)
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     def _cached_setup(ctx, inputs, output):
-        q, k, v, P, R, scale, causal = inputs
+        # block_size has a schema default: torch fills it in, but be safe if a version does not
+        q, k, v, P, R, scale, causal = inputs[:7]
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, P, R)
         ctx.scale, ctx.causal = scale, causal
+        ctx.block_size = int(inputs[7]) if len(inputs) > 7 else 0
+        ctx.num_inputs = len(inputs)
         ctx.mark_non_differentiable(lse)
 
     def _cached_backward(ctx, dout, _dlse):
         q, k, v, out, lse, P, R = ctx.saved_tensors
-        dq, dk, dv = torch.ops.forkattn.prefix_cached_bwd(dout, q, k, v, out, lse, P, R, ctx.scale, ctx.causal)
-        return dq, dk, dv, None, None, None, None
+        if ctx.block_size:
+            dq, dk, dv = torch.ops.forkattn.prefix_cached_bwd(dout, q, k, v, out, lse, P, R, ctx.scale, ctx.causal,
+                                                              ctx.block_size)
+        else:  # the op's original seven-argument form
+            dq, dk, dv = torch.ops.forkattn.prefix_cached_bwd(dout, q, k, v, out, lse, P, R, ctx.scale, ctx.causal)
+        return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
     prefix_cached_fwd.register_autograd(_cached_backward, setup_context=_cached_setup)
 
@@ -327,7 +352,8 @@ def _use_ops():
     return ops.USE_CUSTOM_OPS and HAVE_CUSTOM_OPS
 
 
-def prefix_cached_attention(q, k, v, layout, *, scale=None, causal=False, return_lse=False, softmax_scale=None):
+def prefix_cached_attention(q, k, v, layout, *, scale=None, causal=False, return_lse=False, softmax_scale=None,
+                            block_size=None):
     """Attention of one group's responses against a shared prompt whose K/V are cached
     (``forkattn_prefix_cached_fwd`` / ``_bwd``).
 
@@ -340,6 +366,15 @@ def prefix_cached_attention(q, k, v, layout, *, scale=None, causal=False, return
     bidirectional attention), causally with ``causal=True``. The result equals rows P.. of
     :func:`forkattn.prefix_attention` on the full rows with the same ``causal`` (note that
     ``prefix_attention`` defaults to ``causal=True``).
+
+    ``block_size=n`` (an int >= 1; default None, and 0, keep the mask above) makes it
+    block-causal, for block diffusion LMs (``forkattn_prefix_cached_block_fwd`` / ``_bwd``): each
+    response's rows form blocks of n rows from its first row (the last block may be shorter); a
+    row of block j sees all P prompt keys and every key of its response's blocks 0..j
+    (bidirectional inside a block, causal across blocks). ``block_size=1`` is ``causal=True``;
+    a block at least as long as every response is ``causal=False``. It cannot be combined with
+    ``causal=True``. A negative ``block_size`` raises ``ForkattnInvalidArgument``; a library
+    without the block functions raises ``ForkattnError`` (status 3) only when it is used.
 
     Returns out [R_total, Hq, d], and lse float32 [R_total, Hq] (not differentiable) with
     ``return_lse=True``. Differentiable in q, k and v: dk/dv of the prompt rows sum every
@@ -354,6 +389,10 @@ def prefix_cached_attention(q, k, v, layout, *, scale=None, causal=False, return
                         % type(layout).__name__)
     if scale is not None and softmax_scale is not None:
         raise TypeError("forkattn.prefix_cached_attention: give scale or softmax_scale, not both")
+    block = _block_arg(block_size)
+    if block and causal:
+        raise _invalid("block_size = %d and causal=True: block-causal attention has its own mask (block_size=1 "
+                       "is the causal one); give one of them" % block)
     _check_qkv(q, k, v)
     if layout.num_groups != 1:
         raise _invalid("layout: prefix_cached_attention takes one group (one cached prompt), got %d"
@@ -370,6 +409,8 @@ def prefix_cached_attention(q, k, v, layout, *, scale=None, causal=False, return
                                % (name, x.shape[0], P, R, layout.num_rows))
     s = _scale_of(q, softmax_scale if scale is None else scale)
     args = (q, k, v, layout.prompt_lens, layout.response_lens, s, bool(causal))
+    if block:  # only then: the seven-argument op / Function calls stay as they were
+        args += (block,)
     if _use_ops():
         out, lse = torch.ops.forkattn.prefix_cached_fwd(*args)
     else:
@@ -385,6 +426,14 @@ def _np_scale(q, scale):
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
+def _np_block(block_size, causal):
+    block = _block_arg(block_size)
+    if block and causal:
+        raise _invalid("block_size = %d and causal=True: block-causal attention has its own mask; give one of them"
+                       % block)
+    return block
+
+
 def _resp_lens(response_lens):
     import numpy as np
 
@@ -392,29 +441,33 @@ def _resp_lens(response_lens):
 
 
 def prefix_cached_attention_numpy(q, k, v, prompt_len, response_lens, *, scale=None, causal=False, return_lse=False,
-                                  context=None):
+                                  context=None, block_size=None):
     """numpy forward of :func:`prefix_cached_attention` (host memory): q [R_total, Hq, d] the
     responses' rows, k/v [prompt_len + R_total, Hkv, d] (cached prompt rows first),
-    ``response_lens`` the responses' lengths. Returns out (and lse float32 [R_total, Hq])."""
+    ``response_lens`` the responses' lengths, ``block_size`` as there (None / 0: not
+    block-causal). Returns out (and lse float32 [R_total, Hq])."""
     from .numpy_api import _ctx, _desc, _fwd_outputs, _qkv
 
+    block = _np_block(block_size, causal)
     q, k, v = _qkv(q, k, v)
     R = _resp_lens(response_lens)
     out, lse = _fwd_outputs(q)
     (q, qd), (k, kd), (v, vd), (_, od) = _desc(q), _desc(k), _desc(v), _desc(out)
     _lib.prefix_cached_fwd(_ctx(context), int(prompt_len), R, bool(causal), qd, kd, vd, od, lse.ctypes.data,
-                           _np_scale(q, scale), _lib.MEMORY_HOST)
+                           _np_scale(q, scale), _lib.MEMORY_HOST, block or None)
     return (out, lse) if return_lse else out
 
 
 def prefix_cached_attention_backward_numpy(dout, q, k, v, out, lse, prompt_len, response_lens, *, scale=None,
-                                           causal=False, context=None):
+                                           causal=False, context=None, block_size=None):
     """Gradients (dq [R_total, Hq, d], dk, dv [prompt_len + R_total, Hkv, d]) of sum(out * dout)
-    for :func:`prefix_cached_attention_numpy`; ``lse`` from the forward."""
+    for :func:`prefix_cached_attention_numpy`; ``lse`` from the forward (same ``causal`` and
+    ``block_size``)."""
     import numpy as np
 
     from .numpy_api import _arr, _ctx, _desc, _grads, _lse_arg, _qkv
 
+    block = _np_block(block_size, causal)
     q, k, v = _qkv(q, k, v)
     R = _resp_lens(response_lens)
     dq, dk, dv = _grads(q, k, v)
@@ -422,7 +475,7 @@ def prefix_cached_attention_backward_numpy(dout, q, k, v, out, lse, prompt_len, 
     ds = [_desc(_arr(np.asarray(t, dtype=q.dtype), "tensor")) for t in (q, k, v, out, dout, dq, dk, dv)]
     d = [t for _, t in ds]
     _lib.prefix_cached_bwd(_ctx(context), int(prompt_len), R, bool(causal), *d[:5], lse.ctypes.data, *d[5:],
-                           _np_scale(q, scale), _lib.MEMORY_HOST)
+                           _np_scale(q, scale), _lib.MEMORY_HOST, block or None)
     return dq, dk, dv
 
 

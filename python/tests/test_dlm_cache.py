@@ -34,15 +34,19 @@ def _layout(P=P, resp=RESP):
 # cached-prefix attention
 
 
-def _reference(q, k, v, P, resp, scale, causal):
-    """float64 attention of the response rows q [R, Hq, d] against k/v [P + R, Hkv, d]."""
+def _reference(q, k, v, P, resp, scale, causal, block=0):
+    """float64 attention of the response rows q [R, Hq, d] against k/v [P + R, Hkv, d]; block > 0:
+    block-causal (row i of a response sees the response's keys up to the end of i's block)."""
     R = sum(resp)
     mask = torch.zeros(R, P + R, dtype=torch.bool)  # [query row, key row]
     mask[:, :P] = True
     start = 0
     for n in resp:
         for i in range(start, start + n):
-            last = P + (i + 1 if causal else start + n)
+            if block:
+                last = P + min(start + n, start + ((i - start) // block + 1) * block)
+            else:
+                last = P + (i + 1 if causal else start + n)
             mask[i, P + start:last] = True
         start += n
     rep = q.shape[1] // k.shape[1]
@@ -54,12 +58,13 @@ def _reference(q, k, v, P, resp, scale, causal):
     return o, lse.t()
 
 
-def _run_cached(q, k, v, do, lay, causal, use_ops=True, scale=None):
+def _run_cached(q, k, v, do, lay, causal, use_ops=True, scale=None, block_size=None):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     prev = ops.USE_CUSTOM_OPS
     ops.USE_CUSTOM_OPS = use_ops
     try:
-        out, lse = forkattn.prefix_cached_attention(q, k, v, lay, scale=scale, causal=causal, return_lse=True)
+        out, lse = forkattn.prefix_cached_attention(q, k, v, lay, scale=scale, causal=causal, return_lse=True,
+                                                    block_size=block_size)
         (out * do).sum().backward()
     finally:
         ops.USE_CUSTOM_OPS = prev
@@ -186,6 +191,143 @@ def test_cached_attention_errors():
         forkattn.prefix_cached_attention(q, k, v, lay, scale=0.1, softmax_scale=0.1)
     with pytest.raises(forkattn.ForkattnInvalidArgument):  # numpy: k rows do not match the layout
         dlm_cache.prefix_cached_attention_numpy(q.numpy(), k[1:].numpy(), v[1:].numpy(), P, RESP)
+
+
+# --------------------------------------------------------------------------------------------
+# block-causal cached-prefix attention (block diffusion LMs)
+
+needs_block = pytest.mark.skipif(not _lib.has_symbol("forkattn_prefix_cached_block_fwd"),
+                                 reason="the loaded libforkattn has no block-causal cached attention")
+BRESP = [7, 0, 5, 1, 10]  # none a multiple of the block sizes below (but 10 of 5), an empty response
+
+
+def _float64_grads(q, k, v, do, P, resp, scale, causal=False, block=0):
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ro, rl = _reference(q64, k64, v64, P, resp, scale, causal, block)
+    (ro * do.double()).sum().backward()
+    return ro.detach(), rl.detach(), q64.grad, k64.grad, v64.grad
+
+
+@needs_block
+@pytest.mark.parametrize("prompt", [0, 6])
+@pytest.mark.parametrize("block", [2, 3, 5])
+@pytest.mark.parametrize("use_ops", [True, False])
+def test_block_causal_matches_float64_reference(prompt, block, use_ops):
+    lay = _layout(prompt, BRESP)
+    q, k, v, do = make_qkv(lay.num_rows, HQ, HKV, D, torch.float32, seed=40 + block + prompt)
+    q, do = q[prompt:].contiguous(), do[prompt:].contiguous()
+    got = _run_cached(q, k, v, do, lay, False, use_ops=use_ops, scale=0.29, block_size=block)
+    ref = _float64_grads(q, k, v, do, prompt, BRESP, 0.29, block=block)
+    assert rel_err(got[0], ref[0]) <= 1e-5 and abs_err(got[1], ref[1]) <= 1e-5
+    for g, r in zip(got[2:], ref[2:]):
+        assert rel_err(g, r) <= 1e-5
+    # the mask really differs from both non-block masks
+    for causal in (False, True):
+        other, _ = _reference(q.double(), k.double(), v.double(), prompt, BRESP, 0.29, causal)
+        assert rel_err(got[0], other) > 1e-3
+
+
+@needs_block
+@pytest.mark.parametrize("prompt", [0, 6])
+def test_block_one_is_causal_and_large_block_is_bidirectional(prompt):
+    lay = _layout(prompt, BRESP)
+    q, k, v, do = make_qkv(lay.num_rows, HQ, HKV, D, torch.float32, seed=60 + prompt)
+    q, do = q[prompt:].contiguous(), do[prompt:].contiguous()
+    for block, causal in ((1, True), (max(BRESP), False), (1000, False)):
+        got = _run_cached(q, k, v, do, lay, False, block_size=block)
+        want = _run_cached(q, k, v, do, lay, causal)
+        for a, b in zip(got, want):
+            assert rel_err(a, b) <= 1e-6
+        ref = _float64_grads(q, k, v, do, prompt, BRESP, D ** -0.5, causal=causal)
+        for g, r in zip(got[:1] + got[2:], ref[:1] + ref[2:]):
+            assert rel_err(g, r) <= 1e-5
+    # None and 0 are the plain masks
+    for b in (None, 0):
+        for causal in (False, True):
+            a = _run_cached(q, k, v, do, lay, causal, block_size=b)
+            w = _run_cached(q, k, v, do, lay, causal)
+            assert all(torch.equal(x, y) for x, y in zip(a, w))
+
+
+@needs_block
+def test_block_causal_bfloat16_and_numpy():
+    lay = _layout(4, BRESP)
+    q, k, v, do = make_qkv(lay.num_rows, HQ, HKV, D, torch.float32, seed=77)
+    q, do = q[4:].contiguous(), do[4:].contiguous()
+    o, lse, dq, dk, dv = _run_cached(q, k, v, do, lay, False, block_size=3)
+    qn, kn, vn, dn = (t.numpy() for t in (q, k, v, do))
+    on, ln = dlm_cache.prefix_cached_attention_numpy(qn, kn, vn, 4, BRESP, return_lse=True, block_size=3)
+    assert np.array_equal(on, o.numpy()) and np.array_equal(ln, lse.numpy())
+    g = dlm_cache.prefix_cached_attention_backward_numpy(dn, qn, kn, vn, on, ln, 4, BRESP, block_size=3)
+    for a, b in zip(g, (dq, dk, dv)):
+        assert np.array_equal(a, b.numpy())
+    plain = dlm_cache.prefix_cached_attention_numpy(qn, kn, vn, 4, BRESP, block_size=0)
+    assert np.array_equal(plain, dlm_cache.prefix_cached_attention_numpy(qn, kn, vn, 4, BRESP))
+    q, k, v, do = make_qkv(lay.num_rows, HQ, HKV, D, torch.bfloat16, seed=78)
+    q, do = q[4:].contiguous(), do[4:].contiguous()
+    bf = _run_cached(q, k, v, do, lay, False, block_size=3)
+    ref = _float64_grads(q, k, v, do, 4, BRESP, D ** -0.5, block=3)
+    tol = TOL["bfloat16"]
+    assert bf[0].dtype == torch.bfloat16
+    assert rel_err(bf[0], ref[0]) <= tol["o"] and abs_err(bf[1], ref[1]) <= tol["lse"]
+    for a, b in zip(bf[2:], ref[2:]):
+        assert rel_err(a, b) <= tol["grad"]
+
+
+@needs_block
+@pytest.mark.skipif(not ops.HAVE_CUSTOM_OPS, reason="torch.library.custom_op needs torch >= 2.4")
+def test_opcheck_block_causal_ops():
+    lay = _layout(5, [3, 4])
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(7, 4, 8, generator=g, requires_grad=True)
+    k = torch.randn(12, 2, 8, generator=g, requires_grad=True)
+    v = torch.randn(12, 2, 8, generator=g, requires_grad=True)
+    for block in (1, 2, 5):
+        args = (q, k, v, lay.prompt_lens, lay.response_lens, 0.3, False, block)
+        res = torch.library.opcheck(torch.ops.forkattn.prefix_cached_fwd.default, args)
+        assert all(x == "SUCCESS" for x in res.values()), res
+    out, lse = torch.ops.forkattn.prefix_cached_fwd(q, k, v, lay.prompt_lens, lay.response_lens, 0.3, False, 2)
+    bargs = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, lay.prompt_lens,
+             lay.response_lens, 0.3, False, 2)
+    res = torch.library.opcheck(torch.ops.forkattn.prefix_cached_bwd.default, bargs)
+    assert all(x == "SUCCESS" for x in res.values()), res
+
+
+@needs_block
+def test_block_causal_errors():
+    lay = _layout(P, BRESP)
+    R = sum(BRESP)
+    q, k, v = torch.randn(R, HQ, D), torch.randn(P + R, HKV, D), torch.randn(P + R, HKV, D)
+    for bad in (-1, -5):
+        with pytest.raises(forkattn.ForkattnInvalidArgument, match="block_size"):
+            forkattn.prefix_cached_attention(q, k, v, lay, block_size=bad)
+        with pytest.raises(forkattn.ForkattnInvalidArgument, match="block_size"):
+            dlm_cache.prefix_cached_attention_numpy(q.numpy(), k.numpy(), v.numpy(), P, BRESP, block_size=bad)
+        with pytest.raises(forkattn.ForkattnInvalidArgument, match="block_size"):
+            dlm_cache.prefix_cached_attention_backward_numpy(q.numpy(), q.numpy(), k.numpy(), v.numpy(), q.numpy(),
+                                                             np.zeros((R, HQ), np.float32), P, BRESP, block_size=bad)
+    for bad in (1.5, "2", True):
+        with pytest.raises(TypeError, match="block_size"):
+            forkattn.prefix_cached_attention(q, k, v, lay, block_size=bad)
+    with pytest.raises(forkattn.ForkattnInvalidArgument, match="causal"):
+        forkattn.prefix_cached_attention(q, k, v, lay, block_size=2, causal=True)
+    # the C functions themselves refuse block sizes < 1 (0 and negative), in the op and the library
+    for bad in (0, -3):
+        with pytest.raises(forkattn.ForkattnInvalidArgument, match="block_size"):
+            _raw_block_fwd(q, k, v, lay, bad)
+    if ops.HAVE_CUSTOM_OPS:
+        with pytest.raises(forkattn.ForkattnInvalidArgument, match="block_size"):
+            torch.ops.forkattn.prefix_cached_fwd(q, k, v, lay.prompt_lens, lay.response_lens, 0.5, False, -2)
+
+
+def _raw_block_fwd(q, k, v, lay, block):
+    """forkattn_prefix_cached_block_fwd called directly with ``block``."""
+    from forkattn.numpy_api import _ctx, _desc
+
+    out = np.empty_like(q.numpy())
+    (_, qd), (_, kd), (_, vd), (_, od) = _desc(q.numpy()), _desc(k.numpy()), _desc(v.numpy()), _desc(out)
+    _lib.prefix_cached_fwd(_ctx(None), int(lay.prompt_lens[0]), [int(x) for x in lay.response_lens], False,
+                           qd, kd, vd, od, None, 0.5, _lib.MEMORY_HOST, block)
 
 
 # --------------------------------------------------------------------------------------------
@@ -494,6 +636,32 @@ def test_binding_without_the_symbols(monkeypatch):
     with pytest.raises(forkattn.ForkattnError, match="has no forkattn_reuse_profile_create"):
         forkattn.ReuseProfile(2)
     forkattn.prefix_attention(torch.randn(3, 2, 4), torch.randn(3, 1, 4), torch.randn(3, 1, 4), lay)  # still works
+
+
+def test_binding_without_the_block_functions(monkeypatch):
+    """An older library with the cached-prefix functions but not the block-causal ones: only
+    block_size fails (status 3)."""
+    real = _lib.load_library()
+
+    class Older:
+        _name = real._name
+
+        def __getattr__(self, name):
+            if name.startswith("forkattn_prefix_cached_block_"):
+                raise AttributeError(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(_lib, "_lib", _lib._bind(Older()))
+    lay = _layout(2, [3])
+    q, k, v = torch.randn(3, 2, 4), torch.randn(5, 1, 4), torch.randn(5, 1, 4)
+    for use_ops in (True, False):
+        monkeypatch.setattr(ops, "USE_CUSTOM_OPS", use_ops)
+        assert forkattn.prefix_cached_attention(q, k, v, lay, block_size=0).shape == q.shape
+        with pytest.raises(forkattn.ForkattnError, match="has no forkattn_prefix_cached_block_fwd") as e:
+            forkattn.prefix_cached_attention(q, k, v, lay, block_size=2)
+        assert e.value.status == 3
+    with pytest.raises(forkattn.ForkattnError, match="has no forkattn_prefix_cached_block_fwd"):
+        dlm_cache.prefix_cached_attention_numpy(q.numpy(), k.numpy(), v.numpy(), 2, [3], block_size=1)
 
 
 def test_numpy_only_without_torch():

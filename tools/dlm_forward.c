@@ -25,15 +25,6 @@
 
 enum { DLM_CACHED, DLM_FULL, DLM_DEEP };
 
-static forkattn_status dlm_fail(char *err, size_t errlen, forkattn_status s, const char *fmt, ...) {
-  if (err && errlen) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-  }
-  return s;
-}
 
 /* ---- small kernels ------------------------------------------------------------------ */
 

@@ -11,7 +11,7 @@
 /* elements below which a loop stays serial: a parallel region costs more */
 #define DLM_PAR_MIN ((int64_t)1 << 16)
 
-static forkattn_status dlm_fail(char *err, size_t errlen, forkattn_status s, const char *fmt, ...) {
+forkattn_status dlm_fail(char *err, size_t errlen, forkattn_status s, const char *fmt, ...) {
   if (err && errlen) {
     va_list ap;
     va_start(ap, fmt);

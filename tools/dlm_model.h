@@ -56,6 +56,13 @@ typedef struct dlm_model {
 
 /* Generate the synthetic weights. FORKATTN_OK, INVALID_ARGUMENT (bad config)
  * or OUT_OF_MEMORY; the message goes to err. */
+/* Write a message into err (when given) and return s: the error path every dlm_* call shares. */
+forkattn_status dlm_fail(char *err, size_t errlen, forkattn_status s, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 4, 5)))
+#endif
+    ;
+
 forkattn_status dlm_model_init(dlm_model *m, const dlm_config *c, char *err, size_t errlen);
 void dlm_model_free(dlm_model *m);
 /* Weight bytes (float32). */

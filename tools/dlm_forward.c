@@ -11,7 +11,6 @@
  * so the CACHED and FULL blocks map x rows to qkv rows one to one. */
 #include <cblas.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -22,11 +22,11 @@
 #include <ompx.h>
 
 #include "dtype_convert.h"
+#include "gpu_backend.h"
 #include "gpu_stage.h"
 #include "gpu_tiles.h"
 #include "online_softmax.h"
 #include "streamkl.h"
-
 
 /* One call's device views and launch sizes. */
 typedef struct {
@@ -483,21 +483,6 @@ forkattn_status fa_gpu_kl_fwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_m
   return rc ? fa_fail(ctx, FORKATTN_ERR_DEVICE, "gpu kl_fwd: copying results back failed") : FORKATTN_OK;
 }
 
-/* Teams for dK: as fa_gpu_dkv_chunk in gpu_segment_bwd.c, cut heavily read
- * key blocks into units of about `chunk` reader rows when there are too few
- * (key block, KV head) teams to fill the GPU. */
-#define FA_GPU_KL_DK_TEAMS 1056 /* 8 per SM of an H200 */
-
-static int64_t fa_gpu_kl_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int64_t hkv) {
-  if (nkb * hkv >= FA_GPU_KL_DK_TEAMS) return INT64_MAX;
-  int64_t work = 0;
-  for (int64_t b = 0; b < nkb; b++)
-    for (int64_t j = p->k_pair_off[kb[b].seg]; j < p->k_pair_off[kb[b].seg + 1]; j++)
-      work += fa_pair_queries(p->seg, p->pair[p->k_pair_idx[j]], kb[b].start, 0).len;
-  const int64_t chunk = (work * hkv + FA_GPU_KL_DK_TEAMS - 1) / FA_GPU_KL_DK_TEAMS;
-  return chunk < 64 ? 64 : chunk; /* below a few query tiles the partials cost more than they save */
-}
-
 static fa_gpu_kl_side fa_gpu_kl_side_of(const fa_gpu_kl *b, int teacher) {
   fa_gpu_kl_side s = {.qa = teacher ? b->qt : b->qs, .ka = teacher ? b->kt : b->ks, .qb = teacher ? b->qs : b->qt,
                       .kb = teacher ? b->ks : b->kt, .dk = teacher ? b->dkt : b->dks,
@@ -544,7 +529,7 @@ forkattn_status fa_gpu_kl_bwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_m
   const int64_t nqb = fa_plan_blocks(p, FA_GPU_ROWS, 0, &qb_h);
   const int64_t nkb = fa_plan_blocks(p, FA_GPU_ROWS, 1, &kb_h);
   if (nqb >= 0 && nkb >= 0)
-    nunits = fa_plan_key_units(p, kb_h, nkb, fa_gpu_kl_chunk(p, kb_h, nkb, c->hkv_s), &units_h, &unit_off_h);
+    nunits = fa_plan_key_units(p, kb_h, nkb, fa_gpu_dkv_chunk(p, kb_h, nkb, c->hkv_s), &units_h, &unit_off_h);
   const int64_t hkv_max = c->teacher_grad && c->hkv_t > c->hkv_s ? c->hkv_t : c->hkv_s;
   forkattn_status status = FORKATTN_OK;
   if (nunits < 0)

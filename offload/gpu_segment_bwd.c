@@ -257,7 +257,7 @@ static void fa_gpu_dkv_reduce(const fa_gpu_bwd *b, int dev) {
  * units of reader queries so about FA_GPU_DKV_TEAMS teams work at once. */
 #define FA_GPU_DKV_TEAMS 1056 /* 8 per SM of an H200 */
 
-static int64_t fa_gpu_dkv_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int64_t hkv) {
+int64_t fa_gpu_dkv_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int64_t hkv) {
   if (nkb * hkv >= FA_GPU_DKV_TEAMS) return INT64_MAX;
   int64_t work = 0;
   for (int64_t b = 0; b < nkb; b++)

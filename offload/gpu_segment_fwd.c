@@ -18,20 +18,6 @@
 #include "gpu_tiles.h"
 #include "online_softmax.h"
 
-
-/* Device copy of a kept mask: its byte maps staged, the struct's pointers
- * swapped for the device copies (pass it to kernels by value). host NULL
- * gives an all-zero *dev. 0, or -1 when staging failed. */
-int fa_gpu_stage_kept(fa_stage *s, const fa_kept *host, fa_kept *dev) {
-  memset(dev, 0, sizeof *dev);
-  if (!host) return 0;
-  *dev = *host;
-  const int64_t keep = fa_kept_keep_bytes(host), block = fa_kept_block_bytes(host);
-  dev->key_keep = keep > 0 ? fa_stage_array(s, host->key_keep, (size_t)keep) : NULL;
-  dev->block = block > 0 ? fa_stage_array(s, host->block, (size_t)block) : NULL;
-  return (keep > 0 && !dev->key_keep) || (block > 0 && !dev->block) ? -1 : 0;
-}
-
 forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkattn_memory memory) {
   const fa_plan *p = a->plan;
   fa_block *blocks_h;

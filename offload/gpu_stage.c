@@ -116,3 +116,16 @@ void fa_stage_free(fa_stage *s) {
   for (int i = 0; i < s->n; i++) omp_target_free(s->dev[i], s->device);
   s->n = 0;
 }
+
+/* Device copy of a kept mask: its byte maps staged, the struct's pointers
+ * swapped for the device copies (pass it to kernels by value). host NULL
+ * gives an all-zero *dev. 0, or -1 when staging failed. */
+int fa_gpu_stage_kept(fa_stage *s, const fa_kept *host, fa_kept *dev) {
+  memset(dev, 0, sizeof *dev);
+  if (!host) return 0;
+  *dev = *host;
+  const int64_t keep = fa_kept_keep_bytes(host), block = fa_kept_block_bytes(host);
+  dev->key_keep = keep > 0 ? fa_stage_array(s, host->key_keep, (size_t)keep) : NULL;
+  dev->block = block > 0 ? fa_stage_array(s, host->block, (size_t)block) : NULL;
+  return (keep > 0 && !dev->key_keep) || (block > 0 && !dev->block) ? -1 : 0;
+}

@@ -540,6 +540,28 @@ def _fn(name):
 # contexts
 
 
+class _Owned:
+    """Lifetime of an object that owns a C handle: ``with`` closes it, and so does garbage
+    collection (quietly: the interpreter may be shutting down). Subclasses define ``close()``;
+    ``_close_on_gc()`` is what collection calls (``close()`` unless overridden)."""
+
+    def _close_on_gc(self):
+        self.close()
+
+    def __del__(self):
+        try:
+            self._close_on_gc()
+        except Exception:  # interpreter shutdown
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
 class Context:
     """A forkattn context (``forkattn_ctx``): backend, device, CPU threads, last error.
 

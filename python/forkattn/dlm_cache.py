@@ -514,7 +514,7 @@ class _CudaView:
                                          "strides": None, "version": 2}
 
 
-class KVCache:
+class KVCache(_lib._Owned):
     """A cache of token prefixes' per-layer K/V (``forkattn_kv_cache``).
 
     ``KVCache(capacity_bytes, layers, kv_heads, head_dim, dtype, *, block_tokens=0,
@@ -680,18 +680,8 @@ class KVCache:
             h, self._handle = self._handle, None
         _lib.kv_cache_destroy(h)
 
-    def __del__(self):
-        try:
-            self.close(force=True)
-        except Exception:  # interpreter shutdown
-            pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
+    def _close_on_gc(self):
+        self.close(force=True)
 
     def __repr__(self):
         if self._handle is None:
@@ -702,7 +692,7 @@ class KVCache:
                    self.capacity_bytes))
 
 
-class KVEntry:
+class KVEntry(_lib._Owned):
     """A lookup's result: ``matched`` tokens of a cached prefix (0 on a miss: the entry is falsy
     and holds nothing), held — never evicted, refreshed or freed — until :meth:`release` (or the
     end of its ``with`` block, or its garbage collection).
@@ -796,18 +786,7 @@ class KVEntry:
                 if c._handle is not None:
                     _lib.kv_cache_release(c._handle, h)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.release()
-        return False
-
-    def __del__(self):
-        try:
-            self.release()
-        except Exception:  # interpreter shutdown
-            pass
+    close = release  # with-blocks and collection release the entry (_lib._Owned)
 
     def __repr__(self):
         state = "held" if self.held else ("miss" if not self.hit else "released")
@@ -854,7 +833,7 @@ def _read_profile_header(path):
     return layers, threshold
 
 
-class ReuseProfile:
+class ReuseProfile(_lib._Owned):
     """Reuse-depth profile (``forkattn_reuse_profile``): per 1% bin of the prefix ratio r
     (prefix / sequence), the averaged per-layer similarity of a prefix's K/V computed alone vs
     inside the request, and the depth b(r): how many leading layers may reuse cached K/V
@@ -924,19 +903,6 @@ class ReuseProfile:
         with self._lock:
             h, self._handle = self._handle, None
         _lib.reuse_profile_free(h)
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown
-            pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
 
     def __repr__(self):
         if self._handle is None:

@@ -179,7 +179,7 @@ def _lse_in(lse, n, hq):
 # DFS path stack
 
 
-class PathStack:
+class PathStack(_lib._Owned):
     """The DFS path stack (``forkattn_path``): the K/V of the active root-to-node path of a tree,
     with float32 dk/dv accumulators, in host memory.
 
@@ -318,19 +318,6 @@ class PathStack:
             _lib.path_destroy(self._handle)
         self._handle = None
         self._nodes = []
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown
-            pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
 
     def __repr__(self):
         if self._handle is None:

@@ -52,7 +52,11 @@ static inline float fa_kl_row_finish(fa_kl_state st, float m_drop, float l_drop,
       const float x = lse_drop - lse_t; /* log(dropped / kept) */
       gap = x > 0.0f ? x + log1pf(expf(-x)) : log1pf(expf(x));
       lse_tf = lse_t + gap;
-      out = expf(lse_drop - lse_tf);
+      /* dropped / (kept + dropped) as a logistic of x: in [0, 1] by
+       * construction (exp(lse_drop - lse_tf) rounds above 1 when the dropped
+       * keys dominate) and relatively accurate when small. */
+      const float e = expf(-fabsf(x));
+      out = x > 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
     }
   }
   float div = reverse ? kr : kf;

@@ -12,6 +12,7 @@
 #include "cpu_tile.h"
 #include "dtype_convert.h"
 #include "online_kl.h"
+#include "streamkl.h"
 #include "online_softmax.h"
 #include "segment_plan.h"
 #include "test_common.h"
@@ -506,4 +507,35 @@ Test(online_kl, gradients_match_finite_differences) {
         cr_assert_leq(fabs(g_s - fd_s), 2e-4, "trial %d rev %d key %d: ds %.6g vs %.6g", trial, rev, j, (double)g_s, fd_s);
       }
   }
+}
+
+/* fa_kl_row_finish: the outside mass (teacher mass on the dropped keys) stays
+ * in [0, 1] and matches float64 over the whole range of log(dropped / kept),
+ * from nothing dropped to nothing kept, with scores far from the origin. The
+ * float32 result is a logistic of x = lse_drop - lse_t: relative error a few
+ * ulps of the result, plus the rounding of x itself (ulp(|lse|) ~ 6e-5 at 1e3). */
+Test(online_kl, row_finish_outside_mass_in_unit_interval) {
+  tc_rng rng = tc_rng_for("online_kl.outside");
+  for (int trial = 0; trial < 4000; trial++) {
+    const float off = (float)tc_uniform(&rng, -1e3, 1e3), x = (float)tc_uniform(&rng, -120, 120);
+    fa_kl_state st = fa_kl_init();
+    const float t = off, s = off * 0.5f;
+    fa_kl_tile(&st, &t, &s, 1); /* kept support: one key, lse_t = off */
+    float stats4[FORKATTN_KL_STATS], outside = -1.0f;
+    fa_kl_row_finish(st, off + x, 1.0f, trial % 2, stats4, &outside); /* dropped: lse = off + x */
+    const double xd = (double)(off + x) - (double)off, want = 1.0 / (1.0 + exp(-xd));
+    cr_assert(outside >= 0.0f && outside <= 1.0f, "trial %d x %.9g: outside mass %.9g", trial, xd, (double)outside);
+    cr_assert_leq(fabs(outside - want), 4e-7 * want + 1e-7, "trial %d x %.9g: %.9g vs %.9g", trial, xd,
+                  (double)outside, want);
+    const double lse_tf = (double)off + (xd > 0 ? xd + log1p(exp(-xd)) : log1p(exp(xd)));
+    cr_assert_leq(fabs(stats4[FA_KL_LSE_TF] - lse_tf), 1.2e-7 * fabs(lse_tf) + 1e-6, "trial %d: full lse", trial);
+  }
+  float stats4[FORKATTN_KL_STATS], outside = -1.0f;
+  fa_kl_row_finish(fa_kl_init(), 5.0f, 2.0f, 0, stats4, &outside);
+  cr_assert(outside == 1.0f && stats4[FA_KL_DIV] == 0.0f, "nothing kept: mass 1, divergence 0");
+  fa_kl_state st = fa_kl_init();
+  const float t = 1.0f, s = 2.0f;
+  fa_kl_tile(&st, &t, &s, 1);
+  fa_kl_row_finish(st, -INFINITY, 0.0f, 0, stats4, &outside);
+  cr_assert(outside == 0.0f, "nothing dropped: mass exactly 0");
 }

@@ -1,9 +1,12 @@
-/* GPU forward of segment attention: OpenMP offload, `ompx_bare` teams of 128
- * threads, team-shared Q/K/V tiles, one online softmax per query row across
- * every pair of its segment. FP32 compute on CUDA cores (correctness first;
- * tensor cores are a later step). One team = (query block, query head).
- * A kept-set mask (KV compression) drops keys on top of the layout's mask;
- * key tiles its block mask drops entirely are skipped. */
+/* GPU forward of segment attention: OpenMP offload, `ompx_bare` teams.
+ * Staging and dispatch for both kernels, and the FP32 CUDA-core kernel that
+ * serves every call the tensor-core kernel (gpu_mma_fwd.c) does not: f32,
+ * other head_dims, strides not 16-byte aligned, kept sets. FP32 kernel:
+ * teams of 128 threads, team-shared Q/K/V tiles, one online softmax per
+ * query row across every pair of its segment; one team = (query block of
+ * FA_GPU_ROWS rows, query head). A kept-set mask (KV compression) drops keys
+ * on top of the layout's mask; key tiles its block mask drops entirely are
+ * skipped. */
 #include "alloc.h"
 #include <limits.h>
 #include <math.h>
@@ -14,49 +17,26 @@
 
 #include "dtype_convert.h"
 #include "gpu_backend.h"
+#include "gpu_fwd.h"
 #include "gpu_stage.h"
 #include "gpu_tiles.h"
 #include "online_softmax.h"
 
-forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkattn_memory memory) {
-  const fa_plan *p = a->plan;
-  fa_block *blocks_h;
-  int64_t nb = fa_plan_blocks(p, FA_GPU_ROWS, 0, &blocks_h);
-  if (nb < 0) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "gpu fwd: cannot allocate blocks");
-  if (nb * a->hq > INT_MAX) {
-    fa_free(blocks_h);
-    return fa_fail(ctx, FORKATTN_ERR_UNSUPPORTED, "gpu fwd: %lld teams exceed one launch", (long long)(nb * a->hq));
-  }
-  fa_stage st;
-  fa_stage_init(&st, ctx->device, memory == FORKATTN_MEMORY_HOST);
-  fa_dev_tensor q, k, v, o;
-  const int64_t rows = p->rows, qshift = p->qshift, hq = a->hq, hkv = a->hkv, d = a->d;
-  float *lse = NULL;
-  const fa_range *seg = fa_stage_array(&st, p->seg, sizeof *p->seg * (size_t)p->nseg);
-  const fa_pair *pair = fa_stage_array(&st, p->pair, sizeof *p->pair * (size_t)p->npairs);
-  const int64_t *qoff = fa_stage_array(&st, p->q_pair_off, sizeof(int64_t) * (size_t)(p->nseg + 1));
-  const fa_block *blocks = fa_stage_array(&st, blocks_h, sizeof *blocks_h * (size_t)nb);
-  fa_kept kept;
-  const int has_kept = a->kept != NULL;
-  int bad = fa_gpu_stage_kept(&st, a->kept, &kept) || !seg || !pair || !qoff || !blocks ||
-            fa_stage_tensor(&st, &a->q, 1, &q) || fa_stage_tensor(&st, &a->k, 1, &k) ||
-            fa_stage_tensor(&st, &a->v, 1, &v) || fa_stage_tensor(&st, &a->o, 0, &o);
-  if (!bad && a->lse) bad = !(lse = fa_stage_floats(&st, a->lse, (size_t)(rows * hq), 0));
-  fa_free(blocks_h);
-  if (bad) {
-    forkattn_status status = fa_stage_status(&st);
-    fa_stage_free(&st);
-    return fa_fail(ctx, status, "gpu fwd: device %s failed",
-                   status == FORKATTN_ERR_DEVICE ? "copy" : "allocation");
-  }
-
+static void fa_gpu_fp32_fwd(const fa_gpu_fwd_args *ga) {
+  const fa_dev_tensor q = ga->q, k = ga->k, v = ga->v, o = ga->o;
+  const fa_range *seg = ga->seg;
+  const fa_pair *pair = ga->pair;
+  const int64_t *qoff = ga->qoff;
+  const fa_block *blocks = ga->blocks;
+  float *lse = ga->lse;
+  const fa_kept kept = ga->kept;
+  const int has_kept = ga->has_kept;
+  const int64_t qshift = ga->qshift, hq = ga->hq, hkv = ga->hkv, d = ga->d;
   const int64_t bk = fa_gpu_key_tile(d, 0), pitch = d + 1, group = hq / hkv;
   const size_t smem = sizeof(float) * (size_t)(FA_GPU_ROWS * pitch + 2 * bk * pitch + FA_GPU_ROWS * (bk + 1));
-  const int nteams = (int)(nb * hq);
-  const float scale = a->scale;
-  const int dev = ctx->device;
-  fa_note_workspace(ctx, st.bytes);
-
+  const int nteams = (int)(ga->nblocks * hq);
+  const float scale = ga->scale;
+  const int dev = ga->device;
 #pragma omp target teams ompx_bare num_teams(nteams) thread_limit(FA_GPU_THREADS) \
     ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(q, k, v, o, kept) \
     is_device_ptr(seg, pair, qoff, blocks, lse)
@@ -127,6 +107,47 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
       if (lse && lane == 0) lse[r * hq + h] = row_lse;
     }
   }
+}
+
+forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkattn_memory memory) {
+  const fa_plan *p = a->plan;
+  fa_block *blocks_h;
+  const int mma = fa_gpu_mma_fwd_ok(a, memory);
+  int64_t nb = fa_plan_blocks(p, mma ? FA_MMA_ROWS : FA_GPU_ROWS, 0, &blocks_h);
+  if (nb < 0) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "gpu fwd: cannot allocate blocks");
+  if (nb * a->hq > INT_MAX) {
+    fa_free(blocks_h);
+    return fa_fail(ctx, FORKATTN_ERR_UNSUPPORTED, "gpu fwd: %lld teams exceed one launch", (long long)(nb * a->hq));
+  }
+  fa_stage st;
+  fa_stage_init(&st, ctx->device, memory == FORKATTN_MEMORY_HOST);
+  fa_dev_tensor q, k, v, o;
+  const int64_t rows = p->rows, qshift = p->qshift, hq = a->hq, hkv = a->hkv, d = a->d;
+  float *lse = NULL;
+  const fa_range *seg = fa_stage_array(&st, p->seg, sizeof *p->seg * (size_t)p->nseg);
+  const fa_pair *pair = fa_stage_array(&st, p->pair, sizeof *p->pair * (size_t)p->npairs);
+  const int64_t *qoff = fa_stage_array(&st, p->q_pair_off, sizeof(int64_t) * (size_t)(p->nseg + 1));
+  const fa_block *blocks = fa_stage_array(&st, blocks_h, sizeof *blocks_h * (size_t)nb);
+  fa_kept kept;
+  const int has_kept = a->kept != NULL;
+  int bad = fa_gpu_stage_kept(&st, a->kept, &kept) || !seg || !pair || !qoff || !blocks ||
+            fa_stage_tensor(&st, &a->q, 1, &q) || fa_stage_tensor(&st, &a->k, 1, &k) ||
+            fa_stage_tensor(&st, &a->v, 1, &v) || fa_stage_tensor(&st, &a->o, 0, &o);
+  if (!bad && a->lse) bad = !(lse = fa_stage_floats(&st, a->lse, (size_t)(rows * hq), 0));
+  fa_free(blocks_h);
+  if (bad) {
+    forkattn_status status = fa_stage_status(&st);
+    fa_stage_free(&st);
+    return fa_fail(ctx, status, "gpu fwd: device %s failed",
+                   status == FORKATTN_ERR_DEVICE ? "copy" : "allocation");
+  }
+
+  const fa_gpu_fwd_args ga = {q, k, v, o, lse, seg, pair, qoff, blocks, nb, hq, hkv, d, qshift, a->scale, kept,
+                              has_kept, ctx->device};
+  fa_note_workspace(ctx, st.bytes);
+
+  if (mma) fa_gpu_mma_fwd(&ga);
+  else fa_gpu_fp32_fwd(&ga);
 
   int rc = fa_stage_tensor_back(&st, &a->o, &o);
   if (!rc && a->lse) rc = fa_stage_floats_back(&st, a->lse, lse, (size_t)(rows * hq));

@@ -13,7 +13,9 @@
 #include "reference.h"
 #include "test_common.h"
 
-enum { P = 20, N = 3, HQ = 4, HKV = 2, D = 16, G = HQ / HKV };
+/* head_dim 64 so bf16/f16 calls take the GPU's tensor-core forward, whose P V
+ * product would turn 0 * NaN of a masked key into NaN (offload/gpu_mma_fwd.c). */
+enum { P = 20, N = 3, HQ = 4, HKV = 2, D = 64, G = HQ / HKV };
 static const int64_t lens[N] = {13, 0, 17};
 #define T (P + 30)
 
@@ -35,12 +37,12 @@ static int sees(int causal, int64_t i, int64_t j) {
   return j >= P + off[r] && j < P + off[r + 1] && (!causal || j <= i);
 }
 
-static void run(forkattn_ctx *ctx, int causal, const inputs *in, outputs *out) {
+static void run(forkattn_ctx *ctx, int causal, forkattn_dtype dt, const inputs *in, outputs *out) {
   forkattn_prefix_layout lay = {P, N, off, causal ? FORKATTN_MASK_CAUSAL : FORKATTN_MASK_BIDIRECTIONAL};
   static float buf[8][T * HQ * D], lse[T * HQ];
   const int64_t heads[8] = {HQ, HKV, HKV, HQ, HQ, HQ, HKV, HKV};
   forkattn_tensor t[8];
-  for (int i = 0; i < 8; i++) t[i] = forkattn_tensor_contiguous(buf[i], FORKATTN_DTYPE_F32, T, heads[i], D);
+  for (int i = 0; i < 8; i++) t[i] = forkattn_tensor_contiguous(buf[i], dt, T, heads[i], D);
   ref_tensor_write(&t[0], in->q);
   ref_tensor_write(&t[1], in->k);
   ref_tensor_write(&t[2], in->v);
@@ -104,7 +106,7 @@ static void expect(const char *what, const double *got, const double *base, int6
     }
 }
 
-static void nonfinite_case(int causal, double bad_value, const char *label) {
+static void nonfinite_case(int causal, double bad_value, forkattn_dtype dt, const char *label) {
   forkattn_ctx *ctx = tc_ctx_default(label);
   cr_assert_not_null(ctx);
   off[0] = 0;
@@ -114,7 +116,7 @@ static void nonfinite_case(int causal, double bad_value, const char *label) {
   static outputs base, got;
   for (int i = 0; i < T * HQ * D; i++) in.q[i] = tc_uniform(&rng, -1, 1), in.dout[i] = tc_uniform(&rng, -1, 1);
   for (int i = 0; i < T * HKV * D; i++) in.k[i] = tc_uniform(&rng, -1, 1), in.v[i] = tc_uniform(&rng, -1, 1);
-  run(ctx, causal, &in, &base);
+  run(ctx, causal, dt, &in, &base);
   /* rows: prompt start/middle, first and middle rows of response 0, last row of response 2 */
   const int64_t rows[] = {0, 9, P, P + 6, T - 1};
   for (int tensor = 0; tensor < 4; tensor++)
@@ -123,7 +125,7 @@ static void nonfinite_case(int causal, double bad_value, const char *label) {
       bad = in;
       double *arr = tensor == 0 ? bad.q : tensor == 1 ? bad.k : tensor == 2 ? bad.v : bad.dout;
       arr[(r * heads + h) * D + (r % D)] = bad_value;
-      run(ctx, causal, &bad, &got);
+      run(ctx, causal, dt, &bad, &got);
       reach x;
       compute_reach(causal, tensor, r, h, &x);
       char where[160];
@@ -147,6 +149,11 @@ static void nonfinite_case(int causal, double bad_value, const char *label) {
   forkattn_ctx_destroy(ctx);
 }
 
-Test(nonfinite, nan_causal) { nonfinite_case(1, NAN, "nonfinite/nan_causal"); }
-Test(nonfinite, nan_bidirectional) { nonfinite_case(0, NAN, "nonfinite/nan_bidirectional"); }
-Test(nonfinite, inf_causal) { nonfinite_case(1, INFINITY, "nonfinite/inf_causal"); }
+Test(nonfinite, nan_causal) { nonfinite_case(1, NAN, FORKATTN_DTYPE_F32, "nonfinite/nan_causal"); }
+Test(nonfinite, nan_bidirectional) { nonfinite_case(0, NAN, FORKATTN_DTYPE_F32, "nonfinite/nan_bidirectional"); }
+Test(nonfinite, inf_causal) { nonfinite_case(1, INFINITY, FORKATTN_DTYPE_F32, "nonfinite/inf_causal"); }
+Test(nonfinite, nan_causal_bf16) { nonfinite_case(1, NAN, FORKATTN_DTYPE_BF16, "nonfinite/nan_causal_bf16"); }
+Test(nonfinite, inf_causal_f16) { nonfinite_case(1, INFINITY, FORKATTN_DTYPE_F16, "nonfinite/inf_causal_f16"); }
+Test(nonfinite, nan_bidirectional_bf16) {
+  nonfinite_case(0, NAN, FORKATTN_DTYPE_BF16, "nonfinite/nan_bidirectional_bf16");
+}

@@ -1,0 +1,35 @@
+/* The GPU forward's staged arguments, shared by its two kernels: the FP32
+ * CUDA-core kernel (any dtype, head_dim, stride, kept set: gpu_segment_fwd.c)
+ * and the tensor-core kernel (bf16/f16, head_dim 64 or 128: gpu_mma_fwd.c). */
+#ifndef FORKATTN_GPU_FWD_H
+#define FORKATTN_GPU_FWD_H
+#include <stdint.h>
+
+#include "gpu_stage.h"
+#include "segment_attn.h"
+
+typedef struct fa_gpu_fwd_args {
+  fa_dev_tensor q, k, v, o; /* device views */
+  float *lse;               /* device [rows, hq] or NULL */
+  const fa_range *seg;      /* device copies of the plan */
+  const fa_pair *pair;
+  const int64_t *qoff;
+  const fa_block *blocks; /* query blocks, heaviest first */
+  int64_t nblocks, hq, hkv, d, qshift;
+  float scale;
+  fa_kept kept; /* device copy (maps staged) */
+  int has_kept;
+  int device;
+} fa_gpu_fwd_args;
+
+/* Query rows per team of the tensor-core forward (16 per warp, 4 warps). */
+#define FA_MMA_ROWS 64
+
+/* 1 when the tensor-core forward runs this call: FORKATTN_GPU_MMA=1 in the
+ * environment (opt-in while it is unverified on a GPU), q, k, v all bf16 or
+ * all f16, head_dim 64 or 128, no kept set, 16-byte aligned rows in device
+ * memory (host tensors are staged dense). */
+int fa_gpu_mma_fwd_ok(const fa_attn_fwd *a, forkattn_memory memory);
+void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g);
+
+#endif

@@ -1,0 +1,201 @@
+/* Tensor-core micro-kernels for the GPU segment kernels: mma.sync m16n8k16
+ * (bf16/f16 in, f32 accumulate), ldmatrix, cp.async, quad shuffles, exp2 and
+ * bf16x2/f16x2 packing, as inline PTX for nvptx64.
+ *
+ * Each function has a portable C base (the host compilation of the offload
+ * regions needs one) and an nvptx64 variant in the `begin declare variant`
+ * block below. The bases of the per-element helpers (exp2, packing, shuffle
+ * of one lane) compute the same values as the PTX and are unit-tested on the
+ * host; the warp-collective ones (ldmatrix, mma) have no single-thread
+ * meaning and trap: the dispatch never runs a GPU kernel on the host (LLVM
+ * 19's host fallback of `ompx_bare` regions is broken anyway, design doc).
+ *
+ * Everything passes and returns by value: a local whose address escapes is
+ * "globalized" by the OpenMP device compiler into runtime-managed shared
+ * stack, which `ompx_bare` kernels do not set up (see dtype_convert.h). */
+#ifndef FORKATTN_GPU_MMA_H
+#define FORKATTN_GPU_MMA_H
+#include <math.h>
+#include <stdint.h>
+
+#include "dtype_convert.h"
+
+typedef struct fa_f4 {
+  float x, y, z, w;
+} fa_f4; /* an m16n8 accumulator fragment: rows g, g, g+8, g+8; cols 2t, 2t+1 */
+
+typedef struct fa_u4 {
+  uint32_t x, y, z, w;
+} fa_u4; /* four b16x2 registers: an A fragment, or two B fragments */
+
+#pragma omp declare target
+
+/* ---- portable bases ------------------------------------------------------ */
+
+static inline fa_f4 fa_f4_zero(void) {
+  fa_f4 c = {0.0f, 0.0f, 0.0f, 0.0f};
+  return c;
+}
+
+static inline float fa_mma_exp2(float x) { return exp2f(x); }
+
+/* lo in the low half (the smaller column index of an A fragment). f16 != 0
+ * packs IEEE halves, else bf16; both round to nearest even. */
+static inline uint32_t fa_mma_pack(float lo, float hi, int f16) {
+  return f16 ? (uint32_t)fa_f32_to_f16(lo) | (uint32_t)fa_f32_to_f16(hi) << 16
+             : (uint32_t)fa_f32_to_bf16(lo) | (uint32_t)fa_f32_to_bf16(hi) << 16;
+}
+
+/* Butterfly exchange with lane ^ mask of the warp (one lane alone: itself). */
+static inline float fa_mma_shfl_xor(float x, int mask) {
+  (void)mask;
+  return x;
+}
+
+/* Ballot of the warp (one lane alone: its own bit 0). */
+static inline uint32_t fa_mma_ballot(int pred) { return pred ? 1u : 0u; }
+
+/* 32-bit shared-window address of a team-memory pointer (cp.async, ldmatrix). */
+static inline uint32_t fa_mma_smem(const void *p) { return (uint32_t)(uintptr_t)p; }
+
+/* 16-byte global-to-shared copy; the last 16 - bytes bytes are zero-filled.
+ * The base copies synchronously (dst is a generic pointer on the host). */
+static inline void fa_cp_async16(void *dst, const void *src, int bytes) {
+  unsigned char *d = (unsigned char *)dst;
+  const unsigned char *s = (const unsigned char *)src;
+  for (int i = 0; i < 16; i++) d[i] = i < bytes ? s[i] : 0;
+}
+static inline void fa_cp_async_commit(void) {}
+/* Wait until at most n (0 or 1) of this thread's copy groups are pending. */
+static inline void fa_cp_async_wait(int n) { (void)n; }
+
+static inline fa_u4 fa_ldmatrix_x4(uint32_t addr, int trans) {
+  (void)addr, (void)trans;
+  __builtin_trap();
+}
+
+static inline fa_f4 fa_mma_16816(fa_f4 c, fa_u4 a, uint32_t b0, uint32_t b1, int f16) {
+  (void)a, (void)b0, (void)b1, (void)f16;
+  __builtin_trap();
+  return c;
+}
+
+/* Lane maps of the fragments (PTX ISA, mma.m16n8k16 and ldmatrix), shared by
+ * the kernels and the host test that checks them (tests/test_mma_fragments.c).
+ * ldmatrix.x4: lanes 8i..8i+7 give the row addresses of 8x8 matrix i. */
+
+/* A operand (16 x 16 at row 0, col 0 of a row-major tile): matrices (rows
+ * 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15) = a0..a3. The same
+ * map with .trans loads two B fragments of a row-major [k][n] tile (V in P V):
+ * rows are k, and matrices 0, 1 / 2, 3 are b0, b1 of n-tiles 0 / 1. */
+static inline int fa_ldsm_a_row(int lane) { return lane % 8 + 8 * ((lane / 8) % 2); }
+static inline int fa_ldsm_a_col(int lane) { return 8 * (lane / 16); }
+
+/* Two B fragments of a [n][k] row-major tile (K in Q K^T, keys = n): matrices
+ * (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15) = b0, b1
+ * of n-tile 0, then of n-tile 1. */
+static inline int fa_ldsm_b_row(int lane) { return lane % 8 + 8 * (lane / 16); }
+static inline int fa_ldsm_b_col(int lane) { return 8 * ((lane / 8) % 2); }
+
+/* Accumulator element e (0..3, the x y z w of fa_f4) of a lane: row and column
+ * within the 16 x 8 tile. */
+static inline int fa_acc_row(int lane, int e) { return lane / 4 + 8 * (e / 2); }
+static inline int fa_acc_col(int lane, int e) { return 2 * (lane % 4) + e % 2; }
+
+/* The A fragment of P (16 x 16) from the accumulators of its two 16 x 8 halves:
+ * the accumulator layout of m16n8 is the A layout of m16k16 cut in two. */
+static inline fa_u4 fa_mma_p_frag(fa_f4 lo, fa_f4 hi, int f16) {
+  fa_u4 a;
+  a.x = fa_mma_pack(lo.x, lo.y, f16);
+  a.y = fa_mma_pack(lo.z, lo.w, f16);
+  a.z = fa_mma_pack(hi.x, hi.y, f16);
+  a.w = fa_mma_pack(hi.z, hi.w, f16);
+  return a;
+}
+
+#pragma omp end declare target
+
+/* ---- nvptx64 variants (clang's offload builds; other compilers see the bases) */
+#ifdef __clang__
+#pragma omp begin declare variant match(device = {arch(nvptx64)})
+
+static inline float fa_mma_exp2(float x) {
+  float y;
+  __asm__("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+static inline uint32_t fa_mma_pack(float lo, float hi, int f16) {
+  uint32_t d;
+  if (f16) __asm__("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  else __asm__("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+static inline float fa_mma_shfl_xor(float x, int mask) {
+  float y;
+  __asm__ volatile("{ .reg .b32 t; mov.b32 t, %1; shfl.sync.bfly.b32 t, t, %2, 0x1f, 0xffffffff; mov.b32 %0, t; }"
+                   : "=f"(y)
+                   : "f"(x), "r"(mask));
+  return y;
+}
+
+static inline uint32_t fa_mma_ballot(int pred) {
+  uint32_t b;
+  __asm__ volatile("{ .reg .pred p; setp.ne.s32 p, %1, 0; vote.sync.ballot.b32 %0, p, 0xffffffff; }"
+                   : "=r"(b)
+                   : "r"(pred));
+  return b;
+}
+
+static inline uint32_t fa_mma_smem(const void *p) {
+  uint64_t a;
+  __asm__("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+  return (uint32_t)a;
+}
+
+static inline void fa_cp_async16(void *dst, const void *src, int bytes) {
+  __asm__ volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(fa_mma_smem(dst)), "l"(src), "r"(bytes)
+                   : "memory");
+}
+
+static inline void fa_cp_async_commit(void) { __asm__ volatile("cp.async.commit_group;" ::: "memory"); }
+
+static inline void fa_cp_async_wait(int n) {
+  if (n) __asm__ volatile("cp.async.wait_group 1;" ::: "memory");
+  else __asm__ volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
+static inline fa_u4 fa_ldmatrix_x4(uint32_t addr, int trans) {
+  fa_u4 r;
+  if (trans)
+    __asm__ volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                     : "r"(addr)
+                     : "memory");
+  else
+    __asm__ volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                     : "r"(addr)
+                     : "memory");
+  return r;
+}
+
+static inline fa_f4 fa_mma_16816(fa_f4 c, fa_u4 a, uint32_t b0, uint32_t b1, int f16) {
+  if (f16)
+    __asm__("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+f"(c.x), "+f"(c.y), "+f"(c.z), "+f"(c.w)
+            : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+  else
+    __asm__("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+f"(c.x), "+f"(c.y), "+f"(c.z), "+f"(c.w)
+            : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+  return c;
+}
+
+#pragma omp end declare variant
+#endif
+
+#endif

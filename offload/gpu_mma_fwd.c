@@ -1,0 +1,295 @@
+/* Tensor-core GPU forward of segment attention (FlashAttention-2 shape), for
+ * bf16/f16 q/k/v with head_dim 64 or 128. The same segment plan as the FP32
+ * kernel: a team owns FA_MMA_ROWS query rows of one segment and one query
+ * head, and walks the key tiles of every pair of its segment in one online
+ * softmax.
+ *
+ * Team: 4 warps, each owning 16 query rows (Q fragments in registers for the
+ * whole walk). Key tiles of BK keys x head_dim of K and V are copied with
+ * cp.async into two team-memory buffers (the next tile, across pair
+ * boundaries, streams in while this one is computed). S = Q K^T and O += P V
+ * with mma.sync m16n8k16 (f32 accumulate), K fragments by ldmatrix, V
+ * fragments by ldmatrix.trans; P goes from the S accumulators to bf16/f16 A
+ * fragments without touching memory. Scores are in log2 units (scale * log2 e
+ * folded in) so the softmax uses ex2. Row max across the quad of lanes that
+ * share a row; row sums stay per lane until the end. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#include <ompx.h>
+
+#include "dtype_convert.h"
+#include "gpu_fwd.h"
+#include "gpu_mma.h"
+#include "online_softmax.h"
+
+#define FA_MMA_THREADS 128
+#define FA_MMA_MAX_D 128 /* head_dims 64 and 128 */
+#define FA_MMA_MAX_BK 64 /* keys per tile: 64 at head_dim 64, 32 at 128 */
+#define FA_LOG2E 1.4426950408889634f
+#define FA_LN2 0.6931471805599453f
+
+int fa_gpu_mma_fwd_ok(const fa_attn_fwd *a, forkattn_memory memory) {
+  /* Opt-in until the kernel has passed the GPU suite on the H200 (bench/NOTES-gpu.md). */
+  const char *env = getenv("FORKATTN_GPU_MMA");
+  if (!env || strcmp(env, "1") != 0) return 0;
+  const int dt = (int)a->q.dtype;
+  if (a->kept || (dt != FORKATTN_DTYPE_BF16 && dt != FORKATTN_DTYPE_F16) || (a->d != 64 && a->d != 128)) return 0;
+  if ((int)a->k.dtype != dt || (int)a->v.dtype != dt) return 0;
+  if (memory == FORKATTN_MEMORY_HOST) return 1; /* staged dense, omp_target_alloc alignment */
+  const forkattn_tensor *t[3] = {&a->q, &a->k, &a->v};
+  for (int i = 0; i < 3; i++)
+    if ((uintptr_t)t[i]->data % 16 || t[i]->row_stride % 8 || t[i]->head_stride % 8) return 0;
+  return 1;
+}
+
+#pragma omp declare target
+/* A team's walk over key tiles: pair pi (up to pend), tile [kb, kb + BK) of
+ * the pair's visible keys [.., kend). Passed by value (see gpu_mma.h). */
+typedef struct fa_tile_walk {
+  int64_t pi, pend, kb, kend, causal;
+} fa_tile_walk;
+
+/* First tile at or after pair w.pi whose pair sees keys (w.pi == w.pend: done). */
+static inline fa_tile_walk fa_walk_seek(fa_tile_walk w, const fa_range *seg, const fa_pair *pair, fa_block blk,
+                                        int64_t qshift) {
+  for (; w.pi < w.pend; w.pi++) {
+    const fa_range k = fa_pair_keys(seg, pair[w.pi], blk.start, blk.len, qshift);
+    if (k.len > 0) {
+      w.kb = k.start;
+      w.kend = k.start + k.len;
+      w.causal = pair[w.pi].causal;
+      return w;
+    }
+  }
+  return w;
+}
+
+static inline fa_tile_walk fa_walk_next(fa_tile_walk w, int bk, const fa_range *seg, const fa_pair *pair,
+                                        fa_block blk, int64_t qshift) {
+  w.kb += bk;
+  if (w.kb < w.kend) return w;
+  w.pi++;
+  return fa_walk_seek(w, seg, pair, blk, qshift);
+}
+
+/* Team-cooperative cp.async of rows [row0, row0 + n) of head `head` of t
+ * (n <= cap) into a cap x D tile of pitch P elements; rows n..cap-1 are
+ * zero-filled (masked lanes then multiply finite zeros). */
+static inline void fa_mma_load_rows(unsigned short *dst, int P, int cap, int D, fa_dev_tensor t, int64_t row0,
+                                    int64_t n, int64_t head, int tid) {
+  const unsigned short *src = (const unsigned short *)t.data;
+  const int chunks = D / 8; /* 16-byte chunks per row */
+  for (int c = tid; c < cap * chunks; c += FA_MMA_THREADS) {
+    const int r = c / chunks, col = (c % chunks) * 8;
+    const int in = r < n;
+    fa_cp_async16(dst + r * P + col, src + (row0 + (in ? r : 0)) * t.rs + head * t.hs + col, in ? 16 : 0);
+  }
+}
+
+/* Scaled, masked score in log2 units (-inf where the key is not visible). */
+static inline float fa_mma_score(float s, float mul, int key, int nk, int row_ok, int causal, int64_t kb,
+                                 int64_t q_pos) {
+  return key < nk && row_ok && (!causal || kb + key <= q_pos) ? s * mul : -INFINITY;
+}
+
+/* One team: FA_MMA_ROWS query rows of block blk, query head h, KV head g.
+ * D and BK are compile-time constants after inlining (register arrays). */
+static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, const int BK, const int f16,
+                                                                   const fa_gpu_fwd_args ga, fa_block blk,
+                                                                   int64_t h, int64_t g, unsigned short *smem) {
+  const int P = D + 8; /* pitch: rows 16 bytes apart modulo 128, so ldmatrix is conflict-free */
+  const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
+  unsigned short *buf0 = smem, *buf1 = smem + 2 * BK * P;
+  unsigned *vbad = (unsigned *)(smem + 4 * BK * P); /* per-warp flags of non-finite V rows */
+  const fa_range *seg = ga.seg;
+  const fa_pair *pair = ga.pair;
+  const int64_t qshift = ga.qshift;
+  const float mul = ga.scale * FA_LOG2E;
+
+  /* Q (64 rows) streams into buffer 1 while tile 0 streams into buffer 0. */
+  fa_mma_load_rows(buf1, P, FA_MMA_ROWS, D, ga.q, blk.start, blk.len, h, tid);
+  fa_cp_async_commit();
+  fa_tile_walk w = {ga.qoff[blk.seg], ga.qoff[blk.seg + 1], 0, 0, 0};
+  w = fa_walk_seek(w, seg, pair, blk, qshift);
+  if (w.pi < w.pend) {
+    const int64_t nk = w.kend - w.kb < BK ? w.kend - w.kb : BK;
+    fa_mma_load_rows(buf0, P, BK, D, ga.k, w.kb, nk, g, tid);
+    fa_mma_load_rows(buf0 + BK * P, P, BK, D, ga.v, w.kb, nk, g, tid);
+  }
+  fa_cp_async_commit();
+  fa_cp_async_wait(1);
+  ompx_sync_block_acq_rel();
+  fa_u4 qf[FA_MMA_MAX_D / 16]; /* fixed sizes: a VLA would be globalized (gpu_mma.h) */
+  {
+    const int r = warp * 16 + fa_ldsm_a_row(lane), c = fa_ldsm_a_col(lane);
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks++) qf[ks] = fa_ldmatrix_x4(fa_mma_smem(buf1 + r * P + ks * 16 + c), 0);
+  }
+  ompx_sync_block_acq_rel(); /* buffer 1 is free for tile 1 */
+
+  fa_f4 o[FA_MMA_MAX_D / 8];
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) o[n] = fa_f4_zero();
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+  const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0); /* elements x; z is 8 rows down */
+  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
+  int bad0 = 0, bad1 = 0; /* the row sees a non-finite V row of a masked tile */
+  const int64_t q_pos0 = blk.start + r0 + qshift, q_pos1 = q_pos0 + 8;
+  int cur = 0;
+
+  while (w.pi < w.pend) {
+    const fa_tile_walk nx = fa_walk_next(w, BK, seg, pair, blk, qshift);
+    unsigned short *kt = cur ? buf1 : buf0, *vt = kt + BK * P;
+    if (nx.pi < nx.pend) {
+      unsigned short *kn = cur ? buf0 : buf1;
+      const int64_t nk = nx.kend - nx.kb < BK ? nx.kend - nx.kb : BK;
+      fa_mma_load_rows(kn, P, BK, D, ga.k, nx.kb, nk, g, tid);
+      fa_mma_load_rows(kn + BK * P, P, BK, D, ga.v, nx.kb, nk, g, tid);
+      fa_cp_async_commit();
+      fa_cp_async_wait(1);
+    } else {
+      fa_cp_async_wait(0);
+    }
+    ompx_sync_block_acq_rel();
+    const int nk = (int)(w.kend - w.kb < BK ? w.kend - w.kb : BK);
+    /* Only a causal tile crossing the team's first diagonal hides keys from
+     * some rows; there 0 * NaN in P V would leak a non-finite V row into rows
+     * that cannot see it, so its non-finite V rows are flagged and zeroed. */
+    const int masked = w.causal && w.kb + BK - 1 > blk.start + qshift;
+    unsigned long long vflags = 0; /* bit j: V row j of the tile was non-finite */
+    if (masked) {
+      const int tpk = FA_MMA_THREADS / BK, key = tid / tpk, part = tid % tpk, span = D / tpk;
+      int nonfinite = 0;
+      for (int c = part * span; c < (part + 1) * span; c++) {
+        const float x = f16 ? fa_f16_to_f32(vt[key * P + c]) : fa_bf16_to_f32(vt[key * P + c]);
+        if (!isfinite(x)) nonfinite = 1, vt[key * P + c] = 0;
+      }
+      const unsigned b = fa_mma_ballot(nonfinite); /* lanes [i*tpk, (i+1)*tpk) own key warp*32/tpk + i */
+      if (lane == 0) {
+        unsigned f = 0;
+        for (int i = 0; i < 32 / tpk; i++) f |= ((b >> (i * tpk)) & ((1u << tpk) - 1u)) ? 1u << i : 0u;
+        vbad[warp] = f;
+      }
+      ompx_sync_block_acq_rel();
+      for (int wi = 0; wi < 4; wi++) vflags |= (unsigned long long)vbad[wi] << (wi * (32 / tpk));
+    }
+
+    /* S = Q K^T: 16 rows x BK keys per warp. */
+    fa_f4 s[FA_MMA_MAX_BK / 8];
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++) s[n] = fa_f4_zero();
+    {
+      const int kr = fa_ldsm_b_row(lane), kc = fa_ldsm_b_col(lane);
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ks++)
+#pragma unroll
+        for (int np = 0; np < BK / 16; np++) {
+          const fa_u4 b = fa_ldmatrix_x4(fa_mma_smem(kt + (np * 16 + kr) * P + ks * 16 + kc), 0);
+          s[2 * np] = fa_mma_16816(s[2 * np], qf[ks], b.x, b.y, f16);
+          s[2 * np + 1] = fa_mma_16816(s[2 * np + 1], qf[ks], b.z, b.w, f16);
+        }
+    }
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++) {
+      const int key = n * 8 + c0;
+      s[n].x = fa_mma_score(s[n].x, mul, key, nk, ok0, (int)w.causal, w.kb, q_pos0);
+      s[n].y = fa_mma_score(s[n].y, mul, key + 1, nk, ok0, (int)w.causal, w.kb, q_pos0);
+      s[n].z = fa_mma_score(s[n].z, mul, key, nk, ok1, (int)w.causal, w.kb, q_pos1);
+      s[n].w = fa_mma_score(s[n].w, mul, key + 1, nk, ok1, (int)w.causal, w.kb, q_pos1);
+      if (vflags) {
+        bad0 |= (s[n].x != -INFINITY && (vflags >> key & 1u)) || (s[n].y != -INFINITY && (vflags >> (key + 1) & 1u));
+        bad1 |= (s[n].z != -INFINITY && (vflags >> key & 1u)) || (s[n].w != -INFINITY && (vflags >> (key + 1) & 1u));
+      }
+      mx0 = fmaxf(mx0, fmaxf(s[n].x, s[n].y));
+      mx1 = fmaxf(mx1, fmaxf(s[n].z, s[n].w));
+    }
+    mx0 = fmaxf(mx0, fa_mma_shfl_xor(mx0, 1));
+    mx0 = fmaxf(mx0, fa_mma_shfl_xor(mx0, 2));
+    mx1 = fmaxf(mx1, fa_mma_shfl_xor(mx1, 1));
+    mx1 = fmaxf(mx1, fa_mma_shfl_xor(mx1, 2));
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    const float u0 = n0 == -INFINITY ? 0.0f : n0, u1 = n1 == -INFINITY ? 0.0f : n1; /* empty so far */
+    const float a0 = fa_mma_exp2(m0 - u0), a1 = fa_mma_exp2(m1 - u1);
+    l0 *= a0;
+    l1 *= a1;
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) o[n].x *= a0, o[n].y *= a0, o[n].z *= a1, o[n].w *= a1;
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++) {
+      s[n].x = fa_mma_exp2(s[n].x - u0), s[n].y = fa_mma_exp2(s[n].y - u0);
+      s[n].z = fa_mma_exp2(s[n].z - u1), s[n].w = fa_mma_exp2(s[n].w - u1);
+      l0 += s[n].x + s[n].y;
+      l1 += s[n].z + s[n].w;
+    }
+    m0 = n0, m1 = n1;
+
+    /* O += P V: P from the S accumulators (two n-tiles make one A fragment). */
+    {
+      const int vr = fa_ldsm_a_row(lane), vc = fa_ldsm_a_col(lane); /* with .trans: B of [key][dim] */
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; kk++) {
+        const fa_u4 pa = fa_mma_p_frag(s[2 * kk], s[2 * kk + 1], f16);
+#pragma unroll
+        for (int np = 0; np < D / 16; np++) {
+          const fa_u4 b = fa_ldmatrix_x4(fa_mma_smem(vt + (kk * 16 + vr) * P + np * 16 + vc), 1);
+          o[2 * np] = fa_mma_16816(o[2 * np], pa, b.x, b.y, f16);
+          o[2 * np + 1] = fa_mma_16816(o[2 * np + 1], pa, b.z, b.w, f16);
+        }
+      }
+    }
+    ompx_sync_block_acq_rel(); /* every warp is done with this buffer before it is refilled */
+    cur ^= 1;
+    w = nx;
+  }
+
+  l0 += fa_mma_shfl_xor(l0, 1);
+  l0 += fa_mma_shfl_xor(l0, 2);
+  l1 += fa_mma_shfl_xor(l1, 1);
+  l1 += fa_mma_shfl_xor(l1, 2);
+  bad0 = (fa_mma_ballot(bad0) >> (lane & ~3) & 0xfu) != 0; /* OR over the quad sharing the row */
+  bad1 = (fa_mma_ballot(bad1) >> (lane & ~3) & 0xfu) != 0;
+  const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+  const fa_dev_tensor ot = ga.o;
+  const int64_t row0 = blk.start + r0;
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) {
+    const int64_t c = n * 8 + c0;
+    if (ok0) {
+      fa_store(ot.data, ot.dtype, row0 * ot.rs + h * ot.hs + c, bad0 ? NAN : o[n].x * i0);
+      fa_store(ot.data, ot.dtype, row0 * ot.rs + h * ot.hs + c + 1, bad0 ? NAN : o[n].y * i0);
+    }
+    if (ok1) {
+      fa_store(ot.data, ot.dtype, (row0 + 8) * ot.rs + h * ot.hs + c, bad1 ? NAN : o[n].z * i1);
+      fa_store(ot.data, ot.dtype, (row0 + 8) * ot.rs + h * ot.hs + c + 1, bad1 ? NAN : o[n].w * i1);
+    }
+  }
+  if (ga.lse && c0 == 0) {
+    if (ok0) ga.lse[row0 * ga.hq + h] = l0 > 0.0f ? (m0 + log2f(l0)) * FA_LN2 : -INFINITY;
+    if (ok1) ga.lse[(row0 + 8) * ga.hq + h] = l1 > 0.0f ? (m1 + log2f(l1)) * FA_LN2 : -INFINITY;
+  }
+}
+#pragma omp end declare target
+
+/* One kernel per head_dim and dtype: fixed register arrays, no dtype branches. */
+#define FA_MMA_LAUNCH(D, BK, F16)                                                                                 \
+  do {                                                                                                         \
+    const size_t smem = (size_t)(4 * (BK) * ((D) + 8)) * 2 + 4 * sizeof(unsigned);                             \
+    _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args)") \
+    {                                                                                                          \
+      unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                           \
+      const int64_t team = ompx_block_id_x(), h = team % args.hq;                                              \
+      fa_mma_fwd_team((D), (BK), (F16), args, args.blocks[team / args.hq], h, h / (args.hq / args.hkv), sm);    \
+    }                                                                                                          \
+  } while (0)
+
+void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g) {
+  const fa_gpu_fwd_args args = *g;
+  const int nteams = (int)(g->nblocks * g->hq), dev = g->device, f16 = g->q.dtype == FORKATTN_DTYPE_F16;
+  if (g->d == 128 && f16) FA_MMA_LAUNCH(128, 32, 1);
+  else if (g->d == 128) FA_MMA_LAUNCH(128, 32, 0);
+  else if (f16) FA_MMA_LAUNCH(64, 64, 1);
+  else FA_MMA_LAUNCH(64, 64, 0);
+}

@@ -22,78 +22,31 @@
 #include "dtype_convert.h"
 #include "gpu_fwd.h"
 #include "gpu_mma.h"
+#include "gpu_mma_tiles.h"
 #include "online_softmax.h"
 
-#define FA_MMA_THREADS 128
-#define FA_MMA_MAX_D 128 /* head_dims 64 and 128 */
-#define FA_MMA_MAX_BK 64 /* keys per tile: 64 at head_dim 64, 32 at 128 */
-#define FA_LOG2E 1.4426950408889634f
-#define FA_LN2 0.6931471805599453f
 
-int fa_gpu_mma_fwd_ok(const fa_attn_fwd *a, forkattn_memory memory) {
-  /* Opt-in until the kernel has passed the GPU suite on the H200 (bench/NOTES-gpu.md). */
+int fa_gpu_mma_ok(const forkattn_tensor *const *t, int n, int64_t d, int has_kept, forkattn_memory memory) {
+  /* Opt-in until the kernels have passed the GPU suite on the H200 (bench/NOTES-gpu.md). */
   const char *env = getenv("FORKATTN_GPU_MMA");
   if (!env || strcmp(env, "1") != 0) return 0;
-  const int dt = (int)a->q.dtype;
-  if (a->kept || (dt != FORKATTN_DTYPE_BF16 && dt != FORKATTN_DTYPE_F16) || (a->d != 64 && a->d != 128)) return 0;
-  if ((int)a->k.dtype != dt || (int)a->v.dtype != dt) return 0;
-  if (memory == FORKATTN_MEMORY_HOST) return 1; /* staged dense, omp_target_alloc alignment */
-  const forkattn_tensor *t[3] = {&a->q, &a->k, &a->v};
-  for (int i = 0; i < 3; i++)
-    if ((uintptr_t)t[i]->data % 16 || t[i]->row_stride % 8 || t[i]->head_stride % 8) return 0;
+  const int dt = (int)t[0]->dtype;
+  if (has_kept || (dt != FORKATTN_DTYPE_BF16 && dt != FORKATTN_DTYPE_F16) || (d != 64 && d != 128)) return 0;
+  for (int i = 0; i < n; i++) {
+    if ((int)t[i]->dtype != dt) return 0;
+    if (memory != FORKATTN_MEMORY_HOST && /* host tensors are staged dense, omp_target_alloc-aligned */
+        ((uintptr_t)t[i]->data % 16 || t[i]->row_stride % 8 || t[i]->head_stride % 8))
+      return 0;
+  }
   return 1;
 }
 
+int fa_gpu_mma_fwd_ok(const fa_attn_fwd *a, forkattn_memory memory) {
+  const forkattn_tensor *t[3] = {&a->q, &a->k, &a->v};
+  return fa_gpu_mma_ok(t, 3, a->d, a->kept != NULL, memory);
+}
+
 #pragma omp declare target
-/* A team's walk over key tiles: pair pi (up to pend), tile [kb, kb + BK) of
- * the pair's visible keys [.., kend). Passed by value (see gpu_mma.h). */
-typedef struct fa_tile_walk {
-  int64_t pi, pend, kb, kend, causal;
-} fa_tile_walk;
-
-/* First tile at or after pair w.pi whose pair sees keys (w.pi == w.pend: done). */
-static inline fa_tile_walk fa_walk_seek(fa_tile_walk w, const fa_range *seg, const fa_pair *pair, fa_block blk,
-                                        int64_t qshift) {
-  for (; w.pi < w.pend; w.pi++) {
-    const fa_range k = fa_pair_keys(seg, pair[w.pi], blk.start, blk.len, qshift);
-    if (k.len > 0) {
-      w.kb = k.start;
-      w.kend = k.start + k.len;
-      w.causal = pair[w.pi].causal;
-      return w;
-    }
-  }
-  return w;
-}
-
-static inline fa_tile_walk fa_walk_next(fa_tile_walk w, int bk, const fa_range *seg, const fa_pair *pair,
-                                        fa_block blk, int64_t qshift) {
-  w.kb += bk;
-  if (w.kb < w.kend) return w;
-  w.pi++;
-  return fa_walk_seek(w, seg, pair, blk, qshift);
-}
-
-/* Team-cooperative cp.async of rows [row0, row0 + n) of head `head` of t
- * (n <= cap) into a cap x D tile of pitch P elements; rows n..cap-1 are
- * zero-filled (masked lanes then multiply finite zeros). */
-static inline void fa_mma_load_rows(unsigned short *dst, int P, int cap, int D, fa_dev_tensor t, int64_t row0,
-                                    int64_t n, int64_t head, int tid) {
-  const unsigned short *src = (const unsigned short *)t.data;
-  const int chunks = D / 8; /* 16-byte chunks per row */
-  for (int c = tid; c < cap * chunks; c += FA_MMA_THREADS) {
-    const int r = c / chunks, col = (c % chunks) * 8;
-    const int in = r < n;
-    fa_cp_async16(dst + r * P + col, src + (row0 + (in ? r : 0)) * t.rs + head * t.hs + col, in ? 16 : 0);
-  }
-}
-
-/* Scaled, masked score in log2 units (-inf where the key is not visible). */
-static inline float fa_mma_score(float s, float mul, int key, int nk, int row_ok, int causal, int64_t kb,
-                                 int64_t q_pos) {
-  return key < nk && row_ok && (!causal || kb + key <= q_pos) ? s * mul : -INFINITY;
-}
-
 /* One team: FA_MMA_ROWS query rows of block blk, query head h, KV head g.
  * D and BK are compile-time constants after inlining (register arrays). */
 static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, const int BK, const int f16,
@@ -159,22 +112,7 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
      * that cannot see it, so its non-finite V rows are flagged and zeroed. */
     const int masked = w.causal && w.kb + BK - 1 > blk.start + qshift;
     unsigned long long vflags = 0; /* bit j: V row j of the tile was non-finite */
-    if (masked) {
-      const int tpk = FA_MMA_THREADS / BK, key = tid / tpk, part = tid % tpk, span = D / tpk;
-      int nonfinite = 0;
-      for (int c = part * span; c < (part + 1) * span; c++) {
-        const float x = f16 ? fa_f16_to_f32(vt[key * P + c]) : fa_bf16_to_f32(vt[key * P + c]);
-        if (!isfinite(x)) nonfinite = 1, vt[key * P + c] = 0;
-      }
-      const unsigned b = fa_mma_ballot(nonfinite); /* lanes [i*tpk, (i+1)*tpk) own key warp*32/tpk + i */
-      if (lane == 0) {
-        unsigned f = 0;
-        for (int i = 0; i < 32 / tpk; i++) f |= ((b >> (i * tpk)) & ((1u << tpk) - 1u)) ? 1u << i : 0u;
-        vbad[warp] = f;
-      }
-      ompx_sync_block_acq_rel();
-      for (int wi = 0; wi < 4; wi++) vflags |= (unsigned long long)vbad[wi] << (wi * (32 / tpk));
-    }
+    if (masked) vflags = fa_mma_scan_rows(vt, P, BK, D, f16, vbad, tid);
 
     /* S = Q K^T: 16 rows x BK keys per warp. */
     fa_f4 s[FA_MMA_MAX_BK / 8];

@@ -13,27 +13,12 @@
 
 #include "dtype_convert.h"
 #include "gpu_backend.h"
+#include "gpu_bwd.h"
 #include "gpu_stage.h"
 #include "gpu_tiles.h"
 #include "online_softmax.h"
 
 
-typedef struct {
-  fa_dev_tensor q, k, v, o, dout, dq, dk, dv;
-  const float *lse;
-  float *dsum;
-  const fa_range *seg;
-  const fa_pair *pair;
-  const int64_t *qoff, *kidx;
-  const fa_block *qblocks, *kblocks;
-  const fa_key_unit *units;  /* dK/dV work: slices of the key blocks' readers */
-  const int64_t *unit_off;   /* [nkb+1] units of each key block */
-  float *part_k, *part_v;    /* [units, hkv, FA_GPU_ROWS, d] partial sums, or NULL: one unit per block */
-  int64_t nqb, nkb, nunits, rows, qshift, hq, hkv, d;
-  float scale;
-  fa_kept kept; /* device copy, used when has_kept */
-  int has_kept;
-} fa_gpu_bwd;
 
 static void fa_gpu_rowsum(const fa_gpu_bwd *b, int dev) {
   const fa_dev_tensor o = b->o, dout = b->dout;
@@ -210,7 +195,7 @@ static void fa_gpu_dkv(const fa_gpu_bwd *b, int dev) {
       }
     }
     if (valid) {
-      const int64_t r = blk.start + row, slot = ((ui * hkv + g) * FA_GPU_ROWS + row) * d;
+      const int64_t r = blk.start + row, slot = ((ui * hkv + g) * FA_GPU_ROWS + row) * d; /* krows = FA_GPU_ROWS */
       for (int t = 0; t < FA_GPU_MAX_COLS; t++) {
         int64_t c = lane + (int64_t)t * FA_GPU_LANES;
         if (c >= d) continue;
@@ -232,17 +217,17 @@ static void fa_gpu_dkv_reduce(const fa_gpu_bwd *b, int dev) {
   const float *part_k = b->part_k, *part_v = b->part_v;
   const fa_block *blocks = b->kblocks;
   const int64_t *unit_off = b->unit_off;
-  const int64_t hkv = b->hkv, d = b->d, n = b->nkb * hkv * FA_GPU_ROWS * d;
+  const int64_t hkv = b->hkv, d = b->d, kr = b->krows, n = b->nkb * hkv * kr * d;
 #pragma omp target teams distribute parallel for device(dev) firstprivate(dk, dv) \
     is_device_ptr(part_k, part_v, blocks, unit_off)
   for (int64_t i = 0; i < n; i++) {
-    const int64_t c = i % d, row = (i / d) % FA_GPU_ROWS, g = (i / (d * FA_GPU_ROWS)) % hkv;
-    const int64_t kb = i / (d * FA_GPU_ROWS * hkv);
+    const int64_t c = i % d, row = (i / d) % kr, g = (i / (d * kr)) % hkv;
+    const int64_t kb = i / (d * kr * hkv);
     const fa_block blk = blocks[kb];
     if (row >= blk.len) continue;
     float sk = 0.0f, sv = 0.0f;
     for (int64_t u = unit_off[kb]; u < unit_off[kb + 1]; u++) {
-      const int64_t slot = ((u * hkv + g) * FA_GPU_ROWS + row) * d + c;
+      const int64_t slot = ((u * hkv + g) * kr + row) * d + c;
       sk += part_k[slot];
       sv += part_v[slot];
     }
@@ -270,8 +255,10 @@ int64_t fa_gpu_dkv_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int6
 forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkattn_memory memory) {
   const fa_plan *p = a->plan;
   fa_block *qb_h = NULL, *kb_h = NULL;
-  int64_t nqb = fa_plan_blocks(p, FA_GPU_ROWS, 0, &qb_h);
-  int64_t nkb = fa_plan_blocks(p, FA_GPU_ROWS, 1, &kb_h);
+  const int mma = fa_gpu_mma_bwd_ok(a, memory);
+  const int64_t brows = mma ? FA_MMA_ROWS : FA_GPU_ROWS; /* query and key block rows */
+  int64_t nqb = fa_plan_blocks(p, brows, 0, &qb_h);
+  int64_t nkb = fa_plan_blocks(p, brows, 1, &kb_h);
   fa_key_unit *units_h = NULL;
   int64_t *unit_off_h = NULL, nunits = -1;
   if (nqb >= 0 && nkb >= 0)
@@ -279,7 +266,7 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
   fa_stage st;
   fa_stage_init(&st, ctx->device, memory == FORKATTN_MEMORY_HOST);
   fa_gpu_bwd b = {.rows = p->rows, .qshift = p->qshift, .hq = a->hq, .hkv = a->hkv, .d = a->d, .scale = a->scale,
-                  .nqb = nqb, .nkb = nkb, .nunits = nunits};
+                  .nqb = nqb, .nkb = nkb, .nunits = nunits, .krows = brows, .device = ctx->device};
   int bad = nunits < 0;
   if (!bad && (nqb * a->hq > INT_MAX || nunits * a->hkv > INT_MAX)) {
     fa_free(qb_h);
@@ -298,7 +285,7 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
     b.units = fa_stage_array(&st, units_h, sizeof *units_h * (size_t)nunits);
     b.unit_off = fa_stage_array(&st, unit_off_h, sizeof *unit_off_h * (size_t)(nkb + 1));
     if (nunits > nkb) { /* split blocks: partial sums, then the reduce kernel */
-      const size_t part = sizeof(float) * (size_t)(nunits * a->hkv * FA_GPU_ROWS * a->d);
+      const size_t part = sizeof(float) * (size_t)(nunits * a->hkv * brows * a->d);
       b.part_k = fa_stage_scratch(&st, part);
       b.part_v = fa_stage_scratch(&st, part);
       bad = !b.part_k || !b.part_v;
@@ -326,8 +313,13 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
   }
   fa_note_workspace(ctx, st.bytes);
   fa_gpu_rowsum(&b, ctx->device);
-  fa_gpu_dq(&b, ctx->device);
-  fa_gpu_dkv(&b, ctx->device);
+  if (mma) {
+    fa_gpu_mma_dq(&b);
+    fa_gpu_mma_dkv(&b);
+  } else {
+    fa_gpu_dq(&b, ctx->device);
+    fa_gpu_dkv(&b, ctx->device);
+  }
   if (b.part_k) fa_gpu_dkv_reduce(&b, ctx->device);
   int rc = fa_stage_tensor_back(&st, &a->dq, &b.dq) || fa_stage_tensor_back(&st, &a->dk, &b.dk) ||
            fa_stage_tensor_back(&st, &a->dv, &b.dv);

@@ -1,0 +1,39 @@
+/* The GPU backward's staged arguments, shared by its FP32 kernels
+ * (gpu_segment_bwd.c) and its tensor-core kernels (gpu_mma_bwd.c). Both
+ * compute D = rowsum(dO * O) first, dQ by query block, dK/dV by key block
+ * over its readers (units of a heavily read block summed in order by the
+ * reduce kernel: deterministic, no atomics). */
+#ifndef FORKATTN_GPU_BWD_H
+#define FORKATTN_GPU_BWD_H
+#include <stdint.h>
+
+#include "gpu_fwd.h"
+#include "gpu_stage.h"
+#include "segment_attn.h"
+
+typedef struct fa_gpu_bwd {
+  fa_dev_tensor q, k, v, o, dout, dq, dk, dv;
+  const float *lse;
+  float *dsum;
+  const fa_range *seg;
+  const fa_pair *pair;
+  const int64_t *qoff, *kidx;
+  const fa_block *qblocks, *kblocks;
+  const fa_key_unit *units;  /* dK/dV work: slices of the key blocks' readers */
+  const int64_t *unit_off;   /* [nkb+1] units of each key block */
+  float *part_k, *part_v;    /* [units, hkv, krows, d] partial sums, or NULL: one unit per block */
+  int64_t nqb, nkb, nunits, rows, qshift, hq, hkv, d;
+  int64_t krows; /* rows per query and key block: FA_GPU_ROWS, or FA_MMA_ROWS on tensor cores */
+  float scale;
+  fa_kept kept; /* device copy, used when has_kept */
+  int has_kept;
+  int device;
+} fa_gpu_bwd;
+
+/* 1 when the tensor-core backward runs this call: the forward's conditions
+ * (fa_gpu_mma_fwd_ok) for q, k, v, and dout of the same dtype and alignment. */
+int fa_gpu_mma_bwd_ok(const fa_attn_bwd *a, forkattn_memory memory);
+void fa_gpu_mma_dq(const fa_gpu_bwd *b);
+void fa_gpu_mma_dkv(const fa_gpu_bwd *b);
+
+#endif

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Run on the GPU machine: issue 5's tensor-core kernels (FORKATTN_GPU_MMA=1)
+# through the attention suites that have bf16/f16 cases at head_dim 64/128,
+# then case 1 and case 2 of bench/NOTES-gpu.md with `forkattn bench prefix`
+# on the tensor-core and on the FP32 kernels side by side, then PyTorch side
+# by side (bench/compare_torch.py). One summary: $OUT/summary.txt.
+# Usage: bash bench/gpu_mma.sh <offload build dir> [commit]
+set -uo pipefail
+b=${1:-build-gpu}
+commit=${2:-unknown}
+final=${OUT:-gpu-logs}
+mkdir -p "$final"
+sum="$final/summary.txt"
+export OMP_TARGET_OFFLOAD=mandatory FORKATTN_BACKEND=gpu
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader >> "$sum" 2>&1
+status=0
+FORKATTN_GPU_MMA=1 bash bench/gpu_tests.sh "$b" test_prefix test_tree test_nonfinite test_prefix_device \
+  test_path_stack test_prefix_cached test_determinism >> "$sum" 2>&1 || status=1
+[ -f "$final/failures.txt" ] && head -60 "$final/failures.txt" >> "$sum"
+
+bench() { # label, mma, args...
+  local label=$1 mma=$2
+  shift 2
+  echo "== $label FORKATTN_GPU_MMA=$mma" >> "$sum"
+  FORKATTN_GPU_MMA=$mma bash bench/gpu_run.sh "$b/forkattn" bench prefix --backend gpu --no-replicated --json "$@" \
+    > "$final/bench_${label}_${mma}.txt" 2>&1 || status=1
+  grep -o '"shared_fwd_ms":[^,]*,"shared_fwdbwd_ms":[^,]*\|"max_rel_err":[^,]*' "$final/bench_${label}_${mma}.txt" |
+    tr '\n' ' ' >> "$sum"
+  echo >> "$sum"
+}
+case1="--n 1 --p 4096 --r 0 --hq 16 --hkv 16 --d 128 --dtype bf16 --repeats 20"
+case2="--n 16 --p 4096 --r 1024 --hq 32 --hkv 8 --d 128 --dtype bf16 --repeats 5"
+# shellcheck disable=SC2086
+bench case1 1 $case1
+# shellcheck disable=SC2086
+bench case1 0 $case1
+# shellcheck disable=SC2086
+bench case2 1 $case2
+FORKATTN_GPU_MMA=1 bash bench/gpu_run.sh python3 bench/compare_torch.py --lib "$b/libforkattn.so" --reps 20 \
+  --commit "$commit" --json "$final/compare_torch.json" --results "$final/RESULTS-compare_torch.md" \
+  > "$final/compare_torch.txt" 2>&1 || status=1
+tail -25 "$final/compare_torch.txt" >> "$sum"
+exit $status

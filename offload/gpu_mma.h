@@ -55,6 +55,10 @@ static inline float fa_mma_shfl_xor(float x, int mask) {
 /* Ballot of the warp (one lane alone: its own bit 0). */
 static inline uint32_t fa_mma_ballot(int pred) { return pred ? 1u : 0u; }
 
+/* 1 when x is non-zero in any lane of this lane's quad (the 4 lanes that
+ * hold one accumulator row). */
+static inline int fa_mma_quad_any(int x, int lane) { return (fa_mma_ballot(x) >> (lane & ~3) & 0xfu) != 0; }
+
 /* 32-bit shared-window address of a team-memory pointer (cp.async, ldmatrix). */
 static inline uint32_t fa_mma_smem(const void *p) { return (uint32_t)(uintptr_t)p; }
 

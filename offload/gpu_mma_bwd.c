@@ -78,28 +78,14 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
 
   fa_tile_walk w = {b.qoff[blk.seg], b.qoff[blk.seg + 1], 0, 0, 0};
   w = fa_walk_seek(w, seg, pair, blk, qshift);
-  if (w.pi < w.pend) {
-    const int64_t nk = w.kend - w.kb < BK ? w.kend - w.kb : BK;
-    fa_mma_load_rows(buf0, P, BK, D, b.k, w.kb, nk, g, tid);
-    fa_mma_load_rows(buf0 + BK * P, P, BK, D, b.v, w.kb, nk, g, tid);
-  }
+  if (w.pi < w.pend) fa_mma_load_kv(buf0, P, BK, D, b.k, b.v, w, g, tid);
   fa_cp_async_commit();
   int cur = 0;
   while (w.pi < w.pend) {
     const fa_tile_walk nx = fa_walk_next(w, BK, seg, pair, blk, qshift);
     unsigned short *kt = cur ? buf1 : buf0, *vt = kt + BK * P;
-    if (nx.pi < nx.pend) {
-      unsigned short *kn = cur ? buf0 : buf1;
-      const int64_t nk = nx.kend - nx.kb < BK ? nx.kend - nx.kb : BK;
-      fa_mma_load_rows(kn, P, BK, D, b.k, nx.kb, nk, g, tid);
-      fa_mma_load_rows(kn + BK * P, P, BK, D, b.v, nx.kb, nk, g, tid);
-      fa_cp_async_commit();
-      fa_cp_async_wait(1);
-    } else {
-      fa_cp_async_wait(0);
-    }
-    ompx_sync_block_acq_rel();
-    const int nk = (int)(w.kend - w.kb < BK ? w.kend - w.kb : BK);
+    fa_mma_kv_step(cur ? buf0 : buf1, P, BK, D, b.k, b.v, nx, g, tid);
+    const int nk = fa_walk_keys(w, BK);
     /* dQ += dS K multiplies masked keys' rows by dS = 0: non-finite K rows of a
      * tile that hides keys from some rows are zeroed and flagged (fa_mma_scan_rows). */
     const int masked = w.causal && w.kb + BK - 1 > blk.start + qshift;
@@ -156,8 +142,7 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
     cur ^= 1;
     w = nx;
   }
-  bad0 = (fa_mma_ballot(bad0) >> (lane & ~3) & 0xfu) != 0;
-  bad1 = (fa_mma_ballot(bad1) >> (lane & ~3) & 0xfu) != 0;
+  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
   const fa_dev_tensor t = b.dq;
   const float sc = b.scale;
 #pragma unroll
@@ -350,8 +335,7 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
     cur ^= 1;
     w = nx;
   }
-  bad0 = (fa_mma_ballot(bad0) >> (lane & ~3) & 0xfu) != 0;
-  bad1 = (fa_mma_ballot(bad1) >> (lane & ~3) & 0xfu) != 0;
+  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
   const float sc = b.scale;
 #pragma unroll
   for (int n = 0; n < D / 8; n++) {
@@ -397,25 +381,12 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
 }
 #pragma omp end declare target
 
-/* One kernel per head_dim and dtype (fixed register arrays, no dtype branches). */
-#define FA_MMA_DQ(D, BK, F16)                                                                                  \
-  do {                                                                                                        \
-    const size_t smem = (size_t)(4 * (BK) * ((D) + 8)) * 2 + 4 * sizeof(unsigned);                            \
-    _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args)") \
-    {                                                                                                         \
-      unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
-      const int64_t team = ompx_block_id_x(), h = team % args.hq;                                             \
-      fa_mma_dq_team((D), (BK), (F16), args, args.qblocks[team / args.hq], h, h / (args.hq / args.hkv), sm);  \
-    }                                                                                                         \
-  } while (0)
+#define FA_MMA_DQ(D, BK, F16) FA_MMA_QUERY_TEAMS(fa_mma_dq_team, qblocks, D, BK, F16)
 
 void fa_gpu_mma_dq(const fa_gpu_bwd *b) {
   const fa_gpu_bwd args = *b;
-  const int nteams = (int)(b->nqb * b->hq), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
-  if (b->d == 128 && f16) FA_MMA_DQ(128, 32, 1);
-  else if (b->d == 128) FA_MMA_DQ(128, 32, 0);
-  else if (f16) FA_MMA_DQ(64, 64, 1);
-  else FA_MMA_DQ(64, 64, 0);
+  const int nteams = (int)(b->nqb * b->hq), dev = b->device;
+  FA_MMA_BY_SHAPE(FA_MMA_DQ, b->d, b->q.dtype == FORKATTN_DTYPE_F16);
 }
 
 #define FA_MMA_DKV(D, F16, WHAT)                                                                                   \

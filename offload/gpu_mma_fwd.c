@@ -66,11 +66,7 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
   fa_cp_async_commit();
   fa_tile_walk w = {ga.qoff[blk.seg], ga.qoff[blk.seg + 1], 0, 0, 0};
   w = fa_walk_seek(w, seg, pair, blk, qshift);
-  if (w.pi < w.pend) {
-    const int64_t nk = w.kend - w.kb < BK ? w.kend - w.kb : BK;
-    fa_mma_load_rows(buf0, P, BK, D, ga.k, w.kb, nk, g, tid);
-    fa_mma_load_rows(buf0 + BK * P, P, BK, D, ga.v, w.kb, nk, g, tid);
-  }
+  if (w.pi < w.pend) fa_mma_load_kv(buf0, P, BK, D, ga.k, ga.v, w, g, tid);
   fa_cp_async_commit();
   fa_cp_async_wait(1);
   ompx_sync_block_acq_rel();
@@ -95,18 +91,8 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
   while (w.pi < w.pend) {
     const fa_tile_walk nx = fa_walk_next(w, BK, seg, pair, blk, qshift);
     unsigned short *kt = cur ? buf1 : buf0, *vt = kt + BK * P;
-    if (nx.pi < nx.pend) {
-      unsigned short *kn = cur ? buf0 : buf1;
-      const int64_t nk = nx.kend - nx.kb < BK ? nx.kend - nx.kb : BK;
-      fa_mma_load_rows(kn, P, BK, D, ga.k, nx.kb, nk, g, tid);
-      fa_mma_load_rows(kn + BK * P, P, BK, D, ga.v, nx.kb, nk, g, tid);
-      fa_cp_async_commit();
-      fa_cp_async_wait(1);
-    } else {
-      fa_cp_async_wait(0);
-    }
-    ompx_sync_block_acq_rel();
-    const int nk = (int)(w.kend - w.kb < BK ? w.kend - w.kb : BK);
+    fa_mma_kv_step(cur ? buf0 : buf1, P, BK, D, ga.k, ga.v, nx, g, tid);
+    const int nk = fa_walk_keys(w, BK);
     /* Only a causal tile crossing the team's first diagonal hides keys from
      * some rows; there 0 * NaN in P V would leak a non-finite V row into rows
      * that cannot see it, so its non-finite V rows are flagged and zeroed. */
@@ -187,8 +173,7 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
   l0 += fa_mma_shfl_xor(l0, 2);
   l1 += fa_mma_shfl_xor(l1, 1);
   l1 += fa_mma_shfl_xor(l1, 2);
-  bad0 = (fa_mma_ballot(bad0) >> (lane & ~3) & 0xfu) != 0; /* OR over the quad sharing the row */
-  bad1 = (fa_mma_ballot(bad1) >> (lane & ~3) & 0xfu) != 0;
+  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
   const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
   const fa_dev_tensor ot = ga.o;
   const int64_t row0 = blk.start + r0;
@@ -211,23 +196,10 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
 }
 #pragma omp end declare target
 
-/* One kernel per head_dim and dtype: fixed register arrays, no dtype branches. */
-#define FA_MMA_LAUNCH(D, BK, F16)                                                                                 \
-  do {                                                                                                         \
-    const size_t smem = (size_t)(4 * (BK) * ((D) + 8)) * 2 + 4 * sizeof(unsigned);                             \
-    _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args)") \
-    {                                                                                                          \
-      unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                           \
-      const int64_t team = ompx_block_id_x(), h = team % args.hq;                                              \
-      fa_mma_fwd_team((D), (BK), (F16), args, args.blocks[team / args.hq], h, h / (args.hq / args.hkv), sm);    \
-    }                                                                                                          \
-  } while (0)
+#define FA_MMA_FWD(D, BK, F16) FA_MMA_QUERY_TEAMS(fa_mma_fwd_team, blocks, D, BK, F16)
 
 void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g) {
   const fa_gpu_fwd_args args = *g;
-  const int nteams = (int)(g->nblocks * g->hq), dev = g->device, f16 = g->q.dtype == FORKATTN_DTYPE_F16;
-  if (g->d == 128 && f16) FA_MMA_LAUNCH(128, 32, 1);
-  else if (g->d == 128) FA_MMA_LAUNCH(128, 32, 0);
-  else if (f16) FA_MMA_LAUNCH(64, 64, 1);
-  else FA_MMA_LAUNCH(64, 64, 0);
+  const int nteams = (int)(g->nblocks * g->hq), dev = g->device;
+  FA_MMA_BY_SHAPE(FA_MMA_FWD, g->d, g->q.dtype == FORKATTN_DTYPE_F16);
 }

@@ -63,6 +63,32 @@ static inline void fa_mma_load_rows(unsigned short *dst, int P, int cap, int D, 
   }
 }
 
+/* Keys of tile w (at most bk). */
+static inline int fa_walk_keys(fa_tile_walk w, int bk) { return (int)(w.kend - w.kb < bk ? w.kend - w.kb : bk); }
+
+/* cp.async of tile w's K and V rows (KV head g) into buf: K [BK][P], then V [BK][P]. */
+static inline void fa_mma_load_kv(unsigned short *buf, int P, int BK, int D, fa_dev_tensor k, fa_dev_tensor v,
+                                  fa_tile_walk w, int64_t g, int tid) {
+  const int nk = fa_walk_keys(w, BK);
+  fa_mma_load_rows(buf, P, BK, D, k, w.kb, nk, g, tid);
+  fa_mma_load_rows(buf + BK * P, P, BK, D, v, w.kb, nk, g, tid);
+}
+
+/* The double-buffered walk's step: start tile nx (if any) into `next`, then
+ * wait for this thread's copies of the current tile and for the team, so the
+ * current buffer is complete and visible. */
+static inline void fa_mma_kv_step(unsigned short *next, int P, int BK, int D, fa_dev_tensor k, fa_dev_tensor v,
+                                  fa_tile_walk nx, int64_t g, int tid) {
+  if (nx.pi < nx.pend) {
+    fa_mma_load_kv(next, P, BK, D, k, v, nx, g, tid);
+    fa_cp_async_commit();
+    fa_cp_async_wait(1);
+  } else {
+    fa_cp_async_wait(0);
+  }
+  ompx_sync_block_acq_rel();
+}
+
 /* Scaled, masked score in log2 units (-inf where the key is not visible). */
 static inline float fa_mma_score(float s, float mul, int key, int nk, int row_ok, int causal, int64_t kb,
                                  int64_t q_pos) {
@@ -97,5 +123,31 @@ static inline unsigned long long fa_mma_scan_rows(unsigned short *t, int P, int 
   return rows;
 }
 #pragma omp end declare target
+
+/* Launch TEAM(D, BK, F16, args, block, h, g, smem) on one team per (query
+ * block of args.BLOCKS, query head), FA_MMA_THREADS threads, two K/V tile
+ * buffers of BK keys and 4 flag words of team memory. Needs `args` (by
+ * value), `nteams` and `dev` in scope. */
+#define FA_MMA_QUERY_TEAMS(TEAM, BLOCKS, D, BK, F16)                                                            \
+  do {                                                                                                        \
+    const size_t smem = (size_t)(4 * (BK) * ((D) + 8)) * 2 + 4 * sizeof(unsigned);                            \
+    _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args)") \
+    {                                                                                                         \
+      unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
+      const int64_t team = ompx_block_id_x(), h = team % args.hq;                                             \
+      TEAM((D), (BK), (F16), args, args.BLOCKS[team / args.hq], h, h / (args.hq / args.hkv), sm);             \
+    }                                                                                                         \
+  } while (0)
+
+/* L(D, BK, F16) for the call's head_dim and dtype: one kernel per pair, so
+ * register arrays have fixed sizes and no dtype branch runs in the loop.
+ * Tiles: 32 keys at head_dim 128 (registers), 64 at 64. */
+#define FA_MMA_BY_SHAPE(L, d, f16)                                                                              \
+  do {                                                                                                        \
+    if ((d) == 128 && (f16)) L(128, 32, 1);                                                                   \
+    else if ((d) == 128) L(128, 32, 0);                                                                       \
+    else if (f16) L(64, 64, 1);                                                                               \
+    else L(64, 64, 0);                                                                                        \
+  } while (0)
 
 #endif

@@ -4,11 +4,13 @@
  *
  * Each function has a portable C base (the host compilation of the offload
  * regions needs one) and an nvptx64 variant in the `begin declare variant`
- * block below. The bases of the per-element helpers (exp2, packing, shuffle
- * of one lane) compute the same values as the PTX and are unit-tested on the
- * host; the warp-collective ones (ldmatrix, mma) have no single-thread
- * meaning and trap: the dispatch never runs a GPU kernel on the host (LLVM
- * 19's host fallback of `ompx_bare` regions is broken anyway, design doc).
+ * block below. The bases of the per-element helpers (exp2, packing) compute
+ * the same values as the PTX. The warp-collective ones (shuffle, ballot,
+ * ldmatrix, mma) are, with FORKATTN_MMA_EMULATE defined, a SIMT emulation
+ * that runs the kernels' team functions on the host for tests; otherwise they
+ * have no single-thread meaning and trap (the library's dispatch never runs a
+ * GPU kernel on the host: LLVM 19's host fallback of `ompx_bare` regions is
+ * broken anyway, design doc).
  *
  * Everything passes and returns by value: a local whose address escapes is
  * "globalized" by the OpenMP device compiler into runtime-managed shared
@@ -46,6 +48,146 @@ static inline uint32_t fa_mma_pack(float lo, float hi, int f16) {
              : (uint32_t)fa_f32_to_bf16(lo) | (uint32_t)fa_f32_to_bf16(hi) << 16;
 }
 
+static inline void fa_copy16(void *dst, const void *src, int bytes) {
+  unsigned char *d = (unsigned char *)dst;
+  const unsigned char *s = (const unsigned char *)src;
+  for (int i = 0; i < 16; i++) d[i] = i < bytes ? s[i] : 0;
+}
+
+#ifndef FORKATTN_MMA_EMULATE
+/* 16-byte global-to-shared copy; the last 16 - bytes bytes are zero-filled.
+ * The base copies synchronously (dst is a generic pointer on the host). */
+static inline void fa_cp_async16(void *dst, const void *src, int bytes) { fa_copy16(dst, src, bytes); }
+static inline void fa_cp_async_commit(void) {}
+/* Wait until at most n (0 or 1) of this thread's committed copy groups are pending. */
+static inline void fa_cp_async_wait(int n) { (void)n; }
+#endif
+
+#ifdef FORKATTN_MMA_EMULATE
+/* SIMT emulation of the warp-collective operations, for host tests of the
+ * kernels' team functions (tests/test_mma_emulated.c): the team runs as the
+ * 128 threads of a host `omp parallel` region (ompx_thread_id_x and
+ * ompx_sync_block map to the thread number and a barrier there). Each
+ * collective publishes this thread's operands, meets the team at a barrier,
+ * computes its lane's result from its warp's operands as the PTX ISA defines
+ * it. Collectives alternate between two operand sets, so one barrier each
+ * suffices: a set is rewritten two collectives later, after a barrier every
+ * reader of it has passed. Valid because every collective in the kernels is
+ * reached by all 128 threads in the same order. */
+#include <omp.h>
+#define FA_EMU_THREADS 128
+typedef struct fa_emu_lanes {
+  const unsigned short *addr[FA_EMU_THREADS];
+  fa_u4 a[FA_EMU_THREADS];
+  uint32_t b0[FA_EMU_THREADS], b1[FA_EMU_THREADS], bits[FA_EMU_THREADS];
+  fa_f4 c[FA_EMU_THREADS];
+} fa_emu_lanes;
+static fa_emu_lanes fa_emu_sets[2];
+static int fa_emu_parity[FA_EMU_THREADS]; /* per thread: which set its next collective uses */
+
+static inline fa_emu_lanes *fa_emu_next(int t) {
+  fa_emu_lanes *e = &fa_emu_sets[fa_emu_parity[t]];
+  fa_emu_parity[t] ^= 1;
+  return e;
+}
+
+/* cp.async as the hardware may run it: a copy lands only when a wait_group
+ * retires its group, so a tile read before its wait, or a buffer refilled
+ * while still read, shows up as wrong results. */
+#define FA_EMU_COPIES 64
+typedef struct fa_emu_copy {
+  void *dst;
+  const void *src;
+  int bytes, group;
+} fa_emu_copy;
+static fa_emu_copy fa_emu_pending[FA_EMU_THREADS][FA_EMU_COPIES];
+static int fa_emu_npending[FA_EMU_THREADS], fa_emu_committed[FA_EMU_THREADS];
+
+static inline void fa_cp_async16(void *dst, const void *src, int bytes) {
+  const int t = omp_get_thread_num(), n = fa_emu_npending[t]++;
+  if (n >= FA_EMU_COPIES) __builtin_trap(); /* more copies in flight than any kernel issues */
+  const fa_emu_copy c = {dst, src, bytes, fa_emu_committed[t]};
+  fa_emu_pending[t][n] = c;
+}
+static inline void fa_cp_async_commit(void) { fa_emu_committed[omp_get_thread_num()]++; }
+static inline void fa_cp_async_wait(int n) {
+  const int t = omp_get_thread_num(), retire = fa_emu_committed[t] - n; /* groups below this land */
+  int kept = 0;
+  for (int i = 0; i < fa_emu_npending[t]; i++) {
+    const fa_emu_copy c = fa_emu_pending[t][i];
+    if (c.group < retire) fa_copy16(c.dst, c.src, c.bytes);
+    else fa_emu_pending[t][kept++] = c;
+  }
+  fa_emu_npending[t] = kept;
+}
+
+static inline float fa_emu_half(uint32_t r, int hi, int f16) {
+  const uint16_t h = (uint16_t)(hi ? r >> 16 : r & 0xffffu);
+  return f16 ? fa_f16_to_f32(h) : fa_bf16_to_f32(h);
+}
+
+static inline float fa_mma_shfl_xor(float x, int mask) {
+  const int t = omp_get_thread_num();
+  fa_emu_lanes *e = fa_emu_next(t);
+  e->c[t].x = x;
+#pragma omp barrier
+  return e->c[t ^ mask].x;
+}
+
+static inline uint32_t fa_mma_ballot(int pred) {
+  const int t = omp_get_thread_num(), w0 = t & ~31;
+  fa_emu_lanes *e = fa_emu_next(t);
+  e->bits[t] = pred != 0;
+#pragma omp barrier
+  uint32_t b = 0;
+  for (int l = 0; l < 32; l++) b |= e->bits[w0 + l] << l;
+  return b;
+}
+
+/* ldmatrix.x4: lane 8i+j gives row j of matrix i; lane L receives
+ * M_i[L/4][2(L%4)..+1], or with .trans M_i[2(L%4)..+1][L/4]. */
+static inline fa_u4 fa_ldmatrix_x4(const unsigned short *p, int trans) {
+  const int t = omp_get_thread_num(), w0 = t & ~31, L = t & 31;
+  fa_emu_lanes *e = fa_emu_next(t);
+  e->addr[t] = p;
+#pragma omp barrier
+  uint32_t r[4];
+  for (int i = 0; i < 4; i++) {
+    const int e0r = trans ? 2 * (L % 4) : L / 4, e0c = trans ? L / 4 : 2 * (L % 4);
+    const int e1r = trans ? e0r + 1 : e0r, e1c = trans ? e0c : e0c + 1;
+    r[i] = (uint32_t)e->addr[w0 + 8 * i + e0r][e0c] | (uint32_t)e->addr[w0 + 8 * i + e1r][e1c] << 16;
+  }
+  const fa_u4 out = {r[0], r[1], r[2], r[3]};
+  return out;
+}
+
+/* mma.m16n8k16.row.col, g = L/4, t = L%4: A a0 (g, 2t..), a1 (g+8, 2t..),
+ * a2 (g, 2t+8..), a3 (g+8, 2t+8..); B b0 (k 2t.., n g), b1 (k 2t+8.., n g);
+ * C (g, 2t..2t+1), (g+8, 2t..2t+1). Products summed in double, rounded once. */
+static inline fa_f4 fa_mma_16816(fa_f4 c, fa_u4 a, uint32_t b0, uint32_t b1, int f16) {
+  const int t = omp_get_thread_num(), w0 = t & ~31, L = t & 31;
+  fa_emu_lanes *e = fa_emu_next(t);
+  e->a[t] = a, e->b0[t] = b0, e->b1[t] = b1;
+#pragma omp barrier
+  const int g = L / 4, q = L % 4;
+  double d[4] = {c.x, c.y, c.z, c.w};
+  for (int k = 0; k < 16; k++) {
+    /* A[row][k] is held by lane 4*(row%8) + (k%8)/2, register (row/8) + 2*(k/8), half k%2;
+     * B[k][n] by lane 4*n + (k%8)/2, register b0 (k < 8) or b1, half k%2. */
+    const int la = (k % 8) / 2, half = k % 2;
+    for (int e2 = 0; e2 < 4; e2++) {
+      const int row = g + 8 * (e2 / 2), n = 2 * q + e2 % 2;
+      const fa_u4 ar = e->a[w0 + 4 * (row % 8) + la];
+      const int reg = row / 8 + 2 * (k / 8);
+      const uint32_t av = reg == 0 ? ar.x : reg == 1 ? ar.y : reg == 2 ? ar.z : ar.w;
+      const uint32_t bv = k < 8 ? e->b0[w0 + 4 * n + la] : e->b1[w0 + 4 * n + la];
+      d[e2] += (double)fa_emu_half(av, half, f16) * fa_emu_half(bv, half, f16);
+    }
+  }
+  const fa_f4 out = {(float)d[0], (float)d[1], (float)d[2], (float)d[3]};
+  return out;
+}
+#else
 /* Butterfly exchange with lane ^ mask of the warp (one lane alone: itself). */
 static inline float fa_mma_shfl_xor(float x, int mask) {
   (void)mask;
@@ -55,26 +197,9 @@ static inline float fa_mma_shfl_xor(float x, int mask) {
 /* Ballot of the warp (one lane alone: its own bit 0). */
 static inline uint32_t fa_mma_ballot(int pred) { return pred ? 1u : 0u; }
 
-/* 1 when x is non-zero in any lane of this lane's quad (the 4 lanes that
- * hold one accumulator row). */
-static inline int fa_mma_quad_any(int x, int lane) { return (fa_mma_ballot(x) >> (lane & ~3) & 0xfu) != 0; }
-
-/* 32-bit shared-window address of a team-memory pointer (cp.async, ldmatrix). */
-static inline uint32_t fa_mma_smem(const void *p) { return (uint32_t)(uintptr_t)p; }
-
-/* 16-byte global-to-shared copy; the last 16 - bytes bytes are zero-filled.
- * The base copies synchronously (dst is a generic pointer on the host). */
-static inline void fa_cp_async16(void *dst, const void *src, int bytes) {
-  unsigned char *d = (unsigned char *)dst;
-  const unsigned char *s = (const unsigned char *)src;
-  for (int i = 0; i < 16; i++) d[i] = i < bytes ? s[i] : 0;
-}
-static inline void fa_cp_async_commit(void) {}
-/* Wait until at most n (0 or 1) of this thread's copy groups are pending. */
-static inline void fa_cp_async_wait(int n) { (void)n; }
-
-static inline fa_u4 fa_ldmatrix_x4(uint32_t addr, int trans) {
-  (void)addr, (void)trans;
+/* Warp-collective: no single-thread meaning (see the top of this file). */
+static inline fa_u4 fa_ldmatrix_x4(const unsigned short *p, int trans) {
+  (void)p, (void)trans;
   __builtin_trap();
 }
 
@@ -83,6 +208,15 @@ static inline fa_f4 fa_mma_16816(fa_f4 c, fa_u4 a, uint32_t b0, uint32_t b1, int
   __builtin_trap();
   return c;
 }
+#endif
+
+/* 1 when x is non-zero in any lane of this lane's quad (the 4 lanes that
+ * hold one accumulator row). */
+static inline int fa_mma_quad_any(int x, int lane) { return (fa_mma_ballot(x) >> (lane & ~3) & 0xfu) != 0; }
+
+/* 32-bit shared-window address of a team-memory pointer (cp.async and
+ * ldmatrix operands; only the nvptx variants use it). */
+static inline uint32_t fa_mma_smem(const void *p) { return (uint32_t)(uintptr_t)p; }
 
 /* Lane maps of the fragments (PTX ISA, mma.m16n8k16 and ldmatrix), shared by
  * the kernels and the host test that checks them (tests/test_mma_fragments.c).
@@ -170,7 +304,8 @@ static inline void fa_cp_async_wait(int n) {
   else __asm__ volatile("cp.async.wait_group 0;" ::: "memory");
 }
 
-static inline fa_u4 fa_ldmatrix_x4(uint32_t addr, int trans) {
+static inline fa_u4 fa_ldmatrix_x4(const unsigned short *p, int trans) {
+  const uint32_t addr = fa_mma_smem(p);
   fa_u4 r;
   if (trans)
     __asm__ volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"

@@ -1,0 +1,366 @@
+/* The tensor-core backward's team functions: dQ (one query block x one
+ * query head) and dK/dV (one key unit x one KV head), in a header so the host
+ * tests can run them under the SIMT emulation of gpu_mma.h
+ * (tests/test_mma_emulated.c). Launched by gpu_mma_bwd.c. */
+#ifndef FORKATTN_GPU_MMA_BWD_TEAM_H
+#define FORKATTN_GPU_MMA_BWD_TEAM_H
+#include <math.h>
+#include <stdint.h>
+
+#include "dtype_convert.h"
+#include "gpu_bwd.h"
+#include "gpu_mma.h"
+#include "gpu_mma_tiles.h"
+
+#define FA_MMA_BQ 16 /* reader queries per dK/dV tile */
+
+#pragma omp declare target
+
+/* ---- dQ ------------------------------------------------------------------ */
+
+static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, const int BK, const int f16,
+                                                                  const fa_gpu_bwd b, fa_block blk, int64_t h,
+                                                                  int64_t g, unsigned short *smem) {
+  const int P = D + 8;
+  const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
+  unsigned short *buf0 = smem, *buf1 = smem + 2 * BK * P; /* each: K [BK][P], V [BK][P] */
+  unsigned *kbad = (unsigned *)(smem + 4 * BK * P);
+  const fa_range *seg = b.seg;
+  const fa_pair *pair = b.pair;
+  const int64_t qshift = b.qshift;
+  const float mul = b.scale * FA_LOG2E;
+
+  /* Q and dO (64 rows each) fill the team memory first; the walk starts after. */
+  fa_mma_load_rows(smem, P, FA_MMA_ROWS, D, b.q, blk.start, blk.len, h, tid);
+  fa_mma_load_rows(smem + FA_MMA_ROWS * P, P, FA_MMA_ROWS, D, b.dout, blk.start, blk.len, h, tid);
+  fa_cp_async_commit();
+  fa_cp_async_wait(0);
+  ompx_sync_block_acq_rel();
+  fa_u4 qf[FA_MMA_MAX_D / 16], of[FA_MMA_MAX_D / 16];
+  {
+    const int r = warp * 16 + fa_ldsm_a_row(lane), c = fa_ldsm_a_col(lane);
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks++) {
+      qf[ks] = fa_ldmatrix_x4(smem + r * P + ks * 16 + c, 0);
+      of[ks] = fa_ldmatrix_x4(smem + (FA_MMA_ROWS + r) * P + ks * 16 + c, 0);
+    }
+  }
+  ompx_sync_block_acq_rel();
+
+  const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
+  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
+  const int64_t row0 = blk.start + r0, q_pos0 = row0 + qshift, q_pos1 = q_pos0 + 8;
+  const float lse0 = ok0 ? b.lse[row0 * b.hq + h] * FA_LOG2E : 0.0f, dd0 = ok0 ? b.dsum[row0 * b.hq + h] : 0.0f;
+  const float lse1 = ok1 ? b.lse[(row0 + 8) * b.hq + h] * FA_LOG2E : 0.0f,
+              dd1 = ok1 ? b.dsum[(row0 + 8) * b.hq + h] : 0.0f;
+  fa_f4 dq[FA_MMA_MAX_D / 8];
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) dq[n] = fa_f4_zero();
+  int bad0 = 0, bad1 = 0;
+
+  fa_tile_walk w = {b.qoff[blk.seg], b.qoff[blk.seg + 1], 0, 0, 0};
+  w = fa_walk_seek(w, seg, pair, blk, qshift);
+  if (w.pi < w.pend) fa_mma_load_kv(buf0, P, BK, D, b.k, b.v, w, g, tid);
+  fa_cp_async_commit();
+  int cur = 0;
+  while (w.pi < w.pend) {
+    const fa_tile_walk nx = fa_walk_next(w, BK, seg, pair, blk, qshift);
+    unsigned short *kt = cur ? buf1 : buf0, *vt = kt + BK * P;
+    fa_mma_kv_step(cur ? buf0 : buf1, P, BK, D, b.k, b.v, nx, g, tid);
+    const int nk = fa_walk_keys(w, BK);
+    /* dQ += dS K multiplies masked keys' rows by dS = 0: non-finite K rows of a
+     * tile that hides keys from some rows are zeroed and flagged (fa_mma_scan_rows). */
+    const int masked = w.causal && w.kb + BK - 1 > blk.start + qshift;
+    const unsigned long long kflags = masked ? fa_mma_scan_rows(kt, P, BK, D, f16, kbad, tid) : 0;
+
+    fa_f4 s[FA_MMA_MAX_BK / 8], dp[FA_MMA_MAX_BK / 8];
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++) s[n] = fa_f4_zero(), dp[n] = fa_f4_zero();
+    {
+      const int kr = fa_ldsm_b_row(lane), kc = fa_ldsm_b_col(lane);
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ks++)
+#pragma unroll
+        for (int np = 0; np < BK / 16; np++) {
+          const fa_u4 bk = fa_ldmatrix_x4(kt + (np * 16 + kr) * P + ks * 16 + kc, 0);
+          const fa_u4 bv = fa_ldmatrix_x4(vt + (np * 16 + kr) * P + ks * 16 + kc, 0);
+          s[2 * np] = fa_mma_16816(s[2 * np], qf[ks], bk.x, bk.y, f16);
+          s[2 * np + 1] = fa_mma_16816(s[2 * np + 1], qf[ks], bk.z, bk.w, f16);
+          dp[2 * np] = fa_mma_16816(dp[2 * np], of[ks], bv.x, bv.y, f16);
+          dp[2 * np + 1] = fa_mma_16816(dp[2 * np + 1], of[ks], bv.z, bv.w, f16);
+        }
+    }
+    /* dS = P (dP - D) where visible, an exact 0 elsewhere (a select, not a product). */
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++) {
+      const int key = n * 8 + c0;
+      const float t0 = fa_mma_score(s[n].x, mul, key, nk, ok0, (int)w.causal, w.kb, q_pos0);
+      const float t1 = fa_mma_score(s[n].y, mul, key + 1, nk, ok0, (int)w.causal, w.kb, q_pos0);
+      const float t2 = fa_mma_score(s[n].z, mul, key, nk, ok1, (int)w.causal, w.kb, q_pos1);
+      const float t3 = fa_mma_score(s[n].w, mul, key + 1, nk, ok1, (int)w.causal, w.kb, q_pos1);
+      if (kflags) {
+        bad0 |= (t0 != -INFINITY && (kflags >> key & 1u)) || (t1 != -INFINITY && (kflags >> (key + 1) & 1u));
+        bad1 |= (t2 != -INFINITY && (kflags >> key & 1u)) || (t3 != -INFINITY && (kflags >> (key + 1) & 1u));
+      }
+      s[n].x = t0 == -INFINITY ? 0.0f : fa_mma_exp2(t0 - lse0) * (dp[n].x - dd0);
+      s[n].y = t1 == -INFINITY ? 0.0f : fa_mma_exp2(t1 - lse0) * (dp[n].y - dd0);
+      s[n].z = t2 == -INFINITY ? 0.0f : fa_mma_exp2(t2 - lse1) * (dp[n].z - dd1);
+      s[n].w = t3 == -INFINITY ? 0.0f : fa_mma_exp2(t3 - lse1) * (dp[n].w - dd1);
+    }
+    {
+      const int kr = fa_ldsm_a_row(lane), kc = fa_ldsm_a_col(lane); /* .trans: B of [key][dim] */
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; kk++) {
+        const fa_u4 da = fa_mma_p_frag(s[2 * kk], s[2 * kk + 1], f16);
+#pragma unroll
+        for (int np = 0; np < D / 16; np++) {
+          const fa_u4 bk = fa_ldmatrix_x4(kt + (kk * 16 + kr) * P + np * 16 + kc, 1);
+          dq[2 * np] = fa_mma_16816(dq[2 * np], da, bk.x, bk.y, f16);
+          dq[2 * np + 1] = fa_mma_16816(dq[2 * np + 1], da, bk.z, bk.w, f16);
+        }
+      }
+    }
+    ompx_sync_block_acq_rel();
+    cur ^= 1;
+    w = nx;
+  }
+  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
+  const fa_dev_tensor t = b.dq;
+  const float sc = b.scale;
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) {
+    const int64_t c = n * 8 + c0;
+    if (ok0) {
+      fa_store(t.data, t.dtype, row0 * t.rs + h * t.hs + c, bad0 ? NAN : sc * dq[n].x);
+      fa_store(t.data, t.dtype, row0 * t.rs + h * t.hs + c + 1, bad0 ? NAN : sc * dq[n].y);
+    }
+    if (ok1) {
+      fa_store(t.data, t.dtype, (row0 + 8) * t.rs + h * t.hs + c, bad1 ? NAN : sc * dq[n].z);
+      fa_store(t.data, t.dtype, (row0 + 8) * t.rs + h * t.hs + c + 1, bad1 ? NAN : sc * dq[n].w);
+    }
+  }
+}
+
+/* ---- dK/dV --------------------------------------------------------------- */
+
+/* A dK/dV team's walk over its unit's reader queries: reader j (k_pair_idx
+ * index, up to j1), query head hh of the group, tile [qb, qb + BQ) of the
+ * reader's queries [.., qend). By value (see gpu_mma.h). */
+typedef struct fa_query_walk {
+  int64_t j, hh, qb, q0, qend, causal;
+} fa_query_walk;
+
+/* First tile at or after (w.j, w.hh) with queries; w.j > u.j1 when done. */
+static inline fa_query_walk fa_qwalk_seek(fa_query_walk w, const fa_gpu_bwd *b, fa_key_unit u, fa_block blk,
+                                          int64_t group) {
+  for (; w.j <= u.j1; w.j++, w.hh = 0) {
+    const fa_pair pr = b->pair[b->kidx[w.j]];
+    const fa_range qs = fa_pair_queries(b->seg, pr, blk.start, b->qshift);
+    const int64_t lo = w.j == u.j0 ? u.lo : 0, hi = w.j == u.j1 ? u.hi : qs.len;
+    if (hi > lo && w.hh < group) {
+      w.q0 = w.qb = qs.start + lo;
+      w.qend = qs.start + hi;
+      w.causal = pr.causal;
+      return w;
+    }
+  }
+  return w;
+}
+
+static inline fa_query_walk fa_qwalk_next(fa_query_walk w, const fa_gpu_bwd *b, fa_key_unit u, fa_block blk,
+                                          int64_t group) {
+  w.qb += FA_MMA_BQ;
+  if (w.qb < w.qend) return w;
+  if (++w.hh < group) {
+    w.qb = w.q0;
+    return w;
+  }
+  w.j++;
+  w.hh = 0;
+  return fa_qwalk_seek(w, b, u, blk, group);
+}
+
+/* Queries of tile w: Q, dO rows and their lse (log2 units) and D into buffer
+ * `at` (Q [BQ][P], dO [BQ][P]) and the float pair `ld` ([BQ] lse, [BQ] D). */
+static inline void fa_mma_load_queries(unsigned short *at, float *ld, int P, int D, const fa_gpu_bwd *b,
+                                       fa_query_walk w, int64_t h, int tid) {
+  const int64_t nq = w.qend - w.qb < FA_MMA_BQ ? w.qend - w.qb : FA_MMA_BQ;
+  fa_mma_load_rows(at, P, FA_MMA_BQ, D, b->q, w.qb, nq, h, tid);
+  fa_mma_load_rows(at + FA_MMA_BQ * P, P, FA_MMA_BQ, D, b->dout, w.qb, nq, h, tid);
+  if (tid < FA_MMA_BQ) { /* visible to the team after the barrier that precedes its use */
+    ld[tid] = tid < nq ? b->lse[(w.qb + tid) * b->hq + h] * FA_LOG2E : 0.0f;
+    ld[FA_MMA_BQ + tid] = tid < nq ? b->dsum[(w.qb + tid) * b->hq + h] : 0.0f;
+  }
+}
+
+/* What a dK/dV pass accumulates: both at head_dim 64; at 128 one pass each,
+ * as 64 + 64 accumulator registers per thread next to the K fragments and the
+ * products' operands spilled (ptxas: 160 local loads/stores per tile). */
+#define FA_DKV_K 1
+#define FA_DKV_V 2
+
+static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, const int f16, const int what,
+                                                                   const fa_gpu_bwd b, int64_t ui, int64_t g,
+                                                                   unsigned short *smem) {
+  const int P = D + 8, BQ = FA_MMA_BQ;
+  const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
+  const fa_key_unit u = b.units[ui];
+  const fa_block blk = b.kblocks[u.block];
+  const int64_t group = b.hq / b.hkv, qshift = b.qshift;
+  const float mul = b.scale * FA_LOG2E;
+  /* team memory: V [64][P] | two query buffers (Q [BQ][P], dO [BQ][P]) | lse, D | scan flags */
+  unsigned short *vs = smem, *qbuf0 = smem + FA_MMA_ROWS * P, *qbuf1 = qbuf0 + 2 * BQ * P;
+  float *ld0 = (float *)(qbuf1 + 2 * BQ * P), *ld1 = ld0 + 2 * BQ;
+  unsigned *qbad = (unsigned *)(ld1 + 2 * BQ);
+
+  /* K goes through the query buffers into registers; V stays. */
+  fa_mma_load_rows(vs, P, FA_MMA_ROWS, D, b.v, blk.start, blk.len, g, tid);
+  fa_mma_load_rows(qbuf0, P, FA_MMA_ROWS, D, b.k, blk.start, blk.len, g, tid);
+  fa_cp_async_commit();
+  fa_cp_async_wait(0);
+  ompx_sync_block_acq_rel();
+  fa_u4 kf[FA_MMA_MAX_D / 16];
+  const int ar = fa_ldsm_a_row(lane), ac = fa_ldsm_a_col(lane);
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ks++)
+    kf[ks] = fa_ldmatrix_x4(qbuf0 + (warp * 16 + ar) * P + ks * 16 + ac, 0);
+  ompx_sync_block_acq_rel();
+
+  const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
+  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
+  const int64_t k_pos0 = blk.start + r0, k_pos1 = k_pos0 + 8; /* keys are rows of the key frame */
+  fa_f4 dk[FA_MMA_MAX_D / 8], dv[FA_MMA_MAX_D / 8];
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) dk[n] = fa_f4_zero(), dv[n] = fa_f4_zero();
+  int bad0 = 0, bad1 = 0;
+
+  fa_query_walk w = {u.j0, 0, 0, 0, 0, 0};
+  w = fa_qwalk_seek(w, &b, u, blk, group);
+  if (w.j <= u.j1) fa_mma_load_queries(qbuf0, ld0, P, D, &b, w, g * group + w.hh, tid);
+  fa_cp_async_commit();
+  int cur = 0;
+  while (w.j <= u.j1) {
+    const fa_query_walk nx = fa_qwalk_next(w, &b, u, blk, group);
+    unsigned short *qt = cur ? qbuf1 : qbuf0, *ot = qt + BQ * P;
+    const float *ld = cur ? ld1 : ld0;
+    if (nx.j <= u.j1) {
+      fa_mma_load_queries(cur ? qbuf0 : qbuf1, cur ? ld0 : ld1, P, D, &b, nx, g * group + nx.hh, tid);
+      fa_cp_async_commit();
+      fa_cp_async_wait(1);
+    } else {
+      fa_cp_async_wait(0);
+    }
+    ompx_sync_block_acq_rel();
+    const int nq = (int)(w.qend - w.qb < BQ ? w.qend - w.qb : BQ);
+    /* dV += P^T dO and dK += dS^T Q multiply hidden queries' rows by 0: in a
+     * tile where some query cannot see some key, non-finite Q/dO rows are
+     * zeroed and flagged. */
+    const int masked = w.causal && w.qb + qshift < blk.start + blk.len - 1;
+    const unsigned long long qflags =
+        masked ? fa_mma_scan_rows(qt, P, BQ, D, f16, qbad, tid) | fa_mma_scan_rows(ot, P, BQ, D, f16, qbad, tid) : 0;
+
+    fa_f4 s[2], dp[2]; /* 16 keys x 16 queries */
+    s[0] = s[1] = dp[0] = dp[1] = fa_f4_zero();
+    {
+      const int br = fa_ldsm_b_row(lane), bc = fa_ldsm_b_col(lane);
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ks++) {
+        const fa_u4 bq = fa_ldmatrix_x4(qt + br * P + ks * 16 + bc, 0);
+        s[0] = fa_mma_16816(s[0], kf[ks], bq.x, bq.y, f16);
+        s[1] = fa_mma_16816(s[1], kf[ks], bq.z, bq.w, f16);
+        if (what & FA_DKV_K) { /* dP^T only feeds dS^T */
+          const fa_u4 va = fa_ldmatrix_x4(vs + (warp * 16 + ar) * P + ks * 16 + ac, 0);
+          const fa_u4 bo = fa_ldmatrix_x4(ot + br * P + ks * 16 + bc, 0);
+          dp[0] = fa_mma_16816(dp[0], va, bo.x, bo.y, f16);
+          dp[1] = fa_mma_16816(dp[1], va, bo.z, bo.w, f16);
+        }
+      }
+    }
+    fa_f4 pt[2], dst[2];
+#pragma unroll
+    for (int n = 0; n < 2; n++) {
+      const int qi = n * 8 + c0; /* columns qi, qi + 1; rows k_pos0 (x, y), k_pos1 (z, w) */
+      const int64_t qp = w.qb + qi + qshift;
+      const int v00 = qi < nq && ok0 && (!w.causal || k_pos0 <= qp), v01 = qi + 1 < nq && ok0 && (!w.causal || k_pos0 <= qp + 1);
+      const int v10 = qi < nq && ok1 && (!w.causal || k_pos1 <= qp), v11 = qi + 1 < nq && ok1 && (!w.causal || k_pos1 <= qp + 1);
+      if (qflags) {
+        bad0 |= (v00 && (qflags >> qi & 1u)) || (v01 && (qflags >> (qi + 1) & 1u));
+        bad1 |= (v10 && (qflags >> qi & 1u)) || (v11 && (qflags >> (qi + 1) & 1u));
+      }
+      const float l0 = ld[qi], l1 = ld[qi + 1], d0 = ld[BQ + qi], d1 = ld[BQ + qi + 1];
+      pt[n].x = v00 ? fa_mma_exp2(s[n].x * mul - l0) : 0.0f;
+      pt[n].y = v01 ? fa_mma_exp2(s[n].y * mul - l1) : 0.0f;
+      pt[n].z = v10 ? fa_mma_exp2(s[n].z * mul - l0) : 0.0f;
+      pt[n].w = v11 ? fa_mma_exp2(s[n].w * mul - l1) : 0.0f;
+      dst[n].x = v00 ? pt[n].x * (dp[n].x - d0) : 0.0f;
+      dst[n].y = v01 ? pt[n].y * (dp[n].y - d1) : 0.0f;
+      dst[n].z = v10 ? pt[n].z * (dp[n].z - d0) : 0.0f;
+      dst[n].w = v11 ? pt[n].w * (dp[n].w - d1) : 0.0f;
+    }
+    {
+      const fa_u4 pa = fa_mma_p_frag(pt[0], pt[1], f16), da = fa_mma_p_frag(dst[0], dst[1], f16);
+#pragma unroll
+      for (int np = 0; np < D / 16; np++) { /* .trans: B of [query][dim] */
+        if (what & FA_DKV_V) {
+          const fa_u4 bo = fa_ldmatrix_x4(ot + ar * P + np * 16 + ac, 1);
+          dv[2 * np] = fa_mma_16816(dv[2 * np], pa, bo.x, bo.y, f16);
+          dv[2 * np + 1] = fa_mma_16816(dv[2 * np + 1], pa, bo.z, bo.w, f16);
+        }
+        if (what & FA_DKV_K) {
+          const fa_u4 bq = fa_ldmatrix_x4(qt + ar * P + np * 16 + ac, 1);
+          dk[2 * np] = fa_mma_16816(dk[2 * np], da, bq.x, bq.y, f16);
+          dk[2 * np + 1] = fa_mma_16816(dk[2 * np + 1], da, bq.z, bq.w, f16);
+        }
+      }
+    }
+    ompx_sync_block_acq_rel();
+    cur ^= 1;
+    w = nx;
+  }
+  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
+  const float sc = b.scale;
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) {
+    const int64_t c = n * 8 + c0;
+    const float k00 = bad0 ? NAN : sc * dk[n].x, k01 = bad0 ? NAN : sc * dk[n].y;
+    const float k10 = bad1 ? NAN : sc * dk[n].z, k11 = bad1 ? NAN : sc * dk[n].w;
+    const float v00 = bad0 ? NAN : dv[n].x, v01 = bad0 ? NAN : dv[n].y;
+    const float v10 = bad1 ? NAN : dv[n].z, v11 = bad1 ? NAN : dv[n].w;
+    if (b.part_k) { /* [units, hkv, 64, d] partial sums, reduced in unit order */
+      const int64_t s0 = ((ui * b.hkv + g) * FA_MMA_ROWS + r0) * b.d + c, s1 = s0 + 8 * b.d;
+      if (what & FA_DKV_K) {
+        if (ok0) b.part_k[s0] = k00, b.part_k[s0 + 1] = k01;
+        if (ok1) b.part_k[s1] = k10, b.part_k[s1 + 1] = k11;
+      }
+      if (what & FA_DKV_V) {
+        if (ok0) b.part_v[s0] = v00, b.part_v[s0 + 1] = v01;
+        if (ok1) b.part_v[s1] = v10, b.part_v[s1 + 1] = v11;
+      }
+    } else {
+      const fa_dev_tensor tk = b.dk, tv = b.dv;
+      if (what & FA_DKV_K) {
+        if (ok0) {
+          fa_store(tk.data, tk.dtype, k_pos0 * tk.rs + g * tk.hs + c, k00);
+          fa_store(tk.data, tk.dtype, k_pos0 * tk.rs + g * tk.hs + c + 1, k01);
+        }
+        if (ok1) {
+          fa_store(tk.data, tk.dtype, k_pos1 * tk.rs + g * tk.hs + c, k10);
+          fa_store(tk.data, tk.dtype, k_pos1 * tk.rs + g * tk.hs + c + 1, k11);
+        }
+      }
+      if (what & FA_DKV_V) {
+        if (ok0) {
+          fa_store(tv.data, tv.dtype, k_pos0 * tv.rs + g * tv.hs + c, v00);
+          fa_store(tv.data, tv.dtype, k_pos0 * tv.rs + g * tv.hs + c + 1, v01);
+        }
+        if (ok1) {
+          fa_store(tv.data, tv.dtype, k_pos1 * tv.rs + g * tv.hs + c, v10);
+          fa_store(tv.data, tv.dtype, k_pos1 * tv.rs + g * tv.hs + c + 1, v11);
+        }
+      }
+    }
+  }
+}
+#pragma omp end declare target
+
+#endif

@@ -1,0 +1,164 @@
+/* The tensor-core forward's team function (one query block x one query
+ * head), in a header so the host tests can run it under the SIMT emulation
+ * of gpu_mma.h (tests/test_mma_emulated.c). Launched by gpu_mma_fwd.c. */
+#ifndef FORKATTN_GPU_MMA_FWD_TEAM_H
+#define FORKATTN_GPU_MMA_FWD_TEAM_H
+#include <math.h>
+#include <stdint.h>
+
+#include "dtype_convert.h"
+#include "gpu_fwd.h"
+#include "gpu_mma.h"
+#include "gpu_mma_tiles.h"
+
+#pragma omp declare target
+/* One team: FA_MMA_ROWS query rows of block blk, query head h, KV head g.
+ * D and BK are compile-time constants after inlining (register arrays). */
+static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, const int BK, const int f16,
+                                                                   const fa_gpu_fwd_args ga, fa_block blk,
+                                                                   int64_t h, int64_t g, unsigned short *smem) {
+  const int P = D + 8; /* pitch: rows 16 bytes apart modulo 128, so ldmatrix is conflict-free */
+  const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
+  unsigned short *buf0 = smem, *buf1 = smem + 2 * BK * P;
+  unsigned *vbad = (unsigned *)(smem + 4 * BK * P); /* per-warp flags of non-finite V rows */
+  const fa_range *seg = ga.seg;
+  const fa_pair *pair = ga.pair;
+  const int64_t qshift = ga.qshift;
+  const float mul = ga.scale * FA_LOG2E;
+
+  /* Q (64 rows) streams into buffer 1 while tile 0 streams into buffer 0. */
+  fa_mma_load_rows(buf1, P, FA_MMA_ROWS, D, ga.q, blk.start, blk.len, h, tid);
+  fa_cp_async_commit();
+  fa_tile_walk w = {ga.qoff[blk.seg], ga.qoff[blk.seg + 1], 0, 0, 0};
+  w = fa_walk_seek(w, seg, pair, blk, qshift);
+  if (w.pi < w.pend) fa_mma_load_kv(buf0, P, BK, D, ga.k, ga.v, w, g, tid);
+  fa_cp_async_commit();
+  fa_cp_async_wait(1);
+  ompx_sync_block_acq_rel();
+  fa_u4 qf[FA_MMA_MAX_D / 16]; /* fixed sizes: a VLA would be globalized (gpu_mma.h) */
+  {
+    const int r = warp * 16 + fa_ldsm_a_row(lane), c = fa_ldsm_a_col(lane);
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks++) qf[ks] = fa_ldmatrix_x4(buf1 + r * P + ks * 16 + c, 0);
+  }
+  ompx_sync_block_acq_rel(); /* buffer 1 is free for tile 1 */
+
+  fa_f4 o[FA_MMA_MAX_D / 8];
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) o[n] = fa_f4_zero();
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+  const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0); /* elements x; z is 8 rows down */
+  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
+  int bad0 = 0, bad1 = 0; /* the row sees a non-finite V row of a masked tile */
+  const int64_t q_pos0 = blk.start + r0 + qshift, q_pos1 = q_pos0 + 8;
+  int cur = 0;
+
+  while (w.pi < w.pend) {
+    const fa_tile_walk nx = fa_walk_next(w, BK, seg, pair, blk, qshift);
+    unsigned short *kt = cur ? buf1 : buf0, *vt = kt + BK * P;
+    fa_mma_kv_step(cur ? buf0 : buf1, P, BK, D, ga.k, ga.v, nx, g, tid);
+    const int nk = fa_walk_keys(w, BK);
+    /* Only a causal tile crossing the team's first diagonal hides keys from
+     * some rows; there 0 * NaN in P V would leak a non-finite V row into rows
+     * that cannot see it, so its non-finite V rows are flagged and zeroed. */
+    const int masked = w.causal && w.kb + BK - 1 > blk.start + qshift;
+    unsigned long long vflags = 0; /* bit j: V row j of the tile was non-finite */
+    if (masked) vflags = fa_mma_scan_rows(vt, P, BK, D, f16, vbad, tid);
+
+    /* S = Q K^T: 16 rows x BK keys per warp. */
+    fa_f4 s[FA_MMA_MAX_BK / 8];
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++) s[n] = fa_f4_zero();
+    {
+      const int kr = fa_ldsm_b_row(lane), kc = fa_ldsm_b_col(lane);
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ks++)
+#pragma unroll
+        for (int np = 0; np < BK / 16; np++) {
+          const fa_u4 b = fa_ldmatrix_x4(kt + (np * 16 + kr) * P + ks * 16 + kc, 0);
+          s[2 * np] = fa_mma_16816(s[2 * np], qf[ks], b.x, b.y, f16);
+          s[2 * np + 1] = fa_mma_16816(s[2 * np + 1], qf[ks], b.z, b.w, f16);
+        }
+    }
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++) {
+      const int key = n * 8 + c0;
+      s[n].x = fa_mma_score(s[n].x, mul, key, nk, ok0, (int)w.causal, w.kb, q_pos0);
+      s[n].y = fa_mma_score(s[n].y, mul, key + 1, nk, ok0, (int)w.causal, w.kb, q_pos0);
+      s[n].z = fa_mma_score(s[n].z, mul, key, nk, ok1, (int)w.causal, w.kb, q_pos1);
+      s[n].w = fa_mma_score(s[n].w, mul, key + 1, nk, ok1, (int)w.causal, w.kb, q_pos1);
+      if (vflags) {
+        bad0 |= (s[n].x != -INFINITY && (vflags >> key & 1u)) || (s[n].y != -INFINITY && (vflags >> (key + 1) & 1u));
+        bad1 |= (s[n].z != -INFINITY && (vflags >> key & 1u)) || (s[n].w != -INFINITY && (vflags >> (key + 1) & 1u));
+      }
+      mx0 = fmaxf(mx0, fmaxf(s[n].x, s[n].y));
+      mx1 = fmaxf(mx1, fmaxf(s[n].z, s[n].w));
+    }
+    mx0 = fmaxf(mx0, fa_mma_shfl_xor(mx0, 1));
+    mx0 = fmaxf(mx0, fa_mma_shfl_xor(mx0, 2));
+    mx1 = fmaxf(mx1, fa_mma_shfl_xor(mx1, 1));
+    mx1 = fmaxf(mx1, fa_mma_shfl_xor(mx1, 2));
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    const float u0 = n0 == -INFINITY ? 0.0f : n0, u1 = n1 == -INFINITY ? 0.0f : n1; /* empty so far */
+    const float a0 = fa_mma_exp2(m0 - u0), a1 = fa_mma_exp2(m1 - u1);
+    l0 *= a0;
+    l1 *= a1;
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) o[n].x *= a0, o[n].y *= a0, o[n].z *= a1, o[n].w *= a1;
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++) {
+      s[n].x = fa_mma_exp2(s[n].x - u0), s[n].y = fa_mma_exp2(s[n].y - u0);
+      s[n].z = fa_mma_exp2(s[n].z - u1), s[n].w = fa_mma_exp2(s[n].w - u1);
+      l0 += s[n].x + s[n].y;
+      l1 += s[n].z + s[n].w;
+    }
+    m0 = n0, m1 = n1;
+
+    /* O += P V: P from the S accumulators (two n-tiles make one A fragment). */
+    {
+      const int vr = fa_ldsm_a_row(lane), vc = fa_ldsm_a_col(lane); /* with .trans: B of [key][dim] */
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; kk++) {
+        const fa_u4 pa = fa_mma_p_frag(s[2 * kk], s[2 * kk + 1], f16);
+#pragma unroll
+        for (int np = 0; np < D / 16; np++) {
+          const fa_u4 b = fa_ldmatrix_x4(vt + (kk * 16 + vr) * P + np * 16 + vc, 1);
+          o[2 * np] = fa_mma_16816(o[2 * np], pa, b.x, b.y, f16);
+          o[2 * np + 1] = fa_mma_16816(o[2 * np + 1], pa, b.z, b.w, f16);
+        }
+      }
+    }
+    ompx_sync_block_acq_rel(); /* every warp is done with this buffer before it is refilled */
+    cur ^= 1;
+    w = nx;
+  }
+
+  l0 += fa_mma_shfl_xor(l0, 1);
+  l0 += fa_mma_shfl_xor(l0, 2);
+  l1 += fa_mma_shfl_xor(l1, 1);
+  l1 += fa_mma_shfl_xor(l1, 2);
+  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
+  const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+  const fa_dev_tensor ot = ga.o;
+  const int64_t row0 = blk.start + r0;
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) {
+    const int64_t c = n * 8 + c0;
+    if (ok0) {
+      fa_store(ot.data, ot.dtype, row0 * ot.rs + h * ot.hs + c, bad0 ? NAN : o[n].x * i0);
+      fa_store(ot.data, ot.dtype, row0 * ot.rs + h * ot.hs + c + 1, bad0 ? NAN : o[n].y * i0);
+    }
+    if (ok1) {
+      fa_store(ot.data, ot.dtype, (row0 + 8) * ot.rs + h * ot.hs + c, bad1 ? NAN : o[n].z * i1);
+      fa_store(ot.data, ot.dtype, (row0 + 8) * ot.rs + h * ot.hs + c + 1, bad1 ? NAN : o[n].w * i1);
+    }
+  }
+  if (ga.lse && c0 == 0) {
+    if (ok0) ga.lse[row0 * ga.hq + h] = l0 > 0.0f ? (m0 + log2f(l0)) * FA_LN2 : -INFINITY;
+    if (ok1) ga.lse[(row0 + 8) * ga.hq + h] = l1 > 0.0f ? (m1 + log2f(l1)) * FA_LN2 : -INFINITY;
+  }
+}
+#pragma omp end declare target
+
+#endif

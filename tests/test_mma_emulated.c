@@ -1,0 +1,245 @@
+/* The tensor-core kernels' team functions (offload/gpu_mma_fwd_team.h,
+ * offload/gpu_mma_bwd_team.h) run on the host under the SIMT emulation of
+ * offload/gpu_mma.h: each team is a 128-thread `omp parallel` region, every
+ * warp-collective (ldmatrix, mma, shuffle, ballot) is computed from its
+ * warp's operands as the PTX ISA defines it. That checks everything but the
+ * hardware itself: the walk over pairs and tiles, the double-buffer order,
+ * the lane maps, masks, online softmax, P and dS packing, the backward's key
+ * units and their in-order reduce, and the NaN containment of masked tiles,
+ * against the float64 reference on prefix and tree layouts in bf16 and f16.
+ * Tolerances are those of the 16-bit GPU tests (prefix_harness.c: 1e-2
+ * relative for o and the gradients, 1e-3 absolute for lse): P and dS are
+ * rounded to 16 bits before their products. [ran on host: emulation; the
+ * kernels themselves run in the GPU suite with FORKATTN_GPU_MMA=1]
+ * Clang only (the host side of ompx.h). */
+#define FORKATTN_MMA_EMULATE 1
+
+#include <criterion/criterion.h>
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpu_mma_bwd_team.h"
+#include "gpu_mma_fwd_team.h"
+#include "reference.h"
+#include "segment_plan.h"
+#include "test_common.h"
+
+typedef struct emu_case {
+  int64_t P, N, lens[4];  /* prefix layout, or tree when nodes > 0 */
+  int64_t nodes, node_len[6], parents[6];
+  int causal, hq, hkv, d, f16;
+  int64_t nan_v_row; /* >= 0: V of this row (KV head 0, column 0) is NaN */
+} emu_case;
+
+typedef struct emu_bufs {
+  int64_t T;
+  uint16_t *q, *k, *v, *o, *dout, *dq, *dk, *dv;
+  double *rq, *rk, *rv, *rdout; /* the rounded inputs, float64 */
+  float *lse, *dsum;
+} emu_bufs;
+
+static fa_dev_tensor view(void *data, int dtype, int64_t heads, int64_t d) {
+  const fa_dev_tensor t = {data, dtype, heads * d, d};
+  return t;
+}
+
+static uint16_t to16(double x, int f16) { return f16 ? fa_f32_to_f16((float)x) : fa_f32_to_bf16((float)x); }
+static double from16(uint16_t h, int f16) { return f16 ? fa_f16_to_f32(h) : fa_bf16_to_f32(h); }
+
+/* Run one team of the emulated kernel: 128 host threads. */
+#define EMU_TEAM(call)                                                                                          \
+  do {                                                                                                          \
+    int nth = 0;                                                                                                \
+    _Pragma("omp parallel num_threads(FA_EMU_THREADS)") {                                                       \
+      _Pragma("omp single") nth = omp_get_num_threads();                                                        \
+      call;                                                                                                     \
+    }                                                                                                           \
+    cr_assert_eq(nth, FA_EMU_THREADS, "the emulation needs %d threads, got %d", FA_EMU_THREADS, nth);           \
+  } while (0)
+
+static double rel_err(const uint16_t *got, const double *ref, int64_t n, int f16, int64_t *nonfinite) {
+  double e = 0, m = 0;
+  for (int64_t i = 0; i < n; i++) {
+    const double g = from16(got[i], f16);
+    if (!isfinite(g)) ++*nonfinite;
+    e = fmax(e, fabs(g - ref[i]));
+    m = fmax(m, fabs(ref[i]));
+  }
+  return e / (m > 0 ? m : 1);
+}
+
+static void run_case(const char *name, const emu_case *c) {
+  omp_set_dynamic(0);
+  tc_rng rng = tc_rng_for(name);
+  const int f16 = c->f16, dt = f16 ? FORKATTN_DTYPE_F16 : FORKATTN_DTYPE_BF16;
+  const int64_t hq = c->hq, hkv = c->hkv, d = c->d, group = hq / hkv;
+  const int bk = d == 128 ? 32 : 64;
+  fa_plan plan;
+  int64_t T, off[8];
+  if (c->nodes) {
+    off[0] = 0;
+    for (int64_t i = 0; i < c->nodes; i++) off[i + 1] = off[i] + c->node_len[i];
+    T = off[c->nodes];
+    cr_assert_eq(fa_plan_tree(&plan, c->nodes, off, c->parents, c->causal), 0);
+  } else {
+    off[0] = 0;
+    for (int64_t i = 0; i < c->N; i++) off[i + 1] = off[i] + c->lens[i];
+    T = c->P + off[c->N];
+    cr_assert_eq(fa_plan_prefix(&plan, c->P, c->N, off, c->causal), 0);
+  }
+  const int64_t nq = T * hq * d, nk = T * hkv * d;
+  emu_bufs b;
+  memset(&b, 0, sizeof b);
+  b.T = T;
+  uint16_t **b16[] = {&b.q, &b.dout, &b.o, &b.dq, &b.k, &b.v, &b.dk, &b.dv};
+  for (int i = 0; i < 8; i++) *b16[i] = malloc(sizeof(uint16_t) * (size_t)(i < 4 ? nq : nk));
+  b.rq = malloc(sizeof(double) * (size_t)nq), b.rdout = malloc(sizeof(double) * (size_t)nq);
+  b.rk = malloc(sizeof(double) * (size_t)nk), b.rv = malloc(sizeof(double) * (size_t)nk);
+  b.lse = malloc(sizeof(float) * (size_t)(T * hq)), b.dsum = malloc(sizeof(float) * (size_t)(T * hq));
+  for (int64_t i = 0; i < nq; i++) {
+    b.q[i] = to16(tc_uniform(&rng, -2, 2), f16), b.rq[i] = from16(b.q[i], f16);
+    b.dout[i] = to16(tc_uniform(&rng, -1, 1), f16), b.rdout[i] = from16(b.dout[i], f16);
+  }
+  for (int64_t i = 0; i < nk; i++) {
+    b.k[i] = to16(tc_uniform(&rng, -2, 2), f16), b.rk[i] = from16(b.k[i], f16);
+    b.v[i] = to16(tc_uniform(&rng, -1, 1), f16), b.rv[i] = from16(b.v[i], f16);
+  }
+  const double scale = 1.0 / sqrt((double)d);
+
+  /* float64 reference on the rounded inputs */
+  double *ro = malloc(sizeof(double) * (size_t)nq), *rlse = malloc(sizeof(double) * (size_t)(T * hq));
+  double *rdq = malloc(sizeof(double) * (size_t)nq), *rdk = malloc(sizeof(double) * (size_t)nk),
+         *rdv = malloc(sizeof(double) * (size_t)nk);
+  const ref_prefix_out out = {ro, rlse, rdq, rdk, rdv};
+  const forkattn_mask mask = c->causal ? FORKATTN_MASK_CAUSAL : FORKATTN_MASK_BIDIRECTIONAL;
+  if (c->nodes) {
+    const forkattn_tree_layout tree = {c->nodes, off, c->parents};
+    const ref_tree_args ra = {&tree, hq, hkv, d, scale, b.rq, b.rk, b.rv, b.rdout};
+    cr_assert_eq(ref_tree(&ra, &out), 0);
+  } else {
+    const forkattn_prefix_layout lay = {c->P, c->N, off, mask};
+    const ref_prefix_args ra = {&lay, hq, hkv, d, scale, b.rq, b.rk, b.rv, b.rdout};
+    cr_assert_eq(ref_prefix(&ra, &out), 0);
+  }
+  if (c->nan_v_row >= 0) b.v[c->nan_v_row * hkv * d] = to16(NAN, f16);
+
+  /* forward: one team per (64-row query block, query head) */
+  static unsigned short smem[(4 * 64 * (128 + 8)) + 64];
+  fa_block *qb;
+  const int64_t nqb = fa_plan_blocks(&plan, FA_MMA_ROWS, 0, &qb);
+  cr_assert(nqb > 0);
+  for (int64_t i = 0; i < nq; i++) b.o[i] = 0x7fc1; /* poison: NaN in both dtypes */
+  for (int64_t i = 0; i < T * hq; i++) b.lse[i] = NAN;
+  fa_gpu_fwd_args ga = {view(b.q, dt, hq, d), view(b.k, dt, hkv, d), view(b.v, dt, hkv, d), view(b.o, dt, hq, d),
+                        b.lse, plan.seg, plan.pair, plan.q_pair_off, qb, nqb, hq, hkv, d, plan.qshift,
+                        (float)scale, {0}, 0, 0};
+  for (int64_t blk = 0; blk < nqb; blk++)
+    for (int64_t h = 0; h < hq; h++) EMU_TEAM(fa_mma_fwd_team((int)d, bk, f16, ga, qb[blk], h, h / group, smem));
+
+  int64_t nonfinite = 0;
+  if (c->nan_v_row < 0) {
+    const double eo = rel_err(b.o, ro, nq, f16, &nonfinite);
+    double el = 0;
+    for (int64_t i = 0; i < T * hq; i++) el = fmax(el, fabs(b.lse[i] - rlse[i]));
+    cr_assert_eq(nonfinite, 0, "%s: %lld non-finite (or unwritten) o", name, (long long)nonfinite);
+    cr_assert_leq(eo, 1e-2, "%s: o relative error %.3g", name, eo);
+    cr_assert_leq(el, 1e-3, "%s: lse error %.3g", name, el);
+  } else { /* rows that see the NaN key are NaN, all others match the reference */
+    for (int64_t r = 0; r < T; r++)
+      for (int64_t h = 0; h < group; h++) { /* query heads of KV head 0 */
+        const int sees = !c->causal || r >= c->nan_v_row; /* a prefix case, the NaN row in the prompt */
+        const double g = from16(b.o[(r * hq + h) * d], f16), want = ro[(r * hq + h) * d];
+        if (sees) cr_assert(isnan(g), "%s: o[%lld, %lld] should be NaN", name, (long long)r, (long long)h);
+        else cr_assert(fabs(g - want) <= 2e-2, "%s: o[%lld, %lld] = %g, want %g", name, (long long)r, (long long)h, g, want);
+      }
+    goto done;
+  }
+
+  /* backward: D from the stored o, dQ teams, dK/dV teams over key units
+   * (units of 64 reader rows: several per block, so partial sums and the
+   * in-order reduce run too), then the reduce */
+  for (int64_t r = 0; r < T; r++)
+    for (int64_t h = 0; h < hq; h++) {
+      double s = 0;
+      for (int64_t x = 0; x < d; x++) s += from16(b.o[(r * hq + h) * d + x], f16) * b.rdout[(r * hq + h) * d + x];
+      b.dsum[r * hq + h] = (float)s;
+    }
+  fa_block *kb;
+  fa_key_unit *units;
+  int64_t *unit_off;
+  const int64_t nkb = fa_plan_blocks(&plan, FA_MMA_ROWS, 1, &kb);
+  const int64_t nunits = fa_plan_key_units(&plan, kb, nkb, 64, &units, &unit_off);
+  cr_assert(nkb > 0 && nunits >= nkb);
+  float *part_k = NULL, *part_v = NULL;
+  if (nunits > nkb) {
+    part_k = malloc(sizeof(float) * (size_t)(nunits * hkv * FA_MMA_ROWS * d));
+    part_v = malloc(sizeof(float) * (size_t)(nunits * hkv * FA_MMA_ROWS * d));
+  }
+  for (int64_t i = 0; i < nq; i++) b.dq[i] = 0x7fc1;
+  for (int64_t i = 0; i < nk; i++) b.dk[i] = b.dv[i] = 0x7fc1;
+  const fa_gpu_bwd gb = {view(b.q, dt, hq, d), view(b.k, dt, hkv, d), view(b.v, dt, hkv, d), view(b.o, dt, hq, d),
+                         view(b.dout, dt, hq, d), view(b.dq, dt, hq, d), view(b.dk, dt, hkv, d),
+                         view(b.dv, dt, hkv, d), b.lse, b.dsum, plan.seg, plan.pair, plan.q_pair_off,
+                         plan.k_pair_idx, qb, kb, units, unit_off, part_k, part_v, nqb, nkb, nunits, T,
+                         plan.qshift, hq, hkv, d, FA_MMA_ROWS, (float)scale, {0}, 0, 0};
+  for (int64_t blk = 0; blk < nqb; blk++)
+    for (int64_t h = 0; h < hq; h++) EMU_TEAM(fa_mma_dq_team((int)d, bk, f16, gb, qb[blk], h, h / group, smem));
+  const int passes[2] = {d == 128 ? FA_DKV_V : FA_DKV_K | FA_DKV_V, d == 128 ? FA_DKV_K : 0};
+  for (int pass = 0; pass < 2 && passes[pass]; pass++)
+    for (int64_t u = 0; u < nunits; u++)
+      for (int64_t g = 0; g < hkv; g++) EMU_TEAM(fa_mma_dkv_team((int)d, f16, passes[pass], gb, u, g, smem));
+  if (part_k) /* as fa_gpu_dkv_reduce: each block's units in order */
+    for (int64_t blk = 0; blk < nkb; blk++)
+      for (int64_t g = 0; g < hkv; g++)
+        for (int64_t row = 0; row < kb[blk].len; row++)
+          for (int64_t x = 0; x < d; x++) {
+            float sk = 0, sv = 0;
+            for (int64_t u = unit_off[blk]; u < unit_off[blk + 1]; u++) {
+              sk += part_k[((u * hkv + g) * FA_MMA_ROWS + row) * d + x];
+              sv += part_v[((u * hkv + g) * FA_MMA_ROWS + row) * d + x];
+            }
+            const int64_t e = ((kb[blk].start + row) * hkv + g) * d + x;
+            b.dk[e] = to16(sk, f16), b.dv[e] = to16(sv, f16);
+          }
+  const double edq = rel_err(b.dq, rdq, nq, f16, &nonfinite), edk = rel_err(b.dk, rdk, nk, f16, &nonfinite),
+               edv = rel_err(b.dv, rdv, nk, f16, &nonfinite);
+  cr_assert_eq(nonfinite, 0, "%s: %lld non-finite (or unwritten) gradient elements", name, (long long)nonfinite);
+  cr_assert_leq(edq, 1e-2, "%s: dq relative error %.3g", name, edq);
+  cr_assert_leq(edk, 1e-2, "%s: dk relative error %.3g", name, edk);
+  cr_assert_leq(edv, 1e-2, "%s: dv relative error %.3g", name, edv);
+  cr_log_info("%s: units %lld over %lld key blocks; dq %.2g dk %.2g dv %.2g", name, (long long)nunits,
+              (long long)nkb, edq, edk, edv);
+  free(part_k);
+  free(part_v);
+  free(kb);
+  free(units);
+  free(unit_off);
+done:
+  free(qb);
+  for (int i = 0; i < 8; i++) free(*b16[i]);
+  free(b.rq), free(b.rk), free(b.rv), free(b.rdout), free(b.lse), free(b.dsum);
+  free(ro), free(rlse), free(rdq), free(rdk), free(rdv);
+  fa_plan_free(&plan);
+}
+
+#define EMU_CASE(tname, ...)                                                                                    \
+  Test(mma_emulated, tname, .timeout = 600) { run_case("mma_emulated/" #tname, &(const emu_case){__VA_ARGS__}); }
+
+/* A GRPO group: the prompt's query block crosses the causal diagonal, the
+ * responses read the prompt (full pair) then themselves; GQA 4/2. */
+EMU_CASE(prefix_causal_bf16_d64, .P = 70, .N = 3, .lens = {40, 1, 23}, .causal = 1, .hq = 4, .hkv = 2, .d = 64,
+         .nan_v_row = -1)
+EMU_CASE(prefix_bidir_f16_d64, .P = 45, .N = 2, .lens = {30, 17}, .causal = 0, .hq = 2, .hkv = 1, .d = 64, .f16 = 1,
+         .nan_v_row = -1)
+/* head_dim 128: 32-key tiles and the two-pass dK/dV */
+EMU_CASE(prefix_causal_bf16_d128, .P = 50, .N = 2, .lens = {20, 9}, .causal = 1, .hq = 2, .hkv = 1, .d = 128,
+         .nan_v_row = -1)
+/* a trie: chains, siblings, an empty node */
+EMU_CASE(tree_causal_f16_d64, .nodes = 6, .node_len = {33, 20, 0, 17, 40, 5}, .parents = {-1, 0, 1, 1, 0, 4},
+         .causal = 1, .hq = 2, .hkv = 1, .d = 64, .f16 = 1, .nan_v_row = -1)
+/* a NaN value row inside the prompt's diagonal tile reaches exactly the rows
+ * that see it (0 * NaN of masked keys must not leak) */
+EMU_CASE(prefix_causal_nan_v_bf16_d64, .P = 70, .N = 1, .lens = {10}, .causal = 1, .hq = 2, .hkv = 1, .d = 64,
+         .nan_v_row = 37)

@@ -68,6 +68,8 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
     unsigned short *kt = cur ? buf1 : buf0, *vt = kt + BK * P;
     fa_mma_kv_step(cur ? buf0 : buf1, P, BK, D, b.k, b.v, nx, g, tid);
     const int nk = fa_walk_keys(w, BK);
+    const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
+    const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
     /* dQ += dS K multiplies masked keys' rows by dS = 0: non-finite K rows of a
      * tile that hides keys from some rows are zeroed and flagged (fa_mma_scan_rows). */
     const int masked = w.causal && w.kb + BK - 1 > blk.start + qshift;
@@ -94,10 +96,8 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
 #pragma unroll
     for (int n = 0; n < BK / 8; n++) {
       const int key = n * 8 + c0;
-      const float t0 = fa_mma_score(s[n].x, mul, key, nk, ok0, (int)w.causal, w.kb, q_pos0);
-      const float t1 = fa_mma_score(s[n].y, mul, key + 1, nk, ok0, (int)w.causal, w.kb, q_pos0);
-      const float t2 = fa_mma_score(s[n].z, mul, key, nk, ok1, (int)w.causal, w.kb, q_pos1);
-      const float t3 = fa_mma_score(s[n].w, mul, key + 1, nk, ok1, (int)w.causal, w.kb, q_pos1);
+      const float t0 = fa_mma_score(s[n].x, mul, key, lim0), t1 = fa_mma_score(s[n].y, mul, key + 1, lim0);
+      const float t2 = fa_mma_score(s[n].z, mul, key, lim1), t3 = fa_mma_score(s[n].w, mul, key + 1, lim1);
       if (kflags) {
         bad0 |= (t0 != -INFINITY && (kflags >> key & 1u)) || (t1 != -INFINITY && (kflags >> (key + 1) & 1u));
         bad1 |= (t2 != -INFINITY && (kflags >> key & 1u)) || (t3 != -INFINITY && (kflags >> (key + 1) & 1u));
@@ -252,6 +252,8 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
     }
     ompx_sync_block_acq_rel();
     const int nq = (int)(w.qend - w.qb < BQ ? w.qend - w.qb : BQ);
+    const int lo0 = fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb + qshift, nq);
+    const int lo1 = fa_mma_key_first_query(ok1, w.causal, k_pos1, w.qb + qshift, nq);
     /* dV += P^T dO and dK += dS^T Q multiply hidden queries' rows by 0: in a
      * tile where some query cannot see some key, non-finite Q/dO rows are
      * zeroed and flagged. */
@@ -280,9 +282,8 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
 #pragma unroll
     for (int n = 0; n < 2; n++) {
       const int qi = n * 8 + c0; /* columns qi, qi + 1; rows k_pos0 (x, y), k_pos1 (z, w) */
-      const int64_t qp = w.qb + qi + qshift;
-      const int v00 = qi < nq && ok0 && (!w.causal || k_pos0 <= qp), v01 = qi + 1 < nq && ok0 && (!w.causal || k_pos0 <= qp + 1);
-      const int v10 = qi < nq && ok1 && (!w.causal || k_pos1 <= qp), v11 = qi + 1 < nq && ok1 && (!w.causal || k_pos1 <= qp + 1);
+      const int v00 = qi >= lo0 && qi < nq, v01 = qi + 1 >= lo0 && qi + 1 < nq;
+      const int v10 = qi >= lo1 && qi < nq, v11 = qi + 1 >= lo1 && qi + 1 < nq;
       if (qflags) {
         bad0 |= (v00 && (qflags >> qi & 1u)) || (v01 && (qflags >> (qi + 1) & 1u));
         bad1 |= (v10 && (qflags >> qi & 1u)) || (v11 && (qflags >> (qi + 1) & 1u));

@@ -58,6 +58,8 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
     unsigned short *kt = cur ? buf1 : buf0, *vt = kt + BK * P;
     fa_mma_kv_step(cur ? buf0 : buf1, P, BK, D, ga.k, ga.v, nx, g, tid);
     const int nk = fa_walk_keys(w, BK);
+    const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
+    const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
     /* Only a causal tile crossing the team's first diagonal hides keys from
      * some rows; there 0 * NaN in P V would leak a non-finite V row into rows
      * that cannot see it, so its non-finite V rows are flagged and zeroed. */
@@ -84,10 +86,10 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
 #pragma unroll
     for (int n = 0; n < BK / 8; n++) {
       const int key = n * 8 + c0;
-      s[n].x = fa_mma_score(s[n].x, mul, key, nk, ok0, (int)w.causal, w.kb, q_pos0);
-      s[n].y = fa_mma_score(s[n].y, mul, key + 1, nk, ok0, (int)w.causal, w.kb, q_pos0);
-      s[n].z = fa_mma_score(s[n].z, mul, key, nk, ok1, (int)w.causal, w.kb, q_pos1);
-      s[n].w = fa_mma_score(s[n].w, mul, key + 1, nk, ok1, (int)w.causal, w.kb, q_pos1);
+      s[n].x = fa_mma_score(s[n].x, mul, key, lim0);
+      s[n].y = fa_mma_score(s[n].y, mul, key + 1, lim0);
+      s[n].z = fa_mma_score(s[n].z, mul, key, lim1);
+      s[n].w = fa_mma_score(s[n].w, mul, key + 1, lim1);
       if (vflags) {
         bad0 |= (s[n].x != -INFINITY && (vflags >> key & 1u)) || (s[n].y != -INFINITY && (vflags >> (key + 1) & 1u));
         bad1 |= (s[n].z != -INFINITY && (vflags >> key & 1u)) || (s[n].w != -INFINITY && (vflags >> (key + 1) & 1u));

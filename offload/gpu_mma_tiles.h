@@ -89,11 +89,29 @@ static inline void fa_mma_kv_step(unsigned short *next, int P, int BK, int D, fa
   ompx_sync_block_acq_rel();
 }
 
-/* Scaled, masked score in log2 units (-inf where the key is not visible). */
-static inline float fa_mma_score(float s, float mul, int key, int nk, int row_ok, int causal, int64_t kb,
-                                 int64_t q_pos) {
-  return key < nk && row_ok && (!causal || kb + key <= q_pos) ? s * mul : -INFINITY;
+/* Keys [0, n) of a tile (kb, nk) that a query row at key-frame position
+ * q_pos sees: all nk, or for a causal pair those up to its diagonal; 0 for
+ * a row outside the block. Computed once per tile so the per-element test
+ * is one 32-bit compare. */
+static inline int fa_mma_row_keys(int row_ok, int64_t causal, int64_t q_pos, int64_t kb, int nk) {
+  if (!row_ok) return 0;
+  if (!causal) return nk;
+  const int64_t n = q_pos - kb + 1;
+  return n < 0 ? 0 : n > nk ? nk : (int)n;
 }
+
+/* First query of a tile (first at key-frame position q_first, nq queries)
+ * that sees key row k_pos: 0, or for a causal pair the query on its
+ * diagonal; nq (none) for a key outside the block. Queries [lo, nq) see it. */
+static inline int fa_mma_key_first_query(int key_ok, int64_t causal, int64_t k_pos, int64_t q_first, int nq) {
+  if (!key_ok) return nq;
+  if (!causal) return 0;
+  const int64_t n = k_pos - q_first;
+  return n < 0 ? 0 : n > nq ? nq : (int)n;
+}
+
+/* Scaled score in log2 units where key < lim (fa_mma_row_keys), else -inf. */
+static inline float fa_mma_score(float s, float mul, int key, int lim) { return key < lim ? s * mul : -INFINITY; }
 
 
 /* Team-cooperative scan of rows [0, n) of an n x D b16 tile (n = 16, 32 or

@@ -15,7 +15,7 @@ export OMP_TARGET_OFFLOAD=mandatory FORKATTN_BACKEND=gpu
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader >> "$sum" 2>&1
 status=0
 FORKATTN_GPU_MMA=1 bash bench/gpu_tests.sh "$b" test_prefix test_tree test_nonfinite test_prefix_device \
-  test_path_stack test_prefix_cached test_determinism >> "$sum" 2>&1 || status=1
+  test_path_stack test_prefix_cached test_determinism test_streamkl >> "$sum" 2>&1 || status=1
 [ -f "$final/failures.txt" ] && head -60 "$final/failures.txt" >> "$sum"
 
 bench() { # label, mma, args...

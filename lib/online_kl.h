@@ -64,6 +64,20 @@ static inline void fa_kl_tile(fa_kl_state *st, const float *t, const float *s, i
   }
 }
 
+/* fa_kl_tile for a single key (the GPU kernels fold keys one at a time);
+ * rebasing only when a maximum grows gives the same values (a rebase by zero
+ * is the identity) at half the exps. */
+static inline void fa_kl_add(fa_kl_state *st, float t, float s) {
+  const float mt = fmaxf(st->mt, t), ms = fmaxf(st->ms, s);
+  if (mt != st->mt || ms != st->ms) fa_kl_rebase(st, mt, ms);
+  const float ct = t - st->mt, cs = s - st->ms, d = ct - cs;
+  const float pt = expf(ct), ps = expf(cs);
+  st->lt += pt;
+  st->ls += ps;
+  st->a += pt * d;
+  st->b -= ps * d;
+}
+
 /* Merge two states of the same row (keys split between them, e.g. by segment
  * or by lane); y is rebased in place. Pointers, not a by-value y: in an
  * `ompx_bare` kernel taking a local's address moves it to the runtime's

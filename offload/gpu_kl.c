@@ -23,27 +23,13 @@
 
 #include "dtype_convert.h"
 #include "gpu_backend.h"
+#include "gpu_fwd.h" /* FA_MMA_ROWS */
+#include "gpu_kl.h"
 #include "gpu_stage.h"
 #include "gpu_tiles.h"
 #include "online_softmax.h"
 #include "streamkl.h"
 
-/* One call's device views and launch sizes. */
-typedef struct {
-  fa_dev_tensor qt, kt, qs, ks, dqs, dks, dqt, dkt;
-  const fa_range *seg;
-  const fa_pair *pair;
-  const int64_t *qoff, *kidx, *unit_off;
-  const fa_block *qblocks, *kblocks;
-  const fa_key_unit *units;
-  float *part; /* [units, hkv, FA_GPU_ROWS, d] partial dK of one side, or NULL: one unit per block */
-  float *kl, *stats, *outside;
-  const float *stats_in, *dkl;
-  fa_kept kept; /* device copy, used when has_kept */
-  int has_kept, reverse, teacher_grad;
-  int64_t nqb, nkb, nunits, h, hkv_t, hkv_s, dt, ds;
-  float st, ss, loss_mul;
-} fa_gpu_kl;
 
 /* The side whose dK a pass computes (a) and the other one (b). */
 typedef struct {
@@ -75,19 +61,6 @@ static inline float fa_gpu_dot(const float *a, const float *b, int64_t d) {
   float s = 0.0f;
   for (int64_t c = 0; c < d; c++) s += a[c] * b[c];
   return s;
-}
-
-/* fa_kl_tile for a single key; rebasing only when a maximum grows gives the
- * same values (a rebase by zero is the identity) at half the exps. */
-static inline void fa_gpu_kl_add(fa_kl_state *st, float t, float s) {
-  const float mt = fmaxf(st->mt, t), ms = fmaxf(st->ms, s);
-  if (mt != st->mt || ms != st->ms) fa_kl_rebase(st, mt, ms);
-  const float ct = t - st->mt, cs = s - st->ms, d = ct - cs;
-  const float pt = expf(ct), ps = expf(cs);
-  st->lt += pt;
-  st->ls += ps;
-  st->a += pt * d;
-  st->b -= ps * d;
 }
 
 /* Online log-sum-exp (m, l) of the teacher's scores on dropped keys: add one. */
@@ -174,7 +147,7 @@ static void fa_gpu_kl_fwd_kernel(const fa_gpu_kl *b, int dev) {
             fa_gpu_lse_add(&mtf, &ltf, t);
             continue;
           }
-          fa_gpu_kl_add(&acc, t, fa_gpu_dot(Qs + row * ps, Ks + j * ps, ds));
+          fa_kl_add(&acc, t, fa_gpu_dot(Qs + row * ps, Ks + j * ps, ds));
         }
       }
     }
@@ -453,7 +426,8 @@ static forkattn_status fa_gpu_kl_stage_failed(forkattn_ctx *ctx, fa_stage *st, c
 forkattn_status fa_gpu_kl_fwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_memory memory) {
   const fa_plan *p = c->plan;
   fa_block *qb_h;
-  const int64_t nqb = fa_plan_blocks(p, FA_GPU_ROWS, 0, &qb_h);
+  const int mma = fa_gpu_mma_kl_ok(c, memory);
+  const int64_t nqb = fa_plan_blocks(p, mma ? FA_MMA_ROWS : FA_GPU_ROWS, 0, &qb_h);
   if (nqb < 0) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "gpu kl_fwd: cannot allocate blocks");
   if (nqb * c->h > INT_MAX) {
     fa_free(qb_h);
@@ -475,7 +449,8 @@ forkattn_status fa_gpu_kl_fwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_m
   fa_free(qb_h);
   if (bad) return fa_gpu_kl_stage_failed(ctx, &st, "kl_fwd");
   fa_note_workspace(ctx, st.bytes);
-  fa_gpu_kl_fwd_kernel(&b, ctx->device);
+  if (mma) fa_gpu_mma_kl_fwd(&b, ctx->device);
+  else fa_gpu_kl_fwd_kernel(&b, ctx->device);
   int rc = fa_stage_floats_back(&st, c->kl, b.kl, n);
   if (!rc && c->stats) rc = fa_stage_floats_back(&st, c->stats, b.stats, n * FORKATTN_KL_STATS);
   if (!rc && c->outside) rc = fa_stage_floats_back(&st, c->outside, b.outside, n);

@@ -31,7 +31,7 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
   fa_cp_async_commit();
   fa_tile_walk w = {ga.qoff[blk.seg], ga.qoff[blk.seg + 1], 0, 0, 0};
   w = fa_walk_seek(w, seg, pair, blk, qshift);
-  if (w.pi < w.pend) fa_mma_load_kv(buf0, P, BK, D, ga.k, ga.v, w, g, tid);
+  if (w.pi < w.pend) fa_mma_load_kv(buf0, P, BK, D, ga.k, g, ga.v, g, w, tid);
   fa_cp_async_commit();
   fa_cp_async_wait(1);
   ompx_sync_block_acq_rel();
@@ -56,7 +56,7 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
   while (w.pi < w.pend) {
     const fa_tile_walk nx = fa_walk_next(w, BK, seg, pair, blk, qshift);
     unsigned short *kt = cur ? buf1 : buf0, *vt = kt + BK * P;
-    fa_mma_kv_step(cur ? buf0 : buf1, P, BK, D, ga.k, ga.v, nx, g, tid);
+    fa_mma_kv_step(cur ? buf0 : buf1, P, BK, D, ga.k, g, ga.v, g, nx, tid);
     const int nk = fa_walk_keys(w, BK);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
     const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);

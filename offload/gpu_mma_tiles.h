@@ -66,21 +66,23 @@ static inline void fa_mma_load_rows(unsigned short *dst, int P, int cap, int D, 
 /* Keys of tile w (at most bk). */
 static inline int fa_walk_keys(fa_tile_walk w, int bk) { return (int)(w.kend - w.kb < bk ? w.kend - w.kb : bk); }
 
-/* cp.async of tile w's K and V rows (KV head g) into buf: K [BK][P], then V [BK][P]. */
-static inline void fa_mma_load_kv(unsigned short *buf, int P, int BK, int D, fa_dev_tensor k, fa_dev_tensor v,
-                                  fa_tile_walk w, int64_t g, int tid) {
+/* cp.async of tile w's rows of two tensors into buf: a (head ga) [BK][P],
+ * then b (head gb) [BK][P]. Attention: K and V of one KV head; StreamKL:
+ * the teacher's and the student's K. */
+static inline void fa_mma_load_kv(unsigned short *buf, int P, int BK, int D, fa_dev_tensor a, int64_t ga,
+                                  fa_dev_tensor b, int64_t gb, fa_tile_walk w, int tid) {
   const int nk = fa_walk_keys(w, BK);
-  fa_mma_load_rows(buf, P, BK, D, k, w.kb, nk, g, tid);
-  fa_mma_load_rows(buf + BK * P, P, BK, D, v, w.kb, nk, g, tid);
+  fa_mma_load_rows(buf, P, BK, D, a, w.kb, nk, ga, tid);
+  fa_mma_load_rows(buf + BK * P, P, BK, D, b, w.kb, nk, gb, tid);
 }
 
 /* The double-buffered walk's step: start tile nx (if any) into `next`, then
  * wait for this thread's copies of the current tile and for the team, so the
  * current buffer is complete and visible. */
-static inline void fa_mma_kv_step(unsigned short *next, int P, int BK, int D, fa_dev_tensor k, fa_dev_tensor v,
-                                  fa_tile_walk nx, int64_t g, int tid) {
+static inline void fa_mma_kv_step(unsigned short *next, int P, int BK, int D, fa_dev_tensor a, int64_t ga,
+                                  fa_dev_tensor b, int64_t gb, fa_tile_walk nx, int tid) {
   if (nx.pi < nx.pend) {
-    fa_mma_load_kv(next, P, BK, D, k, v, nx, g, tid);
+    fa_mma_load_kv(next, P, BK, D, a, ga, b, gb, nx, tid);
     fa_cp_async_commit();
     fa_cp_async_wait(1);
   } else {

@@ -6,7 +6,9 @@
  * hardware itself: the walk over pairs and tiles, the double-buffer order,
  * the lane maps, masks, online softmax, P and dS packing, the backward's key
  * units and their in-order reduce, and the NaN containment of masked tiles,
- * against the float64 reference on prefix and tree layouts in bf16 and f16.
+ * against the float64 reference on prefix and tree layouts in bf16 and f16;
+ * and the StreamKL forward (offload/gpu_mma_kl_team.h) against a direct
+ * float64 KL of the materialized distributions.
  * Tolerances are those of the 16-bit GPU tests (prefix_harness.c: 1e-2
  * relative for o and the gradients, 1e-3 absolute for lse): P and dS are
  * rounded to 16 bits before their products. [ran on host: emulation; the
@@ -22,6 +24,7 @@
 
 #include "gpu_mma_bwd_team.h"
 #include "gpu_mma_fwd_team.h"
+#include "gpu_mma_kl_team.h"
 #include "reference.h"
 #include "segment_plan.h"
 #include "test_common.h"
@@ -243,3 +246,101 @@ EMU_CASE(tree_causal_f16_d64, .nodes = 6, .node_len = {33, 20, 0, 17, 40, 5}, .p
  * that see it (0 * NaN of masked keys must not leak) */
 EMU_CASE(prefix_causal_nan_v_bf16_d64, .P = 70, .N = 1, .lens = {10}, .causal = 1, .hq = 2, .hkv = 1, .d = 64,
          .nan_v_row = 37)
+
+/* ---- StreamKL forward ------------------------------------------------------ */
+
+/* Key j visible to row i in a prefix layout (prompt P, responses at off). */
+static int prefix_sees(int causal, int64_t P, const int64_t *off, int64_t N, int64_t i, int64_t j) {
+  if (causal && j > i) return 0;
+  if (i < P) return j < P;
+  if (j < P) return 1;
+  int64_t r = 0;
+  while (r + 1 < N && i - P >= off[r + 1]) r++;
+  return j - P >= off[r] && j - P < off[r + 1];
+}
+
+static void kl_case(const char *name, int64_t P, int64_t N, const int64_t *lens, int causal, int64_t H, int64_t hkv_t,
+                    int64_t hkv_s, int64_t d, int f16, int reverse) {
+  omp_set_dynamic(0);
+  tc_rng rng = tc_rng_for(name);
+  const int dt = f16 ? FORKATTN_DTYPE_F16 : FORKATTN_DTYPE_BF16;
+  int64_t off[8] = {0};
+  for (int64_t i = 0; i < N; i++) off[i + 1] = off[i] + lens[i];
+  const int64_t T = P + off[N];
+  fa_plan plan;
+  cr_assert_eq(fa_plan_prefix(&plan, P, N, off, causal), 0);
+  const int64_t sizes[4] = {T * H * d, T * hkv_t * d, T * H * d, T * hkv_s * d};
+  uint16_t *x[4];
+  double *rx[4];
+  for (int i = 0; i < 4; i++) {
+    x[i] = malloc(sizeof(uint16_t) * (size_t)sizes[i]), rx[i] = malloc(sizeof(double) * (size_t)sizes[i]);
+    for (int64_t e = 0; e < sizes[i]; e++) x[i][e] = to16(tc_uniform(&rng, -2, 2), f16), rx[i][e] = from16(x[i][e], f16);
+  }
+  float *kl = malloc(sizeof(float) * (size_t)(T * H)), *stats = malloc(sizeof(float) * (size_t)(T * H * 4));
+  float *outside = malloc(sizeof(float) * (size_t)(T * H));
+  for (int64_t i = 0; i < T * H; i++) kl[i] = outside[i] = NAN;
+  for (int64_t i = 0; i < T * H * 4; i++) stats[i] = NAN;
+  fa_block *qb;
+  const int64_t nqb = fa_plan_blocks(&plan, FA_MMA_ROWS, 0, &qb);
+  const float sct = (float)(0.9 / sqrt((double)d)), scs = (float)(1.1 / sqrt((double)d));
+  fa_gpu_kl b;
+  memset(&b, 0, sizeof b);
+  b.qt = view(x[0], dt, H, d), b.kt = view(x[1], dt, hkv_t, d), b.qs = view(x[2], dt, H, d);
+  b.ks = view(x[3], dt, hkv_s, d);
+  b.seg = plan.seg, b.pair = plan.pair, b.qoff = plan.q_pair_off, b.qblocks = qb;
+  b.kl = kl, b.stats = stats, b.outside = outside;
+  b.reverse = reverse, b.nqb = nqb, b.h = H, b.hkv_t = hkv_t, b.hkv_s = hkv_s, b.dt = b.ds = d;
+  b.st = sct, b.ss = scs, b.loss_mul = 1.0f;
+  static unsigned short smem[4 * 64 * (128 + 8)];
+  const int bk = d == 128 ? 32 : 64;
+  for (int64_t blk = 0; blk < nqb; blk++)
+    for (int64_t h = 0; h < H; h++) EMU_TEAM(fa_mma_kl_fwd_team((int)d, bk, f16, b, qb[blk], h, smem));
+  double worst = 0;
+  double *t = malloc(sizeof(double) * (size_t)T), *sv = malloc(sizeof(double) * (size_t)T);
+  for (int64_t i = 0; i < T; i++)
+    for (int64_t h = 0; h < H; h++) {
+      const int64_t gt = h / (H / hkv_t), gs = h / (H / hkv_s);
+      double mt = -INFINITY, ms = -INFINITY, zt = 0, zs = 0, L = 0, mag = 0;
+      for (int64_t j = 0; j < T; j++) {
+        if (!prefix_sees(causal, P, off, N, i, j)) continue;
+        double a = 0, c = 0;
+        for (int64_t e = 0; e < d; e++) {
+          a += rx[0][(i * H + h) * d + e] * rx[1][(j * hkv_t + gt) * d + e];
+          c += rx[2][(i * H + h) * d + e] * rx[3][(j * hkv_s + gs) * d + e];
+        }
+        t[j] = a * sct, sv[j] = c * scs, mt = fmax(mt, t[j]), ms = fmax(ms, sv[j]);
+      }
+      for (int64_t j = 0; j < T; j++)
+        if (prefix_sees(causal, P, off, N, i, j)) zt += exp(t[j] - mt), zs += exp(sv[j] - ms);
+      const double lt = mt + log(zt), ls = ms + log(zs);
+      for (int64_t j = 0; j < T; j++) {
+        if (!prefix_sees(causal, P, off, N, i, j)) continue;
+        const double pt = exp(t[j] - lt), ps = exp(sv[j] - ls), lr = (t[j] - lt) - (sv[j] - ls);
+        L += reverse ? -ps * lr : pt * lr;
+        mag += (reverse ? ps : pt) * fabs(lr);
+      }
+      const double got = kl[i * H + h];
+      cr_assert(isfinite(got), "%s: kl[%lld, %lld] = %g", name, (long long)i, (long long)h, got);
+      /* float32 state over f32 scores: a few ulps of the terms' magnitude */
+      const double err = fabs(got - L) / (1e-6 + mag);
+      worst = fmax(worst, err);
+      cr_assert_leq(err, 1e-4, "%s: kl[%lld, %lld] = %.9g, float64 %.9g", name, (long long)i, (long long)h, got, L);
+      cr_assert_leq(fabs(stats[(i * H + h) * 4 + FA_KL_LSE_T] - lt), 1e-4 * (1 + fabs(lt)), "%s: lse_t", name);
+      cr_assert_leq(fabs(stats[(i * H + h) * 4 + FA_KL_LSE_S] - ls), 1e-4 * (1 + fabs(ls)), "%s: lse_s", name);
+      cr_assert(outside[i * H + h] == 0.0f, "%s: outside mass without a kept set", name);
+    }
+  cr_log_info("%s: worst |kl - float64| / sum |terms| = %.2g", name, worst);
+  free(t), free(sv), free(qb), free(kl), free(stats), free(outside);
+  for (int i = 0; i < 4; i++) free(x[i]), free(rx[i]);
+  fa_plan_free(&plan);
+}
+
+/* teacher 4 query / 2 KV heads, student 4 / 1; forward and reverse KL */
+Test(mma_emulated, kl_prefix_causal_bf16_d64, .timeout = 600) {
+  const int64_t lens[3] = {40, 1, 23};
+  kl_case("mma_emulated/kl_prefix_causal_bf16_d64", 70, 3, lens, 1, 4, 2, 1, 64, 0, 0);
+}
+Test(mma_emulated, kl_prefix_bidir_reverse_f16_d128, .timeout = 600) {
+  const int64_t lens[2] = {30, 9};
+  kl_case("mma_emulated/kl_prefix_bidir_reverse_f16_d128", 45, 2, lens, 0, 2, 1, 2, 128, 1, 1);
+}

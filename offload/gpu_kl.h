@@ -1,0 +1,34 @@
+/* GPU StreamKL's staged arguments, shared by the FP32 kernels (gpu_kl.c)
+ * and the tensor-core forward (gpu_mma_kl.c). */
+#ifndef FORKATTN_GPU_KL_H
+#define FORKATTN_GPU_KL_H
+#include <stdint.h>
+
+#include "gpu_stage.h"
+#include "segment_plan.h"
+#include "streamkl.h"
+
+/* One call's device views and launch sizes. */
+typedef struct fa_gpu_kl {
+  fa_dev_tensor qt, kt, qs, ks, dqs, dks, dqt, dkt;
+  const fa_range *seg;
+  const fa_pair *pair;
+  const int64_t *qoff, *kidx, *unit_off;
+  const fa_block *qblocks, *kblocks;
+  const fa_key_unit *units;
+  float *part; /* [units, hkv, FA_GPU_ROWS, d] partial dK of one side, or NULL: one unit per block */
+  float *kl, *stats, *outside;
+  const float *stats_in, *dkl;
+  fa_kept kept; /* device copy, used when has_kept */
+  int has_kept, reverse, teacher_grad;
+  int64_t nqb, nkb, nunits, h, hkv_t, hkv_s, dt, ds;
+  float st, ss, loss_mul;
+} fa_gpu_kl;
+
+/* 1 when the tensor-core forward runs this call: FORKATTN_GPU_MMA=1, the
+ * four score tensors all bf16 or all f16 with one head_dim, 64 or 128, no
+ * kept set, 16-byte aligned rows in device memory (fa_gpu_mma_ok). */
+int fa_gpu_mma_kl_ok(const fa_kl_call *c, forkattn_memory memory);
+void fa_gpu_mma_kl_fwd(const fa_gpu_kl *b, int dev);
+
+#endif

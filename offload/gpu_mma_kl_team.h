@@ -1,0 +1,132 @@
+/* The tensor-core StreamKL forward's team function (one 64-row query block x
+ * one query head), in a header so the host tests can run it under the SIMT
+ * emulation of gpu_mma.h (tests/test_mma_emulated.c). Launched by
+ * gpu_mma_kl.c; semantics of gpu_kl.c's FP32 forward without a kept set.
+ *
+ * 4 warps x 16 query rows; the teacher's and the student's Q fragments stay in
+ * registers, their K tiles stream through two team-memory buffers by
+ * cp.async. S_t = Q_t K_t^T and S_s = Q_s K_s^T on mma.sync; each lane folds
+ * its accumulator elements (2 rows x BK/4 keys per tile) into a per-row
+ * online KL state (online_kl.h), and the quad of lanes that shares a row
+ * merges its 4 states in a fixed order at the end. No score reaches memory;
+ * no product multiplies a masked key, so NaN containment needs no scan. */
+#ifndef FORKATTN_GPU_MMA_KL_TEAM_H
+#define FORKATTN_GPU_MMA_KL_TEAM_H
+#include <math.h>
+#include <stdint.h>
+
+#include "gpu_kl.h"
+#include "gpu_mma.h"
+#include "gpu_mma_tiles.h"
+#include "online_kl.h"
+
+#pragma omp declare target
+/* The state of lane ^ mask (a row's states are spread over a quad). */
+static inline fa_kl_state fa_mma_kl_shfl(fa_kl_state s, int mask) {
+  fa_kl_state o;
+  o.mt = fa_mma_shfl_xor(s.mt, mask);
+  o.lt = fa_mma_shfl_xor(s.lt, mask);
+  o.ms = fa_mma_shfl_xor(s.ms, mask);
+  o.ls = fa_mma_shfl_xor(s.ls, mask);
+  o.a = fa_mma_shfl_xor(s.a, mask);
+  o.b = fa_mma_shfl_xor(s.b, mask);
+  return o;
+}
+
+/* Fold one accumulator element into a row's state when the key is visible. */
+static inline void fa_mma_kl_fold(fa_kl_state *st, float t, float s, int key, int lim, float sct, float scs) {
+  if (key < lim) fa_kl_add(st, t * sct, s * scs);
+}
+
+static inline __attribute__((always_inline)) void fa_mma_kl_fwd_team(const int D, const int BK, const int f16,
+                                                                      const fa_gpu_kl b, fa_block blk, int64_t h,
+                                                                      unsigned short *smem) {
+  const int P = D + 8;
+  const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
+  unsigned short *buf0 = smem, *buf1 = smem + 2 * BK * P; /* each: K_t [BK][P], K_s [BK][P] */
+  const int64_t gt = h / (b.h / b.hkv_t), gs = h / (b.h / b.hkv_s);
+
+  /* Q_t and Q_s (64 rows each) fill the team memory first; the walk starts after. */
+  fa_mma_load_rows(smem, P, FA_MMA_ROWS, D, b.qt, blk.start, blk.len, h, tid);
+  fa_mma_load_rows(smem + FA_MMA_ROWS * P, P, FA_MMA_ROWS, D, b.qs, blk.start, blk.len, h, tid);
+  fa_cp_async_commit();
+  fa_cp_async_wait(0);
+  ompx_sync_block_acq_rel();
+  fa_u4 qt[FA_MMA_MAX_D / 16], qs[FA_MMA_MAX_D / 16];
+  {
+    const int r = warp * 16 + fa_ldsm_a_row(lane), c = fa_ldsm_a_col(lane);
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks++) {
+      qt[ks] = fa_ldmatrix_x4(smem + r * P + ks * 16 + c, 0);
+      qs[ks] = fa_ldmatrix_x4(smem + (FA_MMA_ROWS + r) * P + ks * 16 + c, 0);
+    }
+  }
+  ompx_sync_block_acq_rel();
+
+  const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
+  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
+  const int64_t row0 = blk.start + r0; /* StreamKL plans have qshift 0 */
+  fa_kl_state acc0 = fa_kl_init(), acc1 = fa_kl_init();
+
+  fa_tile_walk w = {b.qoff[blk.seg], b.qoff[blk.seg + 1], 0, 0, 0};
+  w = fa_walk_seek(w, b.seg, b.pair, blk, 0);
+  if (w.pi < w.pend) fa_mma_load_kv(buf0, P, BK, D, b.kt, gt, b.ks, gs, w, tid);
+  fa_cp_async_commit();
+  int cur = 0;
+  while (w.pi < w.pend) {
+    const fa_tile_walk nx = fa_walk_next(w, BK, b.seg, b.pair, blk, 0);
+    const unsigned short *kt = cur ? buf1 : buf0, *kst = kt + BK * P;
+    fa_mma_kv_step(cur ? buf0 : buf1, P, BK, D, b.kt, gt, b.ks, gs, nx, tid);
+    const int nk = fa_walk_keys(w, BK);
+    const int lim0 = fa_mma_row_keys(ok0, w.causal, row0, w.kb, nk);
+    const int lim1 = fa_mma_row_keys(ok1, w.causal, row0 + 8, w.kb, nk);
+    fa_f4 st[FA_MMA_MAX_BK / 8], ss[FA_MMA_MAX_BK / 8];
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++) st[n] = fa_f4_zero(), ss[n] = fa_f4_zero();
+    {
+      const int kr = fa_ldsm_b_row(lane), kc = fa_ldsm_b_col(lane);
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ks++)
+#pragma unroll
+        for (int np = 0; np < BK / 16; np++) {
+          const fa_u4 bt = fa_ldmatrix_x4(kt + (np * 16 + kr) * P + ks * 16 + kc, 0);
+          const fa_u4 bs = fa_ldmatrix_x4(kst + (np * 16 + kr) * P + ks * 16 + kc, 0);
+          st[2 * np] = fa_mma_16816(st[2 * np], qt[ks], bt.x, bt.y, f16);
+          st[2 * np + 1] = fa_mma_16816(st[2 * np + 1], qt[ks], bt.z, bt.w, f16);
+          ss[2 * np] = fa_mma_16816(ss[2 * np], qs[ks], bs.x, bs.y, f16);
+          ss[2 * np + 1] = fa_mma_16816(ss[2 * np + 1], qs[ks], bs.z, bs.w, f16);
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++) {
+      const int key = n * 8 + c0;
+      fa_mma_kl_fold(&acc0, st[n].x, ss[n].x, key, lim0, b.st, b.ss);
+      fa_mma_kl_fold(&acc0, st[n].y, ss[n].y, key + 1, lim0, b.st, b.ss);
+      fa_mma_kl_fold(&acc1, st[n].z, ss[n].z, key, lim1, b.st, b.ss);
+      fa_mma_kl_fold(&acc1, st[n].w, ss[n].w, key + 1, lim1, b.st, b.ss);
+    }
+    ompx_sync_block_acq_rel(); /* every warp is done with this buffer before it is refilled */
+    cur ^= 1;
+    w = nx;
+  }
+  /* the quad's 4 states: lane ^ 1, then lane ^ 2 (the writing lane's order is fixed) */
+  for (int m = 1; m <= 2; m *= 2) {
+    fa_kl_state o0 = fa_mma_kl_shfl(acc0, m), o1 = fa_mma_kl_shfl(acc1, m);
+    fa_kl_merge(&acc0, &o0);
+    fa_kl_merge(&acc1, &o1);
+  }
+  if (c0 != 0) return;
+  for (int half = 0; half < 2; half++) {
+    if (!(half ? ok1 : ok0)) continue;
+    float stats4[FORKATTN_KL_STATS], out;
+    const float div = fa_kl_row_finish(half ? acc1 : acc0, -INFINITY, 0.0f, b.reverse, stats4, &out);
+    const int64_t i = (row0 + 8 * half) * b.h + h;
+    b.kl[i] = div * b.loss_mul;
+    if (b.stats)
+      for (int s = 0; s < FORKATTN_KL_STATS; s++) b.stats[i * FORKATTN_KL_STATS + s] = stats4[s];
+    if (b.outside) b.outside[i] = out;
+  }
+}
+#pragma omp end declare target
+
+#endif

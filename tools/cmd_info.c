@@ -2,6 +2,8 @@
 #include <hwloc.h>
 #include <omp.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "commands.h"
 #include "forkattn.h"
@@ -34,6 +36,12 @@ int cmd_info(int argc, char **argv) {
   (void)argv;
   printf("forkattn:      %s (version number %u)\n", forkattn_version_string(), forkattn_version_number());
   printf("gpu offload:   %s\n", forkattn_build_has_offload() ? "built in" : "not built (CPU-only build)");
+  if (forkattn_build_has_offload()) {
+    const char *mma = getenv("FORKATTN_GPU_MMA");
+    printf("tensor cores:  %s\n", mma && strcmp(mma, "1") == 0
+                                       ? "on (FORKATTN_GPU_MMA=1; experimental, bench/NOTES-gpu.md)"
+                                       : "off (FP32 GPU kernels; FORKATTN_GPU_MMA=1 enables the experimental ones)");
+  }
   printf("omp devices:   %d\n", omp_get_num_devices());
   forkattn_ctx *ctx = NULL;
   forkattn_status st = forkattn_ctx_create(&ctx, NULL);

@@ -1,7 +1,10 @@
 /* Team-level pieces of the tensor-core kernels (forward, dQ, dK/dV): the walk
  * over a query block's key tiles across its pairs, cp.async tile loads, the
  * masked score, and the scan that keeps 0 * NaN of a masked row out of the
- * tensor-core products. Everything by value (see gpu_mma.h). */
+ * tensor-core products. Everything by value (see gpu_mma.h). Tiles start at
+ * the team's dynamic memory (16-byte aligned: DynamicSharedBuffer in LLVM
+ * 19's device runtime) and rows are (D + 8) * 2 bytes apart, a multiple of
+ * 16, as cp.async and ldmatrix require. */
 #ifndef FORKATTN_GPU_MMA_TILES_H
 #define FORKATTN_GPU_MMA_TILES_H
 #include <math.h>

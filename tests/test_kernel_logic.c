@@ -539,3 +539,29 @@ Test(online_kl, row_finish_outside_mass_in_unit_interval) {
   fa_kl_row_finish(st, -INFINITY, 0.0f, 0, stats4, &outside);
   cr_assert(outside == 0.0f, "nothing dropped: mass exactly 0");
 }
+
+/* fa_kl_add (one key at a time, rebasing only when a maximum grows: the GPU
+ * kernels' fold) against float64 on the same random rows as above. */
+Test(online_kl, one_key_fold_matches_float64_direct) {
+  tc_rng rng = tc_rng_for("online_kl.add");
+  float t[300], s[300];
+  for (int trial = 0; trial < 200; trial++) {
+    const int n = (int)tc_randint(&rng, 1, 300);
+    const double spread = tc_uniform(&rng, 0.1, 20.0), off_t = tc_uniform(&rng, -1e3, 1e3);
+    const double off_s = tc_uniform(&rng, -1e3, 1e3);
+    for (int j = 0; j < n; j++) {
+      t[j] = (float)(off_t + tc_uniform(&rng, -spread, spread) + (trial % 5 == 0 && j == n / 2 ? 60 : 0));
+      s[j] = (float)(off_s + tc_uniform(&rng, -spread, spread));
+    }
+    double want[4];
+    kl_direct(t, s, n, want);
+    fa_kl_state st = fa_kl_init();
+    for (int j = 0; j < n; j++) fa_kl_add(&st, t[j], s[j]);
+    float got[4];
+    fa_kl_finish(st, &got[0], &got[1], &got[2], &got[3]);
+    const double sp = spread + (trial % 5 == 0 ? 60 : 0);
+    for (int k = 0; k < 2; k++)
+      cr_assert_leq(fabs(got[k] - want[k]), 1e-5 * (1 + sp) + 1e-5 * want[k], "trial %d n %d %s: %.9g vs %.9g", trial,
+                    n, k ? "reverse" : "forward", (double)got[k], want[k]);
+  }
+}

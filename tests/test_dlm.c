@@ -326,9 +326,10 @@ Test(dlm, bad_inputs) {
   pre.k[1].dtype = FORKATTN_DTYPE_BF16;
   td_expect_bad(ctx, &m, &r, "cached K/V of layer 1");
   dlm_alone_prefix(&m, &a, &pre);
-  t.tok[t.off[1] + 3] ^= 1; /* request 1 no longer starts with the prefix */
+  const int32_t kept_tok = t.tok[t.off[1] + 3]; /* another valid token: request 1 no longer starts with */
+  t.tok[t.off[1] + 3] = (kept_tok + 1) % (int32_t)m.c.vocab; /* the prefix (^ 1 could leave the vocabulary) */
   td_expect_bad(ctx, &m, &r, "does not start with");
-  t.tok[t.off[1] + 3] ^= 1;
+  t.tok[t.off[1] + 3] = kept_tok;
   t.tok[t.off[3] - 1] = (int32_t)m.c.vocab; /* request 2's last own token (it may have only one) */
   td_expect_bad(ctx, &m, &r, "outside the vocabulary");
   t.tok[t.off[3] - 1] = 0;

@@ -137,29 +137,22 @@ int fz_enum_field(fz_reader *r, int nominal) {
   return (int)fz_u32(r);
 }
 
+float fz_special(fz_reader *r, uint8_t tag, int n) {
+  static const float special[13] = {0.0f,    -0.0f,  -1.0f, NAN,    INFINITY, -INFINITY, FLT_MAX,
+                                    FLT_MIN, 1e-45f, 1e30f, 1e-30f, 100.0f,   -NAN}; /* 1e-45: a denormal */
+  const int i = tag & 15;
+  if (i < n && i < 13) return special[i];
+  uint32_t u = fz_u32(r);
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 float fz_scale(fz_reader *r, int64_t d) {
   uint8_t tag = fz_u8(r);
   double dd = d > 0 && d <= 4096 ? (double)d : 64.0;
   if (tag < 0xE0) return (float)((0.25 + (tag % 32) / 8.0) / sqrt(dd));
-  switch (tag & 15) {
-  case 0: return 0.0f;
-  case 1: return -0.0f;
-  case 2: return -1.0f;
-  case 3: return NAN;
-  case 4: return INFINITY;
-  case 5: return -INFINITY;
-  case 6: return FLT_MAX;
-  case 7: return FLT_MIN;
-  case 8: return 1e-45f; /* smallest denormal */
-  case 9: return 1e30f;
-  case 10: return 1e-30f;
-  default: {
-    uint32_t u = fz_u32(r);
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-  }
-  }
+  return fz_special(r, tag, 11);
 }
 
 /* ---- context -------------------------------------------------------------- */

@@ -76,6 +76,11 @@ int fz_enum_field(fz_reader *r, int nominal);
  * a denormal, 1e30, 1e-30 or 4 raw bytes. */
 float fz_scale(fz_reader *r, int64_t d);
 
+/* The special float of tag & 15 among the first n of 0, -0, -1, NaN, +inf,
+ * -inf, FLT_MAX, FLT_MIN, the smallest denormal, 1e30, 1e-30, 100, -NaN
+ * (n <= 13); past them, 4 raw bytes read from r. */
+float fz_special(fz_reader *r, uint8_t tag, int n);
+
 #define FZ_NEXTREMES 32
 extern const int64_t fz_extremes[FZ_NEXTREMES];
 

@@ -314,34 +314,10 @@ static void check_success(const char *what, const int *outs, int nouts) {
 
 /* ---- input decoding --------------------------------------------------------- */
 
-static float kk_special(fz_reader *r, uint8_t tag) {
-  switch (tag & 15) {
-  case 0: return 0.0f;
-  case 1: return -0.0f;
-  case 2: return -1.0f;
-  case 3: return NAN;
-  case 4: return INFINITY;
-  case 5: return -INFINITY;
-  case 6: return FLT_MAX;
-  case 7: return FLT_MIN;
-  case 8: return 1e-45f;
-  case 9: return 1e30f;
-  case 10: return 1e-30f;
-  case 11: return 100.0f;
-  case 12: return -NAN;
-  default: {
-    uint32_t u = fz_u32(r);
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-  }
-  }
-}
-
 static float kk_temperature(fz_reader *r) {
   static const float t[8] = {1.0f, 0.5f, 2.0f, 0.25f, 4.0f, 0.7f, 1.5f, 8.0f};
   const uint8_t tag = fz_u8(r);
-  return tag < 0xE0 ? t[tag % 8] : kk_special(r, tag);
+  return tag < 0xE0 ? t[tag % 8] : fz_special(r, tag, 13);
 }
 
 /* 0 (the default 1/sqrt(d)), a sane multiple of 1/sqrt(d), or a special value. */
@@ -349,7 +325,7 @@ static float kk_kl_scale(fz_reader *r, int64_t d) {
   const uint8_t tag = fz_u8(r);
   if (tag == 0) return 0.0f;
   if (tag < 0xE0) return (float)((0.25 + (tag % 32) / 8.0) / sqrt((double)d));
-  return kk_special(r, tag);
+  return fz_special(r, tag, 13);
 }
 
 static uint64_t rng_state;

@@ -562,6 +562,22 @@ class _Owned:
         return False
 
 
+class _ContextBound(_Owned):
+    """An owned C handle (``self._handle``, None once closed) tied to one :class:`Context`
+    (``self._ctx``): ``handle`` refuses a closed object or a closed context."""
+
+    @property
+    def handle(self):
+        if self._handle is None:
+            raise ValueError("forkattn: this %s is closed" % type(self).__name__)
+        self._ctx.handle  # raises if the context was closed under it
+        return self._handle
+
+    @property
+    def context(self):
+        return self._ctx
+
+
 class Context:
     """A forkattn context (``forkattn_ctx``): backend, device, CPU threads, last error.
 

@@ -514,7 +514,7 @@ class _CudaView:
                                          "strides": None, "version": 2}
 
 
-class KVCache(_lib._Owned):
+class KVCache(_lib._ContextBound):
     """A cache of token prefixes' per-layer K/V (``forkattn_kv_cache``).
 
     ``KVCache(capacity_bytes, layers, kv_heads, head_dim, dtype, *, block_tokens=0,
@@ -579,17 +579,6 @@ class KVCache(_lib._Owned):
                                             self.kv_heads, self.head_dim, self._code, self._memory)
 
     # -- state
-    @property
-    def handle(self):
-        if self._handle is None:
-            raise ValueError("forkattn: this KVCache is closed")
-        self._ctx.handle  # raises if the context was closed under it
-        return self._handle
-
-    @property
-    def context(self):
-        return self._ctx
-
     @property
     def itemsize(self):
         return _lib.DTYPE_ITEMSIZE[self._code]

@@ -179,7 +179,7 @@ def _lse_in(lse, n, hq):
 # DFS path stack
 
 
-class PathStack(_lib._Owned):
+class PathStack(_lib._ContextBound):
     """The DFS path stack (``forkattn_path``): the K/V of the active root-to-node path of a tree,
     with float32 dk/dv accumulators, in host memory.
 
@@ -213,17 +213,6 @@ class PathStack(_lib._Owned):
         self._handle = _lib.path_create(ctx, self._code, self.heads_q, self.heads_kv, self.head_dim)
 
     # -- state
-    @property
-    def handle(self):
-        if self._handle is None:
-            raise ValueError("forkattn: this PathStack is closed")
-        self._ctx.handle  # raises if the context was closed under it
-        return self._handle
-
-    @property
-    def context(self):
-        return self._ctx
-
     @property
     def depth(self):
         """Nodes on the stack."""

@@ -37,7 +37,6 @@ typedef struct emu_case {
 } emu_case;
 
 typedef struct emu_bufs {
-  int64_t T;
   uint16_t *q, *k, *v, *o, *dout, *dq, *dk, *dv;
   double *rq, *rk, *rv, *rdout; /* the rounded inputs, float64 */
   float *lse, *dsum;
@@ -95,7 +94,6 @@ static void run_case(const char *name, const emu_case *c) {
   const int64_t nq = T * hq * d, nk = T * hkv * d;
   emu_bufs b;
   memset(&b, 0, sizeof b);
-  b.T = T;
   uint16_t **b16[] = {&b.q, &b.dout, &b.o, &b.dq, &b.k, &b.v, &b.dk, &b.dv};
   for (int i = 0; i < 8; i++) *b16[i] = malloc(sizeof(uint16_t) * (size_t)(i < 4 ? nq : nk));
   b.rq = malloc(sizeof(double) * (size_t)nq), b.rdout = malloc(sizeof(double) * (size_t)nq);

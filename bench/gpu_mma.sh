@@ -11,18 +11,21 @@ commit=${2:-unknown}
 final=${OUT:-gpu-logs}
 mkdir -p "$final"
 sum="$final/summary.txt"
-export OMP_TARGET_OFFLOAD=mandatory FORKATTN_BACKEND=gpu
+export OMP_TARGET_OFFLOAD=mandatory FORKATTN_BACKEND=gpu PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader >> "$sum" 2>&1
 status=0
-FORKATTN_GPU_MMA=1 bash bench/gpu_tests.sh "$b" test_prefix test_tree test_nonfinite test_prefix_device \
-  test_path_stack test_prefix_cached test_determinism test_streamkl >> "$sum" 2>&1 || status=1
-[ -f "$final/failures.txt" ] && head -60 "$final/failures.txt" >> "$sum"
+suites() {
+  FORKATTN_GPU_MMA=1 FORKATTN_TEST_TIMEOUT=120 bash bench/gpu_tests.sh "$b" "$@" >> "$sum" 2>&1 || status=1
+}
+# the suite with the most bf16/f16 forward and backward cases first: a hang or a
+# wrong kernel shows within two minutes, before the benchmarks
+suites test_prefix
 
 bench() { # label, mma, args...
   local label=$1 mma=$2
   shift 2
   echo "== $label FORKATTN_GPU_MMA=$mma" >> "$sum"
-  FORKATTN_GPU_MMA=$mma bash bench/gpu_run.sh "$b/forkattn" bench prefix --backend gpu --no-replicated --json "$@" \
+  FORKATTN_GPU_MMA=$mma timeout 120 bash bench/gpu_run.sh "$b/forkattn" bench prefix --backend gpu --no-replicated --json "$@" \
     > "$final/bench_${label}_${mma}.txt" 2>&1 || status=1
   grep -o '"shared_fwd_ms":[^,]*,"shared_fwdbwd_ms":[^,]*\|"max_rel_err":[^,]*' "$final/bench_${label}_${mma}.txt" |
     tr '\n' ' ' >> "$sum"
@@ -36,8 +39,10 @@ bench case1 1 $case1
 bench case1 0 $case1
 # shellcheck disable=SC2086
 bench case2 1 $case2
-FORKATTN_GPU_MMA=1 bash bench/gpu_run.sh python3 bench/compare_torch.py --lib "$b/libforkattn.so" --reps 20 \
+FORKATTN_GPU_MMA=1 timeout 240 bash bench/gpu_run.sh python3 bench/compare_torch.py --lib "$b/libforkattn.so" --reps 20 \
   --commit "$commit" --json "$final/compare_torch.json" --results "$final/RESULTS-compare_torch.md" \
   > "$final/compare_torch.txt" 2>&1 || status=1
 tail -25 "$final/compare_torch.txt" >> "$sum"
+suites test_tree test_nonfinite test_prefix_device test_path_stack test_prefix_cached test_determinism test_streamkl
+[ -f "$final/failures.txt" ] && head -60 "$final/failures.txt" >> "$sum"
 exit $status

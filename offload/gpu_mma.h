@@ -210,10 +210,6 @@ static inline fa_f4 fa_mma_16816(fa_f4 c, fa_u4 a, uint32_t b0, uint32_t b1, int
 }
 #endif
 
-/* 1 when x is non-zero in any lane of this lane's quad (the 4 lanes that
- * hold one accumulator row). */
-static inline int fa_mma_quad_any(int x, int lane) { return (fa_mma_ballot(x) >> (lane & ~3) & 0xfu) != 0; }
-
 /* 32-bit shared-window address of a team-memory pointer (cp.async and
  * ldmatrix operands; only the nvptx variants use it). */
 static inline uint32_t fa_mma_smem(const void *p) { return (uint32_t)(uintptr_t)p; }
@@ -239,17 +235,6 @@ static inline int fa_ldsm_b_col(int lane) { return 8 * ((lane / 8) % 2); }
  * within the 16 x 8 tile. */
 static inline int fa_acc_row(int lane, int e) { return lane / 4 + 8 * (e / 2); }
 static inline int fa_acc_col(int lane, int e) { return 2 * (lane % 4) + e % 2; }
-
-/* The A fragment of P (16 x 16) from the accumulators of its two 16 x 8 halves:
- * the accumulator layout of m16n8 is the A layout of m16k16 cut in two. */
-static inline fa_u4 fa_mma_p_frag(fa_f4 lo, fa_f4 hi, int f16) {
-  fa_u4 a;
-  a.x = fa_mma_pack(lo.x, lo.y, f16);
-  a.y = fa_mma_pack(lo.z, lo.w, f16);
-  a.z = fa_mma_pack(hi.x, hi.y, f16);
-  a.w = fa_mma_pack(hi.z, hi.w, f16);
-  return a;
-}
 
 #pragma omp end declare target
 
@@ -336,5 +321,27 @@ static inline fa_f4 fa_mma_16816(fa_f4 c, fa_u4 a, uint32_t b0, uint32_t b1, int
 
 #pragma omp end declare variant
 #endif
+
+/* ---- composites: defined after the variants because clang binds a call to
+ * a variant only where the variant is already declared; above the block a
+ * call would take the base (on the GPU: a ballot of one lane, C packing). */
+#pragma omp declare target
+
+/* 1 when x is non-zero in any lane of this lane's quad (the 4 lanes that
+ * hold one accumulator row). */
+static inline int fa_mma_quad_any(int x, int lane) { return (fa_mma_ballot(x) >> (lane & ~3) & 0xfu) != 0; }
+
+/* The A fragment of P (16 x 16) from the accumulators of its two 16 x 8 halves:
+ * the accumulator layout of m16n8 is the A layout of m16k16 cut in two. */
+static inline fa_u4 fa_mma_p_frag(fa_f4 lo, fa_f4 hi, int f16) {
+  fa_u4 a;
+  a.x = fa_mma_pack(lo.x, lo.y, f16);
+  a.y = fa_mma_pack(lo.z, lo.w, f16);
+  a.z = fa_mma_pack(hi.x, hi.y, f16);
+  a.w = fa_mma_pack(hi.z, hi.w, f16);
+  return a;
+}
+
+#pragma omp end declare target
 
 #endif

@@ -244,6 +244,10 @@ EMU_CASE(tree_causal_f16_d64, .nodes = 6, .node_len = {33, 20, 0, 17, 40, 5}, .p
  * that see it (0 * NaN of masked keys must not leak) */
 EMU_CASE(prefix_causal_nan_v_bf16_d64, .P = 70, .N = 1, .lens = {10}, .causal = 1, .hq = 2, .hkv = 1, .d = 64,
          .nan_v_row = 37)
+/* the same for a row in the second half of an accumulator's rows (row 9: the
+ * z/w elements, lanes 4-7 of the quad test) */
+EMU_CASE(prefix_causal_nan_v9_bf16_d64, .P = 20, .N = 1, .lens = {10}, .causal = 1, .hq = 2, .hkv = 1, .d = 64,
+         .nan_v_row = 9)
 
 /* ---- StreamKL forward ------------------------------------------------------ */
 

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Run on the GPU machine: Nsight Compute on the tensor-core kernels
+# (FORKATTN_GPU_MMA=1) of `forkattn bench prefix` at case 1 of
+# bench/NOTES-gpu.md, clocks left as found (--clock-control none). Writes
+# $OUT/ncu_case1.txt (the sections below, per kernel launch).
+# Usage: bash bench/gpu_ncu.sh <offload build dir> [max launches, default 6]
+set -uo pipefail
+b=${1:-build-gpu}
+count=${2:-6}
+final=${OUT:-gpu-logs}
+mkdir -p "$final"
+export OMP_TARGET_OFFLOAD=mandatory FORKATTN_BACKEND=gpu FORKATTN_GPU_MMA=1
+sections=""
+for s in SpeedOfLight LaunchStats Occupancy WarpStateStats SchedulerStats ComputeWorkloadAnalysis \
+  InstructionStats MemoryWorkloadAnalysis_Tables; do sections="$sections --section $s"; done
+# shellcheck disable=SC2086
+timeout 300 bash bench/gpu_run.sh ncu --clock-control none -k regex:mma --launch-count "$count" $sections \
+  "$b/forkattn" bench prefix --backend gpu --no-replicated --n 1 --p 4096 --r 0 --hq 16 --hkv 16 --d 128 \
+  --dtype bf16 --repeats 1 > "$final/ncu_case1.txt" 2>&1

@@ -12,6 +12,7 @@
 #include "hostinfo.h"
 #ifdef FORKATTN_HAVE_OFFLOAD
 #include "gpu_backend.h"
+#include "gpu_pool.h"
 #endif
 
 forkattn_status fa_fail(forkattn_ctx *ctx, forkattn_status status, const char *fmt, ...) {
@@ -139,7 +140,12 @@ forkattn_status forkattn_ctx_create(forkattn_ctx **ctx, const forkattn_ctx_optio
   return FORKATTN_OK;
 }
 
-void forkattn_ctx_destroy(forkattn_ctx *ctx) { fa_free(ctx); }
+void forkattn_ctx_destroy(forkattn_ctx *ctx) {
+#ifdef FORKATTN_HAVE_OFFLOAD
+  if (ctx) fa_gpu_pool_destroy(ctx);
+#endif
+  fa_free(ctx);
+}
 
 forkattn_backend forkattn_ctx_backend(const forkattn_ctx *ctx) {
   return ctx ? ctx->backend : FORKATTN_BACKEND_CPU;

@@ -5,6 +5,7 @@
 
 #define FA_MSG_LEN 512
 
+typedef struct fa_gpu_pool fa_gpu_pool;
 struct forkattn_ctx {
   forkattn_backend backend; /* CPU or GPU, never AUTO */
   int device;               /* OpenMP device number (GPU backend) */
@@ -14,6 +15,7 @@ struct forkattn_ctx {
   size_t peak_workspace;     /* bytes, see forkattn_ctx_peak_workspace() */
   char reason[FA_MSG_LEN];     /* why this backend */
   char last_error[FA_MSG_LEN]; /* message of the last failed call */
+  struct fa_gpu_pool *gpu_pool; /* GPU backend's cached device blocks (offload/gpu_pool.h) */
 };
 
 /* Record a failure on ctx (may be NULL) and return status, printf-style. */

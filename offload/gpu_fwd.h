@@ -25,8 +25,8 @@ typedef struct fa_gpu_fwd_args {
 /* Query rows per team of the tensor-core forward (16 per warp, 4 warps). */
 #define FA_MMA_ROWS 64
 
-/* 1 when the tensor-core forward runs this call: FORKATTN_GPU_MMA=1 in the
- * environment (opt-in while it is unverified on a GPU), q, k, v all bf16 or
+/* 1 when the tensor-core forward runs this call: FORKATTN_GPU_MMA is not 0
+ * in the environment, q, k, v all bf16 or
  * all f16, head_dim 64 or 128, no kept set, 16-byte aligned rows in device
  * memory (host tensors are staged dense). */
 int fa_gpu_mma_fwd_ok(const fa_attn_fwd *a, forkattn_memory memory);

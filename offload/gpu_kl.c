@@ -436,7 +436,7 @@ forkattn_status fa_gpu_kl_fwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_m
   }
   const size_t n = (size_t)(p->rows * c->h);
   fa_stage st;
-  fa_stage_init(&st, ctx->device, memory == FORKATTN_MEMORY_HOST);
+  fa_stage_init(&st, ctx, memory == FORKATTN_MEMORY_HOST);
   fa_gpu_kl b;
   fa_gpu_kl_init(&b, c);
   b.nqb = nqb;
@@ -481,13 +481,14 @@ static void fa_gpu_kl_dk_side(const fa_gpu_kl *b, int teacher, int64_t rows, int
 static int fa_gpu_kl_stage_blocks(fa_stage *st, const fa_plan *p, const fa_kl_call *c, fa_gpu_kl *b,
                                   const fa_block *qb_h, const fa_block *kb_h, const fa_key_unit *units_h,
                                   const int64_t *unit_off_h) {
-  b->qoff = fa_stage_array(st, p->q_pair_off, sizeof(int64_t) * (size_t)(p->nseg + 1));
-  b->kidx = fa_stage_array(st, p->k_pair_idx, sizeof(int64_t) * (size_t)p->npairs);
-  b->qblocks = fa_stage_array(st, qb_h, sizeof *qb_h * (size_t)b->nqb);
-  b->kblocks = fa_stage_array(st, kb_h, sizeof *kb_h * (size_t)b->nkb);
-  b->units = fa_stage_array(st, units_h, sizeof *units_h * (size_t)b->nunits);
-  b->unit_off = fa_stage_array(st, unit_off_h, sizeof *unit_off_h * (size_t)(b->nkb + 1));
-  int bad = !b->qoff || !b->kidx || !b->qblocks || !b->kblocks || !b->units || !b->unit_off;
+  const void *plan_h[6] = {p->q_pair_off, p->k_pair_idx, qb_h, kb_h, units_h, unit_off_h};
+  const size_t plan_bytes[6] = {sizeof(int64_t) * (size_t)(p->nseg + 1), sizeof(int64_t) * (size_t)p->npairs,
+                                sizeof *qb_h * (size_t)b->nqb,           sizeof *kb_h * (size_t)b->nkb,
+                                sizeof *units_h * (size_t)b->nunits,     sizeof *unit_off_h * (size_t)(b->nkb + 1)};
+  void *plan_d[6] = {NULL};
+  int bad = fa_stage_arrays(st, 6, plan_h, plan_bytes, plan_d);
+  b->qoff = plan_d[0], b->kidx = plan_d[1], b->qblocks = plan_d[2], b->kblocks = plan_d[3];
+  b->units = plan_d[4], b->unit_off = plan_d[5];
   if (!bad && b->nunits > b->nkb) { /* split blocks: partial sums, then the reduce kernel */
     const int64_t ws = c->hkv_s * c->ds, wt = c->teacher_grad ? c->hkv_t * c->dt : 0;
     b->part = fa_stage_scratch(st, sizeof(float) * (size_t)(b->nunits * FA_GPU_ROWS * (ws > wt ? ws : wt)));
@@ -514,7 +515,7 @@ forkattn_status fa_gpu_kl_bwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_m
   int64_t covered = 0; /* key rows some pair reads */
   for (int64_t i = 0; !status && i < nkb; i++) covered += kb_h[i].len;
   fa_stage st;
-  fa_stage_init(&st, ctx->device, memory == FORKATTN_MEMORY_HOST);
+  fa_stage_init(&st, ctx, memory == FORKATTN_MEMORY_HOST);
   fa_gpu_kl b;
   fa_gpu_kl_init(&b, c);
   b.nqb = nqb;

@@ -25,7 +25,7 @@ typedef struct fa_gpu_kl {
   float st, ss, loss_mul;
 } fa_gpu_kl;
 
-/* 1 when the tensor-core forward runs this call: FORKATTN_GPU_MMA=1, the
+/* 1 when the tensor-core forward runs this call: FORKATTN_GPU_MMA not 0, the
  * four score tensors all bf16 or all f16 with one head_dim, 64 or 128, no
  * kept set, 16-byte aligned rows in device memory (fa_gpu_mma_ok). */
 int fa_gpu_mma_kl_ok(const fa_kl_call *c, forkattn_memory memory);

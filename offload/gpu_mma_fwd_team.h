@@ -106,8 +106,9 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
     const float a0 = fa_mma_exp2(m0 - u0), a1 = fa_mma_exp2(m1 - u1);
     l0 *= a0;
     l1 *= a1;
+    if (fa_mma_ballot(a0 != 1.0f || a1 != 1.0f)) /* warp-uniform: once the row maxima settle, most tiles skip it */
 #pragma unroll
-    for (int n = 0; n < D / 8; n++) o[n].x *= a0, o[n].y *= a0, o[n].z *= a1, o[n].w *= a1;
+      for (int n = 0; n < D / 8; n++) o[n].x *= a0, o[n].y *= a0, o[n].z *= a1, o[n].w *= a1;
 #pragma unroll
     for (int n = 0; n < BK / 8; n++) {
       s[n].x = fa_mma_exp2(s[n].x - u0), s[n].y = fa_mma_exp2(s[n].y - u0);

@@ -57,12 +57,18 @@ static inline fa_tile_walk fa_walk_next(fa_tile_walk w, int bk, const fa_range *
  * zero-filled (masked lanes then multiply finite zeros). */
 static inline void fa_mma_load_rows(unsigned short *dst, int P, int cap, int D, fa_dev_tensor t, int64_t row0,
                                     int64_t n, int64_t head, int tid) {
-  const unsigned short *src = (const unsigned short *)t.data;
-  const int chunks = D / 8; /* 16-byte chunks per row */
-  for (int c = tid; c < cap * chunks; c += FA_MMA_THREADS) {
-    const int r = c / chunks, col = (c % chunks) * 8;
-    const int in = r < n;
-    fa_cp_async16(dst + r * P + col, src + (row0 + (in ? r : 0)) * t.rs + head * t.hs + col, in ? 16 : 0);
+  /* Thread tid copies chunk tid % chunks of rows tid / chunks + i * step: a
+   * trip count known at compile time (cap is a multiple of step for every
+   * tile shape), so the loop unrolls without remainder code and the row
+   * addresses advance by a constant stride. */
+  const int chunks = D / 8, step = FA_MMA_THREADS / chunks; /* 16-byte chunks per row; rows per pass */
+  const int r0 = tid / chunks, col = (tid % chunks) * 8;
+  const unsigned short *src = (const unsigned short *)t.data + row0 * t.rs + head * t.hs + col;
+#pragma unroll
+  for (int i = 0; i < cap / step; i++) {
+    const int r = r0 + i * step, in = r < n;
+    /* a row past n copies nothing (zero-fill) from row0, which exists */
+    fa_cp_async16(dst + r * P + col, in ? src + r * t.rs : src, in ? 16 : 0);
   }
 }
 

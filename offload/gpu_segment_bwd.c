@@ -15,6 +15,7 @@
 #include "gpu_backend.h"
 #include "gpu_bwd.h"
 #include "gpu_stage.h"
+#include "gpu_trace.h"
 #include "gpu_tiles.h"
 #include "online_softmax.h"
 
@@ -255,6 +256,8 @@ int64_t fa_gpu_dkv_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int6
 forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkattn_memory memory) {
   const fa_plan *p = a->plan;
   fa_block *qb_h = NULL, *kb_h = NULL;
+  fa_gpu_trace tr;
+  fa_gpu_trace_begin(&tr);
   const int mma = fa_gpu_mma_bwd_ok(a, memory);
   const int64_t brows = mma ? FA_MMA_ROWS : FA_GPU_ROWS; /* query and key block rows */
   int64_t nqb = fa_plan_blocks(p, brows, 0, &qb_h);
@@ -264,7 +267,7 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
   if (nqb >= 0 && nkb >= 0)
     nunits = fa_plan_key_units(p, kb_h, nkb, fa_gpu_dkv_chunk(p, kb_h, nkb, a->hkv), &units_h, &unit_off_h);
   fa_stage st;
-  fa_stage_init(&st, ctx->device, memory == FORKATTN_MEMORY_HOST);
+  fa_stage_init(&st, ctx, memory == FORKATTN_MEMORY_HOST);
   fa_gpu_bwd b = {.rows = p->rows, .qshift = p->qshift, .hq = a->hq, .hkv = a->hkv, .d = a->d, .scale = a->scale,
                   .nqb = nqb, .nkb = nkb, .nunits = nunits, .krows = brows, .device = ctx->device};
   int bad = nunits < 0;
@@ -276,15 +279,16 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
     return fa_fail(ctx, FORKATTN_ERR_UNSUPPORTED, "gpu bwd: too many teams for one launch");
   }
   if (!bad) {
-    b.seg = fa_stage_array(&st, p->seg, sizeof *p->seg * (size_t)p->nseg);
-    b.pair = fa_stage_array(&st, p->pair, sizeof *p->pair * (size_t)p->npairs);
-    b.qoff = fa_stage_array(&st, p->q_pair_off, sizeof(int64_t) * (size_t)(p->nseg + 1));
-    b.kidx = fa_stage_array(&st, p->k_pair_idx, sizeof(int64_t) * (size_t)p->npairs);
-    b.qblocks = fa_stage_array(&st, qb_h, sizeof *qb_h * (size_t)nqb);
-    b.kblocks = fa_stage_array(&st, kb_h, sizeof *kb_h * (size_t)nkb);
-    b.units = fa_stage_array(&st, units_h, sizeof *units_h * (size_t)nunits);
-    b.unit_off = fa_stage_array(&st, unit_off_h, sizeof *unit_off_h * (size_t)(nkb + 1));
-    if (nunits > nkb) { /* split blocks: partial sums, then the reduce kernel */
+    const void *plan_h[8] = {p->seg, p->pair, p->q_pair_off, p->k_pair_idx, qb_h, kb_h, units_h, unit_off_h};
+    const size_t plan_bytes[8] = {sizeof *p->seg * (size_t)p->nseg,      sizeof *p->pair * (size_t)p->npairs,
+                                  sizeof(int64_t) * (size_t)(p->nseg + 1), sizeof(int64_t) * (size_t)p->npairs,
+                                  sizeof *qb_h * (size_t)nqb,             sizeof *kb_h * (size_t)nkb,
+                                  sizeof *units_h * (size_t)nunits,       sizeof *unit_off_h * (size_t)(nkb + 1)};
+    void *plan_d[8] = {NULL};
+    bad = fa_stage_arrays(&st, 8, plan_h, plan_bytes, plan_d);
+    b.seg = plan_d[0], b.pair = plan_d[1], b.qoff = plan_d[2], b.kidx = plan_d[3];
+    b.qblocks = plan_d[4], b.kblocks = plan_d[5], b.units = plan_d[6], b.unit_off = plan_d[7];
+    if (!bad && nunits > nkb) { /* split blocks: partial sums, then the reduce kernel */
       const size_t part = sizeof(float) * (size_t)(nunits * a->hkv * brows * a->d);
       b.part_k = fa_stage_scratch(&st, part);
       b.part_v = fa_stage_scratch(&st, part);
@@ -294,8 +298,7 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
     b.has_kept = a->kept != NULL;
     bad = bad || fa_gpu_stage_kept(&st, a->kept, &b.kept);
     b.lse = fa_stage_floats(&st, (float *)a->lse, (size_t)(p->rows * a->hq), 1);
-    bad = bad || !b.units || !b.unit_off || !b.seg || !b.pair || !b.qoff || !b.kidx || !b.qblocks ||
-          !b.kblocks || !b.dsum ||
+    bad = bad || !b.dsum ||
           !b.lse || fa_stage_tensor(&st, &a->q, 1, &b.q) || fa_stage_tensor(&st, &a->k, 1, &b.k) ||
           fa_stage_tensor(&st, &a->v, 1, &b.v) || fa_stage_tensor(&st, &a->o, 1, &b.o) ||
           fa_stage_tensor(&st, &a->dout, 1, &b.dout) || fa_stage_tensor(&st, &a->dq, 0, &b.dq) ||
@@ -312,17 +315,26 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
                    status == FORKATTN_ERR_DEVICE ? "copy" : "allocation");
   }
   fa_note_workspace(ctx, st.bytes);
+  fa_gpu_trace_mark(&tr, "stage");
   fa_gpu_rowsum(&b, ctx->device);
+  fa_gpu_trace_mark(&tr, "rowsum");
   if (mma) {
     fa_gpu_mma_dq(&b);
+    fa_gpu_trace_mark(&tr, "mma_dq");
     fa_gpu_mma_dkv(&b);
+    fa_gpu_trace_mark(&tr, "mma_dkv");
   } else {
     fa_gpu_dq(&b, ctx->device);
+    fa_gpu_trace_mark(&tr, "fp32_dq");
     fa_gpu_dkv(&b, ctx->device);
+    fa_gpu_trace_mark(&tr, "fp32_dkv");
   }
   if (b.part_k) fa_gpu_dkv_reduce(&b, ctx->device);
+  fa_gpu_trace_mark(&tr, "reduce");
   int rc = fa_stage_tensor_back(&st, &a->dq, &b.dq) || fa_stage_tensor_back(&st, &a->dk, &b.dk) ||
            fa_stage_tensor_back(&st, &a->dv, &b.dv);
   fa_stage_free(&st);
+  fa_gpu_trace_mark(&tr, "back");
+  fa_gpu_trace_end(&tr, "attn_bwd");
   return rc ? fa_fail(ctx, FORKATTN_ERR_DEVICE, "gpu bwd: copying gradients back failed") : FORKATTN_OK;
 }

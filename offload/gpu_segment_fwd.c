@@ -20,6 +20,7 @@
 #include "gpu_fwd.h"
 #include "gpu_stage.h"
 #include "gpu_tiles.h"
+#include "gpu_trace.h"
 #include "online_softmax.h"
 
 static void fa_gpu_fp32_fwd(const fa_gpu_fwd_args *ga) {
@@ -112,6 +113,8 @@ static void fa_gpu_fp32_fwd(const fa_gpu_fwd_args *ga) {
 forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkattn_memory memory) {
   const fa_plan *p = a->plan;
   fa_block *blocks_h;
+  fa_gpu_trace tr;
+  fa_gpu_trace_begin(&tr);
   const int mma = fa_gpu_mma_fwd_ok(a, memory);
   int64_t nb = fa_plan_blocks(p, mma ? FA_MMA_ROWS : FA_GPU_ROWS, 0, &blocks_h);
   if (nb < 0) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "gpu fwd: cannot allocate blocks");
@@ -120,17 +123,22 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
     return fa_fail(ctx, FORKATTN_ERR_UNSUPPORTED, "gpu fwd: %lld teams exceed one launch", (long long)(nb * a->hq));
   }
   fa_stage st;
-  fa_stage_init(&st, ctx->device, memory == FORKATTN_MEMORY_HOST);
+  fa_stage_init(&st, ctx, memory == FORKATTN_MEMORY_HOST);
   fa_dev_tensor q, k, v, o;
   const int64_t rows = p->rows, qshift = p->qshift, hq = a->hq, hkv = a->hkv, d = a->d;
   float *lse = NULL;
-  const fa_range *seg = fa_stage_array(&st, p->seg, sizeof *p->seg * (size_t)p->nseg);
-  const fa_pair *pair = fa_stage_array(&st, p->pair, sizeof *p->pair * (size_t)p->npairs);
-  const int64_t *qoff = fa_stage_array(&st, p->q_pair_off, sizeof(int64_t) * (size_t)(p->nseg + 1));
-  const fa_block *blocks = fa_stage_array(&st, blocks_h, sizeof *blocks_h * (size_t)nb);
+  const void *plan_h[4] = {p->seg, p->pair, p->q_pair_off, blocks_h};
+  const size_t plan_bytes[4] = {sizeof *p->seg * (size_t)p->nseg, sizeof *p->pair * (size_t)p->npairs,
+                                sizeof(int64_t) * (size_t)(p->nseg + 1), sizeof *blocks_h * (size_t)nb};
+  void *plan_d[4] = {NULL, NULL, NULL, NULL};
+  int bad = fa_stage_arrays(&st, 4, plan_h, plan_bytes, plan_d);
+  const fa_range *seg = plan_d[0];
+  const fa_pair *pair = plan_d[1];
+  const int64_t *qoff = plan_d[2];
+  const fa_block *blocks = plan_d[3];
   fa_kept kept;
   const int has_kept = a->kept != NULL;
-  int bad = fa_gpu_stage_kept(&st, a->kept, &kept) || !seg || !pair || !qoff || !blocks ||
+  bad = bad || fa_gpu_stage_kept(&st, a->kept, &kept) ||
             fa_stage_tensor(&st, &a->q, 1, &q) || fa_stage_tensor(&st, &a->k, 1, &k) ||
             fa_stage_tensor(&st, &a->v, 1, &v) || fa_stage_tensor(&st, &a->o, 0, &o);
   if (!bad && a->lse) bad = !(lse = fa_stage_floats(&st, a->lse, (size_t)(rows * hq), 0));
@@ -145,12 +153,16 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
   const fa_gpu_fwd_args ga = {q, k, v, o, lse, seg, pair, qoff, blocks, nb, hq, hkv, d, qshift, a->scale, kept,
                               has_kept, ctx->device};
   fa_note_workspace(ctx, st.bytes);
+  fa_gpu_trace_mark(&tr, "stage");
 
   if (mma) fa_gpu_mma_fwd(&ga);
   else fa_gpu_fp32_fwd(&ga);
+  fa_gpu_trace_mark(&tr, mma ? "mma_fwd" : "fp32_fwd");
 
   int rc = fa_stage_tensor_back(&st, &a->o, &o);
   if (!rc && a->lse) rc = fa_stage_floats_back(&st, a->lse, lse, (size_t)(rows * hq));
   fa_stage_free(&st);
+  fa_gpu_trace_mark(&tr, "back");
+  fa_gpu_trace_end(&tr, "attn_fwd");
   return rc ? fa_fail(ctx, FORKATTN_ERR_DEVICE, "gpu fwd: copying results back failed") : FORKATTN_OK;
 }

@@ -49,7 +49,7 @@ forkattn_status fa_gpu_kv_similarity(forkattn_ctx *ctx, const forkattn_tensor *a
   const int64_t rpc = fa_sim_chunk_rows(rows, 1, FA_GPU_SIM_ITEMS / heads);
   const int64_t nchunks = (rows + rpc - 1) / rpc;
   fa_stage st;
-  fa_stage_init(&st, ctx->device, 0); /* device memory: views of the caller's pointers */
+  fa_stage_init(&st, ctx, 0); /* device memory: views of the caller's pointers */
   fa_dev_tensor da, db;
   fa_stage_tensor(&st, a, 0, &da);
   fa_stage_tensor(&st, b, 0, &db);

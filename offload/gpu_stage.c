@@ -1,6 +1,7 @@
 /* Staging of host tensors to dense device buffers and back. */
 #include "alloc.h"
 #include "dtype_convert.h"
+#include "gpu_pool.h"
 #include "gpu_stage.h"
 
 #include <omp.h>
@@ -12,15 +13,16 @@ static int fa_dense(const forkattn_tensor *t) {
   return t->head_stride == t->head_dim && t->row_stride == t->heads * t->head_dim;
 }
 
-void fa_stage_init(fa_stage *s, int device, int host) {
+void fa_stage_init(fa_stage *s, forkattn_ctx *ctx, int host) {
   memset(s, 0, sizeof *s);
-  s->device = device;
+  s->ctx = ctx;
+  s->device = ctx->device;
   s->host = host;
 }
 
 void *fa_stage_scratch(fa_stage *s, size_t bytes) {
   if (s->n == FA_STAGE_MAX) return NULL;
-  void *p = fa_alloc_inject_failure() ? NULL : omp_target_alloc(bytes ? bytes : 1, s->device);
+  void *p = fa_gpu_pool_get(s->ctx, bytes);
   if (p) {
     s->dev[s->n++] = p;
     s->bytes += bytes;
@@ -49,9 +51,27 @@ forkattn_status fa_stage_status(const fa_stage *s) {
 }
 
 void *fa_stage_array(fa_stage *s, const void *host, size_t bytes) {
-  void *d = fa_stage_scratch(s, bytes);
-  if (d && fa_put(s, d, host, bytes)) return NULL;
-  return d;
+  void *d = NULL;
+  return fa_stage_arrays(s, 1, &host, &bytes, &d) ? NULL : d;
+}
+
+int fa_stage_arrays(fa_stage *s, int n, const void *const *host, const size_t *bytes, void **dev) {
+  size_t total = 0;
+  for (int i = 0; i < n; i++) total += (bytes[i] + 15) & ~(size_t)15;
+  char *d = fa_stage_scratch(s, total);
+  if (!d) return -1;
+  if (n == 1) return fa_put(s, d, host[0], bytes[0]) ? -1 : (dev[0] = d, 0);
+  char *pack = fa_calloc(1, total ? total : 1); /* one host-to-device copy instead of n */
+  if (!pack) return -1;
+  size_t at = 0;
+  for (int i = 0; i < n; i++) {
+    if (bytes[i]) memcpy(pack + at, host[i], bytes[i]);
+    dev[i] = d + at;
+    at += (bytes[i] + 15) & ~(size_t)15;
+  }
+  const int rc = fa_put(s, d, pack, total);
+  fa_free(pack);
+  return rc;
 }
 
 /* Copy between a strided host tensor and a dense host buffer. */
@@ -113,7 +133,7 @@ int fa_stage_floats_back(fa_stage *s, float *host, const float *dev, size_t n) {
 }
 
 void fa_stage_free(fa_stage *s) {
-  for (int i = 0; i < s->n; i++) omp_target_free(s->dev[i], s->device);
+  for (int i = 0; i < s->n; i++) fa_gpu_pool_put(s->ctx, s->dev[i]);
   s->n = 0;
 }
 

@@ -20,6 +20,7 @@ typedef struct fa_dev_tensor {
 #define FA_STAGE_MAX 32
 
 typedef struct fa_stage {
+  forkattn_ctx *ctx; /* device scratch comes from its pool (gpu_pool.h) */
   int device;
   int host; /* tensors live in host memory */
   int n;
@@ -28,18 +29,22 @@ typedef struct fa_stage {
   int copy_failed; /* a host<->device copy failed (as opposed to an allocation) */
 } fa_stage;
 
-void fa_stage_init(fa_stage *s, int device, int host);
+void fa_stage_init(fa_stage *s, forkattn_ctx *ctx, int host);
 /* Device view of t; copy != 0 uploads its values (inputs). 0 or -1. */
 int fa_stage_tensor(fa_stage *s, const forkattn_tensor *t, int copy, fa_dev_tensor *out);
 /* Write a staged output back to the host tensor t (no-op for device memory). */
 int fa_stage_tensor_back(fa_stage *s, const forkattn_tensor *t, const fa_dev_tensor *dev);
 /* Device copy of a host array (always staged: plan arrays). */
 void *fa_stage_array(fa_stage *s, const void *host, size_t bytes);
+/* Device copies of n host arrays in one device block and one copy: dev[i]
+ * receives array i's copy (16-byte aligned). 0 or -1. */
+int fa_stage_arrays(fa_stage *s, int n, const void *const *host, const size_t *bytes, void **dev);
 /* Device view of a float array of the caller's memory (lse); copy uploads. */
 float *fa_stage_floats(fa_stage *s, float *p, size_t n, int copy);
 int fa_stage_floats_back(fa_stage *s, float *host, const float *dev, size_t n);
-/* Scratch device memory owned by the stage. */
+/* Scratch device memory owned by the stage (from the context's pool). */
 void *fa_stage_scratch(fa_stage *s, size_t bytes);
+/* Give the stage's device memory back to the context's pool. */
 void fa_stage_free(fa_stage *s);
 /* Device copy of a kept-set mask: its maps staged, *dev holding device
  * pointers (pass it to a kernel by value). host NULL gives an empty mask.

@@ -38,9 +38,9 @@ int cmd_info(int argc, char **argv) {
   printf("gpu offload:   %s\n", forkattn_build_has_offload() ? "built in" : "not built (CPU-only build)");
   if (forkattn_build_has_offload()) {
     const char *mma = getenv("FORKATTN_GPU_MMA");
-    printf("tensor cores:  %s\n", mma && strcmp(mma, "1") == 0
-                                       ? "on (FORKATTN_GPU_MMA=1; experimental, bench/NOTES-gpu.md)"
-                                       : "off (FP32 GPU kernels; FORKATTN_GPU_MMA=1 enables the experimental ones)");
+    printf("tensor cores:  %s\n", mma && strcmp(mma, "0") == 0
+                                       ? "off (FORKATTN_GPU_MMA=0: FP32 GPU kernels only)"
+                                       : "on for bf16/f16 at head_dim 64 or 128 (FORKATTN_GPU_MMA=0 turns them off)");
   }
   printf("omp devices:   %d\n", omp_get_num_devices());
   forkattn_ctx *ctx = NULL;

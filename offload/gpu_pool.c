@@ -1,0 +1,83 @@
+/* The context's device-block cache (gpu_pool.h). */
+#include <omp.h>
+#include <stdint.h>
+
+#include "alloc.h"
+#include "context_internal.h"
+#include "gpu_pool.h"
+
+#define FA_POOL_MAX 64 /* blocks; one call stages at most FA_STAGE_MAX */
+
+typedef struct fa_pool_block {
+  void *p;
+  size_t bytes;
+  int used;
+} fa_pool_block;
+
+struct fa_gpu_pool { /* typedef in context_internal.h */
+  int n;
+  fa_pool_block b[FA_POOL_MAX];
+};
+
+static void fa_pool_drop(forkattn_ctx *ctx, int i) {
+  fa_gpu_pool *pool = ctx->gpu_pool;
+  omp_target_free(pool->b[i].p, ctx->device);
+  pool->b[i] = pool->b[--pool->n];
+}
+
+/* Free the unused blocks (all of them, or the largest only). */
+static int fa_pool_trim(forkattn_ctx *ctx, int all) {
+  fa_gpu_pool *pool = ctx->gpu_pool;
+  int freed = 0;
+  for (;;) {
+    int pick = -1;
+    for (int i = 0; i < pool->n; i++)
+      if (!pool->b[i].used && (pick < 0 || pool->b[i].bytes > pool->b[pick].bytes)) pick = i;
+    if (pick < 0) return freed;
+    fa_pool_drop(ctx, pick);
+    freed = 1;
+    if (!all) return freed;
+  }
+}
+
+void *fa_gpu_pool_get(forkattn_ctx *ctx, size_t bytes) {
+  if (fa_alloc_inject_failure()) return NULL;
+  if (!bytes) bytes = 1;
+  if (!ctx->gpu_pool && !(ctx->gpu_pool = fa_calloc(1, sizeof *ctx->gpu_pool))) return NULL;
+  fa_gpu_pool *pool = ctx->gpu_pool;
+  /* best fit among unused blocks no more than twice (plus 64 KiB) too large */
+  int pick = -1;
+  for (int i = 0; i < pool->n; i++) {
+    const fa_pool_block *b = &pool->b[i];
+    if (!b->used && b->bytes >= bytes && b->bytes - bytes <= bytes + 65536 &&
+        (pick < 0 || b->bytes < pool->b[pick].bytes))
+      pick = i;
+  }
+  if (pick >= 0) {
+    pool->b[pick].used = 1;
+    return pool->b[pick].p;
+  }
+  if (pool->n == FA_POOL_MAX && !fa_pool_trim(ctx, 0)) return NULL;
+  void *p = omp_target_alloc(bytes, ctx->device);
+  if (!p && fa_pool_trim(ctx, 1)) p = omp_target_alloc(bytes, ctx->device);
+  if (!p) return NULL;
+  pool->b[pool->n++] = (fa_pool_block){p, bytes, 1};
+  return p;
+}
+
+void fa_gpu_pool_put(forkattn_ctx *ctx, void *p) {
+  fa_gpu_pool *pool = ctx->gpu_pool;
+  if (!p || !pool) return;
+  for (int i = 0; i < pool->n; i++)
+    if (pool->b[i].p == p) {
+      pool->b[i].used = 0;
+      return;
+    }
+}
+
+void fa_gpu_pool_destroy(forkattn_ctx *ctx) {
+  if (!ctx->gpu_pool) return;
+  while (ctx->gpu_pool->n) fa_pool_drop(ctx, 0);
+  fa_free(ctx->gpu_pool);
+  ctx->gpu_pool = NULL;
+}

@@ -1,0 +1,23 @@
+/* A context's cache of device blocks. The GPU backend takes every call's
+ * device scratch (plan arrays, row sums, partial dK/dV, staged host tensors)
+ * from it and gives it back at the end of the call, so a training loop's
+ * repeated calls allocate nothing after the first: omp_target_alloc and
+ * omp_target_free cost tens of microseconds each, and a free synchronizes
+ * the device. Blocks stay cached until forkattn_ctx_destroy(); when an
+ * allocation fails, the unused cached blocks are freed and it is tried again.
+ * Not thread-safe, like its context. */
+#ifndef FORKATTN_GPU_POOL_H
+#define FORKATTN_GPU_POOL_H
+#include <stddef.h>
+
+#include "context_internal.h"
+
+/* A device block of at least `bytes` (NULL when the device is out of memory
+ * or FORKATTN_ALLOC_FAIL injects a failure). */
+void *fa_gpu_pool_get(forkattn_ctx *ctx, size_t bytes);
+/* Give back a block from fa_gpu_pool_get (NULL is ignored). */
+void fa_gpu_pool_put(forkattn_ctx *ctx, void *p);
+/* Free every block (all must have been given back). */
+void fa_gpu_pool_destroy(forkattn_ctx *ctx);
+
+#endif

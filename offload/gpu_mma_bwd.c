@@ -9,8 +9,8 @@
  * from the accumulators and K through ldmatrix.trans.
  *
  * dK/dV: a team owns a unit of one key block (64 keys, 4 warps x 16 keys, K
- * fragments in registers, V in team memory) and one KV head, and walks the
- * unit's reader queries in tiles of 16 for each query head of the group:
+ * and V fragments in registers) and one KV head, and walks the unit's reader
+ * queries in tiles of 32 (FA_MMA_BQ) for each query head of the group:
  * S^T = K Q^T, dP^T = V dO^T, P^T and dS^T as above with lse and D per
  * column, dV += P^T dO and dK += dS^T Q (Q and dO through ldmatrix.trans).
  * Q/dO tiles are double-buffered with cp.async. No atomics: each key block's
@@ -40,31 +40,32 @@ void fa_gpu_mma_dq(const fa_gpu_bwd *b) {
   FA_MMA_BY_SHAPE(FA_MMA_DQ, b->d, b->q.dtype == FORKATTN_DTYPE_F16);
 }
 
-#define FA_MMA_DKV(D, F16, WHAT)                                                                                   \
+/* One launch. At head_dim 128 the dV and dK passes (FA_DKV_V, FA_DKV_K) are
+ * the two halves of its teams: one launch instead of two (each costs tens of
+ * microseconds on the host), and the passes' tails overlap. */
+#define FA_MMA_DKV(D, F16, SPLIT)                                                                                  \
   do {                                                                                                        \
-    const size_t smem = (size_t)((FA_MMA_ROWS + 4 * FA_MMA_BQ) * ((D) + 8)) * 2 +                             \
-                        4 * FA_MMA_BQ * sizeof(float) + 4 * sizeof(unsigned);                                 \
-    _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args)") \
+    const size_t smem = (size_t)(4 * FA_MMA_BQ * ((D) + 8)) * 2 + 4 * FA_MMA_BQ * sizeof(float) +             \
+                        4 * sizeof(unsigned);                                                                 \
+    const int nteams = (SPLIT) ? 2 * nunit_teams : nunit_teams;                                               \
+    _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args, nunit_teams)") \
     {                                                                                                         \
       unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
-      const int64_t team = ompx_block_id_x();                                                                 \
-      fa_mma_dkv_team((D), (F16), (WHAT), args, team / args.hkv, team % args.hkv, sm);                        \
+      const int64_t team = ompx_block_id_x(), t = team % nunit_teams;                                         \
+      if (!(SPLIT))                                                                                           \
+        fa_mma_dkv_team((D), (F16), FA_DKV_K | FA_DKV_V, args, t / args.hkv, t % args.hkv, sm);               \
+      else if (team < nunit_teams) /* team-uniform */                                                         \
+        fa_mma_dkv_team((D), (F16), FA_DKV_V, args, t / args.hkv, t % args.hkv, sm);                          \
+      else                                                                                                    \
+        fa_mma_dkv_team((D), (F16), FA_DKV_K, args, t / args.hkv, t % args.hkv, sm);                          \
     }                                                                                                         \
   } while (0)
 
 void fa_gpu_mma_dkv(const fa_gpu_bwd *b) {
   const fa_gpu_bwd args = *b;
-  const int nteams = (int)(b->nunits * b->hkv), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
-  const int both = FA_DKV_K | FA_DKV_V;
-  if (b->d == 128 && f16) {
-    FA_MMA_DKV(128, 1, FA_DKV_V);
-    FA_MMA_DKV(128, 1, FA_DKV_K);
-  } else if (b->d == 128) {
-    FA_MMA_DKV(128, 0, FA_DKV_V);
-    FA_MMA_DKV(128, 0, FA_DKV_K);
-  } else if (f16) {
-    FA_MMA_DKV(64, 1, both);
-  } else {
-    FA_MMA_DKV(64, 0, both);
-  }
+  const int nunit_teams = (int)(b->nunits * b->hkv), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
+  if (b->d == 128 && f16) FA_MMA_DKV(128, 1, 1);
+  else if (b->d == 128) FA_MMA_DKV(128, 0, 1);
+  else if (f16) FA_MMA_DKV(64, 1, 0);
+  else FA_MMA_DKV(64, 0, 0);
 }

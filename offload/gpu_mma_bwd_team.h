@@ -12,7 +12,7 @@
 #include "gpu_mma.h"
 #include "gpu_mma_tiles.h"
 
-#define FA_MMA_BQ 16 /* reader queries per dK/dV tile */
+#define FA_MMA_BQ 32 /* reader queries per dK/dV tile */
 
 #pragma omp declare target
 
@@ -45,14 +45,33 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
       of[ks] = fa_ldmatrix_x4(smem + (FA_MMA_ROWS + r) * P + ks * 16 + c, 0);
     }
   }
+  const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
+  /* D = rowsum(dO * O) of the warp's 16 rows, here instead of in a kernel of
+   * its own (a launch costs tens of microseconds): dO from team memory, O
+   * from device memory, lanes over columns and a shuffle tree. Stored for
+   * the dK/dV pass, which runs after this kernel. */
+  float dd0 = 0.0f, dd1 = 0.0f;
+  for (int i = 0; i < 16; i++) {
+    const int rr = warp * 16 + i;
+    float sum = 0.0f;
+    if (rr < blk.len) /* warp-uniform */
+      for (int c = lane; c < D; c += 32) {
+        const unsigned short x = smem[(FA_MMA_ROWS + rr) * P + c];
+        sum += (f16 ? fa_f16_to_f32(x) : fa_bf16_to_f32(x)) *
+               fa_load(b.o.data, b.o.dtype, (blk.start + rr) * b.o.rs + h * b.o.hs + c);
+      }
+#pragma unroll
+    for (int m = 16; m > 0; m /= 2) sum += fa_mma_shfl_xor(sum, m);
+    if (rr == r0) dd0 = sum;
+    if (rr == r0 + 8) dd1 = sum;
+    if (lane == 0 && rr < blk.len) b.dsum[(blk.start + rr) * b.hq + h] = sum;
+  }
   ompx_sync_block_acq_rel();
 
-  const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
   const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
   const int64_t row0 = blk.start + r0, q_pos0 = row0 + qshift, q_pos1 = q_pos0 + 8;
-  const float lse0 = ok0 ? b.lse[row0 * b.hq + h] * FA_LOG2E : 0.0f, dd0 = ok0 ? b.dsum[row0 * b.hq + h] : 0.0f;
-  const float lse1 = ok1 ? b.lse[(row0 + 8) * b.hq + h] * FA_LOG2E : 0.0f,
-              dd1 = ok1 ? b.dsum[(row0 + 8) * b.hq + h] : 0.0f;
+  const float lse0 = ok0 ? b.lse[row0 * b.hq + h] * FA_LOG2E : 0.0f;
+  const float lse1 = ok1 ? b.lse[(row0 + 8) * b.hq + h] * FA_LOG2E : 0.0f;
   fa_f4 dq[FA_MMA_MAX_D / 8];
 #pragma unroll
   for (int n = 0; n < D / 8; n++) dq[n] = fa_f4_zero();
@@ -208,22 +227,26 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
   const fa_block blk = b.kblocks[u.block];
   const int64_t group = b.hq / b.hkv, qshift = b.qshift;
   const float mul = b.scale * FA_LOG2E;
-  /* team memory: V [64][P] | two query buffers (Q [BQ][P], dO [BQ][P]) | lse, D | scan flags */
-  unsigned short *vs = smem, *qbuf0 = smem + FA_MMA_ROWS * P, *qbuf1 = qbuf0 + 2 * BQ * P;
+  /* team memory: two query buffers (Q [BQ][P], dO [BQ][P]) | lse, D | scan flags */
+  unsigned short *qbuf0 = smem, *qbuf1 = qbuf0 + 2 * BQ * P;
   float *ld0 = (float *)(qbuf1 + 2 * BQ * P), *ld1 = ld0 + 2 * BQ;
   unsigned *qbad = (unsigned *)(ld1 + 2 * BQ);
 
-  /* K goes through the query buffers into registers; V stays. */
-  fa_mma_load_rows(vs, P, FA_MMA_ROWS, D, b.v, blk.start, blk.len, g, tid);
+  /* K (and for dK, V) go through the query buffers (2 BQ = 64 rows each)
+   * into registers: each warp's 16 keys as A fragments of K Q^T and V dO^T. */
+  _Static_assert(2 * FA_MMA_BQ == FA_MMA_ROWS, "a query buffer holds one key block");
   fa_mma_load_rows(qbuf0, P, FA_MMA_ROWS, D, b.k, blk.start, blk.len, g, tid);
+  if (what & FA_DKV_K) fa_mma_load_rows(qbuf1, P, FA_MMA_ROWS, D, b.v, blk.start, blk.len, g, tid);
   fa_cp_async_commit();
   fa_cp_async_wait(0);
   ompx_sync_block_acq_rel();
-  fa_u4 kf[FA_MMA_MAX_D / 16];
+  fa_u4 kf[FA_MMA_MAX_D / 16], vf[FA_MMA_MAX_D / 16];
   const int ar = fa_ldsm_a_row(lane), ac = fa_ldsm_a_col(lane);
 #pragma unroll
-  for (int ks = 0; ks < D / 16; ks++)
+  for (int ks = 0; ks < D / 16; ks++) {
     kf[ks] = fa_ldmatrix_x4(qbuf0 + (warp * 16 + ar) * P + ks * 16 + ac, 0);
+    if (what & FA_DKV_K) vf[ks] = fa_ldmatrix_x4(qbuf1 + (warp * 16 + ar) * P + ks * 16 + ac, 0);
+  }
   ompx_sync_block_acq_rel();
 
   const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
@@ -261,54 +284,57 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
     const unsigned long long qflags =
         masked ? fa_mma_scan_rows(qt, P, BQ, D, f16, qbad, tid) | fa_mma_scan_rows(ot, P, BQ, D, f16, qbad, tid) : 0;
 
-    fa_f4 s[2], dp[2]; /* 16 keys x 16 queries */
-    s[0] = s[1] = dp[0] = dp[1] = fa_f4_zero();
+    fa_f4 s[FA_MMA_BQ / 8], dp[FA_MMA_BQ / 8]; /* 16 keys x BQ queries */
+#pragma unroll
+    for (int n = 0; n < BQ / 8; n++) s[n] = dp[n] = fa_f4_zero();
     {
       const int br = fa_ldsm_b_row(lane), bc = fa_ldsm_b_col(lane);
 #pragma unroll
-      for (int ks = 0; ks < D / 16; ks++) {
-        const fa_u4 bq = fa_ldmatrix_x4(qt + br * P + ks * 16 + bc, 0);
-        s[0] = fa_mma_16816(s[0], kf[ks], bq.x, bq.y, f16);
-        s[1] = fa_mma_16816(s[1], kf[ks], bq.z, bq.w, f16);
-        if (what & FA_DKV_K) { /* dP^T only feeds dS^T */
-          const fa_u4 va = fa_ldmatrix_x4(vs + (warp * 16 + ar) * P + ks * 16 + ac, 0);
-          const fa_u4 bo = fa_ldmatrix_x4(ot + br * P + ks * 16 + bc, 0);
-          dp[0] = fa_mma_16816(dp[0], va, bo.x, bo.y, f16);
-          dp[1] = fa_mma_16816(dp[1], va, bo.z, bo.w, f16);
-        }
-      }
-    }
-    fa_f4 pt[2], dst[2];
+      for (int ks = 0; ks < D / 16; ks++)
 #pragma unroll
-    for (int n = 0; n < 2; n++) {
-      const int qi = n * 8 + c0; /* columns qi, qi + 1; rows k_pos0 (x, y), k_pos1 (z, w) */
-      const int v00 = qi >= lo0 && qi < nq, v01 = qi + 1 >= lo0 && qi + 1 < nq;
-      const int v10 = qi >= lo1 && qi < nq, v11 = qi + 1 >= lo1 && qi + 1 < nq;
-      if (qflags) {
-        bad0 |= (v00 && (qflags >> qi & 1u)) || (v01 && (qflags >> (qi + 1) & 1u));
-        bad1 |= (v10 && (qflags >> qi & 1u)) || (v11 && (qflags >> (qi + 1) & 1u));
-      }
-      const float l0 = ld[qi], l1 = ld[qi + 1], d0 = ld[BQ + qi], d1 = ld[BQ + qi + 1];
-      pt[n].x = v00 ? fa_mma_exp2(s[n].x * mul - l0) : 0.0f;
-      pt[n].y = v01 ? fa_mma_exp2(s[n].y * mul - l1) : 0.0f;
-      pt[n].z = v10 ? fa_mma_exp2(s[n].z * mul - l0) : 0.0f;
-      pt[n].w = v11 ? fa_mma_exp2(s[n].w * mul - l1) : 0.0f;
-      dst[n].x = v00 ? pt[n].x * (dp[n].x - d0) : 0.0f;
-      dst[n].y = v01 ? pt[n].y * (dp[n].y - d1) : 0.0f;
-      dst[n].z = v10 ? pt[n].z * (dp[n].z - d0) : 0.0f;
-      dst[n].w = v11 ? pt[n].w * (dp[n].w - d1) : 0.0f;
+        for (int np = 0; np < BQ / 16; np++) {
+          const fa_u4 bq = fa_ldmatrix_x4(qt + (np * 16 + br) * P + ks * 16 + bc, 0);
+          s[2 * np] = fa_mma_16816(s[2 * np], kf[ks], bq.x, bq.y, f16);
+          s[2 * np + 1] = fa_mma_16816(s[2 * np + 1], kf[ks], bq.z, bq.w, f16);
+          if (what & FA_DKV_K) { /* dP^T only feeds dS^T */
+            const fa_u4 bo = fa_ldmatrix_x4(ot + (np * 16 + br) * P + ks * 16 + bc, 0);
+            dp[2 * np] = fa_mma_16816(dp[2 * np], vf[ks], bo.x, bo.y, f16);
+            dp[2 * np + 1] = fa_mma_16816(dp[2 * np + 1], vf[ks], bo.z, bo.w, f16);
+          }
+        }
     }
-    {
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; kk++) { /* 16 queries: the k-step of dV and dK */
+      fa_f4 pt[2], dst[2];
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int n = 2 * kk + e, qi = n * 8 + c0; /* columns qi, qi + 1; rows k_pos0 (x, y), k_pos1 (z, w) */
+        const int v00 = qi >= lo0 && qi < nq, v01 = qi + 1 >= lo0 && qi + 1 < nq;
+        const int v10 = qi >= lo1 && qi < nq, v11 = qi + 1 >= lo1 && qi + 1 < nq;
+        if (qflags) {
+          bad0 |= (v00 && (qflags >> qi & 1u)) || (v01 && (qflags >> (qi + 1) & 1u));
+          bad1 |= (v10 && (qflags >> qi & 1u)) || (v11 && (qflags >> (qi + 1) & 1u));
+        }
+        const float l0 = ld[qi], l1 = ld[qi + 1], d0 = ld[BQ + qi], d1 = ld[BQ + qi + 1];
+        pt[e].x = v00 ? fa_mma_exp2(s[n].x * mul - l0) : 0.0f;
+        pt[e].y = v01 ? fa_mma_exp2(s[n].y * mul - l1) : 0.0f;
+        pt[e].z = v10 ? fa_mma_exp2(s[n].z * mul - l0) : 0.0f;
+        pt[e].w = v11 ? fa_mma_exp2(s[n].w * mul - l1) : 0.0f;
+        dst[e].x = v00 ? pt[e].x * (dp[n].x - d0) : 0.0f;
+        dst[e].y = v01 ? pt[e].y * (dp[n].y - d1) : 0.0f;
+        dst[e].z = v10 ? pt[e].z * (dp[n].z - d0) : 0.0f;
+        dst[e].w = v11 ? pt[e].w * (dp[n].w - d1) : 0.0f;
+      }
       const fa_u4 pa = fa_mma_p_frag(pt[0], pt[1], f16), da = fa_mma_p_frag(dst[0], dst[1], f16);
 #pragma unroll
       for (int np = 0; np < D / 16; np++) { /* .trans: B of [query][dim] */
         if (what & FA_DKV_V) {
-          const fa_u4 bo = fa_ldmatrix_x4(ot + ar * P + np * 16 + ac, 1);
+          const fa_u4 bo = fa_ldmatrix_x4(ot + (kk * 16 + ar) * P + np * 16 + ac, 1);
           dv[2 * np] = fa_mma_16816(dv[2 * np], pa, bo.x, bo.y, f16);
           dv[2 * np + 1] = fa_mma_16816(dv[2 * np + 1], pa, bo.z, bo.w, f16);
         }
         if (what & FA_DKV_K) {
-          const fa_u4 bq = fa_ldmatrix_x4(qt + ar * P + np * 16 + ac, 1);
+          const fa_u4 bq = fa_ldmatrix_x4(qt + (kk * 16 + ar) * P + np * 16 + ac, 1);
           dk[2 * np] = fa_mma_16816(dk[2 * np], da, bq.x, bq.y, f16);
           dk[2 * np + 1] = fa_mma_16816(dk[2 * np + 1], da, bq.z, bq.w, f16);
         }

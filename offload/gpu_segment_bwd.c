@@ -21,17 +21,28 @@
 
 
 
+/* D = rowsum(dO * O) per (row, query head): one warp per pair, lanes over the
+ * head's columns (coalesced), a shuffle tree for the sum (fixed order:
+ * deterministic). */
+#define FA_ROWSUM_WARPS 8
 static void fa_gpu_rowsum(const fa_gpu_bwd *b, int dev) {
   const fa_dev_tensor o = b->o, dout = b->dout;
   float *dsum = b->dsum;
   const int64_t n = b->rows * b->hq, hq = b->hq, d = b->d;
-#pragma omp target teams distribute parallel for device(dev) firstprivate(o, dout) is_device_ptr(dsum)
-  for (int64_t i = 0; i < n; i++) {
-    const int64_t r = i / hq, h = i % hq;
-    float s = 0.0f;
-    for (int64_t c = 0; c < d; c++)
-      s += fa_load(o.data, o.dtype, r * o.rs + h * o.hs + c) * fa_load(dout.data, dout.dtype, r * dout.rs + h * dout.hs + c);
-    dsum[i] = s;
+  const int nteams = (int)((n + FA_ROWSUM_WARPS - 1) / FA_ROWSUM_WARPS);
+#pragma omp target teams ompx_bare num_teams(nteams) thread_limit(32 * FA_ROWSUM_WARPS) device(dev) \
+    firstprivate(o, dout) is_device_ptr(dsum)
+  {
+    const int tid = ompx_thread_id_x(), lane = tid % 32;
+    const int64_t i = (int64_t)ompx_block_id_x() * FA_ROWSUM_WARPS + tid / 32; /* warp-uniform */
+    if (i < n) {
+      const int64_t r = i / hq, h = i % hq;
+      float s = 0.0f;
+      for (int64_t c = lane; c < d; c += 32)
+        s += fa_load(o.data, o.dtype, r * o.rs + h * o.hs + c) * fa_load(dout.data, dout.dtype, r * dout.rs + h * dout.hs + c);
+      for (unsigned off = 16; off > 0; off /= 2) s += ompx_shfl_down_sync_f(~0ull, s, off, 32);
+      if (lane == 0) dsum[i] = s;
+    }
   }
 }
 
@@ -213,28 +224,34 @@ static void fa_gpu_dkv(const fa_gpu_bwd *b, int dev) {
 }
 
 /* Sum the units' partial dK/dV of every key block in unit order (deterministic). */
+/* dK, dV of split key blocks: the sum of their units' partials, in unit
+ * order (deterministic). One team per (key block, KV head, row), threads
+ * over the columns: coalesced, and no 64-bit division per element. */
 static void fa_gpu_dkv_reduce(const fa_gpu_bwd *b, int dev) {
   const fa_dev_tensor dk = b->dk, dv = b->dv;
   const float *part_k = b->part_k, *part_v = b->part_v;
   const fa_block *blocks = b->kblocks;
   const int64_t *unit_off = b->unit_off;
-  const int64_t hkv = b->hkv, d = b->d, kr = b->krows, n = b->nkb * hkv * kr * d;
-#pragma omp target teams distribute parallel for device(dev) firstprivate(dk, dv) \
-    is_device_ptr(part_k, part_v, blocks, unit_off)
-  for (int64_t i = 0; i < n; i++) {
-    const int64_t c = i % d, row = (i / d) % kr, g = (i / (d * kr)) % hkv;
-    const int64_t kb = i / (d * kr * hkv);
+  const int64_t hkv = b->hkv, d = b->d, kr = b->krows;
+  const int nteams = (int)(b->nkb * hkv * kr); /* <= the dK/dV launch's teams x rows */
+#pragma omp target teams ompx_bare num_teams(nteams) thread_limit(FA_GPU_THREADS) device(dev) \
+    firstprivate(dk, dv) is_device_ptr(part_k, part_v, blocks, unit_off)
+  {
+    const int64_t team = ompx_block_id_x(), row = team % kr, g = team / kr % hkv, kb = team / (kr * hkv);
     const fa_block blk = blocks[kb];
-    if (row >= blk.len) continue;
-    float sk = 0.0f, sv = 0.0f;
-    for (int64_t u = unit_off[kb]; u < unit_off[kb + 1]; u++) {
-      const int64_t slot = ((u * hkv + g) * kr + row) * d + c;
-      sk += part_k[slot];
-      sv += part_v[slot];
+    if (row < blk.len) {
+      const int64_t r = blk.start + row;
+      for (int64_t c = ompx_thread_id_x(); c < d; c += FA_GPU_THREADS) {
+        float sk = 0.0f, sv = 0.0f;
+        for (int64_t u = unit_off[kb]; u < unit_off[kb + 1]; u++) {
+          const int64_t slot = ((u * hkv + g) * kr + row) * d + c;
+          sk += part_k[slot];
+          sv += part_v[slot];
+        }
+        fa_store(dk.data, dk.dtype, r * dk.rs + g * dk.hs + c, sk);
+        fa_store(dv.data, dv.dtype, r * dv.rs + g * dv.hs + c, sv);
+      }
     }
-    const int64_t r = blk.start + row;
-    fa_store(dk.data, dk.dtype, r * dk.rs + g * dk.hs + c, sk);
-    fa_store(dv.data, dv.dtype, r * dv.rs + g * dv.hs + c, sv);
   }
 }
 
@@ -271,7 +288,8 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
   fa_gpu_bwd b = {.rows = p->rows, .qshift = p->qshift, .hq = a->hq, .hkv = a->hkv, .d = a->d, .scale = a->scale,
                   .nqb = nqb, .nkb = nkb, .nunits = nunits, .krows = brows, .device = ctx->device};
   int bad = nunits < 0;
-  if (!bad && (nqb * a->hq > INT_MAX || nunits * a->hkv > INT_MAX)) {
+  if (!bad && (nqb * a->hq > INT_MAX || 2 * nunits * a->hkv > INT_MAX || nkb * a->hkv * brows > INT_MAX ||
+               p->rows * a->hq / FA_ROWSUM_WARPS >= INT_MAX)) {
     fa_free(qb_h);
     fa_free(kb_h);
     fa_free(units_h);
@@ -316,8 +334,10 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
   }
   fa_note_workspace(ctx, st.bytes);
   fa_gpu_trace_mark(&tr, "stage");
-  fa_gpu_rowsum(&b, ctx->device);
-  fa_gpu_trace_mark(&tr, "rowsum");
+  if (!mma) { /* the tensor-core dQ kernel computes D itself */
+    fa_gpu_rowsum(&b, ctx->device);
+    fa_gpu_trace_mark(&tr, "rowsum");
+  }
   if (mma) {
     fa_gpu_mma_dq(&b);
     fa_gpu_trace_mark(&tr, "mma_dq");

@@ -158,15 +158,10 @@ static void run_case(const char *name, const emu_case *c) {
     goto done;
   }
 
-  /* backward: D from the stored o, dQ teams, dK/dV teams over key units
-   * (units of 64 reader rows: several per block, so partial sums and the
-   * in-order reduce run too), then the reduce */
-  for (int64_t r = 0; r < T; r++)
-    for (int64_t h = 0; h < hq; h++) {
-      double s = 0;
-      for (int64_t x = 0; x < d; x++) s += from16(b.o[(r * hq + h) * d + x], f16) * b.rdout[(r * hq + h) * d + x];
-      b.dsum[r * hq + h] = (float)s;
-    }
+  /* backward: dQ teams (which also compute D from the stored o), dK/dV teams
+   * over key units (units of 64 reader rows: several per block, so partial
+   * sums and the in-order reduce run too), then the reduce */
+  for (int64_t i = 0; i < T * hq; i++) b.dsum[i] = NAN; /* poison: the dQ teams write D */
   fa_block *kb;
   fa_key_unit *units;
   int64_t *unit_off;
@@ -187,6 +182,17 @@ static void run_case(const char *name, const emu_case *c) {
                          plan.qshift, hq, hkv, d, FA_MMA_ROWS, (float)scale, {0}, 0, 0};
   for (int64_t blk = 0; blk < nqb; blk++)
     for (int64_t h = 0; h < hq; h++) EMU_TEAM(fa_mma_dq_team((int)d, bk, f16, gb, qb[blk], h, h / group, smem));
+  for (int64_t r = 0; r < T; r++) /* D against float64 (every row here is a query row) */
+    for (int64_t h = 0; h < hq; h++) {
+      double s = 0, mag = 0;
+      for (int64_t x = 0; x < d; x++) {
+        const double t = from16(b.o[(r * hq + h) * d + x], f16) * b.rdout[(r * hq + h) * d + x];
+        s += t, mag += fabs(t);
+      }
+      /* float32 sums of d products: within d ulps of the sum of magnitudes */
+      cr_assert(fabs(b.dsum[r * hq + h] - s) <= 1e-6 * (double)d * mag + 1e-30, "%s: D[%lld, %lld] = %g, want %g",
+                name, (long long)r, (long long)h, (double)b.dsum[r * hq + h], s);
+    }
   const int passes[2] = {d == 128 ? FA_DKV_V : FA_DKV_K | FA_DKV_V, d == 128 ? FA_DKV_K : 0};
   for (int pass = 0; pass < 2 && passes[pass]; pass++)
     for (int64_t u = 0; u < nunits; u++)

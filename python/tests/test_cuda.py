@@ -46,6 +46,24 @@ def test_cuda_prefix_matches_reference(dtype, causal):
            (ro.detach(), rl.detach(), q64.grad, k64.grad, v64.grad), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_prefix_head_dim_128_matches_reference(dtype):
+    """The tensor-core kernels at head_dim 128: 32-key forward tiles, the dV and dK halves of one
+    dK/dV launch, and prompt key blocks read by 441 rows, split into key units summed by the reduce."""
+    hq, hkv, d = 4, 2, 128
+    lay = forkattn.SharedPrefixLayout.from_lengths([150], [[130, 97, 64]])
+    q, k, v, do = make_qkv(lay.num_rows, hq, hkv, d, dtype, seed=21)
+    qc, kc, vc = (t.cuda().requires_grad_() for t in (q, k, v))
+    out, lse = forkattn.prefix_attention(qc, kc, vc, lay, return_lse=True)
+    (out * do.cuda()).sum().backward()
+    q64, k64, v64 = leaf64(q, k, v)
+    seqs, _ = prefix_sequences(lay.prompt_lens.tolist(), lay.group_sizes.tolist(), lay.response_lens.tolist())
+    ro, rl = replicated_reference(q64, k64, v64, seqs, d ** -0.5, None)
+    (ro * do.double()).sum().backward()
+    _check((out.detach(), lse, qc.grad, kc.grad, vc.grad),
+           (ro.detach(), rl.detach(), q64.grad, k64.grad, v64.grad), dtype)
+
+
 def test_cuda_tree_varlen_and_strided_views_match_cpu():
     lay = forkattn.TreeLayout.from_sequences([[1, 2, 3, 4] * 10, [1, 2, 3, 5] * 8, [7, 8, 9]])
     T = lay.num_rows

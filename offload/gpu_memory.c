@@ -4,6 +4,7 @@
 
 #include "alloc.h"
 #include "gpu_backend.h"
+#include "gpu_sync.h"
 
 int fa_gpu_probe(int device, char *why, size_t len) {
   int n = omp_get_num_devices();
@@ -31,6 +32,7 @@ int fa_gpu_probe(int device, char *why, size_t len) {
     return 0;
   }
   snprintf(why, len, "device %d of %d ran the probe kernel", device, n);
+  fa_gpu_sync_policy(device); /* the runtime has initialized the device by now */
   return 1;
 }
 

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# Run on the GPU machine: compute-sanitizer (memcheck, racecheck, initcheck) over
-# the Python binding's CUDA tests, which drive the GPU kernels through device
-# pointers. PyTorch initializes CUDA first, under the sanitizer, and the
-# library (and LLVM 19's offload runtime) loads after: run directly, an
-# offload binary initializes CUDA before the sanitizer attaches and the tool
-# disables itself ("CUDA initialized before the Sanitizer", docs/reliability.md).
-# One log per tool in $OUT; the last line of each says what it found.
-# FORKATTN_SANITIZE_TOOLS picks tools, FORKATTN_SANITIZE_TIMEOUT limits each run (s).
+# Run on the GPU machine: compute-sanitizer (memcheck, initcheck, racecheck)
+# over the GPU kernels, in processes where PyTorch initializes CUDA first,
+# under the sanitizer, and the library (with LLVM 19's offload runtime) loads
+# after: run directly, an offload binary initializes CUDA before the sanitizer
+# attaches and the tool disables itself ("CUDA initialized before the
+# Sanitizer", docs/reliability.md). Two workloads:
+#   pytest  the Python binding's CUDA tests (device pointers)
+#   check   `forkattn check` over every 5th case of tests/check/adversarial.txt
+#           (24 cases: odd head_dims, all dtypes and masks), the CLI loaded as
+#           libforkattn_cli_dl.so (offload builds) and entered at forkattn_cli_main
+# One log per tool and workload in $OUT; a summary line each on stdout.
+# FORKATTN_SANITIZE_TOOLS, FORKATTN_SANITIZE_RUNS pick tools and workloads;
+# FORKATTN_SANITIZE_TIMEOUT limits each run (seconds).
 # Usage: bash bench/gpu_sanitize.sh <offload build dir> [pytest -k expression]
 set -uo pipefail
 b=${1:-build-gpu}
@@ -18,15 +23,25 @@ cs=$(command -v compute-sanitizer || find / -xdev -name compute-sanitizer -type 
 export FORKATTN_LIBRARY=$PWD/$b/libforkattn.so PYTHONPATH=$PWD/python PYTHONDONTWRITEBYTECODE=1
 export OMP_TARGET_OFFLOAD=mandatory FORKATTN_TEST_INDUCTOR=0
 files="python/tests/test_cuda.py python/tests/test_distill.py python/tests/test_dlm_cache.py"
-status=0
-for tool in ${FORKATTN_SANITIZE_TOOLS:-memcheck initcheck racecheck}; do
-  drv="import torch, sys; torch.zeros(1, device='cuda'); import pytest; \
+grep -v '^#' tests/check/adversarial.txt | awk 'NF && ++n % 5 == 1' > /tmp/forkattn-sanitize.txt
+init="import torch, sys, ctypes; torch.zeros(1, device='cuda')"
+pytest_drv="$init; import pytest; \
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-k', '$sel'] + '$files'.split()))"
-  timeout "${FORKATTN_SANITIZE_TIMEOUT:-300}" bash bench/gpu_run.sh "$cs" --tool "$tool" --error-exitcode 9 \
-    python3 -c "$drv" > "$final/sanitizer_$tool.txt" 2>&1
-  rc=$?
-  [ $rc -eq 0 ] || status=1
-  echo "$tool rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|initialized before' \
-    "$final/sanitizer_$tool.txt" | tr '\n' ' ')"
+check_drv="$init; cli = ctypes.CDLL('$PWD/$b/libforkattn_cli_dl.so'); \
+argv = [b'forkattn', b'check', b'--batch', b'/tmp/forkattn-sanitize.txt']; \
+sys.exit(cli.forkattn_cli_main(len(argv), (ctypes.c_char_p * len(argv))(*argv)))"
+status=0
+for run in ${FORKATTN_SANITIZE_RUNS:-pytest check}; do
+  drv=$pytest_drv
+  [ "$run" = check ] && drv=$check_drv
+  for tool in ${FORKATTN_SANITIZE_TOOLS:-memcheck initcheck racecheck}; do
+    log="$final/sanitizer_${run}_$tool.txt"
+    FORKATTN_BACKEND=gpu timeout "${FORKATTN_SANITIZE_TIMEOUT:-300}" bash bench/gpu_run.sh "$cs" --tool "$tool" \
+      --error-exitcode 9 python3 -c "$drv" > "$log" 2>&1
+    rc=$?
+    [ $rc -eq 0 ] || status=1
+    echo "$run $tool rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|^check:|initialized before' "$log" |
+      tr '\n' ' ')"
+  done
 done
 exit $status

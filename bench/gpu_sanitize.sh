@@ -10,7 +10,8 @@
 #           (24 cases: odd head_dims, all dtypes and masks), the CLI loaded as
 #           libforkattn_cli_dl.so (offload builds) and entered at forkattn_cli_main
 # One log per tool and workload in $OUT; a summary line each on stdout.
-# FORKATTN_SANITIZE_TOOLS, FORKATTN_SANITIZE_RUNS pick tools and workloads;
+# FORKATTN_SANITIZE_TOOLS, FORKATTN_SANITIZE_RUNS pick tools and workloads,
+# FORKATTN_SANITIZE_CASES check-batch files to run whole instead of the 24 cases;
 # FORKATTN_SANITIZE_TIMEOUT limits each run (seconds).
 # Usage: bash bench/gpu_sanitize.sh <offload build dir> [pytest -k expression]
 set -uo pipefail
@@ -23,7 +24,11 @@ cs=$(command -v compute-sanitizer || find / -xdev -name compute-sanitizer -type 
 export FORKATTN_LIBRARY=$PWD/$b/libforkattn.so PYTHONPATH=$PWD/python PYTHONDONTWRITEBYTECODE=1
 export OMP_TARGET_OFFLOAD=mandatory FORKATTN_TEST_INDUCTOR=0
 files="python/tests/test_cuda.py python/tests/test_distill.py python/tests/test_dlm_cache.py"
-grep -v '^#' tests/check/adversarial.txt | awk 'NF && ++n % 5 == 1' > /tmp/forkattn-sanitize.txt
+if [ -n "${FORKATTN_SANITIZE_CASES:-}" ]; then # check-batch files, every case
+  cat $FORKATTN_SANITIZE_CASES | grep -v '^#' > /tmp/forkattn-sanitize.txt
+else
+  grep -v '^#' tests/check/adversarial.txt | awk 'NF && ++n % 5 == 1' > /tmp/forkattn-sanitize.txt
+fi
 init="import torch, sys, ctypes; torch.zeros(1, device='cuda')"
 pytest_drv="$init; import pytest; \
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-k', '$sel'] + '$files'.split()))"

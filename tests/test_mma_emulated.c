@@ -12,7 +12,7 @@
  * Tolerances are those of the 16-bit GPU tests (prefix_harness.c: 1e-2
  * relative for o and the gradients, 1e-3 absolute for lse): P and dS are
  * rounded to 16 bits before their products. [ran on host: emulation; the
- * kernels themselves run in the GPU suite with FORKATTN_GPU_MMA=1]
+ * kernels themselves run in the GPU suite, where they are the default]
  * Clang only (the host side of ompx.h). */
 #define FORKATTN_MMA_EMULATE 1
 

@@ -173,7 +173,9 @@ FORKATTN_API forkattn_status forkattn_ctx_create(forkattn_ctx **ctx,
 /** @return why the calling thread's last forkattn_ctx_create() failed ("" after a
  *  success); thread-local static storage */
 FORKATTN_API const char *forkattn_ctx_create_error(void);
-/** Destroy a context.
+/** Destroy a context. A GPU context keeps the device scratch of its calls (plan
+ *  arrays, partial sums, device copies of host tensors) cached for the next call;
+ *  destroying it frees that memory.
  *  @param ctx the context (NULL is allowed) */
 FORKATTN_API void forkattn_ctx_destroy(forkattn_ctx *ctx);
 /** @param ctx the context
@@ -192,7 +194,10 @@ FORKATTN_API const char *forkattn_ctx_last_error(const forkattn_ctx *ctx);
  *  @return the largest scratch memory (bytes, host or device) one call of this
  *  context has allocated so far: what the library adds to the caller's memory.
  *  The caller's tensors are excluded, but device copies the GPU backend makes
- *  of host tensors (FORKATTN_MEMORY_HOST) are included. */
+ *  of host tensors (FORKATTN_MEMORY_HOST) are included. A GPU context caches
+ *  these blocks between calls (freed by forkattn_ctx_destroy()), so the device
+ *  memory it holds can exceed one call's peak by blocks of differently sized
+ *  earlier calls. */
 FORKATTN_API size_t forkattn_ctx_peak_workspace(const forkattn_ctx *ctx);
 /**@}*/
 

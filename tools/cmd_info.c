@@ -41,6 +41,11 @@ int cmd_info(int argc, char **argv) {
     printf("tensor cores:  %s\n", mma && strcmp(mma, "0") == 0
                                        ? "off (FORKATTN_GPU_MMA=0: FP32 GPU kernels only)"
                                        : "on for bf16/f16 at head_dim 64 or 128 (FORKATTN_GPU_MMA=0 turns them off)");
+    const char *sync = getenv("FORKATTN_GPU_SYNC");
+    const int known = sync && (!strcmp(sync, "auto") || !strcmp(sync, "spin") || !strcmp(sync, "yield") ||
+                               !strcmp(sync, "blocking") || !strcmp(sync, "runtime"));
+    printf("gpu wait:      %s%s (FORKATTN_GPU_SYNC=auto|spin|yield|blocking|runtime)\n", known ? sync : "auto",
+           sync && !known ? ", an unknown value is taken as auto" : "");
   }
   printf("omp devices:   %d\n", omp_get_num_devices());
   forkattn_ctx *ctx = NULL;

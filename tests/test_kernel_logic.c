@@ -416,31 +416,43 @@ static void kl_stream(const float *t, const float *s, int n, tc_rng *rng, int sp
   fa_kl_finish(a, &out[0], &out[1], &out[2], &out[3]);
 }
 
-/* Random rows: spread of the scores, offset of each distribution (up to 1e3:
- * centring keeps the terms small), peaked rows, merged partial states. The
- * float32 terms are O(spread); with n <= 300 keys the accumulated rounding is
- * a few 1e-7 of spread, so |error| <= 1e-5 * (1 + spread) + 1e-5 * KL. */
+/* A random row of n <= 300 (t, s) scores: spread of the scores, offset of
+ * each distribution (up to 1e3: centring keeps the terms small), the student
+ * partly correlated with the teacher, every `peaked`-th row with one key 60
+ * above. Returns n; *sp is the spread including the peak. */
+static int kl_random_row(tc_rng *rng, int peaked, float *t, float *s, double *sp) {
+  const int n = (int)tc_randint(rng, 1, 300);
+  const double spread = tc_uniform(rng, 0.1, 20.0), off_t = tc_uniform(rng, -1e3, 1e3);
+  const double off_s = tc_uniform(rng, -1e3, 1e3), mix = tc_uniform(rng, 0, 1);
+  for (int j = 0; j < n; j++) {
+    const double base = tc_uniform(rng, -spread, spread);
+    t[j] = (float)(off_t + base + (peaked && j == n / 2 ? 60 : 0));
+    s[j] = (float)(off_s + mix * base + (1 - mix) * tc_uniform(rng, -spread, spread));
+  }
+  *sp = spread + (peaked ? 60 : 0);
+  return n;
+}
+
+/* The float32 terms are O(spread); with n <= 300 keys the accumulated
+ * rounding is a few 1e-7 of spread, so |error| <= 1e-5 * (1 + spread) + 1e-5 * KL. */
+static void kl_assert_close(const float got[2], const double want[2], double sp, int trial, int n) {
+  for (int k = 0; k < 2; k++)
+    cr_assert_leq(fabs(got[k] - want[k]), 1e-5 * (1 + sp) + 1e-5 * want[k], "trial %d n %d %s: %.9g vs %.9g",
+                  trial, n, k ? "reverse" : "forward", (double)got[k], want[k]);
+}
+
+/* Random rows (kl_random_row), peaked rows, merged partial states. */
 Test(online_kl, streamed_matches_float64_direct) {
   tc_rng rng = tc_rng_for("online_kl.random");
   float t[300], s[300];
   for (int trial = 0; trial < 400; trial++) {
-    const int n = (int)tc_randint(&rng, 1, 300);
-    const double spread = tc_uniform(&rng, 0.1, 20.0), off_t = tc_uniform(&rng, -1e3, 1e3);
-    const double off_s = tc_uniform(&rng, -1e3, 1e3), mix = tc_uniform(&rng, 0, 1);
-    const int peaked = trial % 5 == 0;
-    for (int j = 0; j < n; j++) {
-      const double base = tc_uniform(&rng, -spread, spread);
-      t[j] = (float)(off_t + base + (peaked && j == n / 2 ? 60 : 0));
-      s[j] = (float)(off_s + mix * base + (1 - mix) * tc_uniform(&rng, -spread, spread));
-    }
+    double sp;
+    const int n = kl_random_row(&rng, trial % 5 == 0, t, s, &sp);
     double want[4];
     kl_direct(t, s, n, want);
     float got[4];
     kl_stream(t, s, n, &rng, trial % 2, got);
-    const double sp = spread + (peaked ? 60 : 0);
-    for (int k = 0; k < 2; k++)
-      cr_assert_leq(fabs(got[k] - want[k]), 1e-5 * (1 + sp) + 1e-5 * want[k], "trial %d n %d %s: %.9g vs %.9g",
-                    trial, n, k ? "reverse" : "forward", (double)got[k], want[k]);
+    kl_assert_close(got, want, sp, trial, n);
     for (int k = 2; k < 4; k++) /* lse of scores near 1e3: half an f32 ulp there is 3e-5 */
       cr_assert_leq(fabs(got[k] - want[k]), 4e-7 * fabs(want[k]) + 1e-5 * (1 + log((double)n)), "trial %d lse", trial);
   }
@@ -546,22 +558,14 @@ Test(online_kl, one_key_fold_matches_float64_direct) {
   tc_rng rng = tc_rng_for("online_kl.add");
   float t[300], s[300];
   for (int trial = 0; trial < 200; trial++) {
-    const int n = (int)tc_randint(&rng, 1, 300);
-    const double spread = tc_uniform(&rng, 0.1, 20.0), off_t = tc_uniform(&rng, -1e3, 1e3);
-    const double off_s = tc_uniform(&rng, -1e3, 1e3);
-    for (int j = 0; j < n; j++) {
-      t[j] = (float)(off_t + tc_uniform(&rng, -spread, spread) + (trial % 5 == 0 && j == n / 2 ? 60 : 0));
-      s[j] = (float)(off_s + tc_uniform(&rng, -spread, spread));
-    }
+    double sp;
+    const int n = kl_random_row(&rng, trial % 5 == 0, t, s, &sp);
     double want[4];
     kl_direct(t, s, n, want);
     fa_kl_state st = fa_kl_init();
     for (int j = 0; j < n; j++) fa_kl_add(&st, t[j], s[j]);
     float got[4];
     fa_kl_finish(st, &got[0], &got[1], &got[2], &got[3]);
-    const double sp = spread + (trial % 5 == 0 ? 60 : 0);
-    for (int k = 0; k < 2; k++)
-      cr_assert_leq(fabs(got[k] - want[k]), 1e-5 * (1 + sp) + 1e-5 * want[k], "trial %d n %d %s: %.9g vs %.9g", trial,
-                    n, k ? "reverse" : "forward", (double)got[k], want[k]);
+    kl_assert_close(got, want, sp, trial, n);
   }
 }

@@ -292,6 +292,22 @@ int64_t fa_plan_blocks(const fa_plan *p, int64_t block_rows, int by_key, fa_bloc
   return n;
 }
 
+int64_t fa_plan_key_chunk(const fa_plan *p, const fa_block *blocks, int64_t nblocks, int64_t teams_per_block,
+                          int64_t slots) {
+  int64_t work = 0, heaviest = 0;
+  for (int64_t b = 0; b < nblocks; b++) {
+    int64_t rows = 0;
+    for (int64_t j = p->k_pair_off[blocks[b].seg]; j < p->k_pair_off[blocks[b].seg + 1]; j++)
+      rows += fa_pair_queries(p->seg, p->pair[p->k_pair_idx[j]], blocks[b].start, p->qshift).len;
+    work += rows;
+    heaviest = rows > heaviest ? rows : heaviest;
+  }
+  if (slots < 1) slots = 1;
+  const int64_t share = (work * teams_per_block + slots - 1) / slots;
+  if (heaviest <= share) return INT64_MAX;
+  return share < 64 ? 64 : share;
+}
+
 int64_t fa_plan_key_units(const fa_plan *p, const fa_block *blocks, int64_t nblocks, int64_t chunk,
                           fa_key_unit **units, int64_t **unit_off) {
   if (chunk < 1) chunk = 1;

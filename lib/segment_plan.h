@@ -108,6 +108,16 @@ typedef struct fa_key_unit {
 int64_t fa_plan_key_units(const fa_plan *p, const fa_block *blocks, int64_t nblocks, int64_t chunk,
                           fa_key_unit **units, int64_t **unit_off);
 
+/* The chunk to give fa_plan_key_units so that the dK/dV work of `blocks`
+ * spreads over `slots` teams running at once, when every key block is worked
+ * by `teams_per_block` teams (KV heads x passes) of work proportional to its
+ * reader rows: INT64_MAX (no block is split, so no partial sums) when no block
+ * carries more than a slot's share of the total, else that share (at least
+ * 64 rows: below a few query tiles a unit's partial sums cost more than the
+ * balance saves). */
+int64_t fa_plan_key_chunk(const fa_plan *p, const fa_block *blocks, int64_t nblocks, int64_t teams_per_block,
+                          int64_t slots);
+
 #pragma omp declare target
 /* Keys of pair pr visible to query rows [q0, q0+qn) (qn > 0): the whole key
  * segment, or for a causal pair those up to the last query's diagonal.

@@ -30,6 +30,17 @@ typedef struct fa_u4 {
   uint32_t x, y, z, w;
 } fa_u4; /* four b16x2 registers: an A fragment, or two B fragments */
 
+/* A team's memory as the operands of cp.async and ldmatrix see it: the
+ * generic pointer (the host bases and plain loads use p + off) and its 32-bit
+ * shared-window address (the nvptx variants use s + 2 off). Addressing by
+ * element offset keeps the address arithmetic 32-bit and lets constant
+ * offsets fold into the instructions; through generic pointers every operand
+ * cost a 64-bit add chain and a window conversion (SASS of v1.4). */
+typedef struct fa_smem {
+  unsigned short *p;
+  uint32_t s;
+} fa_smem;
+
 #pragma omp declare target
 
 /* ---- portable bases ------------------------------------------------------ */
@@ -57,7 +68,7 @@ static inline void fa_copy16(void *dst, const void *src, int bytes) {
 #ifndef FORKATTN_MMA_EMULATE
 /* 16-byte global-to-shared copy; the last 16 - bytes bytes are zero-filled.
  * The base copies synchronously (dst is a generic pointer on the host). */
-static inline void fa_cp_async16(void *dst, const void *src, int bytes) { fa_copy16(dst, src, bytes); }
+static inline void fa_cp_async16(fa_smem m, int off, const void *src, int bytes) { fa_copy16(m.p + off, src, bytes); }
 static inline void fa_cp_async_commit(void) {}
 /* Wait until at most n (0 or 1) of this thread's committed copy groups are pending. */
 static inline void fa_cp_async_wait(int n) { (void)n; }
@@ -103,10 +114,10 @@ typedef struct fa_emu_copy {
 static fa_emu_copy fa_emu_pending[FA_EMU_THREADS][FA_EMU_COPIES];
 static int fa_emu_npending[FA_EMU_THREADS], fa_emu_committed[FA_EMU_THREADS];
 
-static inline void fa_cp_async16(void *dst, const void *src, int bytes) {
+static inline void fa_cp_async16(fa_smem m, int off, const void *src, int bytes) {
   const int t = omp_get_thread_num(), n = fa_emu_npending[t]++;
   if (n >= FA_EMU_COPIES) __builtin_trap(); /* more copies in flight than any kernel issues */
-  const fa_emu_copy c = {dst, src, bytes, fa_emu_committed[t]};
+  const fa_emu_copy c = {m.p + off, src, bytes, fa_emu_committed[t]};
   fa_emu_pending[t][n] = c;
 }
 static inline void fa_cp_async_commit(void) { fa_emu_committed[omp_get_thread_num()]++; }
@@ -146,10 +157,10 @@ static inline uint32_t fa_mma_ballot(int pred) {
 
 /* ldmatrix.x4: lane 8i+j gives row j of matrix i; lane L receives
  * M_i[L/4][2(L%4)..+1], or with .trans M_i[2(L%4)..+1][L/4]. */
-static inline fa_u4 fa_ldmatrix_x4(const unsigned short *p, int trans) {
+static inline fa_u4 fa_ldmatrix_x4(fa_smem m, int off, int trans) {
   const int t = omp_get_thread_num(), w0 = t & ~31, L = t & 31;
   fa_emu_lanes *e = fa_emu_next(t);
-  e->addr[t] = p;
+  e->addr[t] = m.p + off;
 #pragma omp barrier
   uint32_t r[4];
   for (int i = 0; i < 4; i++) {
@@ -198,8 +209,8 @@ static inline float fa_mma_shfl_xor(float x, int mask) {
 static inline uint32_t fa_mma_ballot(int pred) { return pred ? 1u : 0u; }
 
 /* Warp-collective: no single-thread meaning (see the top of this file). */
-static inline fa_u4 fa_ldmatrix_x4(const unsigned short *p, int trans) {
-  (void)p, (void)trans;
+static inline fa_u4 fa_ldmatrix_x4(fa_smem m, int off, int trans) {
+  (void)m, (void)off, (void)trans;
   __builtin_trap();
 }
 
@@ -277,8 +288,9 @@ static inline uint32_t fa_mma_smem(const void *p) {
   return (uint32_t)a;
 }
 
-static inline void fa_cp_async16(void *dst, const void *src, int bytes) {
-  __asm__ volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(fa_mma_smem(dst)), "l"(src), "r"(bytes)
+static inline void fa_cp_async16(fa_smem m, int off, const void *src, int bytes) {
+  __asm__ volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(m.s + 2u * (uint32_t)off), "l"(src),
+                   "r"(bytes)
                    : "memory");
 }
 
@@ -289,8 +301,8 @@ static inline void fa_cp_async_wait(int n) {
   else __asm__ volatile("cp.async.wait_group 0;" ::: "memory");
 }
 
-static inline fa_u4 fa_ldmatrix_x4(const unsigned short *p, int trans) {
-  const uint32_t addr = fa_mma_smem(p);
+static inline fa_u4 fa_ldmatrix_x4(fa_smem m, int off, int trans) {
+  const uint32_t addr = m.s + 2u * (uint32_t)off;
   fa_u4 r;
   if (trans)
     __asm__ volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -326,6 +338,12 @@ static inline fa_f4 fa_mma_16816(fa_f4 c, fa_u4 a, uint32_t b0, uint32_t b1, int
  * a variant only where the variant is already declared; above the block a
  * call would take the base (on the GPU: a ballot of one lane, C packing). */
 #pragma omp declare target
+
+/* The team memory at p (fa_smem). */
+static inline fa_smem fa_smem_of(unsigned short *p) {
+  const fa_smem m = {p, fa_mma_smem(p)};
+  return m;
+}
 
 /* 1 when x is non-zero in any lane of this lane's quad (the 4 lanes that
  * hold one accumulator row). */

@@ -41,20 +41,21 @@ void fa_gpu_mma_dq(const fa_gpu_bwd *b) {
 }
 
 /* One launch. At head_dim 128 the dV and dK passes (FA_DKV_V, FA_DKV_K) are
- * the two halves of its teams: one launch instead of two (each costs tens of
- * microseconds on the host), and the passes' tails overlap. */
+ * two teams per unit, adjacent: one launch instead of two (each costs tens
+ * of microseconds on the host), and the heaviest units' passes both start
+ * first (units are in key-block order, heaviest first). */
 #define FA_MMA_DKV(D, F16, SPLIT)                                                                                  \
   do {                                                                                                        \
     const size_t smem = (size_t)(4 * FA_MMA_BQ * ((D) + 8)) * 2 + 4 * FA_MMA_BQ * sizeof(float) +             \
                         4 * sizeof(unsigned);                                                                 \
     const int nteams = (SPLIT) ? 2 * nunit_teams : nunit_teams;                                               \
-    _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args, nunit_teams)") \
+    _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args)") \
     {                                                                                                         \
       unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
-      const int64_t team = ompx_block_id_x(), t = team % nunit_teams;                                         \
+      const int64_t team = ompx_block_id_x(), t = (SPLIT) ? team / 2 : team;                                  \
       if (!(SPLIT))                                                                                           \
         fa_mma_dkv_team((D), (F16), FA_DKV_K | FA_DKV_V, args, t / args.hkv, t % args.hkv, sm);               \
-      else if (team < nunit_teams) /* team-uniform */                                                         \
+      else if (team % 2 == 0) /* team-uniform */                                                              \
         fa_mma_dkv_team((D), (F16), FA_DKV_V, args, t / args.hkv, t % args.hkv, sm);                          \
       else                                                                                                    \
         fa_mma_dkv_team((D), (F16), FA_DKV_K, args, t / args.hkv, t % args.hkv, sm);                          \

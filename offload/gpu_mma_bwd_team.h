@@ -23,7 +23,8 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
                                                                   int64_t g, unsigned short *smem) {
   const int P = D + 8;
   const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
-  unsigned short *buf0 = smem, *buf1 = smem + 2 * BK * P; /* each: K [BK][P], V [BK][P] */
+  const fa_smem sm = fa_smem_of(smem);
+  const int buf0 = 0, buf1 = 2 * BK * P; /* element offsets; each: K [BK][P], V [BK][P] */
   unsigned *kbad = (unsigned *)(smem + 4 * BK * P);
   const fa_range *seg = b.seg;
   const fa_pair *pair = b.pair;
@@ -31,8 +32,8 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
   const float mul = b.scale * FA_LOG2E;
 
   /* Q and dO (64 rows each) fill the team memory first; the walk starts after. */
-  fa_mma_load_rows(smem, P, FA_MMA_ROWS, D, b.q, blk.start, blk.len, h, tid);
-  fa_mma_load_rows(smem + FA_MMA_ROWS * P, P, FA_MMA_ROWS, D, b.dout, blk.start, blk.len, h, tid);
+  fa_mma_load_rows(sm, 0, P, FA_MMA_ROWS, D, b.q, blk.start, blk.len, h, tid);
+  fa_mma_load_rows(sm, FA_MMA_ROWS * P, P, FA_MMA_ROWS, D, b.dout, blk.start, blk.len, h, tid);
   fa_cp_async_commit();
   fa_cp_async_wait(0);
   ompx_sync_block_acq_rel();
@@ -41,8 +42,8 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
     const int r = warp * 16 + fa_ldsm_a_row(lane), c = fa_ldsm_a_col(lane);
 #pragma unroll
     for (int ks = 0; ks < D / 16; ks++) {
-      qf[ks] = fa_ldmatrix_x4(smem + r * P + ks * 16 + c, 0);
-      of[ks] = fa_ldmatrix_x4(smem + (FA_MMA_ROWS + r) * P + ks * 16 + c, 0);
+      qf[ks] = fa_ldmatrix_x4(sm, r * P + ks * 16 + c, 0);
+      of[ks] = fa_ldmatrix_x4(sm, (FA_MMA_ROWS + r) * P + ks * 16 + c, 0);
     }
   }
   const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
@@ -79,61 +80,74 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
 
   fa_tile_walk w = {b.qoff[blk.seg], b.qoff[blk.seg + 1], 0, 0, 0};
   w = fa_walk_seek(w, seg, pair, blk, qshift);
-  if (w.pi < w.pend) fa_mma_load_kv(buf0, P, BK, D, b.k, g, b.v, g, w, tid);
+  if (w.pi < w.pend) fa_mma_load_kv(sm, buf0, P, BK, D, b.k, g, b.v, g, w, tid);
   fa_cp_async_commit();
   int cur = 0;
   while (w.pi < w.pend) {
     const fa_tile_walk nx = fa_walk_next(w, BK, seg, pair, blk, qshift);
-    unsigned short *kt = cur ? buf1 : buf0, *vt = kt + BK * P;
-    fa_mma_kv_step(cur ? buf0 : buf1, P, BK, D, b.k, g, b.v, g, nx, tid);
+    const int kt = cur ? buf1 : buf0; /* K [BK][P], then V */
+    fa_mma_kv_step(sm, cur ? buf0 : buf1, P, BK, D, b.k, g, b.v, g, nx, tid);
     const int nk = fa_walk_keys(w, BK);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
     const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
     /* dQ += dS K multiplies masked keys' rows by dS = 0: non-finite K rows of a
      * tile that hides keys from some rows are zeroed and flagged (fa_mma_scan_rows). */
     const int masked = w.causal && w.kb + BK - 1 > blk.start + qshift;
-    const unsigned long long kflags = masked ? fa_mma_scan_rows(kt, P, BK, D, f16, kbad, tid) : 0;
+    const unsigned long long kflags = masked ? fa_mma_scan_rows(smem + kt, P, BK, D, f16, kbad, tid) : 0;
 
     fa_f4 s[FA_MMA_MAX_BK / 8], dp[FA_MMA_MAX_BK / 8];
 #pragma unroll
     for (int n = 0; n < BK / 8; n++) s[n] = fa_f4_zero(), dp[n] = fa_f4_zero();
     {
-      const int kr = fa_ldsm_b_row(lane), kc = fa_ldsm_b_col(lane);
+      const int kl = kt + fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane); /* constant offsets from here fold */
 #pragma unroll
       for (int ks = 0; ks < D / 16; ks++)
 #pragma unroll
         for (int np = 0; np < BK / 16; np++) {
-          const fa_u4 bk = fa_ldmatrix_x4(kt + (np * 16 + kr) * P + ks * 16 + kc, 0);
-          const fa_u4 bv = fa_ldmatrix_x4(vt + (np * 16 + kr) * P + ks * 16 + kc, 0);
+          const fa_u4 bk = fa_ldmatrix_x4(sm, kl + np * 16 * P + ks * 16, 0);
+          const fa_u4 bv = fa_ldmatrix_x4(sm, kl + BK * P + np * 16 * P + ks * 16, 0);
           s[2 * np] = fa_mma_16816(s[2 * np], qf[ks], bk.x, bk.y, f16);
           s[2 * np + 1] = fa_mma_16816(s[2 * np + 1], qf[ks], bk.z, bk.w, f16);
           dp[2 * np] = fa_mma_16816(dp[2 * np], of[ks], bv.x, bv.y, f16);
           dp[2 * np + 1] = fa_mma_16816(dp[2 * np + 1], of[ks], bv.z, bv.w, f16);
         }
     }
-    /* dS = P (dP - D) where visible, an exact 0 elsewhere (a select, not a product). */
+    /* dS = P (dP - D) where visible, an exact 0 elsewhere (a select, not a
+     * product). A tile whose keys every row of this warp sees (warp-uniform,
+     * as in the forward) skips the masks. */
+    if (nk == BK && (!w.causal || w.kb + BK - 1 <= blk.start + warp * 16 + qshift)) {
+      if (kflags) bad0 = bad1 = 1; /* every row of the warp sees the tile's non-finite K row */
 #pragma unroll
-    for (int n = 0; n < BK / 8; n++) {
-      const int key = n * 8 + c0;
-      const float t0 = fa_mma_score(s[n].x, mul, key, lim0), t1 = fa_mma_score(s[n].y, mul, key + 1, lim0);
-      const float t2 = fa_mma_score(s[n].z, mul, key, lim1), t3 = fa_mma_score(s[n].w, mul, key + 1, lim1);
-      if (kflags) {
-        bad0 |= (t0 != -INFINITY && (kflags >> key & 1u)) || (t1 != -INFINITY && (kflags >> (key + 1) & 1u));
-        bad1 |= (t2 != -INFINITY && (kflags >> key & 1u)) || (t3 != -INFINITY && (kflags >> (key + 1) & 1u));
+      for (int n = 0; n < BK / 8; n++) {
+        s[n].x = fa_mma_exp2(fmaf(s[n].x, mul, -lse0)) * (dp[n].x - dd0);
+        s[n].y = fa_mma_exp2(fmaf(s[n].y, mul, -lse0)) * (dp[n].y - dd0);
+        s[n].z = fa_mma_exp2(fmaf(s[n].z, mul, -lse1)) * (dp[n].z - dd1);
+        s[n].w = fa_mma_exp2(fmaf(s[n].w, mul, -lse1)) * (dp[n].w - dd1);
       }
-      s[n].x = t0 == -INFINITY ? 0.0f : fa_mma_exp2(t0 - lse0) * (dp[n].x - dd0);
-      s[n].y = t1 == -INFINITY ? 0.0f : fa_mma_exp2(t1 - lse0) * (dp[n].y - dd0);
-      s[n].z = t2 == -INFINITY ? 0.0f : fa_mma_exp2(t2 - lse1) * (dp[n].z - dd1);
-      s[n].w = t3 == -INFINITY ? 0.0f : fa_mma_exp2(t3 - lse1) * (dp[n].w - dd1);
+    } else {
+#pragma unroll
+      for (int n = 0; n < BK / 8; n++) {
+        const int key = n * 8 + c0;
+        const float t0 = fa_mma_score(s[n].x, mul, key, lim0), t1 = fa_mma_score(s[n].y, mul, key + 1, lim0);
+        const float t2 = fa_mma_score(s[n].z, mul, key, lim1), t3 = fa_mma_score(s[n].w, mul, key + 1, lim1);
+        if (kflags) {
+          bad0 |= (t0 != -INFINITY && (kflags >> key & 1u)) || (t1 != -INFINITY && (kflags >> (key + 1) & 1u));
+          bad1 |= (t2 != -INFINITY && (kflags >> key & 1u)) || (t3 != -INFINITY && (kflags >> (key + 1) & 1u));
+        }
+        s[n].x = t0 == -INFINITY ? 0.0f : fa_mma_exp2(t0 - lse0) * (dp[n].x - dd0);
+        s[n].y = t1 == -INFINITY ? 0.0f : fa_mma_exp2(t1 - lse0) * (dp[n].y - dd0);
+        s[n].z = t2 == -INFINITY ? 0.0f : fa_mma_exp2(t2 - lse1) * (dp[n].z - dd1);
+        s[n].w = t3 == -INFINITY ? 0.0f : fa_mma_exp2(t3 - lse1) * (dp[n].w - dd1);
+      }
     }
     {
-      const int kr = fa_ldsm_a_row(lane), kc = fa_ldsm_a_col(lane); /* .trans: B of [key][dim] */
+      const int kl = kt + fa_ldsm_a_row(lane) * P + fa_ldsm_a_col(lane); /* .trans: B of [key][dim] */
 #pragma unroll
       for (int kk = 0; kk < BK / 16; kk++) {
         const fa_u4 da = fa_mma_p_frag(s[2 * kk], s[2 * kk + 1], f16);
 #pragma unroll
         for (int np = 0; np < D / 16; np++) {
-          const fa_u4 bk = fa_ldmatrix_x4(kt + (kk * 16 + kr) * P + np * 16 + kc, 1);
+          const fa_u4 bk = fa_ldmatrix_x4(sm, kl + kk * 16 * P + np * 16, 1);
           dq[2 * np] = fa_mma_16816(dq[2 * np], da, bk.x, bk.y, f16);
           dq[2 * np + 1] = fa_mma_16816(dq[2 * np + 1], da, bk.z, bk.w, f16);
         }
@@ -201,11 +215,11 @@ static inline fa_query_walk fa_qwalk_next(fa_query_walk w, const fa_gpu_bwd *b, 
 
 /* Queries of tile w: Q, dO rows and their lse (log2 units) and D into buffer
  * `at` (Q [BQ][P], dO [BQ][P]) and the float pair `ld` ([BQ] lse, [BQ] D). */
-static inline void fa_mma_load_queries(unsigned short *at, float *ld, int P, int D, const fa_gpu_bwd *b,
+static inline void fa_mma_load_queries(fa_smem m, int at, float *ld, int P, int D, const fa_gpu_bwd *b,
                                        fa_query_walk w, int64_t h, int tid) {
   const int64_t nq = w.qend - w.qb < FA_MMA_BQ ? w.qend - w.qb : FA_MMA_BQ;
-  fa_mma_load_rows(at, P, FA_MMA_BQ, D, b->q, w.qb, nq, h, tid);
-  fa_mma_load_rows(at + FA_MMA_BQ * P, P, FA_MMA_BQ, D, b->dout, w.qb, nq, h, tid);
+  fa_mma_load_rows(m, at, P, FA_MMA_BQ, D, b->q, w.qb, nq, h, tid);
+  fa_mma_load_rows(m, at + FA_MMA_BQ * P, P, FA_MMA_BQ, D, b->dout, w.qb, nq, h, tid);
   if (tid < FA_MMA_BQ) { /* visible to the team after the barrier that precedes its use */
     ld[tid] = tid < nq ? b->lse[(w.qb + tid) * b->hq + h] * FA_LOG2E : 0.0f;
     ld[FA_MMA_BQ + tid] = tid < nq ? b->dsum[(w.qb + tid) * b->hq + h] : 0.0f;
@@ -228,15 +242,16 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
   const int64_t group = b.hq / b.hkv, qshift = b.qshift;
   const float mul = b.scale * FA_LOG2E;
   /* team memory: two query buffers (Q [BQ][P], dO [BQ][P]) | lse, D | scan flags */
-  unsigned short *qbuf0 = smem, *qbuf1 = qbuf0 + 2 * BQ * P;
-  float *ld0 = (float *)(qbuf1 + 2 * BQ * P), *ld1 = ld0 + 2 * BQ;
+  const fa_smem sm = fa_smem_of(smem);
+  const int qbuf0 = 0, qbuf1 = 2 * BQ * P; /* element offsets */
+  float *ld0 = (float *)(smem + 4 * BQ * P), *ld1 = ld0 + 2 * BQ;
   unsigned *qbad = (unsigned *)(ld1 + 2 * BQ);
 
   /* K (and for dK, V) go through the query buffers (2 BQ = 64 rows each)
    * into registers: each warp's 16 keys as A fragments of K Q^T and V dO^T. */
   _Static_assert(2 * FA_MMA_BQ == FA_MMA_ROWS, "a query buffer holds one key block");
-  fa_mma_load_rows(qbuf0, P, FA_MMA_ROWS, D, b.k, blk.start, blk.len, g, tid);
-  if (what & FA_DKV_K) fa_mma_load_rows(qbuf1, P, FA_MMA_ROWS, D, b.v, blk.start, blk.len, g, tid);
+  fa_mma_load_rows(sm, qbuf0, P, FA_MMA_ROWS, D, b.k, blk.start, blk.len, g, tid);
+  if (what & FA_DKV_K) fa_mma_load_rows(sm, qbuf1, P, FA_MMA_ROWS, D, b.v, blk.start, blk.len, g, tid);
   fa_cp_async_commit();
   fa_cp_async_wait(0);
   ompx_sync_block_acq_rel();
@@ -244,8 +259,8 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
   const int ar = fa_ldsm_a_row(lane), ac = fa_ldsm_a_col(lane);
 #pragma unroll
   for (int ks = 0; ks < D / 16; ks++) {
-    kf[ks] = fa_ldmatrix_x4(qbuf0 + (warp * 16 + ar) * P + ks * 16 + ac, 0);
-    if (what & FA_DKV_K) vf[ks] = fa_ldmatrix_x4(qbuf1 + (warp * 16 + ar) * P + ks * 16 + ac, 0);
+    kf[ks] = fa_ldmatrix_x4(sm, qbuf0 + (warp * 16 + ar) * P + ks * 16 + ac, 0);
+    if (what & FA_DKV_K) vf[ks] = fa_ldmatrix_x4(sm, qbuf1 + (warp * 16 + ar) * P + ks * 16 + ac, 0);
   }
   ompx_sync_block_acq_rel();
 
@@ -259,15 +274,15 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
 
   fa_query_walk w = {u.j0, 0, 0, 0, 0, 0};
   w = fa_qwalk_seek(w, &b, u, blk, group);
-  if (w.j <= u.j1) fa_mma_load_queries(qbuf0, ld0, P, D, &b, w, g * group + w.hh, tid);
+  if (w.j <= u.j1) fa_mma_load_queries(sm, qbuf0, ld0, P, D, &b, w, g * group + w.hh, tid);
   fa_cp_async_commit();
   int cur = 0;
   while (w.j <= u.j1) {
     const fa_query_walk nx = fa_qwalk_next(w, &b, u, blk, group);
-    unsigned short *qt = cur ? qbuf1 : qbuf0, *ot = qt + BQ * P;
+    const int qt = cur ? qbuf1 : qbuf0, ot = qt + BQ * P;
     const float *ld = cur ? ld1 : ld0;
     if (nx.j <= u.j1) {
-      fa_mma_load_queries(cur ? qbuf0 : qbuf1, cur ? ld0 : ld1, P, D, &b, nx, g * group + nx.hh, tid);
+      fa_mma_load_queries(sm, cur ? qbuf0 : qbuf1, cur ? ld0 : ld1, P, D, &b, nx, g * group + nx.hh, tid);
       fa_cp_async_commit();
       fa_cp_async_wait(1);
     } else {
@@ -282,33 +297,45 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
      * zeroed and flagged. */
     const int masked = w.causal && w.qb + qshift < blk.start + blk.len - 1;
     const unsigned long long qflags =
-        masked ? fa_mma_scan_rows(qt, P, BQ, D, f16, qbad, tid) | fa_mma_scan_rows(ot, P, BQ, D, f16, qbad, tid) : 0;
+        masked ? fa_mma_scan_rows(smem + qt, P, BQ, D, f16, qbad, tid) | fa_mma_scan_rows(smem + ot, P, BQ, D, f16, qbad, tid)
+               : 0;
 
     fa_f4 s[FA_MMA_BQ / 8], dp[FA_MMA_BQ / 8]; /* 16 keys x BQ queries */
 #pragma unroll
     for (int n = 0; n < BQ / 8; n++) s[n] = dp[n] = fa_f4_zero();
     {
-      const int br = fa_ldsm_b_row(lane), bc = fa_ldsm_b_col(lane);
+      const int bl = qt + fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane); /* constant offsets from here fold */
 #pragma unroll
       for (int ks = 0; ks < D / 16; ks++)
 #pragma unroll
         for (int np = 0; np < BQ / 16; np++) {
-          const fa_u4 bq = fa_ldmatrix_x4(qt + (np * 16 + br) * P + ks * 16 + bc, 0);
+          const fa_u4 bq = fa_ldmatrix_x4(sm, bl + np * 16 * P + ks * 16, 0);
           s[2 * np] = fa_mma_16816(s[2 * np], kf[ks], bq.x, bq.y, f16);
           s[2 * np + 1] = fa_mma_16816(s[2 * np + 1], kf[ks], bq.z, bq.w, f16);
           if (what & FA_DKV_K) { /* dP^T only feeds dS^T */
-            const fa_u4 bo = fa_ldmatrix_x4(ot + (np * 16 + br) * P + ks * 16 + bc, 0);
+            const fa_u4 bo = fa_ldmatrix_x4(sm, bl + BQ * P + np * 16 * P + ks * 16, 0);
             dp[2 * np] = fa_mma_16816(dp[2 * np], vf[ks], bo.x, bo.y, f16);
             dp[2 * np + 1] = fa_mma_16816(dp[2 * np + 1], vf[ks], bo.z, bo.w, f16);
           }
         }
     }
+    /* P^T and dS^T in place of S^T and dP^T. A tile whose queries all see
+     * every key of this warp (warp-uniform) skips the masks. */
+    if (nq == BQ && (!w.causal || blk.start + warp * 16 + 15 <= w.qb + qshift)) {
+      if (qflags) bad0 = bad1 = 1; /* every key of the warp is seen by the tile's non-finite row */
 #pragma unroll
-    for (int kk = 0; kk < BQ / 16; kk++) { /* 16 queries: the k-step of dV and dK */
-      fa_f4 pt[2], dst[2];
+      for (int n = 0; n < BQ / 8; n++) {
+        const int qi = n * 8 + c0;
+        const float l0 = ld[qi], l1 = ld[qi + 1], d0 = ld[BQ + qi], d1 = ld[BQ + qi + 1];
+        s[n].x = fa_mma_exp2(fmaf(s[n].x, mul, -l0)), s[n].y = fa_mma_exp2(fmaf(s[n].y, mul, -l1));
+        s[n].z = fa_mma_exp2(fmaf(s[n].z, mul, -l0)), s[n].w = fa_mma_exp2(fmaf(s[n].w, mul, -l1));
+        dp[n].x = s[n].x * (dp[n].x - d0), dp[n].y = s[n].y * (dp[n].y - d1);
+        dp[n].z = s[n].z * (dp[n].z - d0), dp[n].w = s[n].w * (dp[n].w - d1);
+      }
+    } else {
 #pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int n = 2 * kk + e, qi = n * 8 + c0; /* columns qi, qi + 1; rows k_pos0 (x, y), k_pos1 (z, w) */
+      for (int n = 0; n < BQ / 8; n++) {
+        const int qi = n * 8 + c0; /* columns qi, qi + 1; rows k_pos0 (x, y), k_pos1 (z, w) */
         const int v00 = qi >= lo0 && qi < nq, v01 = qi + 1 >= lo0 && qi + 1 < nq;
         const int v10 = qi >= lo1 && qi < nq, v11 = qi + 1 >= lo1 && qi + 1 < nq;
         if (qflags) {
@@ -316,25 +343,29 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
           bad1 |= (v10 && (qflags >> qi & 1u)) || (v11 && (qflags >> (qi + 1) & 1u));
         }
         const float l0 = ld[qi], l1 = ld[qi + 1], d0 = ld[BQ + qi], d1 = ld[BQ + qi + 1];
-        pt[e].x = v00 ? fa_mma_exp2(s[n].x * mul - l0) : 0.0f;
-        pt[e].y = v01 ? fa_mma_exp2(s[n].y * mul - l1) : 0.0f;
-        pt[e].z = v10 ? fa_mma_exp2(s[n].z * mul - l0) : 0.0f;
-        pt[e].w = v11 ? fa_mma_exp2(s[n].w * mul - l1) : 0.0f;
-        dst[e].x = v00 ? pt[e].x * (dp[n].x - d0) : 0.0f;
-        dst[e].y = v01 ? pt[e].y * (dp[n].y - d1) : 0.0f;
-        dst[e].z = v10 ? pt[e].z * (dp[n].z - d0) : 0.0f;
-        dst[e].w = v11 ? pt[e].w * (dp[n].w - d1) : 0.0f;
+        s[n].x = v00 ? fa_mma_exp2(s[n].x * mul - l0) : 0.0f;
+        s[n].y = v01 ? fa_mma_exp2(s[n].y * mul - l1) : 0.0f;
+        s[n].z = v10 ? fa_mma_exp2(s[n].z * mul - l0) : 0.0f;
+        s[n].w = v11 ? fa_mma_exp2(s[n].w * mul - l1) : 0.0f;
+        dp[n].x = v00 ? s[n].x * (dp[n].x - d0) : 0.0f;
+        dp[n].y = v01 ? s[n].y * (dp[n].y - d1) : 0.0f;
+        dp[n].z = v10 ? s[n].z * (dp[n].z - d0) : 0.0f;
+        dp[n].w = v11 ? s[n].w * (dp[n].w - d1) : 0.0f;
       }
-      const fa_u4 pa = fa_mma_p_frag(pt[0], pt[1], f16), da = fa_mma_p_frag(dst[0], dst[1], f16);
+    }
+    const int al = qt + ar * P + ac; /* .trans: B of [query][dim]; constant offsets from here fold */
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; kk++) { /* 16 queries: the k-step of dV and dK */
+      const fa_u4 pa = fa_mma_p_frag(s[2 * kk], s[2 * kk + 1], f16), da = fa_mma_p_frag(dp[2 * kk], dp[2 * kk + 1], f16);
 #pragma unroll
       for (int np = 0; np < D / 16; np++) { /* .trans: B of [query][dim] */
         if (what & FA_DKV_V) {
-          const fa_u4 bo = fa_ldmatrix_x4(ot + (kk * 16 + ar) * P + np * 16 + ac, 1);
+          const fa_u4 bo = fa_ldmatrix_x4(sm, al + BQ * P + kk * 16 * P + np * 16, 1);
           dv[2 * np] = fa_mma_16816(dv[2 * np], pa, bo.x, bo.y, f16);
           dv[2 * np + 1] = fa_mma_16816(dv[2 * np + 1], pa, bo.z, bo.w, f16);
         }
         if (what & FA_DKV_K) {
-          const fa_u4 bq = fa_ldmatrix_x4(qt + (kk * 16 + ar) * P + np * 16 + ac, 1);
+          const fa_u4 bq = fa_ldmatrix_x4(sm, al + kk * 16 * P + np * 16, 1);
           dk[2 * np] = fa_mma_16816(dk[2 * np], da, bq.x, bq.y, f16);
           dk[2 * np + 1] = fa_mma_16816(dk[2 * np + 1], da, bq.z, bq.w, f16);
         }

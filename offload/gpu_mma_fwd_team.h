@@ -19,7 +19,8 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
                                                                    int64_t h, int64_t g, unsigned short *smem) {
   const int P = D + 8; /* pitch: rows 16 bytes apart modulo 128, so ldmatrix is conflict-free */
   const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
-  unsigned short *buf0 = smem, *buf1 = smem + 2 * BK * P;
+  const fa_smem sm = fa_smem_of(smem);
+  const int buf0 = 0, buf1 = 2 * BK * P; /* element offsets of the two K/V buffers */
   unsigned *vbad = (unsigned *)(smem + 4 * BK * P); /* per-warp flags of non-finite V rows */
   const fa_range *seg = ga.seg;
   const fa_pair *pair = ga.pair;
@@ -27,11 +28,11 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
   const float mul = ga.scale * FA_LOG2E;
 
   /* Q (64 rows) streams into buffer 1 while tile 0 streams into buffer 0. */
-  fa_mma_load_rows(buf1, P, FA_MMA_ROWS, D, ga.q, blk.start, blk.len, h, tid);
+  fa_mma_load_rows(sm, buf1, P, FA_MMA_ROWS, D, ga.q, blk.start, blk.len, h, tid);
   fa_cp_async_commit();
   fa_tile_walk w = {ga.qoff[blk.seg], ga.qoff[blk.seg + 1], 0, 0, 0};
   w = fa_walk_seek(w, seg, pair, blk, qshift);
-  if (w.pi < w.pend) fa_mma_load_kv(buf0, P, BK, D, ga.k, g, ga.v, g, w, tid);
+  if (w.pi < w.pend) fa_mma_load_kv(sm, buf0, P, BK, D, ga.k, g, ga.v, g, w, tid);
   fa_cp_async_commit();
   fa_cp_async_wait(1);
   ompx_sync_block_acq_rel();
@@ -39,7 +40,7 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
   {
     const int r = warp * 16 + fa_ldsm_a_row(lane), c = fa_ldsm_a_col(lane);
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ks++) qf[ks] = fa_ldmatrix_x4(buf1 + r * P + ks * 16 + c, 0);
+    for (int ks = 0; ks < D / 16; ks++) qf[ks] = fa_ldmatrix_x4(sm, buf1 + r * P + ks * 16 + c, 0);
   }
   ompx_sync_block_acq_rel(); /* buffer 1 is free for tile 1 */
 
@@ -55,8 +56,8 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
 
   while (w.pi < w.pend) {
     const fa_tile_walk nx = fa_walk_next(w, BK, seg, pair, blk, qshift);
-    unsigned short *kt = cur ? buf1 : buf0, *vt = kt + BK * P;
-    fa_mma_kv_step(cur ? buf0 : buf1, P, BK, D, ga.k, g, ga.v, g, nx, tid);
+    const int kt = cur ? buf1 : buf0, vt = kt + BK * P;
+    fa_mma_kv_step(sm, cur ? buf0 : buf1, P, BK, D, ga.k, g, ga.v, g, nx, tid);
     const int nk = fa_walk_keys(w, BK);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
     const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
@@ -65,43 +66,56 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
      * that cannot see it, so its non-finite V rows are flagged and zeroed. */
     const int masked = w.causal && w.kb + BK - 1 > blk.start + qshift;
     unsigned long long vflags = 0; /* bit j: V row j of the tile was non-finite */
-    if (masked) vflags = fa_mma_scan_rows(vt, P, BK, D, f16, vbad, tid);
+    if (masked) vflags = fa_mma_scan_rows(smem + vt, P, BK, D, f16, vbad, tid);
 
     /* S = Q K^T: 16 rows x BK keys per warp. */
     fa_f4 s[FA_MMA_MAX_BK / 8];
 #pragma unroll
     for (int n = 0; n < BK / 8; n++) s[n] = fa_f4_zero();
     {
-      const int kr = fa_ldsm_b_row(lane), kc = fa_ldsm_b_col(lane);
+      const int kl = kt + fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane); /* constant offsets from here fold */
 #pragma unroll
       for (int ks = 0; ks < D / 16; ks++)
 #pragma unroll
         for (int np = 0; np < BK / 16; np++) {
-          const fa_u4 b = fa_ldmatrix_x4(kt + (np * 16 + kr) * P + ks * 16 + kc, 0);
+          const fa_u4 b = fa_ldmatrix_x4(sm, kl + np * 16 * P + ks * 16, 0);
           s[2 * np] = fa_mma_16816(s[2 * np], qf[ks], b.x, b.y, f16);
           s[2 * np + 1] = fa_mma_16816(s[2 * np + 1], qf[ks], b.z, b.w, f16);
         }
     }
+    /* Raw scores: the scale (> 0, validated) is applied in the exponent's
+     * fma, so it commutes with the max. A tile whose keys every row of this
+     * warp sees (warp-uniform) skips the masks. */
     float mx0 = -INFINITY, mx1 = -INFINITY;
+    if (nk == BK && (!w.causal || w.kb + BK - 1 <= blk.start + warp * 16 + qshift)) {
 #pragma unroll
-    for (int n = 0; n < BK / 8; n++) {
-      const int key = n * 8 + c0;
-      s[n].x = fa_mma_score(s[n].x, mul, key, lim0);
-      s[n].y = fa_mma_score(s[n].y, mul, key + 1, lim0);
-      s[n].z = fa_mma_score(s[n].z, mul, key, lim1);
-      s[n].w = fa_mma_score(s[n].w, mul, key + 1, lim1);
-      if (vflags) {
-        bad0 |= (s[n].x != -INFINITY && (vflags >> key & 1u)) || (s[n].y != -INFINITY && (vflags >> (key + 1) & 1u));
-        bad1 |= (s[n].z != -INFINITY && (vflags >> key & 1u)) || (s[n].w != -INFINITY && (vflags >> (key + 1) & 1u));
+      for (int n = 0; n < BK / 8; n++) {
+        mx0 = fmaxf(mx0, fmaxf(s[n].x, s[n].y));
+        mx1 = fmaxf(mx1, fmaxf(s[n].z, s[n].w));
       }
-      mx0 = fmaxf(mx0, fmaxf(s[n].x, s[n].y));
-      mx1 = fmaxf(mx1, fmaxf(s[n].z, s[n].w));
+      if (vflags) bad0 = bad1 = 1; /* every row of the warp sees the tile's non-finite V row */
+    } else {
+#pragma unroll
+      for (int n = 0; n < BK / 8; n++) {
+        const int key = n * 8 + c0;
+        s[n].x = fa_mma_mask(s[n].x, key, lim0), s[n].y = fa_mma_mask(s[n].y, key + 1, lim0);
+        s[n].z = fa_mma_mask(s[n].z, key, lim1), s[n].w = fa_mma_mask(s[n].w, key + 1, lim1);
+        mx0 = fmaxf(mx0, fmaxf(s[n].x, s[n].y));
+        mx1 = fmaxf(mx1, fmaxf(s[n].z, s[n].w));
+      }
+      if (vflags)
+#pragma unroll
+        for (int n = 0; n < BK / 8; n++) {
+          const int key = n * 8 + c0;
+          bad0 |= (s[n].x != -INFINITY && (vflags >> key & 1u)) || (s[n].y != -INFINITY && (vflags >> (key + 1) & 1u));
+          bad1 |= (s[n].z != -INFINITY && (vflags >> key & 1u)) || (s[n].w != -INFINITY && (vflags >> (key + 1) & 1u));
+        }
     }
     mx0 = fmaxf(mx0, fa_mma_shfl_xor(mx0, 1));
     mx0 = fmaxf(mx0, fa_mma_shfl_xor(mx0, 2));
     mx1 = fmaxf(mx1, fa_mma_shfl_xor(mx1, 1));
     mx1 = fmaxf(mx1, fa_mma_shfl_xor(mx1, 2));
-    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    const float n0 = fmaxf(m0, mx0 * mul), n1 = fmaxf(m1, mx1 * mul); /* log2 units */
     const float u0 = n0 == -INFINITY ? 0.0f : n0, u1 = n1 == -INFINITY ? 0.0f : n1; /* empty so far */
     const float a0 = fa_mma_exp2(m0 - u0), a1 = fa_mma_exp2(m1 - u1);
     l0 *= a0;
@@ -110,9 +124,9 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
 #pragma unroll
       for (int n = 0; n < D / 8; n++) o[n].x *= a0, o[n].y *= a0, o[n].z *= a1, o[n].w *= a1;
 #pragma unroll
-    for (int n = 0; n < BK / 8; n++) {
-      s[n].x = fa_mma_exp2(s[n].x - u0), s[n].y = fa_mma_exp2(s[n].y - u0);
-      s[n].z = fa_mma_exp2(s[n].z - u1), s[n].w = fa_mma_exp2(s[n].w - u1);
+    for (int n = 0; n < BK / 8; n++) { /* a masked -inf stays -inf: exp2 gives 0 */
+      s[n].x = fa_mma_exp2(fmaf(s[n].x, mul, -u0)), s[n].y = fa_mma_exp2(fmaf(s[n].y, mul, -u0));
+      s[n].z = fa_mma_exp2(fmaf(s[n].z, mul, -u1)), s[n].w = fa_mma_exp2(fmaf(s[n].w, mul, -u1));
       l0 += s[n].x + s[n].y;
       l1 += s[n].z + s[n].w;
     }
@@ -120,13 +134,13 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
 
     /* O += P V: P from the S accumulators (two n-tiles make one A fragment). */
     {
-      const int vr = fa_ldsm_a_row(lane), vc = fa_ldsm_a_col(lane); /* with .trans: B of [key][dim] */
+      const int vl = vt + fa_ldsm_a_row(lane) * P + fa_ldsm_a_col(lane); /* with .trans: B of [key][dim] */
 #pragma unroll
       for (int kk = 0; kk < BK / 16; kk++) {
         const fa_u4 pa = fa_mma_p_frag(s[2 * kk], s[2 * kk + 1], f16);
 #pragma unroll
         for (int np = 0; np < D / 16; np++) {
-          const fa_u4 b = fa_ldmatrix_x4(vt + (kk * 16 + vr) * P + np * 16 + vc, 1);
+          const fa_u4 b = fa_ldmatrix_x4(sm, vl + kk * 16 * P + np * 16, 1);
           o[2 * np] = fa_mma_16816(o[2 * np], pa, b.x, b.y, f16);
           o[2 * np + 1] = fa_mma_16816(o[2 * np + 1], pa, b.z, b.w, f16);
         }

@@ -43,12 +43,13 @@ static inline __attribute__((always_inline)) void fa_mma_kl_fwd_team(const int D
                                                                       unsigned short *smem) {
   const int P = D + 8;
   const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
-  unsigned short *buf0 = smem, *buf1 = smem + 2 * BK * P; /* each: K_t [BK][P], K_s [BK][P] */
+  const fa_smem sm = fa_smem_of(smem);
+  const int buf0 = 0, buf1 = 2 * BK * P; /* element offsets; each: K_t [BK][P], K_s [BK][P] */
   const int64_t gt = h / (b.h / b.hkv_t), gs = h / (b.h / b.hkv_s);
 
   /* Q_t and Q_s (64 rows each) fill the team memory first; the walk starts after. */
-  fa_mma_load_rows(smem, P, FA_MMA_ROWS, D, b.qt, blk.start, blk.len, h, tid);
-  fa_mma_load_rows(smem + FA_MMA_ROWS * P, P, FA_MMA_ROWS, D, b.qs, blk.start, blk.len, h, tid);
+  fa_mma_load_rows(sm, 0, P, FA_MMA_ROWS, D, b.qt, blk.start, blk.len, h, tid);
+  fa_mma_load_rows(sm, FA_MMA_ROWS * P, P, FA_MMA_ROWS, D, b.qs, blk.start, blk.len, h, tid);
   fa_cp_async_commit();
   fa_cp_async_wait(0);
   ompx_sync_block_acq_rel();
@@ -57,8 +58,8 @@ static inline __attribute__((always_inline)) void fa_mma_kl_fwd_team(const int D
     const int r = warp * 16 + fa_ldsm_a_row(lane), c = fa_ldsm_a_col(lane);
 #pragma unroll
     for (int ks = 0; ks < D / 16; ks++) {
-      qt[ks] = fa_ldmatrix_x4(smem + r * P + ks * 16 + c, 0);
-      qs[ks] = fa_ldmatrix_x4(smem + (FA_MMA_ROWS + r) * P + ks * 16 + c, 0);
+      qt[ks] = fa_ldmatrix_x4(sm, r * P + ks * 16 + c, 0);
+      qs[ks] = fa_ldmatrix_x4(sm, (FA_MMA_ROWS + r) * P + ks * 16 + c, 0);
     }
   }
   ompx_sync_block_acq_rel();
@@ -70,13 +71,13 @@ static inline __attribute__((always_inline)) void fa_mma_kl_fwd_team(const int D
 
   fa_tile_walk w = {b.qoff[blk.seg], b.qoff[blk.seg + 1], 0, 0, 0};
   w = fa_walk_seek(w, b.seg, b.pair, blk, 0);
-  if (w.pi < w.pend) fa_mma_load_kv(buf0, P, BK, D, b.kt, gt, b.ks, gs, w, tid);
+  if (w.pi < w.pend) fa_mma_load_kv(sm, buf0, P, BK, D, b.kt, gt, b.ks, gs, w, tid);
   fa_cp_async_commit();
   int cur = 0;
   while (w.pi < w.pend) {
     const fa_tile_walk nx = fa_walk_next(w, BK, b.seg, b.pair, blk, 0);
-    const unsigned short *kt = cur ? buf1 : buf0, *kst = kt + BK * P;
-    fa_mma_kv_step(cur ? buf0 : buf1, P, BK, D, b.kt, gt, b.ks, gs, nx, tid);
+    const int kt = cur ? buf1 : buf0, kst = kt + BK * P;
+    fa_mma_kv_step(sm, cur ? buf0 : buf1, P, BK, D, b.kt, gt, b.ks, gs, nx, tid);
     const int nk = fa_walk_keys(w, BK);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, row0, w.kb, nk);
     const int lim1 = fa_mma_row_keys(ok1, w.causal, row0 + 8, w.kb, nk);
@@ -84,13 +85,13 @@ static inline __attribute__((always_inline)) void fa_mma_kl_fwd_team(const int D
 #pragma unroll
     for (int n = 0; n < BK / 8; n++) st[n] = fa_f4_zero(), ss[n] = fa_f4_zero();
     {
-      const int kr = fa_ldsm_b_row(lane), kc = fa_ldsm_b_col(lane);
+      const int kl = fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane); /* constant offsets from here fold */
 #pragma unroll
       for (int ks = 0; ks < D / 16; ks++)
 #pragma unroll
         for (int np = 0; np < BK / 16; np++) {
-          const fa_u4 bt = fa_ldmatrix_x4(kt + (np * 16 + kr) * P + ks * 16 + kc, 0);
-          const fa_u4 bs = fa_ldmatrix_x4(kst + (np * 16 + kr) * P + ks * 16 + kc, 0);
+          const fa_u4 bt = fa_ldmatrix_x4(sm, kt + kl + np * 16 * P + ks * 16, 0);
+          const fa_u4 bs = fa_ldmatrix_x4(sm, kst + kl + np * 16 * P + ks * 16, 0);
           st[2 * np] = fa_mma_16816(st[2 * np], qt[ks], bt.x, bt.y, f16);
           st[2 * np + 1] = fa_mma_16816(st[2 * np + 1], qt[ks], bt.z, bt.w, f16);
           ss[2 * np] = fa_mma_16816(ss[2 * np], qs[ks], bs.x, bs.y, f16);

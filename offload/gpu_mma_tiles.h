@@ -53,9 +53,10 @@ static inline fa_tile_walk fa_walk_next(fa_tile_walk w, int bk, const fa_range *
 }
 
 /* Team-cooperative cp.async of rows [row0, row0 + n) of head `head` of t
- * (n <= cap) into a cap x D tile of pitch P elements; rows n..cap-1 are
- * zero-filled (masked lanes then multiply finite zeros). */
-static inline void fa_mma_load_rows(unsigned short *dst, int P, int cap, int D, fa_dev_tensor t, int64_t row0,
+ * (n <= cap) into a cap x D tile of pitch P elements at element dst of team
+ * memory m; rows n..cap-1 are zero-filled (masked lanes then multiply finite
+ * zeros). */
+static inline void fa_mma_load_rows(fa_smem m, int dst, int P, int cap, int D, fa_dev_tensor t, int64_t row0,
                                     int64_t n, int64_t head, int tid) {
   /* Thread tid copies chunk tid % chunks of rows tid / chunks + i * step: a
    * trip count known at compile time (cap is a multiple of step for every
@@ -68,30 +69,30 @@ static inline void fa_mma_load_rows(unsigned short *dst, int P, int cap, int D, 
   for (int i = 0; i < cap / step; i++) {
     const int r = r0 + i * step, in = r < n;
     /* a row past n copies nothing (zero-fill) from row0, which exists */
-    fa_cp_async16(dst + r * P + col, in ? src + r * t.rs : src, in ? 16 : 0);
+    fa_cp_async16(m, dst + r * P + col, in ? src + r * t.rs : src, in ? 16 : 0);
   }
 }
 
 /* Keys of tile w (at most bk). */
 static inline int fa_walk_keys(fa_tile_walk w, int bk) { return (int)(w.kend - w.kb < bk ? w.kend - w.kb : bk); }
 
-/* cp.async of tile w's rows of two tensors into buf: a (head ga) [BK][P],
- * then b (head gb) [BK][P]. Attention: K and V of one KV head; StreamKL:
- * the teacher's and the student's K. */
-static inline void fa_mma_load_kv(unsigned short *buf, int P, int BK, int D, fa_dev_tensor a, int64_t ga,
+/* cp.async of tile w's rows of two tensors into the buffer at element buf
+ * of m: a (head ga) [BK][P], then b (head gb) [BK][P]. Attention: K and V of
+ * one KV head; StreamKL: the teacher's and the student's K. */
+static inline void fa_mma_load_kv(fa_smem m, int buf, int P, int BK, int D, fa_dev_tensor a, int64_t ga,
                                   fa_dev_tensor b, int64_t gb, fa_tile_walk w, int tid) {
   const int nk = fa_walk_keys(w, BK);
-  fa_mma_load_rows(buf, P, BK, D, a, w.kb, nk, ga, tid);
-  fa_mma_load_rows(buf + BK * P, P, BK, D, b, w.kb, nk, gb, tid);
+  fa_mma_load_rows(m, buf, P, BK, D, a, w.kb, nk, ga, tid);
+  fa_mma_load_rows(m, buf + BK * P, P, BK, D, b, w.kb, nk, gb, tid);
 }
 
 /* The double-buffered walk's step: start tile nx (if any) into `next`, then
  * wait for this thread's copies of the current tile and for the team, so the
  * current buffer is complete and visible. */
-static inline void fa_mma_kv_step(unsigned short *next, int P, int BK, int D, fa_dev_tensor a, int64_t ga,
+static inline void fa_mma_kv_step(fa_smem m, int next, int P, int BK, int D, fa_dev_tensor a, int64_t ga,
                                   fa_dev_tensor b, int64_t gb, fa_tile_walk nx, int tid) {
   if (nx.pi < nx.pend) {
-    fa_mma_load_kv(next, P, BK, D, a, ga, b, gb, nx, tid);
+    fa_mma_load_kv(m, next, P, BK, D, a, ga, b, gb, nx, tid);
     fa_cp_async_commit();
     fa_cp_async_wait(1);
   } else {
@@ -123,6 +124,9 @@ static inline int fa_mma_key_first_query(int key_ok, int64_t causal, int64_t k_p
 
 /* Scaled score in log2 units where key < lim (fa_mma_row_keys), else -inf. */
 static inline float fa_mma_score(float s, float mul, int key, int lim) { return key < lim ? s * mul : -INFINITY; }
+
+/* The raw score where key < lim (fa_mma_row_keys), else -inf. */
+static inline float fa_mma_mask(float s, int key, int lim) { return key < lim ? s : -INFINITY; }
 
 
 /* Team-cooperative scan of rows [0, n) of an n x D b16 tile (n = 16, 32 or

@@ -255,19 +255,18 @@ static void fa_gpu_dkv_reduce(const fa_gpu_bwd *b, int dev) {
   }
 }
 
-/* Teams for dK/dV: one per (key block, KV head) fills the GPU when there are
- * many key blocks; a few heavily read blocks (a shared prompt) are cut into
- * units of reader queries so about FA_GPU_DKV_TEAMS teams work at once. */
-#define FA_GPU_DKV_TEAMS 1056 /* 8 per SM of an H200 */
+/* dK/dV teams that run at once on an H200 (132 SMs): the FP32 kernel fits 8
+ * per SM, the tensor-core kernel 2 (255 registers x 128 threads). Heavily read
+ * key blocks (a shared prompt) are cut into units of reader queries
+ * (fa_plan_key_chunk) only when one (key block, KV head) team would carry
+ * more than a slot's share of the work; on a GPU with fewer SMs the cut is
+ * coarser than ideal, never wrong. */
+#define FA_GPU_SMS 132
+#define FA_GPU_DKV_SLOTS (8 * FA_GPU_SMS)
+#define FA_MMA_DKV_SLOTS (2 * FA_GPU_SMS)
 
 int64_t fa_gpu_dkv_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int64_t hkv) {
-  if (nkb * hkv >= FA_GPU_DKV_TEAMS) return INT64_MAX;
-  int64_t work = 0;
-  for (int64_t b = 0; b < nkb; b++)
-    for (int64_t j = p->k_pair_off[kb[b].seg]; j < p->k_pair_off[kb[b].seg + 1]; j++)
-      work += fa_pair_queries(p->seg, p->pair[p->k_pair_idx[j]], kb[b].start, p->qshift).len;
-  const int64_t chunk = (work * hkv + FA_GPU_DKV_TEAMS - 1) / FA_GPU_DKV_TEAMS;
-  return chunk < 64 ? 64 : chunk; /* below a few query tiles the partials cost more than they save */
+  return fa_plan_key_chunk(p, kb, nkb, hkv, FA_GPU_DKV_SLOTS);
 }
 
 forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkattn_memory memory) {
@@ -282,7 +281,10 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
   fa_key_unit *units_h = NULL;
   int64_t *unit_off_h = NULL, nunits = -1;
   if (nqb >= 0 && nkb >= 0)
-    nunits = fa_plan_key_units(p, kb_h, nkb, fa_gpu_dkv_chunk(p, kb_h, nkb, a->hkv), &units_h, &unit_off_h);
+    nunits = fa_plan_key_units(p, kb_h, nkb,
+                               mma ? fa_plan_key_chunk(p, kb_h, nkb, a->hkv * (a->d == 128 ? 2 : 1), FA_MMA_DKV_SLOTS)
+                                   : fa_gpu_dkv_chunk(p, kb_h, nkb, a->hkv),
+                               &units_h, &unit_off_h);
   fa_stage st;
   fa_stage_init(&st, ctx, memory == FORKATTN_MEMORY_HOST);
   fa_gpu_bwd b = {.rows = p->rows, .qshift = p->qshift, .hq = a->hq, .hkv = a->hkv, .d = a->d, .scale = a->scale,

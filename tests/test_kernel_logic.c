@@ -267,6 +267,63 @@ Test(segment_plan, key_units_cover_every_reader_row_once) {
   }
 }
 
+/* The key-unit chunk for the GPU dK/dV teams: no split when every (key block,
+ * team) is within a slot's share; otherwise the share, so no unit carries
+ * more than its share. Both shapes of issue 5's case 1 and 2 by their plans. */
+static int64_t kl_block_rows(const fa_plan *p, const fa_block *b) {
+  int64_t rows = 0;
+  for (int64_t j = p->k_pair_off[b->seg]; j < p->k_pair_off[b->seg + 1]; j++)
+    rows += fa_pair_queries(p->seg, p->pair[p->k_pair_idx[j]], b->start, p->qshift).len;
+  return rows;
+}
+
+Test(segment_plan, key_chunk_splits_only_blocks_above_a_slots_share) {
+  /* case 1: one causal sequence of 4096, 64-row key blocks, 16 KV heads */
+  fa_plan p;
+  int64_t off1[2] = {0, 0};
+  cr_assert_eq(fa_plan_prefix(&p, 4096, 1, off1, 1), 0);
+  fa_block *blk;
+  int64_t nb = fa_plan_blocks(&p, 64, 1, &blk);
+  cr_assert_eq(nb, 64);
+  int64_t work = 0;
+  for (int64_t b = 0; b < nb; b++) work += kl_block_rows(&p, &blk[b]);
+  cr_assert_eq(work, 64 * 4096 - 64 * 63 / 2 * 64, "causal readers: 4096 + 4032 + ... + 64");
+  /* tensor cores: 264 slots, two passes -> share 15 9xx rows, the heaviest block has 4096 */
+  cr_assert_eq(fa_plan_key_chunk(&p, blk, nb, 16 * 2, 264), INT64_MAX);
+  /* FP32: 1056 slots, one pass -> share ceil(133 120 * 16 / 1056) = 2017 < 4096: split */
+  const int64_t c = fa_plan_key_chunk(&p, blk, nb, 16, 1056);
+  cr_assert_eq(c, (work * 16 + 1055) / 1056);
+  fa_key_unit *u;
+  int64_t *uo;
+  const int64_t nu = fa_plan_key_units(&p, blk, nb, c, &u, &uo);
+  cr_assert_gt(nu, nb, "the heaviest blocks are cut");
+  for (int64_t b = 0; b < nb; b++)
+    cr_assert_eq(uo[b + 1] - uo[b], (kl_block_rows(&p, &blk[b]) + c - 1) / c);
+  free(u);
+  free(uo);
+  /* a slot count too small to matter, and one per block: never below 64 rows */
+  cr_assert_eq(fa_plan_key_chunk(&p, blk, nb, 1, 1), INT64_MAX);
+  cr_assert_eq(fa_plan_key_chunk(&p, blk, nb, 1, 1 << 20), 64);
+  free(blk);
+  fa_plan_free(&p);
+
+  /* case 2's shape: prompt 4096 read by 16 responses of 1024 -> prompt blocks
+   * have 4096 - 64 i + 16 * 1024 readers; 8 KV heads, two passes, 264 slots */
+  int64_t off2[17];
+  for (int i = 0; i <= 16; i++) off2[i] = 1024 * i;
+  cr_assert_eq(fa_plan_prefix(&p, 4096, 16, off2, 1), 0);
+  nb = fa_plan_blocks(&p, 64, 1, &blk);
+  cr_assert_eq(nb, 64 + 16 * 16);
+  cr_assert_eq(kl_block_rows(&p, &blk[0]), 4096 + 16 * 1024, "heaviest first: the prompt's first block");
+  cr_assert_eq(fa_plan_key_chunk(&p, blk, nb, 8 * 2, 264), INT64_MAX);
+  /* with 16x the slots the prompt's blocks are over their share */
+  const int64_t c2 = fa_plan_key_chunk(&p, blk, nb, 8 * 2, 264 * 16);
+  cr_assert_lt(c2, 4096 + 16 * 1024);
+  cr_assert_geq(c2, 64);
+  free(blk);
+  fa_plan_free(&p);
+}
+
 Test(segment_plan, blocks_cover_every_row_once_heaviest_first) {
   tc_rng rng = tc_rng_for("segment_plan.blocks");
   for (int trial = 0; trial < 40; trial++) {

@@ -254,6 +254,10 @@ EMU_CASE(prefix_causal_nan_v_bf16_d64, .P = 70, .N = 1, .lens = {10}, .causal = 
  * z/w elements, lanes 4-7 of the quad test) */
 EMU_CASE(prefix_causal_nan_v9_bf16_d64, .P = 20, .N = 1, .lens = {10}, .causal = 1, .hq = 2, .hkv = 1, .d = 64,
          .nan_v_row = 9)
+/* d = 128 (32-key tiles): keys 0-31 cross the team's first diagonal, yet
+ * warps 2 and 3 (rows 32-63) see all of them and take the unmasked path */
+EMU_CASE(prefix_causal_nan_v_f16_d128, .P = 70, .N = 1, .lens = {10}, .causal = 1, .hq = 2, .hkv = 1, .d = 128,
+         .f16 = 1, .nan_v_row = 5)
 
 /* ---- StreamKL forward ------------------------------------------------------ */
 

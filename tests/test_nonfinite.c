@@ -13,9 +13,11 @@
 #include "reference.h"
 #include "test_common.h"
 
-/* head_dim 64 so bf16/f16 calls take the GPU's tensor-core forward, whose P V
- * product would turn 0 * NaN of a masked key into NaN (offload/gpu_mma_fwd.c). */
-enum { P = 20, N = 3, HQ = 4, HKV = 2, D = 64, G = HQ / HKV };
+/* head_dim 128 so bf16/f16 calls take the GPU's tensor-core kernels, whose
+ * products would turn 0 * NaN of a masked key into NaN (offload/gpu_mma_fwd.c),
+ * and a 70-row prompt so their tiles include the case where a tile crosses
+ * the team's first diagonal yet a warp sees all of it (its unmasked path). */
+enum { P = 70, N = 3, HQ = 4, HKV = 2, D = 128, G = HQ / HKV };
 static const int64_t lens[N] = {13, 0, 17};
 #define T (P + 30)
 
@@ -127,8 +129,10 @@ static void nonfinite_case(int causal, double bad_value, forkattn_dtype dt, cons
   for (int i = 0; i < T * HQ * D; i++) in.q[i] = tc_uniform(&rng, -1, 1), in.dout[i] = tc_uniform(&rng, -1, 1);
   for (int i = 0; i < T * HKV * D; i++) in.k[i] = tc_uniform(&rng, -1, 1), in.v[i] = tc_uniform(&rng, -1, 1);
   run(ctx, causal, dt, &in, &base);
-  /* rows: prompt start/middle, first and middle rows of response 0, last row of response 2 */
-  const int64_t rows[] = {0, 9, P, P + 6, T - 1};
+  /* rows: prompt start/middle (40: in a query tile that crosses the diagonal of
+   * the prompt's first key block, whose keys 0-31 it sees whole), first and
+   * middle rows of response 0, last row of response 2 */
+  const int64_t rows[] = {0, 9, 40, P, P + 6, T - 1};
   for (int tensor = 0; tensor < 4; tensor++)
     for (size_t ri = 0; ri < sizeof rows / sizeof rows[0]; ri++) {
       const int64_t r = rows[ri], heads = (tensor == 1 || tensor == 2) ? HKV : HQ, h = r % heads;

@@ -2,7 +2,8 @@
 # Run on the GPU machine: A/B of library builds in one device call. Each
 # variant is a folder holding a libforkattn.so.0 (label=folder); the build's
 # own `forkattn` binary loads it through LD_LIBRARY_PATH. For ROUNDS rounds
-# (default 2), every variant in turn runs issue 5's case 1 and case 2 with
+# (default 2), every variant in turn runs issue 5's case 1 and case 2 (and
+# case 1 at head_dim 64, "case64") with
 # `forkattn bench prefix` and FORKATTN_GPU_TRACE=1, so the variants alternate
 # and share the card's state. $OUT/ab.txt: forward and forward+backward per
 # run, and the median phase times (µs) of the traced calls per variant.
@@ -16,12 +17,13 @@ sum="$final/ab.txt"
 export OMP_TARGET_OFFLOAD=mandatory FORKATTN_BACKEND=gpu FORKATTN_GPU_TRACE=1
 case1="--n 1 --p 4096 --r 0 --hq 16 --hkv 16 --d 128 --dtype bf16 --repeats 20"
 case2="--n 16 --p 4096 --r 1024 --hq 32 --hkv 8 --d 128 --dtype bf16 --repeats 5"
+case64="--n 1 --p 4096 --r 0 --hq 16 --hkv 16 --d 64 --dtype bf16 --repeats 20"
 status=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader >> "$sum" 2>&1
 for round in $(seq "${ROUNDS:-2}"); do
   for v in "$@"; do
     label=${v%%=*} dir=${v#*=}
-    for c in case1 case2; do
+    for c in case1 case2 case64; do
       log="$final/trace_${label}_${c}.txt"
       # shellcheck disable=SC2086
       LD_LIBRARY_PATH="$(cd "$dir" && pwd)" timeout 180 bash bench/gpu_run.sh "$b/forkattn" bench prefix \
@@ -36,7 +38,7 @@ done
 # median of each phase over the traced calls of a variant and case
 for v in "$@"; do
   label=${v%%=*}
-  for c in case1 case2; do
+  for c in case1 case2 case64; do
     for call in attn_fwd attn_bwd; do
       grep "forkattn gpu $call " "$final/trace_${label}_${c}.txt" 2>/dev/null | python3 -c '
 import sys, statistics

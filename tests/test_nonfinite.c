@@ -118,6 +118,25 @@ static void expect(const char *what, const double *got, const double *base, int6
     }
 }
 
+/* The other half of the contract, for a NaN in v or dout: every output that
+ * depends on it shows it (a NaN somewhere in its row), so a kernel that
+ * contains 0 * NaN of masked keys by zeroing a row must still flag the rows
+ * that do see it. The reach is exact there (a NaN value row makes o, dP and D
+ * of every reading row NaN; a NaN dout row its dP, D and dV terms); dv does
+ * not depend on v. A NaN in q or k makes the reading rows' lse NaN, and the
+ * backward gives such rows no gradient (they are not asked here). */
+static void expect_shows(const char *what, const double *got, int64_t rows, int64_t heads, int64_t d,
+                         const char *bad, const char *label) {
+  for (int64_t i = 0; i < rows; i++)
+    for (int64_t h = 0; h < heads; h++) {
+      if (!bad[i * heads + h]) continue;
+      int shows = 0;
+      for (int64_t c = 0; c < d && !shows; c++) shows = isnan(got[(i * heads + h) * d + c]);
+      cr_assert(shows, "%s: %s[%lld, %lld] depends on the NaN but has none", label, what, (long long)i,
+                (long long)h);
+    }
+}
+
 static void nonfinite_case(int causal, double bad_value, forkattn_dtype dt, const char *label) {
   forkattn_ctx *ctx = tc_ctx_default(label);
   cr_assert_not_null(ctx);
@@ -151,8 +170,14 @@ static void nonfinite_case(int causal, double bad_value, forkattn_dtype dt, cons
       expect("dq", got.dq, base.dq, T, HQ, D, &x.dq[0][0], dt, where);
       expect("dk", got.dk, base.dk, T, HKV, D, &x.dkv[0][0], dt, where);
       expect("dv", got.dv, base.dv, T, HKV, D, &x.dkv[0][0], dt, where);
-      /* and a NaN does reach what it touches directly (an inf may act as a
-       * -inf score, i.e. a masked key, so only NaN is checked) */
+      /* and a NaN does reach what depends on it (an inf may act as a -inf
+       * score, i.e. a masked key, so only NaN is checked) */
+      if (isnan(bad_value) && tensor >= 2) {
+        if (tensor == 2) expect_shows("o", got.o, T, HQ, D, &x.o[0][0], where);
+        expect_shows("dq", got.dq, T, HQ, D, &x.dq[0][0], where);
+        expect_shows("dk", got.dk, T, HKV, D, &x.dkv[0][0], where);
+        if (tensor == 3) expect_shows("dv", got.dv, T, HKV, D, &x.dkv[0][0], where);
+      }
       if (isnan(bad_value) && (tensor == 0 || tensor == 2)) {
         const int64_t qh = tensor == 0 ? h : h * G;
         cr_assert(isnan(got.o[(r * HQ + qh) * D + (r % D)]), "%s: o of the row itself should be NaN", where);

@@ -31,8 +31,10 @@ typedef struct fa_gpu_fwd_args {
  * memory (host tensors are staged dense). */
 int fa_gpu_mma_fwd_ok(const fa_attn_fwd *a, forkattn_memory memory);
 /* The shared rule: tensors t[0..n) all bf16 or all f16 (the dtype of t[0])
- * and, in device memory, 16-byte aligned rows; head_dim d; no kept set. */
-int fa_gpu_mma_ok(const forkattn_tensor *const *t, int n, int64_t d, int has_kept, forkattn_memory memory);
+ * and, in device memory, 16-byte aligned rows; head_dim d; no kept set; the
+ * plan's rows (with qshift) and pairs below FA_MMA_MAX_POS (32-bit walks). */
+int fa_gpu_mma_ok(const forkattn_tensor *const *t, int n, int64_t d, int has_kept, const fa_plan *plan,
+                  forkattn_memory memory);
 void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g);
 
 #endif

@@ -28,7 +28,7 @@
 
 int fa_gpu_mma_bwd_ok(const fa_attn_bwd *a, forkattn_memory memory) {
   const forkattn_tensor *t[4] = {&a->q, &a->k, &a->v, &a->dout};
-  return fa_gpu_mma_ok(t, 4, a->d, a->kept != NULL, memory);
+  return fa_gpu_mma_ok(t, 4, a->d, a->kept != NULL, a->plan, memory);
 }
 
 

@@ -70,7 +70,9 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
   ompx_sync_block_acq_rel();
 
   const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
-  const int64_t row0 = blk.start + r0, q_pos0 = row0 + qshift, q_pos1 = q_pos0 + 8;
+  const int64_t row0 = blk.start + r0;
+  const int qfirst = (int)(blk.start + qshift); /* key-frame position of the block's first row */
+  const int q_pos0 = qfirst + r0, q_pos1 = q_pos0 + 8;
   const float lse0 = ok0 ? b.lse[row0 * b.hq + h] * FA_LOG2E : 0.0f;
   const float lse1 = ok1 ? b.lse[(row0 + 8) * b.hq + h] * FA_LOG2E : 0.0f;
   fa_f4 dq[FA_MMA_MAX_D / 8];
@@ -78,7 +80,7 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
   for (int n = 0; n < D / 8; n++) dq[n] = fa_f4_zero();
   int bad0 = 0, bad1 = 0;
 
-  fa_tile_walk w = {b.qoff[blk.seg], b.qoff[blk.seg + 1], 0, 0, 0};
+  fa_tile_walk w = fa_walk_init(b.qoff, blk);
   w = fa_walk_seek(w, seg, pair, blk, qshift);
   if (w.pi < w.pend) fa_mma_load_kv(sm, buf0, P, BK, D, b.k, g, b.v, g, w, tid);
   fa_cp_async_commit();
@@ -92,7 +94,7 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
     const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
     /* dQ += dS K multiplies masked keys' rows by dS = 0: non-finite K rows of a
      * tile that hides keys from some rows are zeroed and flagged (fa_mma_scan_rows). */
-    const int masked = w.causal && w.kb + BK - 1 > blk.start + qshift;
+    const int masked = w.causal && w.kb + BK - 1 > qfirst;
     const unsigned long long kflags = masked ? fa_mma_scan_rows(smem + kt, P, BK, D, f16, kbad, tid) : 0;
 
     fa_f4 s[FA_MMA_MAX_BK / 8], dp[FA_MMA_MAX_BK / 8];
@@ -115,7 +117,7 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
     /* dS = P (dP - D) where visible, an exact 0 elsewhere (a select, not a
      * product). A tile whose keys every row of this warp sees (warp-uniform,
      * as in the forward) skips the masks. */
-    if (nk == BK && (!w.causal || w.kb + BK - 1 <= blk.start + warp * 16 + qshift)) {
+    if (nk == BK && (!w.causal || w.kb + BK - 1 <= qfirst + warp * 16)) {
       if (kflags) bad0 = bad1 = 1; /* every row of the warp sees the tile's non-finite K row */
 #pragma unroll
       for (int n = 0; n < BK / 8; n++) {
@@ -180,7 +182,7 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
  * index, up to j1), query head hh of the group, tile [qb, qb + BQ) of the
  * reader's queries [.., qend). By value (see gpu_mma.h). */
 typedef struct fa_query_walk {
-  int64_t j, hh, qb, q0, qend, causal;
+  int j, hh, qb, q0, qend, causal; /* 32-bit: FA_MMA_MAX_POS */
 } fa_query_walk;
 
 /* First tile at or after (w.j, w.hh) with queries; w.j > u.j1 when done. */
@@ -191,9 +193,9 @@ static inline fa_query_walk fa_qwalk_seek(fa_query_walk w, const fa_gpu_bwd *b, 
     const fa_range qs = fa_pair_queries(b->seg, pr, blk.start, b->qshift);
     const int64_t lo = w.j == u.j0 ? u.lo : 0, hi = w.j == u.j1 ? u.hi : qs.len;
     if (hi > lo && w.hh < group) {
-      w.q0 = w.qb = qs.start + lo;
-      w.qend = qs.start + hi;
-      w.causal = pr.causal;
+      w.q0 = w.qb = (int)(qs.start + lo);
+      w.qend = (int)(qs.start + hi);
+      w.causal = pr.causal != 0;
       return w;
     }
   }
@@ -217,7 +219,7 @@ static inline fa_query_walk fa_qwalk_next(fa_query_walk w, const fa_gpu_bwd *b, 
  * `at` (Q [BQ][P], dO [BQ][P]) and the float pair `ld` ([BQ] lse, [BQ] D). */
 static inline void fa_mma_load_queries(fa_smem m, int at, float *ld, int P, int D, const fa_gpu_bwd *b,
                                        fa_query_walk w, int64_t h, int tid) {
-  const int64_t nq = w.qend - w.qb < FA_MMA_BQ ? w.qend - w.qb : FA_MMA_BQ;
+  const int nq = w.qend - w.qb < FA_MMA_BQ ? w.qend - w.qb : FA_MMA_BQ;
   fa_mma_load_rows(m, at, P, FA_MMA_BQ, D, b->q, w.qb, nq, h, tid);
   fa_mma_load_rows(m, at + FA_MMA_BQ * P, P, FA_MMA_BQ, D, b->dout, w.qb, nq, h, tid);
   if (tid < FA_MMA_BQ) { /* visible to the team after the barrier that precedes its use */
@@ -266,13 +268,14 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
 
   const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
   const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
-  const int64_t k_pos0 = blk.start + r0, k_pos1 = k_pos0 + 8; /* keys are rows of the key frame */
+  const int kfirst = (int)blk.start, qsh = (int)qshift; /* keys are rows of the key frame */
+  const int k_pos0 = kfirst + r0, k_pos1 = k_pos0 + 8;
   fa_f4 dk[FA_MMA_MAX_D / 8], dv[FA_MMA_MAX_D / 8];
 #pragma unroll
   for (int n = 0; n < D / 8; n++) dk[n] = fa_f4_zero(), dv[n] = fa_f4_zero();
   int bad0 = 0, bad1 = 0;
 
-  fa_query_walk w = {u.j0, 0, 0, 0, 0, 0};
+  fa_query_walk w = {(int)u.j0, 0, 0, 0, 0, 0};
   w = fa_qwalk_seek(w, &b, u, blk, group);
   if (w.j <= u.j1) fa_mma_load_queries(sm, qbuf0, ld0, P, D, &b, w, g * group + w.hh, tid);
   fa_cp_async_commit();
@@ -289,13 +292,13 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
       fa_cp_async_wait(0);
     }
     ompx_sync_block_acq_rel();
-    const int nq = (int)(w.qend - w.qb < BQ ? w.qend - w.qb : BQ);
-    const int lo0 = fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb + qshift, nq);
-    const int lo1 = fa_mma_key_first_query(ok1, w.causal, k_pos1, w.qb + qshift, nq);
+    const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
+    const int lo0 = fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb + qsh, nq);
+    const int lo1 = fa_mma_key_first_query(ok1, w.causal, k_pos1, w.qb + qsh, nq);
     /* dV += P^T dO and dK += dS^T Q multiply hidden queries' rows by 0: in a
      * tile where some query cannot see some key, non-finite Q/dO rows are
      * zeroed and flagged. */
-    const int masked = w.causal && w.qb + qshift < blk.start + blk.len - 1;
+    const int masked = w.causal && w.qb + qsh < kfirst + (int)blk.len - 1;
     const unsigned long long qflags =
         masked ? fa_mma_scan_rows(smem + qt, P, BQ, D, f16, qbad, tid) | fa_mma_scan_rows(smem + ot, P, BQ, D, f16, qbad, tid)
                : 0;
@@ -321,7 +324,7 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
     }
     /* P^T and dS^T in place of S^T and dP^T. A tile whose queries all see
      * every key of this warp (warp-uniform) skips the masks. */
-    if (nq == BQ && (!w.causal || blk.start + warp * 16 + 15 <= w.qb + qshift)) {
+    if (nq == BQ && (!w.causal || kfirst + warp * 16 + 15 <= w.qb + qsh)) {
       if (qflags) bad0 = bad1 = 1; /* every key of the warp is seen by the tile's non-finite row */
 #pragma unroll
       for (int n = 0; n < BQ / 8; n++) {

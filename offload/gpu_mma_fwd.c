@@ -27,10 +27,12 @@
 #include "online_softmax.h"
 
 
-int fa_gpu_mma_ok(const forkattn_tensor *const *t, int n, int64_t d, int has_kept, forkattn_memory memory) {
+int fa_gpu_mma_ok(const forkattn_tensor *const *t, int n, int64_t d, int has_kept, const fa_plan *plan,
+                  forkattn_memory memory) {
   /* FORKATTN_GPU_MMA=0 keeps the FP32 kernels (a fallback for comparison and diagnosis). */
   const char *env = getenv("FORKATTN_GPU_MMA");
   if (env && strcmp(env, "0") == 0) return 0;
+  if (!fa_mma_plan_fits(plan)) return 0; /* walks in 32 bits: fewer registers and instructions */
   const int dt = (int)t[0]->dtype;
   if (has_kept || (dt != FORKATTN_DTYPE_BF16 && dt != FORKATTN_DTYPE_F16) || (d != 64 && d != 128)) return 0;
   for (int i = 0; i < n; i++) {
@@ -44,7 +46,7 @@ int fa_gpu_mma_ok(const forkattn_tensor *const *t, int n, int64_t d, int has_kep
 
 int fa_gpu_mma_fwd_ok(const fa_attn_fwd *a, forkattn_memory memory) {
   const forkattn_tensor *t[3] = {&a->q, &a->k, &a->v};
-  return fa_gpu_mma_ok(t, 3, a->d, a->kept != NULL, memory);
+  return fa_gpu_mma_ok(t, 3, a->d, a->kept != NULL, a->plan, memory);
 }
 
 

@@ -30,7 +30,7 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
   /* Q (64 rows) streams into buffer 1 while tile 0 streams into buffer 0. */
   fa_mma_load_rows(sm, buf1, P, FA_MMA_ROWS, D, ga.q, blk.start, blk.len, h, tid);
   fa_cp_async_commit();
-  fa_tile_walk w = {ga.qoff[blk.seg], ga.qoff[blk.seg + 1], 0, 0, 0};
+  fa_tile_walk w = fa_walk_init(ga.qoff, blk);
   w = fa_walk_seek(w, seg, pair, blk, qshift);
   if (w.pi < w.pend) fa_mma_load_kv(sm, buf0, P, BK, D, ga.k, g, ga.v, g, w, tid);
   fa_cp_async_commit();
@@ -51,7 +51,8 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
   const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0); /* elements x; z is 8 rows down */
   const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
   int bad0 = 0, bad1 = 0; /* the row sees a non-finite V row of a masked tile */
-  const int64_t q_pos0 = blk.start + r0 + qshift, q_pos1 = q_pos0 + 8;
+  const int qfirst = (int)(blk.start + qshift); /* key-frame position of the block's first row */
+  const int q_pos0 = qfirst + r0, q_pos1 = q_pos0 + 8;
   int cur = 0;
 
   while (w.pi < w.pend) {
@@ -64,7 +65,7 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
     /* Only a causal tile crossing the team's first diagonal hides keys from
      * some rows; there 0 * NaN in P V would leak a non-finite V row into rows
      * that cannot see it, so its non-finite V rows are flagged and zeroed. */
-    const int masked = w.causal && w.kb + BK - 1 > blk.start + qshift;
+    const int masked = w.causal && w.kb + BK - 1 > qfirst;
     unsigned long long vflags = 0; /* bit j: V row j of the tile was non-finite */
     if (masked) vflags = fa_mma_scan_rows(smem + vt, P, BK, D, f16, vbad, tid);
 
@@ -87,7 +88,7 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
      * fma, so it commutes with the max. A tile whose keys every row of this
      * warp sees (warp-uniform) skips the masks. */
     float mx0 = -INFINITY, mx1 = -INFINITY;
-    if (nk == BK && (!w.causal || w.kb + BK - 1 <= blk.start + warp * 16 + qshift)) {
+    if (nk == BK && (!w.causal || w.kb + BK - 1 <= qfirst + warp * 16)) {
 #pragma unroll
       for (int n = 0; n < BK / 8; n++) {
         mx0 = fmaxf(mx0, fmaxf(s[n].x, s[n].y));

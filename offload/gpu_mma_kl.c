@@ -11,7 +11,7 @@
 
 int fa_gpu_mma_kl_ok(const fa_kl_call *c, forkattn_memory memory) {
   const forkattn_tensor *t[4] = {&c->qt, &c->kt, &c->qs, &c->ks};
-  return c->ds == c->dt && fa_gpu_mma_ok(t, 4, c->dt, c->kept != NULL, memory);
+  return c->ds == c->dt && fa_gpu_mma_ok(t, 4, c->dt, c->kept != NULL, c->plan, memory);
 }
 
 /* One team per (64-row query block, query head); two buffers of both sides' K tiles. */

@@ -69,7 +69,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_fwd_team(const int D
   const int64_t row0 = blk.start + r0; /* StreamKL plans have qshift 0 */
   fa_kl_state acc0 = fa_kl_init(), acc1 = fa_kl_init();
 
-  fa_tile_walk w = {b.qoff[blk.seg], b.qoff[blk.seg + 1], 0, 0, 0};
+  fa_tile_walk w = fa_walk_init(b.qoff, blk);
   w = fa_walk_seek(w, b.seg, b.pair, blk, 0);
   if (w.pi < w.pend) fa_mma_load_kv(sm, buf0, P, BK, D, b.kt, gt, b.ks, gs, w, tid);
   fa_cp_async_commit();
@@ -79,8 +79,8 @@ static inline __attribute__((always_inline)) void fa_mma_kl_fwd_team(const int D
     const int kt = cur ? buf1 : buf0, kst = kt + BK * P;
     fa_mma_kv_step(sm, cur ? buf0 : buf1, P, BK, D, b.kt, gt, b.ks, gs, nx, tid);
     const int nk = fa_walk_keys(w, BK);
-    const int lim0 = fa_mma_row_keys(ok0, w.causal, row0, w.kb, nk);
-    const int lim1 = fa_mma_row_keys(ok1, w.causal, row0 + 8, w.kb, nk);
+    const int lim0 = fa_mma_row_keys(ok0, w.causal, (int)row0, w.kb, nk);
+    const int lim1 = fa_mma_row_keys(ok1, w.causal, (int)row0 + 8, w.kb, nk);
     fa_f4 st[FA_MMA_MAX_BK / 8], ss[FA_MMA_MAX_BK / 8];
 #pragma unroll
     for (int n = 0; n < BK / 8; n++) st[n] = fa_f4_zero(), ss[n] = fa_f4_zero();

@@ -21,13 +21,29 @@
 #define FA_MMA_MAX_BK 64   /* keys per tile: 64 at head_dim 64, 32 at 128 */
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
+/* Rows (plus qshift) and pair indices of a plan the kernels take: their walks
+ * keep positions in 32 bits, with room for a tile past the end. */
+#define FA_MMA_MAX_POS (INT32_MAX - 1024)
+
+/* 1 when plan p fits the kernels' 32-bit walks (FA_MMA_MAX_POS); 2^31 rows of
+ * head_dim 64 in 16 bits would take 256 GiB. */
+static inline int fa_mma_plan_fits(const fa_plan *p) {
+  return p->qshift >= 0 && p->rows + p->qshift < FA_MMA_MAX_POS && p->npairs < FA_MMA_MAX_POS;
+}
 
 #pragma omp declare target
 /* A team's walk over key tiles: pair pi (up to pend), tile [kb, kb + BK) of
- * the pair's visible keys [.., kend). Passed by value (see gpu_mma.h). */
+ * the pair's visible keys [.., kend). 32-bit (FA_MMA_MAX_POS): registers and
+ * instructions in the hot loop. Passed by value (see gpu_mma.h). */
 typedef struct fa_tile_walk {
-  int64_t pi, pend, kb, kend, causal;
+  int pi, pend, kb, kend, causal;
 } fa_tile_walk;
+
+/* The walk of query block blk: its segment's pairs, no tile yet. */
+static inline fa_tile_walk fa_walk_init(const int64_t *qoff, fa_block blk) {
+  const fa_tile_walk w = {(int)qoff[blk.seg], (int)qoff[blk.seg + 1], 0, 0, 0};
+  return w;
+}
 
 /* First tile at or after pair w.pi whose pair sees keys (w.pi == w.pend: done). */
 static inline fa_tile_walk fa_walk_seek(fa_tile_walk w, const fa_range *seg, const fa_pair *pair, fa_block blk,
@@ -35,9 +51,9 @@ static inline fa_tile_walk fa_walk_seek(fa_tile_walk w, const fa_range *seg, con
   for (; w.pi < w.pend; w.pi++) {
     const fa_range k = fa_pair_keys(seg, pair[w.pi], blk.start, blk.len, qshift);
     if (k.len > 0) {
-      w.kb = k.start;
-      w.kend = k.start + k.len;
-      w.causal = pair[w.pi].causal;
+      w.kb = (int)k.start;
+      w.kend = (int)(k.start + k.len);
+      w.causal = pair[w.pi].causal != 0;
       return w;
     }
   }
@@ -74,7 +90,7 @@ static inline void fa_mma_load_rows(fa_smem m, int dst, int P, int cap, int D, f
 }
 
 /* Keys of tile w (at most bk). */
-static inline int fa_walk_keys(fa_tile_walk w, int bk) { return (int)(w.kend - w.kb < bk ? w.kend - w.kb : bk); }
+static inline int fa_walk_keys(fa_tile_walk w, int bk) { return w.kend - w.kb < bk ? w.kend - w.kb : bk; }
 
 /* cp.async of tile w's rows of two tensors into the buffer at element buf
  * of m: a (head ga) [BK][P], then b (head gb) [BK][P]. Attention: K and V of
@@ -105,21 +121,21 @@ static inline void fa_mma_kv_step(fa_smem m, int next, int P, int BK, int D, fa_
  * q_pos sees: all nk, or for a causal pair those up to its diagonal; 0 for
  * a row outside the block. Computed once per tile so the per-element test
  * is one 32-bit compare. */
-static inline int fa_mma_row_keys(int row_ok, int64_t causal, int64_t q_pos, int64_t kb, int nk) {
+static inline int fa_mma_row_keys(int row_ok, int causal, int q_pos, int kb, int nk) {
   if (!row_ok) return 0;
   if (!causal) return nk;
-  const int64_t n = q_pos - kb + 1;
-  return n < 0 ? 0 : n > nk ? nk : (int)n;
+  const int n = q_pos - kb + 1;
+  return n < 0 ? 0 : n > nk ? nk : n;
 }
 
 /* First query of a tile (first at key-frame position q_first, nq queries)
  * that sees key row k_pos: 0, or for a causal pair the query on its
  * diagonal; nq (none) for a key outside the block. Queries [lo, nq) see it. */
-static inline int fa_mma_key_first_query(int key_ok, int64_t causal, int64_t k_pos, int64_t q_first, int nq) {
+static inline int fa_mma_key_first_query(int key_ok, int causal, int k_pos, int q_first, int nq) {
   if (!key_ok) return nq;
   if (!causal) return 0;
-  const int64_t n = k_pos - q_first;
-  return n < 0 ? 0 : n > nq ? nq : (int)n;
+  const int n = k_pos - q_first;
+  return n < 0 ? 0 : n > nq ? nq : n;
 }
 
 /* Scaled score in log2 units where key < lim (fa_mma_row_keys), else -inf. */

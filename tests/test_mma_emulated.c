@@ -348,6 +348,22 @@ static void kl_case(const char *name, int64_t P, int64_t N, const int64_t *lens,
 }
 
 /* teacher 4 query / 2 KV heads, student 4 / 1; forward and reverse KL */
+/* The kernels keep positions and pair indices in 32 bits; larger plans go to
+ * the FP32 kernels (fa_gpu_mma_ok). */
+Test(mma_emulated, plans_beyond_32_bit_positions_are_refused) {
+  fa_plan p;
+  int64_t off[2] = {0, 100};
+  cr_assert_eq(fa_plan_prefix(&p, 4096, 1, off, 1), 0);
+  cr_assert(fa_mma_plan_fits(&p));
+  fa_plan_free(&p);
+  cr_assert_eq(fa_plan_prefix(&p, FA_MMA_MAX_POS - 100, 1, off, 1), 0);
+  cr_assert(!fa_mma_plan_fits(&p), "%lld rows", (long long)p.rows);
+  fa_plan_free(&p);
+  cr_assert_eq(fa_plan_prefix(&p, FA_MMA_MAX_POS - 101, 1, off, 1), 0);
+  cr_assert(fa_mma_plan_fits(&p), "%lld rows: the last that fits", (long long)p.rows);
+  fa_plan_free(&p);
+}
+
 Test(mma_emulated, kl_prefix_causal_bf16_d64, .timeout = 600) {
   const int64_t lens[3] = {40, 1, 23};
   kl_case("mma_emulated/kl_prefix_causal_bf16_d64", 70, 3, lens, 1, 4, 2, 1, 64, 0, 0);

@@ -9,8 +9,9 @@
  * from the accumulators and K through ldmatrix.trans.
  *
  * dK/dV: a team owns a unit of one key block (64 keys, 4 warps x 16 keys, K
- * and V fragments in registers) and one KV head, and walks the unit's reader
- * queries in tiles of 32 (FA_MMA_BQ) for each query head of the group:
+ * fragments in registers; V fragments too at head_dim 64, V in team memory at
+ * 128) and one KV head, and walks the unit's reader queries in tiles of 32
+ * (FA_MMA_BQ; 16 at head_dim 128) for each query head of the group:
  * S^T = K Q^T, dP^T = V dO^T, P^T and dS^T as above with lse and D per
  * column, dV += P^T dO and dK += dS^T Q (Q and dO through ldmatrix.trans).
  * Q/dO tiles are double-buffered with cp.async. No atomics: each key block's
@@ -40,21 +41,30 @@ void fa_gpu_mma_dq(const fa_gpu_bwd *b) {
   FA_MMA_BY_SHAPE(FA_MMA_DQ, b->d, b->q.dtype == FORKATTN_DTYPE_F16);
 }
 
-/* One launch. At head_dim 128 the dV and dK passes (FA_DKV_V, FA_DKV_K) are
- * two teams per unit, adjacent: one launch instead of two (each costs tens
- * of microseconds on the host), and the heaviest units' passes both start
- * first (units are in key-block order, heaviest first). */
-#define FA_MMA_DKV(D, F16, SPLIT)                                                                                  \
+/* At head_dim 128 the dK/dV teams keep V in team memory and walk 16-query
+ * tiles (FA_DKV_VSMEM: 4 products per tile, one team per unit). Built with
+ * FA_MMA_DKV_FUSED=0 they run a dV and a dK pass instead (5 products), as the
+ * two adjacent teams of each unit: one launch instead of two (each costs tens
+ * of microseconds on the host), the heaviest units' passes both first. */
+#ifndef FA_MMA_DKV_FUSED
+#define FA_MMA_DKV_FUSED 1
+#endif
+
+int fa_gpu_mma_dkv_passes(int64_t d) { return d == 128 && !FA_MMA_DKV_FUSED ? 2 : 1; }
+
+#define FA_MMA_DKV(D, F16, MODE)                                                                                   \
   do {                                                                                                        \
-    const size_t smem = (size_t)(4 * FA_MMA_BQ * ((D) + 8)) * 2 + 4 * FA_MMA_BQ * sizeof(float) +             \
-                        4 * sizeof(unsigned);                                                                 \
-    const int nteams = (SPLIT) ? 2 * nunit_teams : nunit_teams;                                               \
+    const int split = (MODE) == 2, vsm = (MODE) == 1;                                                         \
+    const size_t smem = FA_MMA_DKV_SMEM((D), vsm);                                                            \
+    const int nteams = split ? 2 * nunit_teams : nunit_teams;                                                 \
     _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args)") \
     {                                                                                                         \
       unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
-      const int64_t team = ompx_block_id_x(), t = (SPLIT) ? team / 2 : team;                                  \
-      if (!(SPLIT))                                                                                           \
+      const int64_t team = ompx_block_id_x(), t = (MODE) == 2 ? team / 2 : team;                              \
+      if ((MODE) == 0)                                                                                        \
         fa_mma_dkv_team((D), (F16), FA_DKV_K | FA_DKV_V, args, t / args.hkv, t % args.hkv, sm);               \
+      else if ((MODE) == 1)                                                                                   \
+        fa_mma_dkv_team((D), (F16), FA_DKV_K | FA_DKV_V | FA_DKV_VSMEM, args, t / args.hkv, t % args.hkv, sm); \
       else if (team % 2 == 0) /* team-uniform */                                                              \
         fa_mma_dkv_team((D), (F16), FA_DKV_V, args, t / args.hkv, t % args.hkv, sm);                          \
       else                                                                                                    \
@@ -65,8 +75,9 @@ void fa_gpu_mma_dq(const fa_gpu_bwd *b) {
 void fa_gpu_mma_dkv(const fa_gpu_bwd *b) {
   const fa_gpu_bwd args = *b;
   const int nunit_teams = (int)(b->nunits * b->hkv), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
-  if (b->d == 128 && f16) FA_MMA_DKV(128, 1, 1);
-  else if (b->d == 128) FA_MMA_DKV(128, 0, 1);
+  const int mode128 = FA_MMA_DKV_FUSED ? 1 : 2; /* 0: both in registers (head_dim 64) */
+  if (b->d == 128 && f16) FA_MMA_DKV(128, 1, mode128);
+  else if (b->d == 128) FA_MMA_DKV(128, 0, mode128);
   else if (f16) FA_MMA_DKV(64, 1, 0);
   else FA_MMA_DKV(64, 0, 0);
 }

@@ -12,7 +12,7 @@
 #include "gpu_mma.h"
 #include "gpu_mma_tiles.h"
 
-#define FA_MMA_BQ 32 /* reader queries per dK/dV tile */
+#define FA_MMA_BQ 32 /* reader queries per dK/dV tile (16 with V in team memory, FA_DKV_VSMEM) */
 
 #pragma omp declare target
 
@@ -202,9 +202,9 @@ static inline fa_query_walk fa_qwalk_seek(fa_query_walk w, const fa_gpu_bwd *b, 
   return w;
 }
 
-static inline fa_query_walk fa_qwalk_next(fa_query_walk w, const fa_gpu_bwd *b, fa_key_unit u, fa_block blk,
-                                          int64_t group) {
-  w.qb += FA_MMA_BQ;
+static inline fa_query_walk fa_qwalk_next(fa_query_walk w, int bq, const fa_gpu_bwd *b, fa_key_unit u,
+                                          fa_block blk, int64_t group) {
+  w.qb += bq;
   if (w.qb < w.qend) return w;
   if (++w.hh < group) {
     w.qb = w.q0;
@@ -215,54 +215,65 @@ static inline fa_query_walk fa_qwalk_next(fa_query_walk w, const fa_gpu_bwd *b, 
   return fa_qwalk_seek(w, b, u, blk, group);
 }
 
-/* Queries of tile w: Q, dO rows and their lse (log2 units) and D into buffer
- * `at` (Q [BQ][P], dO [BQ][P]) and the float pair `ld` ([BQ] lse, [BQ] D). */
-static inline void fa_mma_load_queries(fa_smem m, int at, float *ld, int P, int D, const fa_gpu_bwd *b,
+/* Queries of tile w (BQ of them): Q, dO rows and their lse (log2 units) and D
+ * into buffer `at` (Q [BQ][P], dO [BQ][P]) and the float pair `ld` ([BQ] lse,
+ * [BQ] D). */
+static inline void fa_mma_load_queries(fa_smem m, int at, float *ld, int P, int D, int BQ, const fa_gpu_bwd *b,
                                        fa_query_walk w, int64_t h, int tid) {
-  const int nq = w.qend - w.qb < FA_MMA_BQ ? w.qend - w.qb : FA_MMA_BQ;
-  fa_mma_load_rows(m, at, P, FA_MMA_BQ, D, b->q, w.qb, nq, h, tid);
-  fa_mma_load_rows(m, at + FA_MMA_BQ * P, P, FA_MMA_BQ, D, b->dout, w.qb, nq, h, tid);
-  if (tid < FA_MMA_BQ) { /* visible to the team after the barrier that precedes its use */
+  const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
+  fa_mma_load_rows(m, at, P, BQ, D, b->q, w.qb, nq, h, tid);
+  fa_mma_load_rows(m, at + BQ * P, P, BQ, D, b->dout, w.qb, nq, h, tid);
+  if (tid < BQ) { /* visible to the team after the barrier that precedes its use */
     ld[tid] = tid < nq ? b->lse[(w.qb + tid) * b->hq + h] * FA_LOG2E : 0.0f;
-    ld[FA_MMA_BQ + tid] = tid < nq ? b->dsum[(w.qb + tid) * b->hq + h] : 0.0f;
+    ld[BQ + tid] = tid < nq ? b->dsum[(w.qb + tid) * b->hq + h] : 0.0f;
   }
 }
 
-/* What a dK/dV pass accumulates: both at head_dim 64; at 128 one pass each,
- * as 64 + 64 accumulator registers per thread next to the K fragments and the
- * products' operands spilled (ptxas: 160 local loads/stores per tile). */
+/* What a dK/dV pass accumulates: both at head_dim 64. At 128, both with V in
+ * team memory (FA_DKV_VSMEM: its A fragments read per tile, 16-query tiles),
+ * or one pass each (with K and V fragments both in registers next to 64 + 64
+ * accumulators, ptxas spilled 160 local loads/stores per tile). */
 #define FA_DKV_K 1
 #define FA_DKV_V 2
+#define FA_DKV_VSMEM 4
+/* Team memory of a dK/dV team at head_dim d: [V tile, FA_DKV_VSMEM only] | two
+ * query buffers (Q [BQ][P], dO [BQ][P]) | lse, D of each | scan flags. */
+#define FA_MMA_DKV_SMEM(d, vsmem)                                                                               \
+  ((size_t)(((vsmem) ? FA_MMA_ROWS : 0) + 4 * ((vsmem) ? 16 : FA_MMA_BQ)) * ((d) + 8) * 2 +                     \
+   4 * ((vsmem) ? 16 : FA_MMA_BQ) * sizeof(float) + 4 * sizeof(unsigned))
 
 static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, const int f16, const int what,
                                                                    const fa_gpu_bwd b, int64_t ui, int64_t g,
                                                                    unsigned short *smem) {
-  const int P = D + 8, BQ = FA_MMA_BQ;
+  const int vsm = what & FA_DKV_VSMEM, P = D + 8, BQ = vsm ? 16 : FA_MMA_BQ;
   const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
   const fa_key_unit u = b.units[ui];
   const fa_block blk = b.kblocks[u.block];
   const int64_t group = b.hq / b.hkv, qshift = b.qshift;
   const float mul = b.scale * FA_LOG2E;
-  /* team memory: two query buffers (Q [BQ][P], dO [BQ][P]) | lse, D | scan flags */
+  /* team memory (FA_MMA_DKV_SMEM), element offsets */
   const fa_smem sm = fa_smem_of(smem);
-  const int qbuf0 = 0, qbuf1 = 2 * BQ * P; /* element offsets */
-  float *ld0 = (float *)(smem + 4 * BQ * P), *ld1 = ld0 + 2 * BQ;
+  const int vtile = 0, qbuf0 = vsm ? FA_MMA_ROWS * P : 0, qbuf1 = qbuf0 + 2 * BQ * P;
+  float *ld0 = (float *)(smem + qbuf1 + 2 * BQ * P), *ld1 = ld0 + 2 * BQ;
   unsigned *qbad = (unsigned *)(ld1 + 2 * BQ);
 
-  /* K (and for dK, V) go through the query buffers (2 BQ = 64 rows each)
-   * into registers: each warp's 16 keys as A fragments of K Q^T and V dO^T. */
-  _Static_assert(2 * FA_MMA_BQ == FA_MMA_ROWS, "a query buffer holds one key block");
-  fa_mma_load_rows(sm, qbuf0, P, FA_MMA_ROWS, D, b.k, blk.start, blk.len, g, tid);
-  if (what & FA_DKV_K) fa_mma_load_rows(sm, qbuf1, P, FA_MMA_ROWS, D, b.v, blk.start, blk.len, g, tid);
+  /* K goes through the query buffers (4 BQ = 64 rows with V in team memory,
+   * 2 BQ otherwise) into registers: each warp's 16 keys as A fragments of
+   * K Q^T; V likewise (A of V dO^T) unless it stays in team memory. */
+  _Static_assert(2 * FA_MMA_BQ == FA_MMA_ROWS && 4 * 16 == FA_MMA_ROWS, "the query buffers hold one key block");
+  const int kstage = qbuf0, vstage = vsm ? vtile : qbuf1;
+  fa_mma_load_rows(sm, kstage, P, FA_MMA_ROWS, D, b.k, blk.start, blk.len, g, tid);
+  if (what & FA_DKV_K) fa_mma_load_rows(sm, vstage, P, FA_MMA_ROWS, D, b.v, blk.start, blk.len, g, tid);
   fa_cp_async_commit();
   fa_cp_async_wait(0);
   ompx_sync_block_acq_rel();
   fa_u4 kf[FA_MMA_MAX_D / 16], vf[FA_MMA_MAX_D / 16];
   const int ar = fa_ldsm_a_row(lane), ac = fa_ldsm_a_col(lane);
+  const int vl = vstage + (warp * 16 + ar) * P + ac; /* this lane's row of the warp's V A fragments */
 #pragma unroll
   for (int ks = 0; ks < D / 16; ks++) {
-    kf[ks] = fa_ldmatrix_x4(sm, qbuf0 + (warp * 16 + ar) * P + ks * 16 + ac, 0);
-    if (what & FA_DKV_K) vf[ks] = fa_ldmatrix_x4(sm, qbuf1 + (warp * 16 + ar) * P + ks * 16 + ac, 0);
+    kf[ks] = fa_ldmatrix_x4(sm, kstage + (warp * 16 + ar) * P + ks * 16 + ac, 0);
+    if ((what & FA_DKV_K) && !vsm) vf[ks] = fa_ldmatrix_x4(sm, vl + ks * 16, 0);
   }
   ompx_sync_block_acq_rel();
 
@@ -277,15 +288,15 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
 
   fa_query_walk w = {(int)u.j0, 0, 0, 0, 0, 0};
   w = fa_qwalk_seek(w, &b, u, blk, group);
-  if (w.j <= u.j1) fa_mma_load_queries(sm, qbuf0, ld0, P, D, &b, w, g * group + w.hh, tid);
+  if (w.j <= u.j1) fa_mma_load_queries(sm, qbuf0, ld0, P, D, BQ, &b, w, g * group + w.hh, tid);
   fa_cp_async_commit();
   int cur = 0;
   while (w.j <= u.j1) {
-    const fa_query_walk nx = fa_qwalk_next(w, &b, u, blk, group);
+    const fa_query_walk nx = fa_qwalk_next(w, BQ, &b, u, blk, group);
     const int qt = cur ? qbuf1 : qbuf0, ot = qt + BQ * P;
     const float *ld = cur ? ld1 : ld0;
     if (nx.j <= u.j1) {
-      fa_mma_load_queries(sm, cur ? qbuf0 : qbuf1, cur ? ld0 : ld1, P, D, &b, nx, g * group + nx.hh, tid);
+      fa_mma_load_queries(sm, cur ? qbuf0 : qbuf1, cur ? ld0 : ld1, P, D, BQ, &b, nx, g * group + nx.hh, tid);
       fa_cp_async_commit();
       fa_cp_async_wait(1);
     } else {
@@ -317,8 +328,9 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
           s[2 * np + 1] = fa_mma_16816(s[2 * np + 1], kf[ks], bq.z, bq.w, f16);
           if (what & FA_DKV_K) { /* dP^T only feeds dS^T */
             const fa_u4 bo = fa_ldmatrix_x4(sm, bl + BQ * P + np * 16 * P + ks * 16, 0);
-            dp[2 * np] = fa_mma_16816(dp[2 * np], vf[ks], bo.x, bo.y, f16);
-            dp[2 * np + 1] = fa_mma_16816(dp[2 * np + 1], vf[ks], bo.z, bo.w, f16);
+            const fa_u4 va = vsm ? fa_ldmatrix_x4(sm, vl + ks * 16, 0) : vf[ks];
+            dp[2 * np] = fa_mma_16816(dp[2 * np], va, bo.x, bo.y, f16);
+            dp[2 * np + 1] = fa_mma_16816(dp[2 * np + 1], va, bo.z, bo.w, f16);
           }
         }
     }

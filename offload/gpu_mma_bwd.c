@@ -75,9 +75,10 @@ int fa_gpu_mma_dkv_passes(int64_t d) { return d == 128 && !FA_MMA_DKV_FUSED ? 2 
 void fa_gpu_mma_dkv(const fa_gpu_bwd *b) {
   const fa_gpu_bwd args = *b;
   const int nunit_teams = (int)(b->nunits * b->hkv), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
-  const int mode128 = FA_MMA_DKV_FUSED ? 1 : 2; /* 0: both in registers (head_dim 64) */
-  if (b->d == 128 && f16) FA_MMA_DKV(128, 1, mode128);
-  else if (b->d == 128) FA_MMA_DKV(128, 0, mode128);
+  /* modes (compile-time: one form per kernel): 0 both in registers, 1 V in team memory, 2 two passes */
+#define FA_MMA_DKV_MODE128 (FA_MMA_DKV_FUSED ? 1 : 2)
+  if (b->d == 128 && f16) FA_MMA_DKV(128, 1, FA_MMA_DKV_MODE128);
+  else if (b->d == 128) FA_MMA_DKV(128, 0, FA_MMA_DKV_MODE128);
   else if (f16) FA_MMA_DKV(64, 1, 0);
   else FA_MMA_DKV(64, 0, 0);
 }

@@ -35,8 +35,5 @@ typedef struct fa_gpu_bwd {
 int fa_gpu_mma_bwd_ok(const fa_attn_bwd *a, forkattn_memory memory);
 void fa_gpu_mma_dq(const fa_gpu_bwd *b);
 void fa_gpu_mma_dkv(const fa_gpu_bwd *b);
-/* dK/dV teams per key unit of the tensor-core kernel at head_dim d (2: a dV
- * and a dK pass). */
-int fa_gpu_mma_dkv_passes(int64_t d);
 
 #endif

@@ -41,44 +41,24 @@ void fa_gpu_mma_dq(const fa_gpu_bwd *b) {
   FA_MMA_BY_SHAPE(FA_MMA_DQ, b->d, b->q.dtype == FORKATTN_DTYPE_F16);
 }
 
-/* At head_dim 128 the dK/dV teams keep V in team memory and walk 16-query
- * tiles (FA_DKV_VSMEM: 4 products per tile, one team per unit). Built with
- * FA_MMA_DKV_FUSED=0 they run a dV and a dK pass instead (5 products), as the
- * two adjacent teams of each unit: one launch instead of two (each costs tens
- * of microseconds on the host), the heaviest units' passes both first. */
-#ifndef FA_MMA_DKV_FUSED
-#define FA_MMA_DKV_FUSED 1
-#endif
-
-int fa_gpu_mma_dkv_passes(int64_t d) { return d == 128 && !FA_MMA_DKV_FUSED ? 2 : 1; }
-
-#define FA_MMA_DKV(D, F16, MODE)                                                                                   \
+/* One team per (key unit, KV head); at head_dim 128 V's tile stays in team
+ * memory (vsm: 16-query tiles, fa_mma_dkv_team). */
+#define FA_MMA_DKV(D, F16, VSM)                                                                                    \
   do {                                                                                                        \
-    const int split = (MODE) == 2, vsm = (MODE) == 1;                                                         \
-    const size_t smem = FA_MMA_DKV_SMEM((D), vsm);                                                            \
-    const int nteams = split ? 2 * nunit_teams : nunit_teams;                                                 \
+    const size_t smem = FA_MMA_DKV_SMEM((D), (VSM));                                                          \
     _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args)") \
     {                                                                                                         \
       unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
-      const int64_t team = ompx_block_id_x(), t = (MODE) == 2 ? team / 2 : team;                              \
-      if ((MODE) == 0)                                                                                        \
-        fa_mma_dkv_team((D), (F16), FA_DKV_K | FA_DKV_V, args, t / args.hkv, t % args.hkv, sm);               \
-      else if ((MODE) == 1)                                                                                   \
-        fa_mma_dkv_team((D), (F16), FA_DKV_K | FA_DKV_V | FA_DKV_VSMEM, args, t / args.hkv, t % args.hkv, sm); \
-      else if (team % 2 == 0) /* team-uniform */                                                              \
-        fa_mma_dkv_team((D), (F16), FA_DKV_V, args, t / args.hkv, t % args.hkv, sm);                          \
-      else                                                                                                    \
-        fa_mma_dkv_team((D), (F16), FA_DKV_K, args, t / args.hkv, t % args.hkv, sm);                          \
+      const int64_t team = ompx_block_id_x();                                                                 \
+      fa_mma_dkv_team((D), (F16), (VSM), args, team / args.hkv, team % args.hkv, sm);                         \
     }                                                                                                         \
   } while (0)
 
 void fa_gpu_mma_dkv(const fa_gpu_bwd *b) {
   const fa_gpu_bwd args = *b;
-  const int nunit_teams = (int)(b->nunits * b->hkv), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
-  /* modes (compile-time: one form per kernel): 0 both in registers, 1 V in team memory, 2 two passes */
-#define FA_MMA_DKV_MODE128 (FA_MMA_DKV_FUSED ? 1 : 2)
-  if (b->d == 128 && f16) FA_MMA_DKV(128, 1, FA_MMA_DKV_MODE128);
-  else if (b->d == 128) FA_MMA_DKV(128, 0, FA_MMA_DKV_MODE128);
+  const int nteams = (int)(b->nunits * b->hkv), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
+  if (b->d == 128 && f16) FA_MMA_DKV(128, 1, 1);
+  else if (b->d == 128) FA_MMA_DKV(128, 0, 1);
   else if (f16) FA_MMA_DKV(64, 1, 0);
   else FA_MMA_DKV(64, 0, 0);
 }

@@ -12,7 +12,7 @@
 #include "gpu_mma.h"
 #include "gpu_mma_tiles.h"
 
-#define FA_MMA_BQ 32 /* reader queries per dK/dV tile (16 with V in team memory, FA_DKV_VSMEM) */
+#define FA_MMA_BQ 32 /* reader queries per dK/dV tile (16 with V in team memory) */
 
 #pragma omp declare target
 
@@ -229,23 +229,22 @@ static inline void fa_mma_load_queries(fa_smem m, int at, float *ld, int P, int 
   }
 }
 
-/* What a dK/dV pass accumulates: both at head_dim 64. At 128, both with V in
- * team memory (FA_DKV_VSMEM: its A fragments read per tile, 16-query tiles),
- * or one pass each (with K and V fragments both in registers next to 64 + 64
- * accumulators, ptxas spilled 160 local loads/stores per tile). */
-#define FA_DKV_K 1
-#define FA_DKV_V 2
-#define FA_DKV_VSMEM 4
-/* Team memory of a dK/dV team at head_dim d: [V tile, FA_DKV_VSMEM only] | two
- * query buffers (Q [BQ][P], dO [BQ][P]) | lse, D of each | scan flags. */
+/* A dK/dV team accumulates dK and dV together. At head_dim 64 the K and V
+ * fragments both live in registers (32-query tiles); at 128 (vsm) V's tile
+ * stays in team memory and its A fragments are read per 16-query tile: K and
+ * V fragments in registers next to 64 + 64 accumulators spilled (ptxas: 160
+ * local loads/stores per tile), and a dV pass plus a dK pass (5 products per
+ * tile instead of 4) measured slower (bench/NOTES-gpu.md, v1.7).
+ * Team memory at head_dim d: [V tile, vsm only] | two query buffers
+ * (Q [BQ][P], dO [BQ][P]) | lse, D of each | scan flags. */
 #define FA_MMA_DKV_SMEM(d, vsmem)                                                                               \
   ((size_t)(((vsmem) ? FA_MMA_ROWS : 0) + 4 * ((vsmem) ? 16 : FA_MMA_BQ)) * ((d) + 8) * 2 +                     \
    4 * ((vsmem) ? 16 : FA_MMA_BQ) * sizeof(float) + 4 * sizeof(unsigned))
 
-static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, const int f16, const int what,
+static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, const int f16, const int vsm,
                                                                    const fa_gpu_bwd b, int64_t ui, int64_t g,
                                                                    unsigned short *smem) {
-  const int vsm = what & FA_DKV_VSMEM, P = D + 8, BQ = vsm ? 16 : FA_MMA_BQ;
+  const int P = D + 8, BQ = vsm ? 16 : FA_MMA_BQ;
   const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
   const fa_key_unit u = b.units[ui];
   const fa_block blk = b.kblocks[u.block];
@@ -263,7 +262,7 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
   _Static_assert(2 * FA_MMA_BQ == FA_MMA_ROWS && 4 * 16 == FA_MMA_ROWS, "the query buffers hold one key block");
   const int kstage = qbuf0, vstage = vsm ? vtile : qbuf1;
   fa_mma_load_rows(sm, kstage, P, FA_MMA_ROWS, D, b.k, blk.start, blk.len, g, tid);
-  if (what & FA_DKV_K) fa_mma_load_rows(sm, vstage, P, FA_MMA_ROWS, D, b.v, blk.start, blk.len, g, tid);
+  fa_mma_load_rows(sm, vstage, P, FA_MMA_ROWS, D, b.v, blk.start, blk.len, g, tid);
   fa_cp_async_commit();
   fa_cp_async_wait(0);
   ompx_sync_block_acq_rel();
@@ -273,7 +272,7 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
 #pragma unroll
   for (int ks = 0; ks < D / 16; ks++) {
     kf[ks] = fa_ldmatrix_x4(sm, kstage + (warp * 16 + ar) * P + ks * 16 + ac, 0);
-    if ((what & FA_DKV_K) && !vsm) vf[ks] = fa_ldmatrix_x4(sm, vl + ks * 16, 0);
+    if (!vsm) vf[ks] = fa_ldmatrix_x4(sm, vl + ks * 16, 0);
   }
   ompx_sync_block_acq_rel();
 
@@ -326,12 +325,10 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
           const fa_u4 bq = fa_ldmatrix_x4(sm, bl + np * 16 * P + ks * 16, 0);
           s[2 * np] = fa_mma_16816(s[2 * np], kf[ks], bq.x, bq.y, f16);
           s[2 * np + 1] = fa_mma_16816(s[2 * np + 1], kf[ks], bq.z, bq.w, f16);
-          if (what & FA_DKV_K) { /* dP^T only feeds dS^T */
-            const fa_u4 bo = fa_ldmatrix_x4(sm, bl + BQ * P + np * 16 * P + ks * 16, 0);
-            const fa_u4 va = vsm ? fa_ldmatrix_x4(sm, vl + ks * 16, 0) : vf[ks];
-            dp[2 * np] = fa_mma_16816(dp[2 * np], va, bo.x, bo.y, f16);
-            dp[2 * np + 1] = fa_mma_16816(dp[2 * np + 1], va, bo.z, bo.w, f16);
-          }
+          const fa_u4 bo = fa_ldmatrix_x4(sm, bl + BQ * P + np * 16 * P + ks * 16, 0);
+          const fa_u4 va = vsm ? fa_ldmatrix_x4(sm, vl + ks * 16, 0) : vf[ks];
+          dp[2 * np] = fa_mma_16816(dp[2 * np], va, bo.x, bo.y, f16);
+          dp[2 * np + 1] = fa_mma_16816(dp[2 * np + 1], va, bo.z, bo.w, f16);
         }
     }
     /* P^T and dS^T in place of S^T and dP^T. A tile whose queries all see
@@ -374,16 +371,12 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
       const fa_u4 pa = fa_mma_p_frag(s[2 * kk], s[2 * kk + 1], f16), da = fa_mma_p_frag(dp[2 * kk], dp[2 * kk + 1], f16);
 #pragma unroll
       for (int np = 0; np < D / 16; np++) { /* .trans: B of [query][dim] */
-        if (what & FA_DKV_V) {
-          const fa_u4 bo = fa_ldmatrix_x4(sm, al + BQ * P + kk * 16 * P + np * 16, 1);
-          dv[2 * np] = fa_mma_16816(dv[2 * np], pa, bo.x, bo.y, f16);
-          dv[2 * np + 1] = fa_mma_16816(dv[2 * np + 1], pa, bo.z, bo.w, f16);
-        }
-        if (what & FA_DKV_K) {
-          const fa_u4 bq = fa_ldmatrix_x4(sm, al + kk * 16 * P + np * 16, 1);
-          dk[2 * np] = fa_mma_16816(dk[2 * np], da, bq.x, bq.y, f16);
-          dk[2 * np + 1] = fa_mma_16816(dk[2 * np + 1], da, bq.z, bq.w, f16);
-        }
+        const fa_u4 bo = fa_ldmatrix_x4(sm, al + BQ * P + kk * 16 * P + np * 16, 1);
+        dv[2 * np] = fa_mma_16816(dv[2 * np], pa, bo.x, bo.y, f16);
+        dv[2 * np + 1] = fa_mma_16816(dv[2 * np + 1], pa, bo.z, bo.w, f16);
+        const fa_u4 bq = fa_ldmatrix_x4(sm, al + kk * 16 * P + np * 16, 1);
+        dk[2 * np] = fa_mma_16816(dk[2 * np], da, bq.x, bq.y, f16);
+        dk[2 * np + 1] = fa_mma_16816(dk[2 * np + 1], da, bq.z, bq.w, f16);
       }
     }
     ompx_sync_block_acq_rel();
@@ -401,35 +394,21 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
     const float v10 = bad1 ? NAN : dv[n].z, v11 = bad1 ? NAN : dv[n].w;
     if (b.part_k) { /* [units, hkv, 64, d] partial sums, reduced in unit order */
       const int64_t s0 = ((ui * b.hkv + g) * FA_MMA_ROWS + r0) * b.d + c, s1 = s0 + 8 * b.d;
-      if (what & FA_DKV_K) {
-        if (ok0) b.part_k[s0] = k00, b.part_k[s0 + 1] = k01;
-        if (ok1) b.part_k[s1] = k10, b.part_k[s1 + 1] = k11;
-      }
-      if (what & FA_DKV_V) {
-        if (ok0) b.part_v[s0] = v00, b.part_v[s0 + 1] = v01;
-        if (ok1) b.part_v[s1] = v10, b.part_v[s1 + 1] = v11;
-      }
+      if (ok0) b.part_k[s0] = k00, b.part_k[s0 + 1] = k01, b.part_v[s0] = v00, b.part_v[s0 + 1] = v01;
+      if (ok1) b.part_k[s1] = k10, b.part_k[s1 + 1] = k11, b.part_v[s1] = v10, b.part_v[s1 + 1] = v11;
     } else {
       const fa_dev_tensor tk = b.dk, tv = b.dv;
-      if (what & FA_DKV_K) {
-        if (ok0) {
-          fa_store(tk.data, tk.dtype, k_pos0 * tk.rs + g * tk.hs + c, k00);
-          fa_store(tk.data, tk.dtype, k_pos0 * tk.rs + g * tk.hs + c + 1, k01);
-        }
-        if (ok1) {
-          fa_store(tk.data, tk.dtype, k_pos1 * tk.rs + g * tk.hs + c, k10);
-          fa_store(tk.data, tk.dtype, k_pos1 * tk.rs + g * tk.hs + c + 1, k11);
-        }
+      if (ok0) {
+        fa_store(tk.data, tk.dtype, k_pos0 * tk.rs + g * tk.hs + c, k00);
+        fa_store(tk.data, tk.dtype, k_pos0 * tk.rs + g * tk.hs + c + 1, k01);
+        fa_store(tv.data, tv.dtype, k_pos0 * tv.rs + g * tv.hs + c, v00);
+        fa_store(tv.data, tv.dtype, k_pos0 * tv.rs + g * tv.hs + c + 1, v01);
       }
-      if (what & FA_DKV_V) {
-        if (ok0) {
-          fa_store(tv.data, tv.dtype, k_pos0 * tv.rs + g * tv.hs + c, v00);
-          fa_store(tv.data, tv.dtype, k_pos0 * tv.rs + g * tv.hs + c + 1, v01);
-        }
-        if (ok1) {
-          fa_store(tv.data, tv.dtype, k_pos1 * tv.rs + g * tv.hs + c, v10);
-          fa_store(tv.data, tv.dtype, k_pos1 * tv.rs + g * tv.hs + c + 1, v11);
-        }
+      if (ok1) {
+        fa_store(tk.data, tk.dtype, k_pos1 * tk.rs + g * tk.hs + c, k10);
+        fa_store(tk.data, tk.dtype, k_pos1 * tk.rs + g * tk.hs + c + 1, k11);
+        fa_store(tv.data, tv.dtype, k_pos1 * tv.rs + g * tv.hs + c, v10);
+        fa_store(tv.data, tv.dtype, k_pos1 * tv.rs + g * tv.hs + c + 1, v11);
       }
     }
   }

@@ -282,7 +282,7 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
   int64_t *unit_off_h = NULL, nunits = -1;
   if (nqb >= 0 && nkb >= 0)
     nunits = fa_plan_key_units(p, kb_h, nkb,
-                               mma ? fa_plan_key_chunk(p, kb_h, nkb, a->hkv * fa_gpu_mma_dkv_passes(a->d), FA_MMA_DKV_SLOTS)
+                               mma ? fa_plan_key_chunk(p, kb_h, nkb, a->hkv, FA_MMA_DKV_SLOTS)
                                    : fa_gpu_dkv_chunk(p, kb_h, nkb, a->hkv),
                                &units_h, &unit_off_h);
   fa_stage st;

@@ -193,39 +193,30 @@ static void run_case(const char *name, const emu_case *c) {
       cr_assert(fabs(b.dsum[r * hq + h] - s) <= 1e-6 * (double)d * mag + 1e-30, "%s: D[%lld, %lld] = %g, want %g",
                 name, (long long)r, (long long)h, (double)b.dsum[r * hq + h], s);
     }
-  /* head_dim 128: both dK/dV forms, V in team memory (one team per unit) and
-   * the dV + dK passes; 64: one pass with both in registers */
-  const int forms[2][2] = {{d == 128 ? FA_DKV_K | FA_DKV_V | FA_DKV_VSMEM : FA_DKV_K | FA_DKV_V, 0},
-                           {d == 128 ? FA_DKV_V : 0, d == 128 ? FA_DKV_K : 0}};
   const double edq = rel_err(b.dq, rdq, nq, f16, &nonfinite);
   cr_assert_eq(nonfinite, 0, "%s: %lld non-finite (or unwritten) dq elements", name, (long long)nonfinite);
   cr_assert_leq(edq, 1e-2, "%s: dq relative error %.3g", name, edq);
-  for (int form = 0; form < 2 && forms[form][0]; form++) {
-    for (int64_t i = 0; i < nk; i++) b.dk[i] = b.dv[i] = 0x7fc1;
-    for (int pass = 0; pass < 2 && forms[form][pass]; pass++)
-      for (int64_t u = 0; u < nunits; u++)
-        for (int64_t g = 0; g < hkv; g++) EMU_TEAM(fa_mma_dkv_team((int)d, f16, forms[form][pass], gb, u, g, smem));
-    if (part_k) /* as fa_gpu_dkv_reduce: each block's units in order */
-      for (int64_t blk = 0; blk < nkb; blk++)
-        for (int64_t g = 0; g < hkv; g++)
-          for (int64_t row = 0; row < kb[blk].len; row++)
-            for (int64_t x = 0; x < d; x++) {
-              float sk = 0, sv = 0;
-              for (int64_t u = unit_off[blk]; u < unit_off[blk + 1]; u++) {
-                sk += part_k[((u * hkv + g) * FA_MMA_ROWS + row) * d + x];
-                sv += part_v[((u * hkv + g) * FA_MMA_ROWS + row) * d + x];
-              }
-              const int64_t e = ((kb[blk].start + row) * hkv + g) * d + x;
-              b.dk[e] = to16(sk, f16), b.dv[e] = to16(sv, f16);
+  for (int64_t u = 0; u < nunits; u++) /* head_dim 128: V in team memory */
+    for (int64_t g = 0; g < hkv; g++) EMU_TEAM(fa_mma_dkv_team((int)d, f16, d == 128, gb, u, g, smem));
+  if (part_k) /* as fa_gpu_dkv_reduce: each block's units in order */
+    for (int64_t blk = 0; blk < nkb; blk++)
+      for (int64_t g = 0; g < hkv; g++)
+        for (int64_t row = 0; row < kb[blk].len; row++)
+          for (int64_t x = 0; x < d; x++) {
+            float sk = 0, sv = 0;
+            for (int64_t u = unit_off[blk]; u < unit_off[blk + 1]; u++) {
+              sk += part_k[((u * hkv + g) * FA_MMA_ROWS + row) * d + x];
+              sv += part_v[((u * hkv + g) * FA_MMA_ROWS + row) * d + x];
             }
-    const double edk = rel_err(b.dk, rdk, nk, f16, &nonfinite), edv = rel_err(b.dv, rdv, nk, f16, &nonfinite);
-    cr_assert_eq(nonfinite, 0, "%s (dK/dV form %d): %lld non-finite (or unwritten) gradient elements", name, form,
-                 (long long)nonfinite);
-    cr_assert_leq(edk, 1e-2, "%s (dK/dV form %d): dk relative error %.3g", name, form, edk);
-    cr_assert_leq(edv, 1e-2, "%s (dK/dV form %d): dv relative error %.3g", name, form, edv);
-    cr_log_info("%s (dK/dV form %d): units %lld over %lld key blocks; dq %.2g dk %.2g dv %.2g", name, form,
-                (long long)nunits, (long long)nkb, edq, edk, edv);
-  }
+            const int64_t e = ((kb[blk].start + row) * hkv + g) * d + x;
+            b.dk[e] = to16(sk, f16), b.dv[e] = to16(sv, f16);
+          }
+  const double edk = rel_err(b.dk, rdk, nk, f16, &nonfinite), edv = rel_err(b.dv, rdv, nk, f16, &nonfinite);
+  cr_assert_eq(nonfinite, 0, "%s: %lld non-finite (or unwritten) dk/dv elements", name, (long long)nonfinite);
+  cr_assert_leq(edk, 1e-2, "%s: dk relative error %.3g", name, edk);
+  cr_assert_leq(edv, 1e-2, "%s: dv relative error %.3g", name, edv);
+  cr_log_info("%s: units %lld over %lld key blocks; dq %.2g dk %.2g dv %.2g", name, (long long)nunits,
+              (long long)nkb, edq, edk, edv);
   free(part_k);
   free(part_v);
   free(kb);

@@ -17,3 +17,20 @@ for s in SpeedOfLight LaunchStats Occupancy WarpStateStats SchedulerStats Comput
 timeout 300 bash bench/gpu_run.sh ncu --clock-control none -k regex:mma --launch-count "$count" $sections \
   "$b/forkattn" bench prefix --backend gpu --no-replicated --n 1 --p 4096 --r 0 --hq 16 --hkv 16 --d 128 \
   --dtype bf16 --repeats 1 > "$final/ncu_case1.txt" 2>&1
+# NCU_SOURCE=1: also, per tensor-core kernel of case 1 (forward, dQ, dK/dV), one launch
+# with the SourceCounters and WarpStateStats sections, and its SASS with per-instruction
+# executed counts and stall samples ($OUT/ncu_sass_<kernel>.csv, from the source page).
+if [ -n "${NCU_SOURCE:-}" ]; then
+  for k in mma_fwd mma_dq mma_dkv; do
+    rep=$(mktemp -u)
+    # shellcheck disable=SC2086
+    timeout 240 bash bench/gpu_run.sh ncu --clock-control none -k regex:$k --launch-count 1 \
+      --section SourceCounters --section WarpStateStats --import-source no -o "$rep" \
+      "$b/forkattn" bench prefix --backend gpu --no-replicated --n 1 --p 4096 --r 0 --hq 16 --hkv 16 \
+      --d 128 --dtype bf16 --repeats 1 > "$final/ncu_source_$k.txt" 2>&1
+    timeout 120 bash bench/gpu_run.sh ncu -i "$rep.ncu-rep" --page source --csv --print-source sass \
+      > "$final/ncu_sass_$k.csv" 2>> "$final/ncu_source_$k.txt"
+    timeout 60 bash bench/gpu_run.sh ncu -i "$rep.ncu-rep" --page details \
+      >> "$final/ncu_source_$k.txt" 2>&1
+  done
+fi

@@ -59,16 +59,38 @@ static inline uint32_t fa_mma_pack(float lo, float hi, int f16) {
              : (uint32_t)fa_f32_to_bf16(lo) | (uint32_t)fa_f32_to_bf16(hi) << 16;
 }
 
-static inline void fa_copy16(void *dst, const void *src, int bytes) {
+/* 16 bytes at p, 16-byte aligned (global or team memory): one vector load. */
+typedef uint32_t fa_v4u32 __attribute__((vector_size(16))); /* 16-byte aligned, unlike fa_u4 */
+static inline fa_u4 fa_load_u4(const void *p) {
+  const fa_v4u32 v = *(const fa_v4u32 *)p;
+  const fa_u4 r = {v[0], v[1], v[2], v[3]};
+  return r;
+}
+
+/* lo*lo + hi*hi of two b16x2 words (bf16, or IEEE halves when f16 != 0). */
+static inline float fa_dot_b16x2(uint32_t a, uint32_t b, int f16) {
+  if (f16)
+    return fa_f16_to_f32((uint16_t)a) * fa_f16_to_f32((uint16_t)b) +
+           fa_f16_to_f32((uint16_t)(a >> 16)) * fa_f16_to_f32((uint16_t)(b >> 16));
+  return fa_bits_to_f32(a << 16) * fa_bits_to_f32(b << 16) +
+         fa_bits_to_f32(a & 0xffff0000u) * fa_bits_to_f32(b & 0xffff0000u);
+}
+
+/* size bytes to dst: the first `bytes` from src, then zeros. */
+static inline void fa_copy_fill(void *dst, const void *src, int size, int bytes) {
   unsigned char *d = (unsigned char *)dst;
   const unsigned char *s = (const unsigned char *)src;
-  for (int i = 0; i < 16; i++) d[i] = i < bytes ? s[i] : 0;
+  for (int i = 0; i < size; i++) d[i] = i < bytes ? s[i] : 0;
 }
 
 #ifndef FORKATTN_MMA_EMULATE
 /* 16-byte global-to-shared copy; the last 16 - bytes bytes are zero-filled.
  * The base copies synchronously (dst is a generic pointer on the host). */
-static inline void fa_cp_async16(fa_smem m, int off, const void *src, int bytes) { fa_copy16(m.p + off, src, bytes); }
+static inline void fa_cp_async16(fa_smem m, int off, const void *src, int bytes) {
+  fa_copy_fill(m.p + off, src, 16, bytes);
+}
+/* The same for 4 bytes (bytes 0 or 4): one float of a row's lse or D. */
+static inline void fa_cp_async4(fa_smem m, int off, const void *src, int bytes) { fa_copy_fill(m.p + off, src, 4, bytes); }
 static inline void fa_cp_async_commit(void) {}
 /* Wait until at most n (0 or 1) of this thread's committed copy groups are pending. */
 static inline void fa_cp_async_wait(int n) { (void)n; }
@@ -109,24 +131,28 @@ static inline fa_emu_lanes *fa_emu_next(int t) {
 typedef struct fa_emu_copy {
   void *dst;
   const void *src;
-  int bytes, group;
+  int size, bytes, group;
 } fa_emu_copy;
 static fa_emu_copy fa_emu_pending[FA_EMU_THREADS][FA_EMU_COPIES];
 static int fa_emu_npending[FA_EMU_THREADS], fa_emu_committed[FA_EMU_THREADS];
 
-static inline void fa_cp_async16(fa_smem m, int off, const void *src, int bytes) {
+static inline void fa_emu_cp_async(fa_smem m, int off, const void *src, int size, int bytes) {
   const int t = omp_get_thread_num(), n = fa_emu_npending[t]++;
   if (n >= FA_EMU_COPIES) __builtin_trap(); /* more copies in flight than any kernel issues */
-  const fa_emu_copy c = {m.p + off, src, bytes, fa_emu_committed[t]};
+  const fa_emu_copy c = {m.p + off, src, size, bytes, fa_emu_committed[t]};
   fa_emu_pending[t][n] = c;
 }
+static inline void fa_cp_async16(fa_smem m, int off, const void *src, int bytes) {
+  fa_emu_cp_async(m, off, src, 16, bytes);
+}
+static inline void fa_cp_async4(fa_smem m, int off, const void *src, int bytes) { fa_emu_cp_async(m, off, src, 4, bytes); }
 static inline void fa_cp_async_commit(void) { fa_emu_committed[omp_get_thread_num()]++; }
 static inline void fa_cp_async_wait(int n) {
   const int t = omp_get_thread_num(), retire = fa_emu_committed[t] - n; /* groups below this land */
   int kept = 0;
   for (int i = 0; i < fa_emu_npending[t]; i++) {
     const fa_emu_copy c = fa_emu_pending[t][i];
-    if (c.group < retire) fa_copy16(c.dst, c.src, c.bytes);
+    if (c.group < retire) fa_copy_fill(c.dst, c.src, c.size, c.bytes);
     else fa_emu_pending[t][kept++] = c;
   }
   fa_emu_npending[t] = kept;
@@ -143,6 +169,14 @@ static inline float fa_mma_shfl_xor(float x, int mask) {
   e->c[t].x = x;
 #pragma omp barrier
   return e->c[t ^ mask].x;
+}
+
+static inline float fa_mma_shfl_idx(float x, int src) {
+  const int t = omp_get_thread_num();
+  fa_emu_lanes *e = fa_emu_next(t);
+  e->c[t].x = x;
+#pragma omp barrier
+  return e->c[(t & ~31) | (src & 31)].x;
 }
 
 static inline uint32_t fa_mma_ballot(int pred) {
@@ -202,6 +236,12 @@ static inline fa_f4 fa_mma_16816(fa_f4 c, fa_u4 a, uint32_t b0, uint32_t b1, int
 /* Butterfly exchange with lane ^ mask of the warp (one lane alone: itself). */
 static inline float fa_mma_shfl_xor(float x, int mask) {
   (void)mask;
+  return x;
+}
+
+/* x of lane src of the warp (one lane alone: its own). */
+static inline float fa_mma_shfl_idx(float x, int src) {
+  (void)src;
   return x;
 }
 
@@ -274,6 +314,14 @@ static inline float fa_mma_shfl_xor(float x, int mask) {
   return y;
 }
 
+static inline float fa_mma_shfl_idx(float x, int src) {
+  float y;
+  __asm__ volatile("{ .reg .b32 t; mov.b32 t, %1; shfl.sync.idx.b32 t, t, %2, 0x1f, 0xffffffff; mov.b32 %0, t; }"
+                   : "=f"(y)
+                   : "f"(x), "r"(src));
+  return y;
+}
+
 static inline uint32_t fa_mma_ballot(int pred) {
   uint32_t b;
   __asm__ volatile("{ .reg .pred p; setp.ne.s32 p, %1, 0; vote.sync.ballot.b32 %0, p, 0xffffffff; }"
@@ -290,6 +338,13 @@ static inline uint32_t fa_mma_smem(const void *p) {
 
 static inline void fa_cp_async16(fa_smem m, int off, const void *src, int bytes) {
   __asm__ volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(m.s + 2u * (uint32_t)off), "l"(src),
+                   "r"(bytes)
+                   : "memory");
+}
+
+/* .ca: .cg takes 16-byte copies only. */
+static inline void fa_cp_async4(fa_smem m, int off, const void *src, int bytes) {
+  __asm__ volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(m.s + 2u * (uint32_t)off), "l"(src),
                    "r"(bytes)
                    : "memory");
 }

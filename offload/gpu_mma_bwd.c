@@ -28,8 +28,9 @@
 #include "gpu_mma_tiles.h"
 
 int fa_gpu_mma_bwd_ok(const fa_attn_bwd *a, forkattn_memory memory) {
-  const forkattn_tensor *t[4] = {&a->q, &a->k, &a->v, &a->dout};
-  return fa_gpu_mma_ok(t, 4, a->d, a->kept != NULL, a->plan, memory);
+  /* o too: the dQ teams read it in 16-byte chunks for D */
+  const forkattn_tensor *t[5] = {&a->q, &a->k, &a->v, &a->dout, &a->o};
+  return fa_gpu_mma_ok(t, 5, a->d, a->kept != NULL, a->plan, memory);
 }
 
 

@@ -48,24 +48,31 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
   }
   const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
   /* D = rowsum(dO * O) of the warp's 16 rows, here instead of in a kernel of
-   * its own (a launch costs tens of microseconds): dO from team memory, O
-   * from device memory, lanes over columns and a shuffle tree. Stored for
-   * the dK/dV pass, which runs after this kernel. */
-  float dd0 = 0.0f, dd1 = 0.0f;
-  for (int i = 0; i < 16; i++) {
-    const int rr = warp * 16 + i;
-    float sum = 0.0f;
-    if (rr < blk.len) /* warp-uniform */
-      for (int c = lane; c < D; c += 32) {
-        const unsigned short x = smem[(FA_MMA_ROWS + rr) * P + c];
-        sum += (f16 ? fa_f16_to_f32(x) : fa_bf16_to_f32(x)) *
-               fa_load(b.o.data, b.o.dtype, (blk.start + rr) * b.o.rs + h * b.o.hs + c);
-      }
+   * its own (a launch costs tens of microseconds). Lanes 2i and 2i + 1 take
+   * the halves of row i; O's 16-byte chunks are all requested before the
+   * first use (loaded one element at a time, their latency stalled the team:
+   * ncu, v1.8), dO comes from team memory. Stored for the dK/dV pass, which
+   * runs after this kernel. */
+  float dd0, dd1;
+  {
+    const int rr = warp * 16 + lane / 2, half = (lane & 1) * (D / 2), in = rr < blk.len;
+    const unsigned short *orow =
+        (const unsigned short *)b.o.data + (blk.start + (in ? rr : 0)) * b.o.rs + h * b.o.hs + half;
+    fa_u4 ov[FA_MMA_MAX_D / 16];
 #pragma unroll
-    for (int m = 16; m > 0; m /= 2) sum += fa_mma_shfl_xor(sum, m);
-    if (rr == r0) dd0 = sum;
-    if (rr == r0 + 8) dd1 = sum;
-    if (lane == 0 && rr < blk.len) b.dsum[(blk.start + rr) * b.hq + h] = sum;
+    for (int i = 0; i < D / 16; i++) ov[i] = fa_load_u4(orow + 8 * i);
+    float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+    for (int i = 0; i < D / 16; i++) {
+      const fa_u4 dv = fa_load_u4(smem + (FA_MMA_ROWS + rr) * P + half + 8 * i);
+      s0 += fa_dot_b16x2(dv.x, ov[i].x, f16) + fa_dot_b16x2(dv.y, ov[i].y, f16);
+      s1 += fa_dot_b16x2(dv.z, ov[i].z, f16) + fa_dot_b16x2(dv.w, ov[i].w, f16);
+    }
+    float sum = in ? s0 + s1 : 0.0f;
+    sum += fa_mma_shfl_xor(sum, 1);
+    if (!(lane & 1) && in) b.dsum[(blk.start + rr) * b.hq + h] = sum;
+    dd0 = fa_mma_shfl_idx(sum, 2 * (lane / 4)); /* accumulator rows lane / 4 and + 8 */
+    dd1 = fa_mma_shfl_idx(sum, 2 * (lane / 4) + 16);
   }
   ompx_sync_block_acq_rel();
 
@@ -215,17 +222,21 @@ static inline fa_query_walk fa_qwalk_next(fa_query_walk w, int bq, const fa_gpu_
   return fa_qwalk_seek(w, b, u, blk, group);
 }
 
-/* Queries of tile w (BQ of them): Q, dO rows and their lse (log2 units) and D
- * into buffer `at` (Q [BQ][P], dO [BQ][P]) and the float pair `ld` ([BQ] lse,
- * [BQ] D). */
-static inline void fa_mma_load_queries(fa_smem m, int at, float *ld, int P, int D, int BQ, const fa_gpu_bwd *b,
+/* Queries of tile w (BQ of them): Q, dO rows and their lse and D into
+ * buffer `at` (Q [BQ][P], dO [BQ][P]) and the float pair at element `ld`
+ * ([BQ] lse, [BQ] D), all by cp.async in the caller's copy group: a plain
+ * load there stalled its warp for a memory latency per tile, and the team
+ * with it at the next barrier (ncu: a fifth of the kernel's samples). lse
+ * stays in natural-log units; the reader scales it. */
+static inline void fa_mma_load_queries(fa_smem m, int at, int ld, int P, int D, int BQ, const fa_gpu_bwd *b,
                                        fa_query_walk w, int64_t h, int tid) {
   const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
   fa_mma_load_rows(m, at, P, BQ, D, b->q, w.qb, nq, h, tid);
   fa_mma_load_rows(m, at + BQ * P, P, BQ, D, b->dout, w.qb, nq, h, tid);
-  if (tid < BQ) { /* visible to the team after the barrier that precedes its use */
-    ld[tid] = tid < nq ? b->lse[(w.qb + tid) * b->hq + h] * FA_LOG2E : 0.0f;
-    ld[BQ + tid] = tid < nq ? b->dsum[(w.qb + tid) * b->hq + h] : 0.0f;
+  if (tid < 2 * BQ) { /* visible to the team after the wait and barrier that precede its use */
+    const int i = tid % BQ, in = i < nq;
+    const float *src = (tid < BQ ? b->lse : b->dsum) + ((int64_t)w.qb + (in ? i : 0)) * b->hq + h;
+    fa_cp_async4(m, ld + 2 * tid, src, in ? 4 : 0); /* zero-filled past the tile's queries */
   }
 }
 
@@ -253,8 +264,8 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
   /* team memory (FA_MMA_DKV_SMEM), element offsets */
   const fa_smem sm = fa_smem_of(smem);
   const int vtile = 0, qbuf0 = vsm ? FA_MMA_ROWS * P : 0, qbuf1 = qbuf0 + 2 * BQ * P;
-  float *ld0 = (float *)(smem + qbuf1 + 2 * BQ * P), *ld1 = ld0 + 2 * BQ;
-  unsigned *qbad = (unsigned *)(ld1 + 2 * BQ);
+  const int ld0 = qbuf1 + 2 * BQ * P, ld1 = ld0 + 4 * BQ; /* [BQ] lse, [BQ] D as floats */
+  unsigned *qbad = (unsigned *)(smem + ld1 + 4 * BQ);
 
   /* K goes through the query buffers (4 BQ = 64 rows with V in team memory,
    * 2 BQ otherwise) into registers: each warp's 16 keys as A fragments of
@@ -293,7 +304,7 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
   while (w.j <= u.j1) {
     const fa_query_walk nx = fa_qwalk_next(w, BQ, &b, u, blk, group);
     const int qt = cur ? qbuf1 : qbuf0, ot = qt + BQ * P;
-    const float *ld = cur ? ld1 : ld0;
+    const float *ld = (const float *)(smem + (cur ? ld1 : ld0));
     if (nx.j <= u.j1) {
       fa_mma_load_queries(sm, cur ? qbuf0 : qbuf1, cur ? ld0 : ld1, P, D, BQ, &b, nx, g * group + nx.hh, tid);
       fa_cp_async_commit();
@@ -338,7 +349,7 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
 #pragma unroll
       for (int n = 0; n < BQ / 8; n++) {
         const int qi = n * 8 + c0;
-        const float l0 = ld[qi], l1 = ld[qi + 1], d0 = ld[BQ + qi], d1 = ld[BQ + qi + 1];
+        const float l0 = ld[qi] * FA_LOG2E, l1 = ld[qi + 1] * FA_LOG2E, d0 = ld[BQ + qi], d1 = ld[BQ + qi + 1];
         s[n].x = fa_mma_exp2(fmaf(s[n].x, mul, -l0)), s[n].y = fa_mma_exp2(fmaf(s[n].y, mul, -l1));
         s[n].z = fa_mma_exp2(fmaf(s[n].z, mul, -l0)), s[n].w = fa_mma_exp2(fmaf(s[n].w, mul, -l1));
         dp[n].x = s[n].x * (dp[n].x - d0), dp[n].y = s[n].y * (dp[n].y - d1);
@@ -354,7 +365,7 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
           bad0 |= (v00 && (qflags >> qi & 1u)) || (v01 && (qflags >> (qi + 1) & 1u));
           bad1 |= (v10 && (qflags >> qi & 1u)) || (v11 && (qflags >> (qi + 1) & 1u));
         }
-        const float l0 = ld[qi], l1 = ld[qi + 1], d0 = ld[BQ + qi], d1 = ld[BQ + qi + 1];
+        const float l0 = ld[qi] * FA_LOG2E, l1 = ld[qi + 1] * FA_LOG2E, d0 = ld[BQ + qi], d1 = ld[BQ + qi + 1];
         s[n].x = v00 ? fa_mma_exp2(s[n].x * mul - l0) : 0.0f;
         s[n].y = v01 ? fa_mma_exp2(s[n].y * mul - l1) : 0.0f;
         s[n].z = v10 ? fa_mma_exp2(s[n].z * mul - l0) : 0.0f;

@@ -77,15 +77,22 @@ static inline void fa_mma_load_rows(fa_smem m, int dst, int P, int cap, int D, f
   /* Thread tid copies chunk tid % chunks of rows tid / chunks + i * step: a
    * trip count known at compile time (cap is a multiple of step for every
    * tile shape), so the loop unrolls without remainder code and the row
-   * addresses advance by a constant stride. */
+   * addresses advance by one 64-bit add each (a multiply-add chain per row
+   * before). A full tile skips the bounds selects. */
   const int chunks = D / 8, step = FA_MMA_THREADS / chunks; /* 16-byte chunks per row; rows per pass */
   const int r0 = tid / chunks, col = (tid % chunks) * 8;
-  const unsigned short *src = (const unsigned short *)t.data + row0 * t.rs + head * t.hs + col;
+  const unsigned short *base = (const unsigned short *)t.data + head * t.hs + col;
+  const unsigned short *src = base + (row0 + r0) * t.rs, *first = base + row0 * t.rs;
+  const int64_t stride = (int64_t)step * t.rs;
+  if (n >= cap) {
 #pragma unroll
-  for (int i = 0; i < cap / step; i++) {
-    const int r = r0 + i * step, in = r < n;
-    /* a row past n copies nothing (zero-fill) from row0, which exists */
-    fa_cp_async16(m, dst + r * P + col, in ? src + r * t.rs : src, in ? 16 : 0);
+    for (int i = 0; i < cap / step; i++, src += stride) fa_cp_async16(m, dst + (r0 + i * step) * P + col, src, 16);
+  } else {
+#pragma unroll
+    for (int i = 0; i < cap / step; i++, src += stride) {
+      const int in = r0 + i * step < n; /* a row past n copies nothing (zero-fill) from row0, which exists */
+      fa_cp_async16(m, dst + (r0 + i * step) * P + col, in ? src : first, in ? 16 : 0);
+    }
   }
 }
 

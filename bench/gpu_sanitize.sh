@@ -7,11 +7,12 @@
 # Sanitizer", docs/reliability.md). Two workloads:
 #   pytest  the Python binding's CUDA tests (device pointers)
 #   check   `forkattn check` over every 5th case of tests/check/adversarial.txt
-#           (24 cases: odd head_dims, all dtypes and masks), the CLI loaded as
+#           (24 cases: odd head_dims, all dtypes and masks) and all of
+#           tests/check/mma.txt (16 tensor-core shapes), the CLI loaded as
 #           libforkattn_cli_dl.so (offload builds) and entered at forkattn_cli_main
 # One log per tool and workload in $OUT; a summary line each on stdout.
 # FORKATTN_SANITIZE_TOOLS, FORKATTN_SANITIZE_RUNS pick tools and workloads,
-# FORKATTN_SANITIZE_CASES check-batch files to run whole instead of the 24 cases;
+# FORKATTN_SANITIZE_CASES check-batch files to run whole instead of those 40 cases;
 # FORKATTN_SANITIZE_TIMEOUT limits each run (seconds).
 # Usage: bash bench/gpu_sanitize.sh <offload build dir> [pytest -k expression]
 set -uo pipefail
@@ -27,7 +28,8 @@ files="python/tests/test_cuda.py python/tests/test_distill.py python/tests/test_
 if [ -n "${FORKATTN_SANITIZE_CASES:-}" ]; then # check-batch files, every case
   cat $FORKATTN_SANITIZE_CASES | grep -v '^#' > /tmp/forkattn-sanitize.txt
 else
-  grep -v '^#' tests/check/adversarial.txt | awk 'NF && ++n % 5 == 1' > /tmp/forkattn-sanitize.txt
+  { grep -v '^#' tests/check/adversarial.txt | awk 'NF && ++n % 5 == 1'; grep -v '^#' tests/check/mma.txt; } \
+    > /tmp/forkattn-sanitize.txt
 fi
 init="import torch, sys, ctypes; torch.zeros(1, device='cuda')"
 pytest_drv="$init; import pytest; \

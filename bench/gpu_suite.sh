@@ -27,7 +27,7 @@ for t in "$b"/tests/test_*; do
     "$(grep -o 'Synthesis:.*' "$out/$name.log" | tail -1)" | tee -a "$out/tests.txt"
   [ $rc -eq 0 ] || status=1
 done
-for sweep in head_dim adversarial tree; do
+for sweep in head_dim adversarial tree mma; do
   run "$b/forkattn" check --batch "tests/check/$sweep.txt" > "$out/check_$sweep.log" 2>&1; rc=$?
   printf '%-24s rc=%d  %s\n' "check_$sweep" "$rc" "$(tail -1 "$out/check_$sweep.log")" | tee -a "$out/tests.txt"
   [ $rc -eq 0 ] || status=1

@@ -21,6 +21,8 @@ int fa_gpu_memcpy(int device, void *dst, int dst_dev, const void *src, int src_d
  * block needs it. Shared by the attention and StreamKL FP32 dK passes
  * (gpu_segment_bwd.c). */
 int64_t fa_gpu_dkv_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int64_t hkv);
+/* The same for the tensor-core dK/dV and StreamKL dK teams (2 per SM). */
+int64_t fa_gpu_mma_dkv_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int64_t hkv);
 
 forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkattn_memory memory);
 forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkattn_memory memory);

@@ -374,15 +374,15 @@ static void fa_gpu_kl_dk_reduce(const fa_gpu_kl *b, const fa_gpu_kl_side *sd, in
   const float *part = b->part;
   const fa_block *blocks = b->kblocks;
   const int64_t *unit_off = b->unit_off;
-  const int64_t hkv = sd->hkva, d = sd->da, n = b->nkb * hkv * FA_GPU_ROWS * d;
+  const int64_t hkv = sd->hkva, d = sd->da, R = b->krows, n = b->nkb * hkv * R * d;
 #pragma omp target teams distribute parallel for device(dev) firstprivate(dk) is_device_ptr(part, blocks, unit_off)
   for (int64_t i = 0; i < n; i++) {
-    const int64_t c = i % d, row = (i / d) % FA_GPU_ROWS, g = (i / (d * FA_GPU_ROWS)) % hkv;
-    const int64_t kb = i / (d * FA_GPU_ROWS * hkv);
+    const int64_t c = i % d, row = (i / d) % R, g = (i / (d * R)) % hkv;
+    const int64_t kb = i / (d * R * hkv);
     const fa_block blk = blocks[kb];
     if (row >= blk.len) continue;
     float s = 0.0f;
-    for (int64_t u = unit_off[kb]; u < unit_off[kb + 1]; u++) s += part[((u * hkv + g) * FA_GPU_ROWS + row) * d + c];
+    for (int64_t u = unit_off[kb]; u < unit_off[kb + 1]; u++) s += part[((u * hkv + g) * R + row) * d + c];
     fa_store(dk.data, dk.dtype, (blk.start + row) * dk.rs + g * dk.hs + c, s);
   }
 }
@@ -469,11 +469,13 @@ static fa_gpu_kl_side fa_gpu_kl_side_of(const fa_gpu_kl *b, int teacher) {
   return s;
 }
 
-/* dK of one side: zero rows no pair reads, the block kernel, the reduce. */
-static void fa_gpu_kl_dk_side(const fa_gpu_kl *b, int teacher, int64_t rows, int covered, int dev) {
+/* dK of one side: zero rows no pair reads, the block kernel (tensor cores
+ * with mma), the reduce. */
+static void fa_gpu_kl_dk_side(const fa_gpu_kl *b, int teacher, int64_t rows, int covered, int mma, int dev) {
   const fa_gpu_kl_side sd = fa_gpu_kl_side_of(b, teacher);
   if (!covered) fa_gpu_kl_zero(sd.dk, rows, sd.hkva, sd.da, dev);
-  fa_gpu_kl_dk_kernel(b, &sd, dev);
+  if (mma) fa_gpu_mma_kl_dk(b, teacher, dev);
+  else fa_gpu_kl_dk_kernel(b, &sd, dev);
   if (b->part) fa_gpu_kl_dk_reduce(b, &sd, dev);
 }
 
@@ -491,7 +493,7 @@ static int fa_gpu_kl_stage_blocks(fa_stage *st, const fa_plan *p, const fa_kl_ca
   b->units = plan_d[4], b->unit_off = plan_d[5];
   if (!bad && b->nunits > b->nkb) { /* split blocks: partial sums, then the reduce kernel */
     const int64_t ws = c->hkv_s * c->ds, wt = c->teacher_grad ? c->hkv_t * c->dt : 0;
-    b->part = fa_stage_scratch(st, sizeof(float) * (size_t)(b->nunits * FA_GPU_ROWS * (ws > wt ? ws : wt)));
+    b->part = fa_stage_scratch(st, sizeof(float) * (size_t)(b->nunits * b->krows * (ws > wt ? ws : wt)));
     bad = !b->part;
   }
   return bad ? -1 : 0;
@@ -502,10 +504,15 @@ forkattn_status fa_gpu_kl_bwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_m
   fa_block *qb_h = NULL, *kb_h = NULL;
   fa_key_unit *units_h = NULL;
   int64_t *unit_off_h = NULL, nunits = -1;
-  const int64_t nqb = fa_plan_blocks(p, FA_GPU_ROWS, 0, &qb_h);
-  const int64_t nkb = fa_plan_blocks(p, FA_GPU_ROWS, 1, &kb_h);
+  const int mma = fa_gpu_mma_kl_bwd_ok(c, memory);
+  const int64_t krows = mma ? FA_MMA_ROWS : FA_GPU_ROWS;
+  const int64_t nqb = fa_plan_blocks(p, krows, 0, &qb_h);
+  const int64_t nkb = fa_plan_blocks(p, krows, 1, &kb_h);
   if (nqb >= 0 && nkb >= 0)
-    nunits = fa_plan_key_units(p, kb_h, nkb, fa_gpu_dkv_chunk(p, kb_h, nkb, c->hkv_s), &units_h, &unit_off_h);
+    nunits = fa_plan_key_units(p, kb_h, nkb,
+                               mma ? fa_gpu_mma_dkv_chunk(p, kb_h, nkb, c->hkv_s)
+                                   : fa_gpu_dkv_chunk(p, kb_h, nkb, c->hkv_s),
+                               &units_h, &unit_off_h);
   const int64_t hkv_max = c->teacher_grad && c->hkv_t > c->hkv_s ? c->hkv_t : c->hkv_s;
   forkattn_status status = FORKATTN_OK;
   if (nunits < 0)
@@ -521,6 +528,7 @@ forkattn_status fa_gpu_kl_bwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_m
   b.nqb = nqb;
   b.nkb = nkb;
   b.nunits = nunits;
+  b.krows = krows;
   int bad = 0;
   if (!status) {
     const size_t n = (size_t)(p->rows * c->h);
@@ -540,9 +548,14 @@ forkattn_status fa_gpu_kl_bwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_m
   if (bad) return fa_gpu_kl_stage_failed(ctx, &st, "kl_bwd");
   fa_note_workspace(ctx, st.bytes);
   const int dev = ctx->device;
-  fa_gpu_kl_dq_kernel(&b, dev);
-  fa_gpu_kl_dk_side(&b, 0, p->rows, covered == p->rows, dev);
-  if (c->teacher_grad) fa_gpu_kl_dk_side(&b, 1, p->rows, covered == p->rows, dev);
+  if (!mma) {
+    fa_gpu_kl_dq_kernel(&b, dev);
+  } else {
+    fa_gpu_mma_kl_dq(&b, 0, dev);
+    if (c->teacher_grad) fa_gpu_mma_kl_dq(&b, 1, dev);
+  }
+  fa_gpu_kl_dk_side(&b, 0, p->rows, covered == p->rows, mma, dev);
+  if (c->teacher_grad) fa_gpu_kl_dk_side(&b, 1, p->rows, covered == p->rows, mma, dev);
   int rc = fa_stage_tensor_back(&st, &c->dqs, &b.dqs) || fa_stage_tensor_back(&st, &c->dks, &b.dks);
   if (!rc && c->teacher_grad)
     rc = fa_stage_tensor_back(&st, &c->dqt, &b.dqt) || fa_stage_tensor_back(&st, &c->dkt, &b.dkt);

@@ -1,5 +1,5 @@
 /* GPU StreamKL's staged arguments, shared by the FP32 kernels (gpu_kl.c)
- * and the tensor-core forward (gpu_mma_kl.c). */
+ * and the tensor-core ones (gpu_mma_kl.c). */
 #ifndef FORKATTN_GPU_KL_H
 #define FORKATTN_GPU_KL_H
 #include <stdint.h>
@@ -16,12 +16,13 @@ typedef struct fa_gpu_kl {
   const int64_t *qoff, *kidx, *unit_off;
   const fa_block *qblocks, *kblocks;
   const fa_key_unit *units;
-  float *part; /* [units, hkv, FA_GPU_ROWS, d] partial dK of one side, or NULL: one unit per block */
+  float *part; /* [units, hkv, krows, d] partial dK of one side, or NULL: one unit per block */
   float *kl, *stats, *outside;
   const float *stats_in, *dkl;
   fa_kept kept; /* device copy, used when has_kept */
   int has_kept, reverse, teacher_grad;
   int64_t nqb, nkb, nunits, h, hkv_t, hkv_s, dt, ds;
+  int64_t krows; /* rows per query and key block: FA_GPU_ROWS, or FA_MMA_ROWS on tensor cores */
   float st, ss, loss_mul;
 } fa_gpu_kl;
 
@@ -30,5 +31,13 @@ typedef struct fa_gpu_kl {
  * kept set, 16-byte aligned rows in device memory (fa_gpu_mma_ok). */
 int fa_gpu_mma_kl_ok(const fa_kl_call *c, forkattn_memory memory);
 void fa_gpu_mma_kl_fwd(const fa_gpu_kl *b, int dev);
+/* 1 when the tensor-core backward runs this call: fa_gpu_mma_kl_ok, and both
+ * sides with the same KV heads (a team's K tiles of both sides then belong to
+ * one KV head). */
+int fa_gpu_mma_kl_bwd_ok(const fa_kl_call *c, forkattn_memory memory);
+/* dQ of one side (teacher != 0: the teacher's) by 64-row query block x query
+ * head; dK of one side by key unit x KV head (b->part: partial sums). */
+void fa_gpu_mma_kl_dq(const fa_gpu_kl *b, int teacher, int dev);
+void fa_gpu_mma_kl_dk(const fa_gpu_kl *b, int teacher, int dev);
 
 #endif

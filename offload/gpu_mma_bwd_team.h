@@ -185,43 +185,6 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
 
 /* ---- dK/dV --------------------------------------------------------------- */
 
-/* A dK/dV team's walk over its unit's reader queries: reader j (k_pair_idx
- * index, up to j1), query head hh of the group, tile [qb, qb + BQ) of the
- * reader's queries [.., qend). By value (see gpu_mma.h). */
-typedef struct fa_query_walk {
-  int j, hh, qb, q0, qend, causal; /* 32-bit: FA_MMA_MAX_POS */
-} fa_query_walk;
-
-/* First tile at or after (w.j, w.hh) with queries; w.j > u.j1 when done. */
-static inline fa_query_walk fa_qwalk_seek(fa_query_walk w, const fa_gpu_bwd *b, fa_key_unit u, fa_block blk,
-                                          int64_t group) {
-  for (; w.j <= u.j1; w.j++, w.hh = 0) {
-    const fa_pair pr = b->pair[b->kidx[w.j]];
-    const fa_range qs = fa_pair_queries(b->seg, pr, blk.start, b->qshift);
-    const int64_t lo = w.j == u.j0 ? u.lo : 0, hi = w.j == u.j1 ? u.hi : qs.len;
-    if (hi > lo && w.hh < group) {
-      w.q0 = w.qb = (int)(qs.start + lo);
-      w.qend = (int)(qs.start + hi);
-      w.causal = pr.causal != 0;
-      return w;
-    }
-  }
-  return w;
-}
-
-static inline fa_query_walk fa_qwalk_next(fa_query_walk w, int bq, const fa_gpu_bwd *b, fa_key_unit u,
-                                          fa_block blk, int64_t group) {
-  w.qb += bq;
-  if (w.qb < w.qend) return w;
-  if (++w.hh < group) {
-    w.qb = w.q0;
-    return w;
-  }
-  w.j++;
-  w.hh = 0;
-  return fa_qwalk_seek(w, b, u, blk, group);
-}
-
 /* Queries of tile w (BQ of them): Q, dO rows and their lse and D into
  * buffer `at` (Q [BQ][P], dO [BQ][P]) and the float pair at element `ld`
  * ([BQ] lse, [BQ] D), all by cp.async in the caller's copy group: a plain
@@ -297,12 +260,12 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
   int bad0 = 0, bad1 = 0;
 
   fa_query_walk w = {(int)u.j0, 0, 0, 0, 0, 0};
-  w = fa_qwalk_seek(w, &b, u, blk, group);
+  w = fa_qwalk_seek(w, b.seg, b.pair, b.kidx, qshift, u, blk, group);
   if (w.j <= u.j1) fa_mma_load_queries(sm, qbuf0, ld0, P, D, BQ, &b, w, g * group + w.hh, tid);
   fa_cp_async_commit();
   int cur = 0;
   while (w.j <= u.j1) {
-    const fa_query_walk nx = fa_qwalk_next(w, BQ, &b, u, blk, group);
+    const fa_query_walk nx = fa_qwalk_next(w, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
     const int qt = cur ? qbuf1 : qbuf0, ot = qt + BQ * P;
     const float *ld = (const float *)(smem + (cur ? ld1 : ld0));
     if (nx.j <= u.j1) {

@@ -1,17 +1,23 @@
-/* Tensor-core StreamKL forward: eligibility and launch (the team function is
- * gpu_mma_kl_team.h). The backward stays on gpu_kl.c's FP32 kernels: it reads
- * the same statistics. */
+/* Tensor-core StreamKL: eligibility and launches of the forward
+ * (gpu_mma_kl_team.h) and the backward's dQ and dK (gpu_mma_kl_bwd_team.h);
+ * gpu_kl.c stages the arguments, sums split units and runs the FP32 kernels
+ * for the other calls. */
 #include <omp.h>
 #include <ompx.h>
 
 #include "gpu_fwd.h"
 #include "gpu_kl.h"
+#include "gpu_mma_kl_bwd_team.h"
 #include "gpu_mma_kl_team.h"
 #include "gpu_mma_tiles.h"
 
 int fa_gpu_mma_kl_ok(const fa_kl_call *c, forkattn_memory memory) {
   const forkattn_tensor *t[4] = {&c->qt, &c->kt, &c->qs, &c->ks};
   return c->ds == c->dt && fa_gpu_mma_ok(t, 4, c->dt, c->kept != NULL, c->plan, memory);
+}
+
+int fa_gpu_mma_kl_bwd_ok(const fa_kl_call *c, forkattn_memory memory) {
+  return c->hkv_t == c->hkv_s && fa_gpu_mma_kl_ok(c, memory);
 }
 
 /* One team per (64-row query block, query head); two buffers of both sides' K tiles. */
@@ -31,4 +37,45 @@ void fa_gpu_mma_kl_fwd(const fa_gpu_kl *b, int dev) {
   const int nteams = (int)(b->nqb * b->h);
   if (nteams == 0) return;
   FA_MMA_BY_SHAPE(FA_MMA_KL, b->dt, b->qt.dtype == FORKATTN_DTYPE_F16);
+}
+
+/* One team per (64-row query block, query head), as the forward. */
+#define FA_MMA_KL_DQ(D, BK, F16)                                                                               \
+  do {                                                                                                        \
+    const size_t smem = FA_MMA_KL_DQ_SMEM((D), (BK));                                                          \
+    _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args, teacher)") \
+    {                                                                                                         \
+      unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
+      const int64_t team = ompx_block_id_x();                                                                 \
+      fa_mma_kl_dq_team((D), (BK), (F16), args, args.qblocks[team / args.h], team % args.h, teacher, sm);     \
+    }                                                                                                         \
+  } while (0)
+
+void fa_gpu_mma_kl_dq(const fa_gpu_kl *b, int teacher, int dev) {
+  const fa_gpu_kl args = *b;
+  const int nteams = (int)(b->nqb * b->h);
+  if (nteams == 0) return;
+  FA_MMA_BY_SHAPE(FA_MMA_KL_DQ, b->dt, b->qt.dtype == FORKATTN_DTYPE_F16);
+}
+
+/* One team per (key unit, KV head). */
+#define FA_MMA_KL_DK(D, F16)                                                                                   \
+  do {                                                                                                        \
+    const size_t smem = FA_MMA_KL_DK_SMEM(D);                                                                  \
+    _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args, teacher)") \
+    {                                                                                                         \
+      unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
+      const int64_t team = ompx_block_id_x();                                                                 \
+      fa_mma_kl_dk_team((D), (F16), args, team / args.hkv_t, team % args.hkv_t, teacher, sm);                 \
+    }                                                                                                         \
+  } while (0)
+
+void fa_gpu_mma_kl_dk(const fa_gpu_kl *b, int teacher, int dev) {
+  const fa_gpu_kl args = *b;
+  const int nteams = (int)(b->nunits * b->hkv_t), f16 = b->qt.dtype == FORKATTN_DTYPE_F16;
+  if (nteams == 0) return;
+  if (b->dt == 128 && f16) FA_MMA_KL_DK(128, 1);
+  else if (b->dt == 128) FA_MMA_KL_DK(128, 0);
+  else if (f16) FA_MMA_KL_DK(64, 1);
+  else FA_MMA_KL_DK(64, 0);
 }

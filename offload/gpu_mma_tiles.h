@@ -68,6 +68,46 @@ static inline fa_tile_walk fa_walk_next(fa_tile_walk w, int bk, const fa_range *
   return fa_walk_seek(w, seg, pair, blk, qshift);
 }
 
+/* A key-side team's walk (attention dK/dV, StreamKL dK) over its unit's
+ * reader queries: reader j (k_pair_idx index kidx, up to j1), query head hh
+ * of the group, tile [qb, qb + BQ) of the reader's queries [.., qend). By
+ * value (see gpu_mma.h). */
+typedef struct fa_query_walk {
+  int j, hh, qb, q0, qend, causal; /* 32-bit: FA_MMA_MAX_POS */
+} fa_query_walk;
+
+/* First tile at or after (w.j, w.hh) with queries; w.j > u.j1 when done. */
+static inline fa_query_walk fa_qwalk_seek(fa_query_walk w, const fa_range *seg, const fa_pair *pair,
+                                          const int64_t *kidx, int64_t qshift, fa_key_unit u, fa_block blk,
+                                          int64_t group) {
+  for (; w.j <= u.j1; w.j++, w.hh = 0) {
+    const fa_pair pr = pair[kidx[w.j]];
+    const fa_range qs = fa_pair_queries(seg, pr, blk.start, qshift);
+    const int64_t lo = w.j == u.j0 ? u.lo : 0, hi = w.j == u.j1 ? u.hi : qs.len;
+    if (hi > lo && w.hh < group) {
+      w.q0 = w.qb = (int)(qs.start + lo);
+      w.qend = (int)(qs.start + hi);
+      w.causal = pr.causal != 0;
+      return w;
+    }
+  }
+  return w;
+}
+
+static inline fa_query_walk fa_qwalk_next(fa_query_walk w, int bq, const fa_range *seg, const fa_pair *pair,
+                                          const int64_t *kidx, int64_t qshift, fa_key_unit u, fa_block blk,
+                                          int64_t group) {
+  w.qb += bq;
+  if (w.qb < w.qend) return w;
+  if (++w.hh < group) {
+    w.qb = w.q0;
+    return w;
+  }
+  w.j++;
+  w.hh = 0;
+  return fa_qwalk_seek(w, seg, pair, kidx, qshift, u, blk, group);
+}
+
 /* Team-cooperative cp.async of rows [row0, row0 + n) of head `head` of t
  * (n <= cap) into a cap x D tile of pitch P elements at element dst of team
  * memory m; rows n..cap-1 are zero-filled (masked lanes then multiply finite

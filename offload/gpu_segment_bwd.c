@@ -269,6 +269,10 @@ int64_t fa_gpu_dkv_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int6
   return fa_plan_key_chunk(p, kb, nkb, hkv, FA_GPU_DKV_SLOTS);
 }
 
+int64_t fa_gpu_mma_dkv_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int64_t hkv) {
+  return fa_plan_key_chunk(p, kb, nkb, hkv, FA_MMA_DKV_SLOTS);
+}
+
 forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkattn_memory memory) {
   const fa_plan *p = a->plan;
   fa_block *qb_h = NULL, *kb_h = NULL;
@@ -282,8 +286,7 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
   int64_t *unit_off_h = NULL, nunits = -1;
   if (nqb >= 0 && nkb >= 0)
     nunits = fa_plan_key_units(p, kb_h, nkb,
-                               mma ? fa_plan_key_chunk(p, kb_h, nkb, a->hkv, FA_MMA_DKV_SLOTS)
-                                   : fa_gpu_dkv_chunk(p, kb_h, nkb, a->hkv),
+                               mma ? fa_gpu_mma_dkv_chunk(p, kb_h, nkb, a->hkv) : fa_gpu_dkv_chunk(p, kb_h, nkb, a->hkv),
                                &units_h, &unit_off_h);
   fa_stage st;
   fa_stage_init(&st, ctx, memory == FORKATTN_MEMORY_HOST);

@@ -7,8 +7,9 @@
  * the lane maps, masks, online softmax, P and dS packing, the backward's key
  * units and their in-order reduce, and the NaN containment of masked tiles,
  * against the float64 reference on prefix and tree layouts in bf16 and f16;
- * and the StreamKL forward (offload/gpu_mma_kl_team.h) against a direct
- * float64 KL of the materialized distributions.
+ * and the StreamKL forward and backward (offload/gpu_mma_kl_team.h,
+ * offload/gpu_mma_kl_bwd_team.h) against a direct float64 KL of the
+ * materialized distributions and its gradients.
  * Tolerances are those of the 16-bit GPU tests (prefix_harness.c: 1e-2
  * relative for o and the gradients, 1e-3 absolute for lse): P and dS are
  * rounded to 16 bits before their products. [ran on host: emulation; the
@@ -24,6 +25,7 @@
 
 #include "gpu_mma_bwd_team.h"
 #include "gpu_mma_fwd_team.h"
+#include "gpu_mma_kl_bwd_team.h"
 #include "gpu_mma_kl_team.h"
 #include "reference.h"
 #include "segment_plan.h"
@@ -370,4 +372,144 @@ Test(mma_emulated, kl_prefix_causal_bf16_d64, .timeout = 600) {
 Test(mma_emulated, kl_prefix_bidir_reverse_f16_d128, .timeout = 600) {
   const int64_t lens[2] = {30, 9};
   kl_case("mma_emulated/kl_prefix_bidir_reverse_f16_d128", 45, 2, lens, 0, 2, 1, 2, 128, 1, 1);
+}
+
+/* ---- StreamKL backward ------------------------------------------------------ */
+
+/* The forward's teams give the row statistics; then both sides' dQ teams and
+ * dK teams (key units cut at `chunk` reader rows: partial sums, reduced in
+ * unit order, as fa_gpu_kl_dk_reduce) against the float64 gradients of
+ * sum(g kl), written from the definitions (reference_kl.h's formulas, no
+ * kept set): forward KL dL/ds_j = g (S_j - T_j), dL/dt_j = g T_j ((t_j - s_j)
+ * - E_T[t - s]); reverse dL/dt_j = g (T_j - S_j), dL/ds_j = g S_j ((s_j - t_j)
+ * - E_S[s - t]). g is random with every 5th row 0 (loss-masked). Tolerance:
+ * 1e-2 of the largest gradient, as the attention gradients (the score
+ * gradients are rounded to 16 bits before their products). */
+static void kl_bwd_case(const char *name, int64_t P, int64_t N, const int64_t *lens, int causal, int64_t H,
+                        int64_t hkv, int64_t d, int f16, int reverse, int64_t chunk) {
+  omp_set_dynamic(0);
+  tc_rng rng = tc_rng_for(name);
+  const int dt = f16 ? FORKATTN_DTYPE_F16 : FORKATTN_DTYPE_BF16, bk = d == 128 ? 32 : 64;
+  int64_t off[8] = {0};
+  for (int64_t i = 0; i < N; i++) off[i + 1] = off[i] + lens[i];
+  const int64_t T = P + off[N], nq = T * H * d, nk = T * hkv * d, group = H / hkv;
+  fa_plan plan;
+  cr_assert_eq(fa_plan_prefix(&plan, P, N, off, causal), 0);
+  const int64_t sizes[4] = {nq, nk, nq, nk}; /* q_t, k_t, q_s, k_s */
+  uint16_t *x[4], *grad[4];                  /* grad: dq_t, dk_t, dq_s, dk_s */
+  double *rx[4], *rg[4];
+  for (int i = 0; i < 4; i++) {
+    x[i] = malloc(sizeof(uint16_t) * (size_t)sizes[i]), rx[i] = malloc(sizeof(double) * (size_t)sizes[i]);
+    grad[i] = malloc(sizeof(uint16_t) * (size_t)sizes[i]), rg[i] = calloc((size_t)sizes[i], sizeof(double));
+    for (int64_t e = 0; e < sizes[i]; e++) {
+      x[i][e] = to16(tc_uniform(&rng, -2, 2), f16), rx[i][e] = from16(x[i][e], f16);
+      grad[i][e] = to16(NAN, f16); /* poisoned: every element must be written */
+    }
+  }
+  float *kl = malloc(sizeof(float) * (size_t)(T * H)), *stats = malloc(sizeof(float) * (size_t)(T * H * 4));
+  float *outside = malloc(sizeof(float) * (size_t)(T * H)), *dkl = malloc(sizeof(float) * (size_t)(T * H));
+  for (int64_t i = 0; i < T * H; i++) dkl[i] = i % 5 == 2 ? 0.0f : (float)tc_uniform(&rng, -1, 1);
+  fa_block *qb, *kb;
+  fa_key_unit *units;
+  int64_t *unit_off;
+  const int64_t nqb = fa_plan_blocks(&plan, FA_MMA_ROWS, 0, &qb), nkb = fa_plan_blocks(&plan, FA_MMA_ROWS, 1, &kb);
+  const int64_t nunits = fa_plan_key_units(&plan, kb, nkb, chunk, &units, &unit_off);
+  cr_assert(nqb > 0 && nkb > 0 && nunits >= nkb);
+  float *part = nunits > nkb ? malloc(sizeof(float) * (size_t)(nunits * hkv * FA_MMA_ROWS * d)) : NULL;
+  const float sct = (float)(0.9 / sqrt((double)d)), scs = (float)(1.1 / sqrt((double)d));
+  fa_gpu_kl b;
+  memset(&b, 0, sizeof b);
+  b.qt = view(x[0], dt, H, d), b.kt = view(x[1], dt, hkv, d), b.qs = view(x[2], dt, H, d);
+  b.ks = view(x[3], dt, hkv, d);
+  b.dqt = view(grad[0], dt, H, d), b.dkt = view(grad[1], dt, hkv, d), b.dqs = view(grad[2], dt, H, d);
+  b.dks = view(grad[3], dt, hkv, d);
+  b.seg = plan.seg, b.pair = plan.pair, b.qoff = plan.q_pair_off, b.kidx = plan.k_pair_idx;
+  b.qblocks = qb, b.kblocks = kb, b.units = units, b.unit_off = unit_off, b.part = part;
+  b.kl = kl, b.stats = stats, b.outside = outside, b.stats_in = stats, b.dkl = dkl;
+  b.reverse = reverse, b.teacher_grad = 1, b.nqb = nqb, b.nkb = nkb, b.nunits = nunits, b.krows = FA_MMA_ROWS;
+  b.h = H, b.hkv_t = b.hkv_s = hkv, b.dt = b.ds = d, b.st = sct, b.ss = scs, b.loss_mul = 1.0f;
+  static unsigned short smem[4 * 64 * (128 + 8) + 64];
+  cr_assert_geq(sizeof smem, FA_MMA_KL_DQ_SMEM(128, 32));
+  cr_assert_geq(sizeof smem, FA_MMA_KL_DK_SMEM(128));
+  for (int64_t blk = 0; blk < nqb; blk++)
+    for (int64_t h = 0; h < H; h++) EMU_TEAM(fa_mma_kl_fwd_team((int)d, bk, f16, b, qb[blk], h, smem));
+  for (int teacher = 0; teacher < 2; teacher++) {
+    for (int64_t blk = 0; blk < nqb; blk++)
+      for (int64_t h = 0; h < H; h++) EMU_TEAM(fa_mma_kl_dq_team((int)d, bk, f16, b, qb[blk], h, teacher, smem));
+    for (int64_t u = 0; u < nunits; u++)
+      for (int64_t g = 0; g < hkv; g++) EMU_TEAM(fa_mma_kl_dk_team((int)d, f16, b, u, g, teacher, smem));
+    if (part) /* as fa_gpu_kl_dk_reduce: each block's units in order */
+      for (int64_t blk = 0; blk < nkb; blk++)
+        for (int64_t g = 0; g < hkv; g++)
+          for (int64_t row = 0; row < kb[blk].len; row++)
+            for (int64_t e = 0; e < d; e++) {
+              float sum = 0;
+              for (int64_t u = unit_off[blk]; u < unit_off[blk + 1]; u++)
+                sum += part[((u * hkv + g) * FA_MMA_ROWS + row) * d + e];
+              grad[teacher ? 1 : 3][((kb[blk].start + row) * hkv + g) * d + e] = to16(sum, f16);
+            }
+  }
+  double *t = malloc(sizeof(double) * (size_t)T), *sv = malloc(sizeof(double) * (size_t)T);
+  for (int64_t i = 0; i < T; i++)
+    for (int64_t h = 0; h < H; h++) {
+      const int64_t g = h / group;
+      double mt = -INFINITY, ms = -INFINITY, zt = 0, zs = 0, E = 0;
+      for (int64_t j = 0; j < T; j++) {
+        if (!prefix_sees(causal, P, off, N, i, j)) continue;
+        double a = 0, c = 0;
+        for (int64_t e = 0; e < d; e++) {
+          a += rx[0][(i * H + h) * d + e] * rx[1][(j * hkv + g) * d + e];
+          c += rx[2][(i * H + h) * d + e] * rx[3][(j * hkv + g) * d + e];
+        }
+        t[j] = a * sct, sv[j] = c * scs, mt = fmax(mt, t[j]), ms = fmax(ms, sv[j]);
+      }
+      for (int64_t j = 0; j < T; j++)
+        if (prefix_sees(causal, P, off, N, i, j)) zt += exp(t[j] - mt), zs += exp(sv[j] - ms);
+      for (int64_t j = 0; j < T; j++)
+        if (prefix_sees(causal, P, off, N, i, j)) {
+          const double pt = exp(t[j] - mt) / zt, ps = exp(sv[j] - ms) / zs;
+          E += reverse ? ps * (sv[j] - t[j]) : pt * (t[j] - sv[j]);
+        }
+      const double gr = dkl[i * H + h];
+      for (int64_t j = 0; j < T; j++) {
+        if (!prefix_sees(causal, P, off, N, i, j)) continue;
+        const double pt = exp(t[j] - mt) / zt, ps = exp(sv[j] - ms) / zs;
+        const double dts = reverse ? gr * (pt - ps) : gr * pt * ((t[j] - sv[j]) - E);
+        const double dss = reverse ? gr * ps * ((sv[j] - t[j]) - E) : gr * (ps - pt);
+        for (int64_t e = 0; e < d; e++) {
+          rg[0][(i * H + h) * d + e] += dts * sct * rx[1][(j * hkv + g) * d + e];
+          rg[1][(j * hkv + g) * d + e] += dts * sct * rx[0][(i * H + h) * d + e];
+          rg[2][(i * H + h) * d + e] += dss * scs * rx[3][(j * hkv + g) * d + e];
+          rg[3][(j * hkv + g) * d + e] += dss * scs * rx[2][(i * H + h) * d + e];
+        }
+      }
+    }
+  const char *what[4] = {"dq_t", "dk_t", "dq_s", "dk_s"};
+  for (int i = 0; i < 4; i++) {
+    int64_t nonfinite = 0;
+    const double err = rel_err(grad[i], rg[i], sizes[i], f16, &nonfinite);
+    cr_assert_eq(nonfinite, 0, "%s: %lld non-finite (or unwritten) %s elements", name, (long long)nonfinite, what[i]);
+    cr_assert_leq(err, 1e-2, "%s: %s relative error %.3g", name, what[i], err);
+    cr_log_info("%s: %s relative error %.2g", name, what[i], err);
+  }
+  free(t), free(sv), free(qb), free(kb), free(units), free(unit_off), free(part);
+  free(kl), free(stats), free(outside), free(dkl);
+  for (int i = 0; i < 4; i++) free(x[i]), free(rx[i]), free(grad[i]), free(rg[i]);
+  fa_plan_free(&plan);
+}
+
+/* 4 query / 2 KV heads, forward KL, no split key block */
+Test(mma_emulated, kl_bwd_prefix_causal_bf16_d64, .timeout = 600) {
+  const int64_t lens[3] = {30, 1, 13};
+  kl_bwd_case("mma_emulated/kl_bwd_prefix_causal_bf16_d64", 40, 3, lens, 1, 4, 2, 64, 0, 0, INT64_MAX);
+}
+/* reverse KL, head_dim 128 (16-query dK tiles), the prompt's key blocks cut into units of 24 reader rows */
+Test(mma_emulated, kl_bwd_prefix_causal_reverse_f16_d128, .timeout = 600) {
+  const int64_t lens[2] = {20, 31};
+  kl_bwd_case("mma_emulated/kl_bwd_prefix_causal_reverse_f16_d128", 80, 2, lens, 1, 2, 1, 128, 1, 1, 24);
+}
+/* bidirectional, forward KL, head_dim 128 in bf16 */
+Test(mma_emulated, kl_bwd_prefix_bidir_bf16_d128, .timeout = 600) {
+  const int64_t lens[2] = {17, 30};
+  kl_bwd_case("mma_emulated/kl_bwd_prefix_bidir_bf16_d128", 40, 2, lens, 0, 2, 1, 128, 0, 0, INT64_MAX);
 }

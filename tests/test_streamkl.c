@@ -39,6 +39,7 @@
 
 #define F32 FORKATTN_DTYPE_F32
 #define BF16 FORKATTN_DTYPE_BF16
+#define F16 FORKATTN_DTYPE_F16
 #define CAUSAL FORKATTN_MASK_CAUSAL
 #define BIDIR FORKATTN_MASK_BIDIRECTIONAL
 
@@ -537,6 +538,27 @@ Test(dtype, bf16_mixed_and_strided, .timeout = 300) {
   run_both(c, "dtype/f32_strided_forward", "dtype/f32_strided_reverse", &rf, &rr);
   c.dtype_t = c.dtype_s = BF16;
   run_both(c, "dtype/bf16_strided_forward", "dtype/bf16_strided_reverse", &rf, &rr);
+}
+
+/* The tensor-core kernels' shapes (bf16/f16, one head_dim of 64 or 128 for
+ * both sides, the same KV heads, no kept set): on the GPU backend the forward
+ * and the backward run on tensor cores (gpu_mma_kl.c), elsewhere the same
+ * float64 checks hold for the CPU kernels. Blocks of 64 rows cut the prompt
+ * and the responses mid-way; a GQA group of 2; teacher gradients too. */
+Test(dtype, tensor_core_shapes, .timeout = 300) {
+  pfx x;
+  const int64_t lens[3] = {70, 1, 45};
+  pfx_make(&x, 150, 3, lens, CAUSAL); /* T = 266 */
+  klh_case c = {.layout = x.l, .H = 4, .hkv_t = 2, .hkv_s = 2, .dt = 64, .ds = 64, .dtype_t = BF16,
+                .dtype_s = BF16, .teacher_grad = 1};
+  klh_result rf, rr;
+  c.opt = kl_opt(0, 1.0f, 0);
+  run_both(c, "mma/bf16_d64_forward", "mma/bf16_d64_reverse", &rf, &rr);
+  c.dt = c.ds = 128, c.dtype_t = c.dtype_s = F16, c.H = 2, c.hkv_t = c.hkv_s = 1;
+  run_both(c, "mma/f16_d128_forward", "mma/f16_d128_reverse", &rf, &rr);
+  pfx_make(&x, 90, 3, lens, BIDIR);
+  c.layout = x.l, c.dtype_t = c.dtype_s = BF16, c.opt = kl_opt(0, 2.0f, 1);
+  run_both(c, "mma/bf16_d128_bidir_tau2_forward", "mma/bf16_d128_bidir_tau2_reverse", &rf, &rr);
 }
 
 /* ---- memory ----------------------------------------------------------------- */

@@ -4,7 +4,9 @@
  * fused kernel), on one dense causal sequence. Times (median), peak memory of
  * each, and their agreement. The materialized baseline runs on the host
  * (OpenBLAS); on the GPU, bench/compare_kl.py compares with PyTorch instead,
- * and this command times StreamKL alone (--backend gpu, device memory). */
+ * and this command times StreamKL alone (--backend gpu, device memory).
+ * --dtype bf16|f16 runs StreamKL on 16-bit inputs (the GPU's tensor-core
+ * kernels take those); the f32 baseline and the comparison are skipped. */
 #include <cblas.h>
 #include <math.h>
 #include <stdio.h>
@@ -12,11 +14,14 @@
 #include <string.h>
 
 #include "commands.h"
+#include "group.h"
 #include "options.h"
+#include "reference.h"
 
 typedef struct bk_opts {
   int64_t seq, heads, d, repeats;
   forkattn_backend backend;
+  forkattn_dtype dtype;
   int reverse, json, no_materialized;
   double keep; /* block keep fraction of a sparse student (StreamKL only), 0 = dense */
 } bk_opts;
@@ -31,6 +36,7 @@ static void bk_usage(void) {
          "  --d D            head_dim (default 128)\n"
          "  --reverse        KL(S||T) instead of KL(T||S)\n"
          "  --keep F         sparse student: keep each 64x64 block with probability F (StreamKL only)\n"
+         "  --dtype T        f32 | bf16 | f16 inputs and gradients (default f32; 16-bit: StreamKL only)\n"
          "  --backend B      auto | cpu | gpu (default auto; gpu: device memory, no materialized run)\n"
          "  --repeats N      timed runs, median reported (default 3)\n"
          "  --no-materialized  skip the baseline (it needs 3 * H * S^2 floats)\n"
@@ -38,7 +44,7 @@ static void bk_usage(void) {
 }
 
 static int bk_parse(int argc, char **argv, bk_opts *o) {
-  *o = (bk_opts){4096, 4, 128, 3, FORKATTN_BACKEND_AUTO, 0, 0, 0, 0.0};
+  *o = (bk_opts){4096, 4, 128, 3, FORKATTN_BACKEND_AUTO, FORKATTN_DTYPE_F32, 0, 0, 0, 0.0};
   for (int i = 2; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     int bad = 0;
@@ -52,6 +58,7 @@ static int bk_parse(int argc, char **argv, bk_opts *o) {
     else if (!strcmp(a, "--d")) bad = tool_parse_i64(v, 1, 256, &o->d), i++;
     else if (!strcmp(a, "--repeats")) bad = tool_parse_i64(v, 1, 1000, &o->repeats), i++;
     else if (!strcmp(a, "--backend")) bad = tool_parse_backend(v, &o->backend), i++;
+    else if (!strcmp(a, "--dtype")) bad = tool_parse_dtype(v, &o->dtype), i++;
     else if (!strcmp(a, "--keep")) {
       char *end;
       o->keep = strtod(v, &end);
@@ -150,7 +157,7 @@ typedef struct bk_stream {
 } bk_stream;
 
 static forkattn_tensor bk_tensor(void *p, const bk_opts *o) {
-  return forkattn_tensor_contiguous(p, FORKATTN_DTYPE_F32, o->seq, o->heads, o->d);
+  return forkattn_tensor_contiguous(p, o->dtype, o->seq, o->heads, o->d);
 }
 
 static int bk_stream_fwd(bk_stream *b, const bk_opts *o) {
@@ -197,7 +204,8 @@ int cmd_bench_kl(int argc, char **argv) {
   }
   const int gpu = forkattn_ctx_backend(b.ctx) == FORKATTN_BACKEND_GPU;
   b.mem = gpu ? FORKATTN_MEMORY_DEVICE : FORKATTN_MEMORY_HOST;
-  if (gpu) o.no_materialized = 1;
+  if (gpu || o.dtype != FORKATTN_DTYPE_F32) o.no_materialized = 1;
+  const size_t es = tool_dtype_size(o.dtype);
   float *host[6], *kl = malloc(sizeof(float) * S * H), *dkl = malloc(sizeof(float) * S * H);
   unsigned long long seed = 42;
   int fail = !kl || !dkl;
@@ -207,6 +215,12 @@ int cmd_bench_kl(int argc, char **argv) {
     for (int64_t i = 0; host[t] && t < 4 && i < n; i++) host[t][i] = bk_rand(&seed);
   }
   for (int64_t i = 0; dkl && i < S * H; i++) dkl[i] = 1.0f / (float)(S * H); /* the mean's gradient */
+  if (o.dtype != FORKATTN_DTYPE_F32) /* 16-bit in place: the first half of each buffer */
+    for (int t = 0; t < 4 && !fail; t++)
+      for (int64_t i = 0; i < n; i++) {
+        const float x = host[t][i];
+        ((uint16_t *)host[t])[i] = o.dtype == FORKATTN_DTYPE_BF16 ? ref_float_to_bf16(x) : ref_float_to_f16(x);
+      }
   if (o.keep > 0.0) {
     b.blocks = malloc((size_t)(nb * nb));
     fail |= !b.blocks;
@@ -221,8 +235,8 @@ int cmd_bench_kl(int argc, char **argv) {
   void **dst[6] = {&b.qt, &b.kt, &b.qs, &b.ks, &b.dqs, &b.dks};
   for (int t = 0; t < 6 && !fail; t++) {
     if (!gpu) *dst[t] = host[t];
-    else fail |= forkattn_device_malloc(b.ctx, sizeof(float) * (size_t)n, dst[t]) ||
-                 forkattn_memcpy(b.ctx, *dst[t], b.mem, host[t], FORKATTN_MEMORY_HOST, sizeof(float) * (size_t)n);
+    else fail |= forkattn_device_malloc(b.ctx, es * (size_t)n, dst[t]) ||
+                 forkattn_memcpy(b.ctx, *dst[t], b.mem, host[t], FORKATTN_MEMORY_HOST, es * (size_t)n);
   }
   if (!fail && gpu) {
     fail |= forkattn_device_malloc(b.ctx, sizeof(float) * S * H, (void **)&b.kl) ||
@@ -249,8 +263,8 @@ int cmd_bench_kl(int argc, char **argv) {
   const double stream_bytes = (double)forkattn_ctx_peak_workspace(b.ctx) + sizeof(float) * S * H * (2 + FORKATTN_KL_STATS);
   if (!fail) {
     fail |= forkattn_memcpy(b.ctx, kl, FORKATTN_MEMORY_HOST, b.kl, b.mem, sizeof(float) * S * H) ||
-            forkattn_memcpy(b.ctx, host[4], FORKATTN_MEMORY_HOST, b.dqs, b.mem, sizeof(float) * (size_t)n) ||
-            forkattn_memcpy(b.ctx, host[5], FORKATTN_MEMORY_HOST, b.dks, b.mem, sizeof(float) * (size_t)n);
+            forkattn_memcpy(b.ctx, host[4], FORKATTN_MEMORY_HOST, b.dqs, b.mem, es * (size_t)n) ||
+            forkattn_memcpy(b.ctx, host[5], FORKATTN_MEMORY_HOST, b.dks, b.mem, es * (size_t)n);
   }
   /* materialized baseline */
   int have_mat = !fail && !o.no_materialized && o.keep == 0.0;
@@ -282,8 +296,8 @@ int cmd_bench_kl(int argc, char **argv) {
     const double mfw = have_mat ? tool_median(mf, reps) : 0, mbw = have_mat ? tool_median(mb, reps) : 0;
     const char *be = forkattn_backend_name(forkattn_ctx_backend(b.ctx));
     if (!o.json) {
-      printf("forkattn bench kl: S=%lld heads %lld d=%lld f32 causal %s%s, backend %s, median of %d\n", (long long)S,
-             (long long)H, (long long)d, o.reverse ? "KL(S||T)" : "KL(T||S)", o.keep > 0 ? ", sparse student" : "",
+      printf("forkattn bench kl: S=%lld heads %lld d=%lld %s causal %s%s, backend %s, median of %d\n", (long long)S,
+             (long long)H, (long long)d, tool_dtype_name(o.dtype), o.reverse ? "KL(S||T)" : "KL(T||S)", o.keep > 0 ? ", sparse student" : "",
              be, reps);
       printf("%-13s %10s %10s %12s\n", "", "fwd ms", "bwd ms", "peak MiB");
       printf("%-13s %10.2f %10.2f %12.2f\n", "StreamKL", f, bw, stream_bytes / 1048576.0);
@@ -293,10 +307,10 @@ int cmd_bench_kl(int argc, char **argv) {
                mfw / f, mbw / bw, mat_bytes / stream_bytes, err_kl, err_dq, err_dk);
       }
     }
-    printf("{\"bench\":\"kl\",\"backend\":\"%s\",\"seq\":%lld,\"heads\":%lld,\"d\":%lld,\"reverse\":%d,\"keep\":%.3f,"
+    printf("{\"bench\":\"kl\",\"backend\":\"%s\",\"dtype\":\"%s\",\"seq\":%lld,\"heads\":%lld,\"d\":%lld,\"reverse\":%d,\"keep\":%.3f,"
            "\"stream_fwd_ms\":%.3f,\"stream_bwd_ms\":%.3f,\"stream_mib\":%.3f,\"mat_fwd_ms\":%.3f,\"mat_bwd_ms\":%.3f,"
            "\"mat_mib\":%.3f,\"err_kl\":%.2e,\"err_dq\":%.2e,\"err_dk\":%.2e}\n",
-           be, (long long)S, (long long)H, (long long)d, o.reverse, o.keep, f, bw, stream_bytes / 1048576.0, mfw, mbw,
+           be, tool_dtype_name(o.dtype), (long long)S, (long long)H, (long long)d, o.reverse, o.keep, f, bw, stream_bytes / 1048576.0, mfw, mbw,
            mat_bytes / 1048576.0, err_kl, err_dq, err_dk);
   }
   if (gpu) {

@@ -1,0 +1,339 @@
+/* The tensor-core StreamKL backward's team functions, in a header so the host
+ * tests can run them under the SIMT emulation of gpu_mma.h
+ * (tests/test_mma_emulated.c). Launched by gpu_mma_kl.c; semantics of
+ * gpu_kl.c's FP32 backward without a kept set, for calls whose teacher and
+ * student share head_dim and KV heads (fa_gpu_mma_kl_bwd_ok).
+ *
+ * Both recompute the two sides' scores per tile (S_t = Q_t K_t^T, S_s =
+ * Q_s K_s^T) and turn them into one side's score gradient with the row
+ * statistics of the forward (fa_kl_elem_grad, shared with every backend), C =
+ * g dKL/dscore; then dQ += C K (a team per 64 query rows and query head) or
+ * dK += C^T Q (a team per 64-key unit and KV head, over the unit's readers and
+ * the group's query heads), one side per launch. As in the attention kernels,
+ * a masked tile zeroes and flags the non-finite rows of the tile the product
+ * multiplies (0 * Inf would leak into rows that cannot see them), and the rows
+ * or keys that do see one are set to NaN. */
+#ifndef FORKATTN_GPU_MMA_KL_BWD_TEAM_H
+#define FORKATTN_GPU_MMA_KL_BWD_TEAM_H
+#include <math.h>
+#include <stdint.h>
+
+#include "dtype_convert.h"
+#include "gpu_kl.h"
+#include "gpu_mma.h"
+#include "gpu_mma_tiles.h"
+#include "streamkl.h"
+
+#pragma omp declare target
+
+/* g dKL/dscore of side `teacher` for one visible (row, key): scores t, s
+ * already scaled, st4 the row's FORKATTN_KL_STATS, gr its upstream gradient
+ * times the loss multiplier. A row with gr == 0 (loss-masked) contributes an
+ * exact 0, whatever its scores. */
+static inline float fa_mma_kl_coef(float t, float s, const float *st4, float gr, int reverse, int teacher) {
+  if (gr == 0.0f) return 0.0f;
+  float gt, gs;
+  fa_kl_elem_grad(t, s, 1, 1, st4, reverse, &gt, &gs);
+  return gr * (teacher ? gt : gs);
+}
+
+/* ---- dQ ------------------------------------------------------------------ */
+
+/* Team memory: two buffers of K_t [BK][P], K_s [BK][P] (as the forward), then
+ * 4 flag words. */
+#define FA_MMA_KL_DQ_SMEM(d, bk) ((size_t)(4 * (bk) * ((d) + 8)) * 2 + 4 * sizeof(unsigned))
+
+static inline __attribute__((always_inline)) void fa_mma_kl_dq_team(const int D, const int BK, const int f16,
+                                                                     const fa_gpu_kl b, fa_block blk, int64_t h,
+                                                                     int teacher, unsigned short *smem) {
+  const int P = D + 8;
+  const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
+  const fa_smem sm = fa_smem_of(smem);
+  const int buf0 = 0, buf1 = 2 * BK * P; /* element offsets; each: K_t [BK][P], K_s [BK][P] */
+  unsigned *kbad = (unsigned *)(smem + 4 * BK * P);
+  const int64_t g = h / (b.h / b.hkv_t); /* the students' KV head is the same (fa_gpu_mma_kl_bwd_ok) */
+
+  fa_mma_load_rows(sm, 0, P, FA_MMA_ROWS, D, b.qt, blk.start, blk.len, h, tid);
+  fa_mma_load_rows(sm, FA_MMA_ROWS * P, P, FA_MMA_ROWS, D, b.qs, blk.start, blk.len, h, tid);
+  fa_cp_async_commit();
+  fa_cp_async_wait(0);
+  ompx_sync_block_acq_rel();
+  fa_u4 qt[FA_MMA_MAX_D / 16], qs[FA_MMA_MAX_D / 16];
+  {
+    const int r = warp * 16 + fa_ldsm_a_row(lane), c = fa_ldsm_a_col(lane);
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks++) {
+      qt[ks] = fa_ldmatrix_x4(sm, r * P + ks * 16 + c, 0);
+      qs[ks] = fa_ldmatrix_x4(sm, (FA_MMA_ROWS + r) * P + ks * 16 + c, 0);
+    }
+  }
+  ompx_sync_block_acq_rel();
+
+  const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
+  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
+  const int64_t row0 = blk.start + r0; /* StreamKL plans have qshift 0 */
+  const int qfirst = (int)blk.start;
+  float st0[FORKATTN_KL_STATS] = {0}, st1[FORKATTN_KL_STATS] = {0};
+  const float g0 = ok0 ? b.dkl[row0 * b.h + h] * b.loss_mul : 0.0f;
+  const float g1 = ok1 ? b.dkl[(row0 + 8) * b.h + h] * b.loss_mul : 0.0f;
+  for (int s = 0; s < FORKATTN_KL_STATS; s++) {
+    if (ok0) st0[s] = b.stats_in[(row0 * b.h + h) * FORKATTN_KL_STATS + s];
+    if (ok1) st1[s] = b.stats_in[((row0 + 8) * b.h + h) * FORKATTN_KL_STATS + s];
+  }
+  fa_f4 dq[FA_MMA_MAX_D / 8];
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) dq[n] = fa_f4_zero();
+  int bad0 = 0, bad1 = 0;
+
+  fa_tile_walk w = fa_walk_init(b.qoff, blk);
+  w = fa_walk_seek(w, b.seg, b.pair, blk, 0);
+  if (w.pi < w.pend) fa_mma_load_kv(sm, buf0, P, BK, D, b.kt, g, b.ks, g, w, tid);
+  fa_cp_async_commit();
+  int cur = 0;
+  while (w.pi < w.pend) {
+    const fa_tile_walk nx = fa_walk_next(w, BK, b.seg, b.pair, blk, 0);
+    const int kt = cur ? buf1 : buf0, kst = kt + BK * P, kside = teacher ? kt : kst;
+    fa_mma_kv_step(sm, cur ? buf0 : buf1, P, BK, D, b.kt, g, b.ks, g, nx, tid);
+    const int nk = fa_walk_keys(w, BK);
+    const int lim0 = fa_mma_row_keys(ok0, w.causal, (int)row0, w.kb, nk);
+    const int lim1 = fa_mma_row_keys(ok1, w.causal, (int)row0 + 8, w.kb, nk);
+    const int masked = w.causal && w.kb + BK - 1 > qfirst;
+    const unsigned long long kflags = masked ? fa_mma_scan_rows(smem + kside, P, BK, D, f16, kbad, tid) : 0;
+
+    fa_f4 ct[FA_MMA_MAX_BK / 8], cs[FA_MMA_MAX_BK / 8];
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++) ct[n] = fa_f4_zero(), cs[n] = fa_f4_zero();
+    {
+      const int kl = fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane); /* constant offsets from here fold */
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ks++)
+#pragma unroll
+        for (int np = 0; np < BK / 16; np++) {
+          const fa_u4 bt = fa_ldmatrix_x4(sm, kt + kl + np * 16 * P + ks * 16, 0);
+          const fa_u4 bs = fa_ldmatrix_x4(sm, kst + kl + np * 16 * P + ks * 16, 0);
+          ct[2 * np] = fa_mma_16816(ct[2 * np], qt[ks], bt.x, bt.y, f16);
+          ct[2 * np + 1] = fa_mma_16816(ct[2 * np + 1], qt[ks], bt.z, bt.w, f16);
+          cs[2 * np] = fa_mma_16816(cs[2 * np], qs[ks], bs.x, bs.y, f16);
+          cs[2 * np + 1] = fa_mma_16816(cs[2 * np + 1], qs[ks], bs.z, bs.w, f16);
+        }
+    }
+    /* C in place of the teacher's scores; a key a row cannot see gets an exact 0 (a select). */
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++) {
+      const int key = n * 8 + c0;
+      if (kflags) {
+        bad0 |= (key < lim0 && (kflags >> key & 1u)) || (key + 1 < lim0 && (kflags >> (key + 1) & 1u));
+        bad1 |= (key < lim1 && (kflags >> key & 1u)) || (key + 1 < lim1 && (kflags >> (key + 1) & 1u));
+      }
+      ct[n].x = key < lim0 ? fa_mma_kl_coef(ct[n].x * b.st, cs[n].x * b.ss, st0, g0, b.reverse, teacher) : 0.0f;
+      ct[n].y = key + 1 < lim0 ? fa_mma_kl_coef(ct[n].y * b.st, cs[n].y * b.ss, st0, g0, b.reverse, teacher) : 0.0f;
+      ct[n].z = key < lim1 ? fa_mma_kl_coef(ct[n].z * b.st, cs[n].z * b.ss, st1, g1, b.reverse, teacher) : 0.0f;
+      ct[n].w = key + 1 < lim1 ? fa_mma_kl_coef(ct[n].w * b.st, cs[n].w * b.ss, st1, g1, b.reverse, teacher) : 0.0f;
+    }
+    { /* dQ += C K of the side: K through ldmatrix.trans (B of [key][dim]) */
+      const int kl = kside + fa_ldsm_a_row(lane) * P + fa_ldsm_a_col(lane);
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; kk++) {
+        const fa_u4 ca = fa_mma_p_frag(ct[2 * kk], ct[2 * kk + 1], f16);
+#pragma unroll
+        for (int np = 0; np < D / 16; np++) {
+          const fa_u4 bk = fa_ldmatrix_x4(sm, kl + kk * 16 * P + np * 16, 1);
+          dq[2 * np] = fa_mma_16816(dq[2 * np], ca, bk.x, bk.y, f16);
+          dq[2 * np + 1] = fa_mma_16816(dq[2 * np + 1], ca, bk.z, bk.w, f16);
+        }
+      }
+    }
+    ompx_sync_block_acq_rel();
+    cur ^= 1;
+    w = nx;
+  }
+  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
+  const fa_dev_tensor t = teacher ? b.dqt : b.dqs;
+  const float sc = teacher ? b.st : b.ss;
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) {
+    const int64_t c = n * 8 + c0;
+    if (ok0) {
+      fa_store(t.data, t.dtype, row0 * t.rs + h * t.hs + c, bad0 ? NAN : sc * dq[n].x);
+      fa_store(t.data, t.dtype, row0 * t.rs + h * t.hs + c + 1, bad0 ? NAN : sc * dq[n].y);
+    }
+    if (ok1) {
+      fa_store(t.data, t.dtype, (row0 + 8) * t.rs + h * t.hs + c, bad1 ? NAN : sc * dq[n].z);
+      fa_store(t.data, t.dtype, (row0 + 8) * t.rs + h * t.hs + c + 1, bad1 ? NAN : sc * dq[n].w);
+    }
+  }
+}
+
+/* ---- dK ------------------------------------------------------------------ */
+
+/* Queries per dK tile: 16 at head_dim 128 (K_t and K_s fragments, 64
+ * registers, sit next to the 64 of the accumulator), 32 at 64. */
+#define FA_MMA_KL_BQ(d) ((d) == 128 ? 16 : 32)
+/* Team memory: the two sides' 64 key rows at the start (staged into
+ * registers), after that two query buffers (Q_t [BQ][P], Q_s [BQ][P]) and
+ * their row data (5 floats a query: the statistics, then g); then 4 flag
+ * words. */
+#define FA_MMA_KL_DK_BUFS(d) (4 * FA_MMA_KL_BQ(d) * ((d) + 8) + 2 * 10 * FA_MMA_KL_BQ(d))
+#define FA_MMA_KL_DK_SMEM(d)                                                                                    \
+  ((size_t)(FA_MMA_KL_DK_BUFS(d) > 2 * FA_MMA_ROWS * ((d) + 8) ? FA_MMA_KL_DK_BUFS(d)                           \
+                                                                : 2 * FA_MMA_ROWS * ((d) + 8)) *                \
+       2 +                                                                                                    \
+   4 * sizeof(unsigned))
+
+/* Queries of tile w: both sides' Q rows into buffer `at` and the rows'
+ * statistics and upstream gradient (floats [5][BQ], zero past the tile) at
+ * element `rd`, by cp.async in the caller's copy group. */
+static inline void fa_mma_kl_load_queries(fa_smem m, int at, int rd, int P, int D, int BQ, const fa_gpu_kl *b,
+                                          fa_query_walk w, int64_t h, int tid) {
+  const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
+  fa_mma_load_rows(m, at, P, BQ, D, b->qt, w.qb, nq, h, tid);
+  fa_mma_load_rows(m, at + BQ * P, P, BQ, D, b->qs, w.qb, nq, h, tid);
+  for (int e = tid; e < (FORKATTN_KL_STATS + 1) * BQ; e += FA_MMA_THREADS) {
+    const int s = e / BQ, i = e % BQ, in = i < nq;
+    const int64_t x = ((int64_t)w.qb + (in ? i : 0)) * b->h + h;
+    const float *src = s < FORKATTN_KL_STATS ? b->stats_in + x * FORKATTN_KL_STATS + s : b->dkl + x;
+    fa_cp_async4(m, rd + 2 * e, src, in ? 4 : 0);
+  }
+}
+
+static inline __attribute__((always_inline)) void fa_mma_kl_dk_team(const int D, const int f16, const fa_gpu_kl b,
+                                                                     int64_t ui, int64_t g, int teacher,
+                                                                     unsigned short *smem) {
+  const int P = D + 8, BQ = FA_MMA_KL_BQ(D);
+  const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
+  const fa_key_unit u = b.units[ui];
+  const fa_block blk = b.kblocks[u.block];
+  const int64_t group = b.h / b.hkv_t;
+  const fa_smem sm = fa_smem_of(smem);
+  const int qbuf0 = 0, qbuf1 = 2 * BQ * P, rd0 = 4 * BQ * P, rd1 = rd0 + 10 * BQ;
+  unsigned *qbad = (unsigned *)(smem + (FA_MMA_KL_DK_SMEM(D) - 4 * sizeof(unsigned)) / 2);
+
+  /* K_t's and K_s's 64 rows into registers: each warp's 16 keys as A
+   * fragments of K Q^T. */
+  fa_mma_load_rows(sm, 0, P, FA_MMA_ROWS, D, b.kt, blk.start, blk.len, g, tid);
+  fa_mma_load_rows(sm, FA_MMA_ROWS * P, P, FA_MMA_ROWS, D, b.ks, blk.start, blk.len, g, tid);
+  fa_cp_async_commit();
+  fa_cp_async_wait(0);
+  ompx_sync_block_acq_rel();
+  fa_u4 ktf[FA_MMA_MAX_D / 16], ksf[FA_MMA_MAX_D / 16];
+  {
+    const int r = warp * 16 + fa_ldsm_a_row(lane), c = fa_ldsm_a_col(lane);
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks++) {
+      ktf[ks] = fa_ldmatrix_x4(sm, r * P + ks * 16 + c, 0);
+      ksf[ks] = fa_ldmatrix_x4(sm, (FA_MMA_ROWS + r) * P + ks * 16 + c, 0);
+    }
+  }
+  ompx_sync_block_acq_rel();
+
+  const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
+  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
+  const int kfirst = (int)blk.start, k_pos0 = kfirst + r0, k_pos1 = k_pos0 + 8;
+  fa_f4 acc[FA_MMA_MAX_D / 8];
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) acc[n] = fa_f4_zero();
+  int bad0 = 0, bad1 = 0;
+
+  fa_query_walk w = {(int)u.j0, 0, 0, 0, 0, 0};
+  w = fa_qwalk_seek(w, b.seg, b.pair, b.kidx, 0, u, blk, group);
+  if (w.j <= u.j1) fa_mma_kl_load_queries(sm, qbuf0, rd0, P, D, BQ, &b, w, g * group + w.hh, tid);
+  fa_cp_async_commit();
+  int cur = 0;
+  while (w.j <= u.j1) {
+    const fa_query_walk nx = fa_qwalk_next(w, BQ, b.seg, b.pair, b.kidx, 0, u, blk, group);
+    const int qt = cur ? qbuf1 : qbuf0, qst = qt + BQ * P, qside = teacher ? qt : qst;
+    const float *rd = (const float *)(smem + (cur ? rd1 : rd0));
+    if (nx.j <= u.j1) {
+      fa_mma_kl_load_queries(sm, cur ? qbuf0 : qbuf1, cur ? rd0 : rd1, P, D, BQ, &b, nx, g * group + nx.hh, tid);
+      fa_cp_async_commit();
+      fa_cp_async_wait(1);
+    } else {
+      fa_cp_async_wait(0);
+    }
+    ompx_sync_block_acq_rel();
+    const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
+    const int lo0 = fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb, nq);
+    const int lo1 = fa_mma_key_first_query(ok1, w.causal, k_pos1, w.qb, nq);
+    const int masked = w.causal && w.qb < kfirst + (int)blk.len - 1;
+    const unsigned long long qflags = masked ? fa_mma_scan_rows(smem + qside, P, BQ, D, f16, qbad, tid) : 0;
+
+    fa_f4 ct[FA_MMA_KL_BQ(64) / 8], cs[FA_MMA_KL_BQ(64) / 8]; /* 16 keys x BQ queries */
+#pragma unroll
+    for (int n = 0; n < BQ / 8; n++) ct[n] = cs[n] = fa_f4_zero();
+    {
+      const int bl = fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane); /* constant offsets from here fold */
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ks++)
+#pragma unroll
+        for (int np = 0; np < BQ / 16; np++) {
+          const fa_u4 bt = fa_ldmatrix_x4(sm, qt + bl + np * 16 * P + ks * 16, 0);
+          const fa_u4 bs = fa_ldmatrix_x4(sm, qst + bl + np * 16 * P + ks * 16, 0);
+          ct[2 * np] = fa_mma_16816(ct[2 * np], ktf[ks], bt.x, bt.y, f16);
+          ct[2 * np + 1] = fa_mma_16816(ct[2 * np + 1], ktf[ks], bt.z, bt.w, f16);
+          cs[2 * np] = fa_mma_16816(cs[2 * np], ksf[ks], bs.x, bs.y, f16);
+          cs[2 * np + 1] = fa_mma_16816(cs[2 * np + 1], ksf[ks], bs.z, bs.w, f16);
+        }
+    }
+    /* C^T in place of the teacher's scores: rows k_pos0 (x, y), k_pos1 (z, w); columns qi, qi + 1 */
+#pragma unroll
+    for (int n = 0; n < BQ / 8; n++) {
+      const int qi = n * 8 + c0;
+      const int v00 = qi >= lo0 && qi < nq, v01 = qi + 1 >= lo0 && qi + 1 < nq;
+      const int v10 = qi >= lo1 && qi < nq, v11 = qi + 1 >= lo1 && qi + 1 < nq;
+      if (qflags) {
+        bad0 |= (v00 && (qflags >> qi & 1u)) || (v01 && (qflags >> (qi + 1) & 1u));
+        bad1 |= (v10 && (qflags >> qi & 1u)) || (v11 && (qflags >> (qi + 1) & 1u));
+      }
+      float sq0[FORKATTN_KL_STATS], sq1[FORKATTN_KL_STATS]; /* queries qi and qi + 1 */
+      for (int s = 0; s < FORKATTN_KL_STATS; s++) sq0[s] = rd[s * BQ + qi], sq1[s] = rd[s * BQ + qi + 1];
+      const float gq0 = rd[FORKATTN_KL_STATS * BQ + qi] * b.loss_mul;
+      const float gq1 = rd[FORKATTN_KL_STATS * BQ + qi + 1] * b.loss_mul;
+      ct[n].x = v00 ? fa_mma_kl_coef(ct[n].x * b.st, cs[n].x * b.ss, sq0, gq0, b.reverse, teacher) : 0.0f;
+      ct[n].y = v01 ? fa_mma_kl_coef(ct[n].y * b.st, cs[n].y * b.ss, sq1, gq1, b.reverse, teacher) : 0.0f;
+      ct[n].z = v10 ? fa_mma_kl_coef(ct[n].z * b.st, cs[n].z * b.ss, sq0, gq0, b.reverse, teacher) : 0.0f;
+      ct[n].w = v11 ? fa_mma_kl_coef(ct[n].w * b.st, cs[n].w * b.ss, sq1, gq1, b.reverse, teacher) : 0.0f;
+    }
+    { /* dK += C^T Q of the side: Q through ldmatrix.trans (B of [query][dim]) */
+      const int al = qside + fa_ldsm_a_row(lane) * P + fa_ldsm_a_col(lane);
+#pragma unroll
+      for (int kk = 0; kk < BQ / 16; kk++) {
+        const fa_u4 ca = fa_mma_p_frag(ct[2 * kk], ct[2 * kk + 1], f16);
+#pragma unroll
+        for (int np = 0; np < D / 16; np++) {
+          const fa_u4 bq = fa_ldmatrix_x4(sm, al + kk * 16 * P + np * 16, 1);
+          acc[2 * np] = fa_mma_16816(acc[2 * np], ca, bq.x, bq.y, f16);
+          acc[2 * np + 1] = fa_mma_16816(acc[2 * np + 1], ca, bq.z, bq.w, f16);
+        }
+      }
+    }
+    ompx_sync_block_acq_rel();
+    cur ^= 1;
+    w = nx;
+  }
+  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
+  const float sc = teacher ? b.st : b.ss;
+  const fa_dev_tensor t = teacher ? b.dkt : b.dks;
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) {
+    const int64_t c = n * 8 + c0;
+    const float a00 = bad0 ? NAN : sc * acc[n].x, a01 = bad0 ? NAN : sc * acc[n].y;
+    const float a10 = bad1 ? NAN : sc * acc[n].z, a11 = bad1 ? NAN : sc * acc[n].w;
+    if (b.part) { /* [units, hkv, 64, d] partial sums, reduced in unit order */
+      const int64_t s0 = ((ui * b.hkv_t + g) * FA_MMA_ROWS + r0) * D + c, s1 = s0 + 8 * D;
+      if (ok0) b.part[s0] = a00, b.part[s0 + 1] = a01;
+      if (ok1) b.part[s1] = a10, b.part[s1 + 1] = a11;
+    } else {
+      if (ok0) {
+        fa_store(t.data, t.dtype, k_pos0 * t.rs + g * t.hs + c, a00);
+        fa_store(t.data, t.dtype, k_pos0 * t.rs + g * t.hs + c + 1, a01);
+      }
+      if (ok1) {
+        fa_store(t.data, t.dtype, k_pos1 * t.rs + g * t.hs + c, a10);
+        fa_store(t.data, t.dtype, k_pos1 * t.rs + g * t.hs + c + 1, a11);
+      }
+    }
+  }
+}
+#pragma omp end declare target
+
+#endif

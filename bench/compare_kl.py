@@ -14,6 +14,8 @@ Usage (on the GPU machine, library built with offload):
   OMP_TARGET_OFFLOAD=mandatory bash bench/gpu_run.sh python3 bench/compare_kl.py \
       --lib build-gpu/libforkattn.so --out $OUT/compare_kl.json
   --million: also one head at 2^20 tokens, StreamKL only.
+  --dtype bf16|f16: both sides in that dtype (the library then runs its tensor-core
+  kernels; PyTorch its GEMMs and log_softmax in that dtype); kl and stats stay f32.
 """
 import argparse
 import ctypes as C
@@ -65,10 +67,13 @@ def load(path):
     return lib
 
 
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # forkattn_dtype
+
+
 def tdesc(x):
     s, h, d = x.shape
-    assert x.dtype == torch.float32 and x.is_contiguous()
-    return Tensor(x.data_ptr(), 0, s, h, d, h * d, d)
+    assert x.dtype in DTYPES and x.is_contiguous()
+    return Tensor(x.data_ptr(), DTYPES[x.dtype], s, h, d, h * d, d)
 
 
 class Stream:
@@ -131,14 +136,15 @@ def rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def case(lib, ctx, S, H, d, reverse, reps, with_torch=True):
+def case(lib, ctx, S, H, d, reverse, reps, with_torch=True, dtype=torch.float32):
     g = torch.Generator(device="cuda").manual_seed(S * 131 + H)
-    mk = lambda: torch.randn(S, H, d, device="cuda", generator=g)
+    mk = lambda: torch.randn(S, H, d, device="cuda", generator=g).to(dtype)
     qt, kt, qs, ks = mk(), mk(), mk(), mk()
     st = Stream(lib, ctx, S, reverse)
     kl = torch.empty(S, H, device="cuda")
     stats = torch.empty(S, H, 4, device="cuda")
     dkl = torch.full((S, H), 1.0 / (S * H), device="cuda")
+    dkl_t = dkl.to(dtype)  # PyTorch's upstream gradient, in the output's dtype
     dqs, dks = torch.empty_like(qs), torch.empty_like(ks)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -146,7 +152,8 @@ def case(lib, ctx, S, H, d, reverse, reps, with_torch=True):
     ms_b = timed(lambda: st.bwd(qt, kt, qs, ks, stats, dkl, dqs, dks), reps)
     ws = lib.forkattn_ctx_peak_workspace(ctx)
     stream_mib = (ws + (kl.numel() + stats.numel() + dkl.numel()) * 4) / 2**20
-    r = {"seq": S, "heads": H, "d": d, "reverse": reverse, "stream_fwd_ms": ms_f, "stream_bwd_ms": ms_b,
+    r = {"seq": S, "heads": H, "d": d, "dtype": str(dtype).replace("torch.", ""), "reverse": reverse,
+         "stream_fwd_ms": ms_f, "stream_bwd_ms": ms_b,
          "stream_extra_mib": stream_mib}
     if with_torch:
         qs_r, ks_r = qs.clone().requires_grad_(), ks.clone().requires_grad_()
@@ -154,10 +161,11 @@ def case(lib, ctx, S, H, d, reverse, reps, with_torch=True):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         out = torch_kl(qt, kt, qs_r, ks_r, reverse)
-        (out * dkl).sum().backward()
+        (out * dkl_t).sum().backward()
         torch.cuda.synchronize()
         r["torch_extra_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-        r["err_kl"], r["err_dq"], r["err_dk"] = rel(kl, out.detach()), rel(dqs, qs_r.grad), rel(dks, ks_r.grad)
+        r["err_kl"] = rel(kl, out.detach().float())
+        r["err_dq"], r["err_dk"] = rel(dqs.float(), qs_r.grad.float()), rel(dks.float(), ks_r.grad.float())
         del out
         qs_r.grad = ks_r.grad = None
 
@@ -172,7 +180,7 @@ def case(lib, ctx, S, H, d, reverse, reps, with_torch=True):
         holder = {}
 
         def tb():
-            holder["o"].backward((dkl,))
+            holder["o"].backward((dkl_t,))
 
         # backward alone: rebuild the graph outside the timed region each time
         times = []
@@ -203,6 +211,7 @@ def main():
     ap.add_argument("--million", action="store_true")
     ap.add_argument("--million-bwd", action="store_true")
     ap.add_argument("--no-cases", action="store_true", help="skip the S=4096/16384 comparisons")
+    ap.add_argument("--dtype", choices=("f32", "bf16", "f16"), default="f32")
     a = ap.parse_args()
     lib = load(a.lib)
     ctx = C.c_void_p()
@@ -212,7 +221,8 @@ def main():
     rows = []
     for S, H in () if a.no_cases else ((4096, 16), (16384, 4)):
         for rev in (False, True):
-            rows.append(case(lib, ctx, S, H, 128, rev, a.reps))
+            dt = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[a.dtype]
+            rows.append(case(lib, ctx, S, H, 128, rev, a.reps, dtype=dt))
             print(json.dumps(rows[-1]), flush=True)
     if a.million:
         S = 1 << 20

@@ -21,6 +21,7 @@
 #include "dtype_convert.h"
 #include "gpu_kl.h"
 #include "gpu_mma.h"
+#include "gpu_mma_kl_team.h"
 #include "gpu_mma_tiles.h"
 #include "streamkl.h"
 
@@ -53,21 +54,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dq_team(const int D,
   unsigned *kbad = (unsigned *)(smem + 4 * BK * P);
   const int64_t g = h / (b.h / b.hkv_t); /* the students' KV head is the same (fa_gpu_mma_kl_bwd_ok) */
 
-  fa_mma_load_rows(sm, 0, P, FA_MMA_ROWS, D, b.qt, blk.start, blk.len, h, tid);
-  fa_mma_load_rows(sm, FA_MMA_ROWS * P, P, FA_MMA_ROWS, D, b.qs, blk.start, blk.len, h, tid);
-  fa_cp_async_commit();
-  fa_cp_async_wait(0);
-  ompx_sync_block_acq_rel();
-  fa_u4 qt[FA_MMA_MAX_D / 16], qs[FA_MMA_MAX_D / 16];
-  {
-    const int r = warp * 16 + fa_ldsm_a_row(lane), c = fa_ldsm_a_col(lane);
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ks++) {
-      qt[ks] = fa_ldmatrix_x4(sm, r * P + ks * 16 + c, 0);
-      qs[ks] = fa_ldmatrix_x4(sm, (FA_MMA_ROWS + r) * P + ks * 16 + c, 0);
-    }
-  }
-  ompx_sync_block_acq_rel();
+  const fa_mma_kl_qf q = fa_mma_kl_load_q(sm, P, D, &b, blk, h, tid);
 
   const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
   const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
@@ -100,23 +87,8 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dq_team(const int D,
     const int masked = w.causal && w.kb + BK - 1 > qfirst;
     const unsigned long long kflags = masked ? fa_mma_scan_rows(smem + kside, P, BK, D, f16, kbad, tid) : 0;
 
-    fa_f4 ct[FA_MMA_MAX_BK / 8], cs[FA_MMA_MAX_BK / 8];
-#pragma unroll
-    for (int n = 0; n < BK / 8; n++) ct[n] = fa_f4_zero(), cs[n] = fa_f4_zero();
-    {
-      const int kl = fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane); /* constant offsets from here fold */
-#pragma unroll
-      for (int ks = 0; ks < D / 16; ks++)
-#pragma unroll
-        for (int np = 0; np < BK / 16; np++) {
-          const fa_u4 bt = fa_ldmatrix_x4(sm, kt + kl + np * 16 * P + ks * 16, 0);
-          const fa_u4 bs = fa_ldmatrix_x4(sm, kst + kl + np * 16 * P + ks * 16, 0);
-          ct[2 * np] = fa_mma_16816(ct[2 * np], qt[ks], bt.x, bt.y, f16);
-          ct[2 * np + 1] = fa_mma_16816(ct[2 * np + 1], qt[ks], bt.z, bt.w, f16);
-          cs[2 * np] = fa_mma_16816(cs[2 * np], qs[ks], bs.x, bs.y, f16);
-          cs[2 * np + 1] = fa_mma_16816(cs[2 * np + 1], qs[ks], bs.z, bs.w, f16);
-        }
-    }
+    fa_mma_kl_sc sc = fa_mma_kl_scores(sm, kt, kst, P, D, BK, q, f16, lane);
+    fa_f4 *ct = sc.t, *cs = sc.s;
     /* C in place of the teacher's scores; a key a row cannot see gets an exact 0 (a select). */
 #pragma unroll
     for (int n = 0; n < BK / 8; n++) {

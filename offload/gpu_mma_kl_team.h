@@ -33,6 +33,59 @@ static inline fa_kl_state fa_mma_kl_shfl(fa_kl_state s, int mask) {
   return o;
 }
 
+/* Both sides' Q fragments of a warp's 16 rows, and both sides' scores of
+ * those rows against a key tile (by value, see gpu_mma.h; the forward and the
+ * backward's dQ teams share them). */
+typedef struct fa_mma_kl_qf {
+  fa_u4 t[FA_MMA_MAX_D / 16], s[FA_MMA_MAX_D / 16];
+} fa_mma_kl_qf;
+typedef struct fa_mma_kl_sc {
+  fa_f4 t[FA_MMA_MAX_BK / 8], s[FA_MMA_MAX_BK / 8];
+} fa_mma_kl_sc;
+
+/* Q_t's and Q_s's rows of query block blk (query head h) through team memory
+ * into each warp's A fragments. Contains barriers: call from every thread. */
+static inline fa_mma_kl_qf fa_mma_kl_load_q(fa_smem sm, int P, int D, const fa_gpu_kl *b, fa_block blk, int64_t h,
+                                            int tid) {
+  const int warp = tid / 32, lane = tid % 32;
+  fa_mma_load_rows(sm, 0, P, FA_MMA_ROWS, D, b->qt, blk.start, blk.len, h, tid);
+  fa_mma_load_rows(sm, FA_MMA_ROWS * P, P, FA_MMA_ROWS, D, b->qs, blk.start, blk.len, h, tid);
+  fa_cp_async_commit();
+  fa_cp_async_wait(0);
+  ompx_sync_block_acq_rel();
+  fa_mma_kl_qf q;
+  const int r = warp * 16 + fa_ldsm_a_row(lane), c = fa_ldsm_a_col(lane);
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ks++) {
+    q.t[ks] = fa_ldmatrix_x4(sm, r * P + ks * 16 + c, 0);
+    q.s[ks] = fa_ldmatrix_x4(sm, (FA_MMA_ROWS + r) * P + ks * 16 + c, 0);
+  }
+  ompx_sync_block_acq_rel();
+  return q;
+}
+
+/* S_t = Q_t K_t^T and S_s = Q_s K_s^T, raw, against the BK-key tiles of K_t
+ * at element kt and K_s at kst of team memory. */
+static inline fa_mma_kl_sc fa_mma_kl_scores(fa_smem sm, int kt, int kst, int P, int D, int BK, fa_mma_kl_qf q,
+                                            int f16, int lane) {
+  fa_mma_kl_sc sc;
+#pragma unroll
+  for (int n = 0; n < BK / 8; n++) sc.t[n] = fa_f4_zero(), sc.s[n] = fa_f4_zero();
+  const int kl = fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane); /* constant offsets from here fold */
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ks++)
+#pragma unroll
+    for (int np = 0; np < BK / 16; np++) {
+      const fa_u4 bt = fa_ldmatrix_x4(sm, kt + kl + np * 16 * P + ks * 16, 0);
+      const fa_u4 bs = fa_ldmatrix_x4(sm, kst + kl + np * 16 * P + ks * 16, 0);
+      sc.t[2 * np] = fa_mma_16816(sc.t[2 * np], q.t[ks], bt.x, bt.y, f16);
+      sc.t[2 * np + 1] = fa_mma_16816(sc.t[2 * np + 1], q.t[ks], bt.z, bt.w, f16);
+      sc.s[2 * np] = fa_mma_16816(sc.s[2 * np], q.s[ks], bs.x, bs.y, f16);
+      sc.s[2 * np + 1] = fa_mma_16816(sc.s[2 * np + 1], q.s[ks], bs.z, bs.w, f16);
+    }
+  return sc;
+}
+
 /* Fold one accumulator element into a row's state when the key is visible. */
 static inline void fa_mma_kl_fold(fa_kl_state *st, float t, float s, int key, int lim, float sct, float scs) {
   if (key < lim) fa_kl_add(st, t * sct, s * scs);
@@ -48,21 +101,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_fwd_team(const int D
   const int64_t gt = h / (b.h / b.hkv_t), gs = h / (b.h / b.hkv_s);
 
   /* Q_t and Q_s (64 rows each) fill the team memory first; the walk starts after. */
-  fa_mma_load_rows(sm, 0, P, FA_MMA_ROWS, D, b.qt, blk.start, blk.len, h, tid);
-  fa_mma_load_rows(sm, FA_MMA_ROWS * P, P, FA_MMA_ROWS, D, b.qs, blk.start, blk.len, h, tid);
-  fa_cp_async_commit();
-  fa_cp_async_wait(0);
-  ompx_sync_block_acq_rel();
-  fa_u4 qt[FA_MMA_MAX_D / 16], qs[FA_MMA_MAX_D / 16];
-  {
-    const int r = warp * 16 + fa_ldsm_a_row(lane), c = fa_ldsm_a_col(lane);
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ks++) {
-      qt[ks] = fa_ldmatrix_x4(sm, r * P + ks * 16 + c, 0);
-      qs[ks] = fa_ldmatrix_x4(sm, (FA_MMA_ROWS + r) * P + ks * 16 + c, 0);
-    }
-  }
-  ompx_sync_block_acq_rel();
+  const fa_mma_kl_qf q = fa_mma_kl_load_q(sm, P, D, &b, blk, h, tid);
 
   const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
   const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
@@ -81,30 +120,14 @@ static inline __attribute__((always_inline)) void fa_mma_kl_fwd_team(const int D
     const int nk = fa_walk_keys(w, BK);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, (int)row0, w.kb, nk);
     const int lim1 = fa_mma_row_keys(ok1, w.causal, (int)row0 + 8, w.kb, nk);
-    fa_f4 st[FA_MMA_MAX_BK / 8], ss[FA_MMA_MAX_BK / 8];
-#pragma unroll
-    for (int n = 0; n < BK / 8; n++) st[n] = fa_f4_zero(), ss[n] = fa_f4_zero();
-    {
-      const int kl = fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane); /* constant offsets from here fold */
-#pragma unroll
-      for (int ks = 0; ks < D / 16; ks++)
-#pragma unroll
-        for (int np = 0; np < BK / 16; np++) {
-          const fa_u4 bt = fa_ldmatrix_x4(sm, kt + kl + np * 16 * P + ks * 16, 0);
-          const fa_u4 bs = fa_ldmatrix_x4(sm, kst + kl + np * 16 * P + ks * 16, 0);
-          st[2 * np] = fa_mma_16816(st[2 * np], qt[ks], bt.x, bt.y, f16);
-          st[2 * np + 1] = fa_mma_16816(st[2 * np + 1], qt[ks], bt.z, bt.w, f16);
-          ss[2 * np] = fa_mma_16816(ss[2 * np], qs[ks], bs.x, bs.y, f16);
-          ss[2 * np + 1] = fa_mma_16816(ss[2 * np + 1], qs[ks], bs.z, bs.w, f16);
-        }
-    }
+    const fa_mma_kl_sc sc = fa_mma_kl_scores(sm, kt, kst, P, D, BK, q, f16, lane);
 #pragma unroll
     for (int n = 0; n < BK / 8; n++) {
       const int key = n * 8 + c0;
-      fa_mma_kl_fold(&acc0, st[n].x, ss[n].x, key, lim0, b.st, b.ss);
-      fa_mma_kl_fold(&acc0, st[n].y, ss[n].y, key + 1, lim0, b.st, b.ss);
-      fa_mma_kl_fold(&acc1, st[n].z, ss[n].z, key, lim1, b.st, b.ss);
-      fa_mma_kl_fold(&acc1, st[n].w, ss[n].w, key + 1, lim1, b.st, b.ss);
+      fa_mma_kl_fold(&acc0, sc.t[n].x, sc.s[n].x, key, lim0, b.st, b.ss);
+      fa_mma_kl_fold(&acc0, sc.t[n].y, sc.s[n].y, key + 1, lim0, b.st, b.ss);
+      fa_mma_kl_fold(&acc1, sc.t[n].z, sc.s[n].z, key, lim1, b.st, b.ss);
+      fa_mma_kl_fold(&acc1, sc.t[n].w, sc.s[n].w, key + 1, lim1, b.st, b.ss);
     }
     ompx_sync_block_acq_rel(); /* every warp is done with this buffer before it is refilled */
     cur ^= 1;

@@ -272,6 +272,31 @@ static int prefix_sees(int causal, int64_t P, const int64_t *off, int64_t N, int
   return j - P >= off[r] && j - P < off[r + 1];
 }
 
+/* Both sides' scaled scores of the keys row i (query head h) sees in a prefix
+ * layout, into t and s (other entries untouched), and their maxima: from the
+ * rounded inputs rx (q_t, k_t, q_s, k_s) in float64. */
+typedef struct kl_ref_shape {
+  int64_t P, N, H, hkv_t, hkv_s, d, T;
+  const int64_t *off;
+  int causal;
+  double sct, scs;
+} kl_ref_shape;
+
+static void kl_ref_scores(const kl_ref_shape *c, double *const rx[4], int64_t i, int64_t h, double *t, double *s,
+                          double *mt, double *ms) {
+  const int64_t gt = h / (c->H / c->hkv_t), gs = h / (c->H / c->hkv_s), d = c->d;
+  *mt = *ms = -INFINITY;
+  for (int64_t j = 0; j < c->T; j++) {
+    if (!prefix_sees(c->causal, c->P, c->off, c->N, i, j)) continue;
+    double a = 0, b = 0;
+    for (int64_t e = 0; e < d; e++) {
+      a += rx[0][(i * c->H + h) * d + e] * rx[1][(j * c->hkv_t + gt) * d + e];
+      b += rx[2][(i * c->H + h) * d + e] * rx[3][(j * c->hkv_s + gs) * d + e];
+    }
+    t[j] = a * c->sct, s[j] = b * c->scs, *mt = fmax(*mt, t[j]), *ms = fmax(*ms, s[j]);
+  }
+}
+
 static void kl_case(const char *name, int64_t P, int64_t N, const int64_t *lens, int causal, int64_t H, int64_t hkv_t,
                     int64_t hkv_s, int64_t d, int f16, int reverse) {
   omp_set_dynamic(0);
@@ -310,19 +335,11 @@ static void kl_case(const char *name, int64_t P, int64_t N, const int64_t *lens,
     for (int64_t h = 0; h < H; h++) EMU_TEAM(fa_mma_kl_fwd_team((int)d, bk, f16, b, qb[blk], h, smem));
   double worst = 0;
   double *t = malloc(sizeof(double) * (size_t)T), *sv = malloc(sizeof(double) * (size_t)T);
+  const kl_ref_shape shape = {P, N, H, hkv_t, hkv_s, d, T, off, causal, sct, scs};
   for (int64_t i = 0; i < T; i++)
     for (int64_t h = 0; h < H; h++) {
-      const int64_t gt = h / (H / hkv_t), gs = h / (H / hkv_s);
-      double mt = -INFINITY, ms = -INFINITY, zt = 0, zs = 0, L = 0, mag = 0;
-      for (int64_t j = 0; j < T; j++) {
-        if (!prefix_sees(causal, P, off, N, i, j)) continue;
-        double a = 0, c = 0;
-        for (int64_t e = 0; e < d; e++) {
-          a += rx[0][(i * H + h) * d + e] * rx[1][(j * hkv_t + gt) * d + e];
-          c += rx[2][(i * H + h) * d + e] * rx[3][(j * hkv_s + gs) * d + e];
-        }
-        t[j] = a * sct, sv[j] = c * scs, mt = fmax(mt, t[j]), ms = fmax(ms, sv[j]);
-      }
+      double mt, ms, zt = 0, zs = 0, L = 0, mag = 0;
+      kl_ref_scores(&shape, rx, i, h, t, sv, &mt, &ms);
       for (int64_t j = 0; j < T; j++)
         if (prefix_sees(causal, P, off, N, i, j)) zt += exp(t[j] - mt), zs += exp(sv[j] - ms);
       const double lt = mt + log(zt), ls = ms + log(zs);
@@ -450,19 +467,12 @@ static void kl_bwd_case(const char *name, int64_t P, int64_t N, const int64_t *l
             }
   }
   double *t = malloc(sizeof(double) * (size_t)T), *sv = malloc(sizeof(double) * (size_t)T);
+  const kl_ref_shape shape = {P, N, H, hkv, hkv, d, T, off, causal, sct, scs};
   for (int64_t i = 0; i < T; i++)
     for (int64_t h = 0; h < H; h++) {
       const int64_t g = h / group;
-      double mt = -INFINITY, ms = -INFINITY, zt = 0, zs = 0, E = 0;
-      for (int64_t j = 0; j < T; j++) {
-        if (!prefix_sees(causal, P, off, N, i, j)) continue;
-        double a = 0, c = 0;
-        for (int64_t e = 0; e < d; e++) {
-          a += rx[0][(i * H + h) * d + e] * rx[1][(j * hkv + g) * d + e];
-          c += rx[2][(i * H + h) * d + e] * rx[3][(j * hkv + g) * d + e];
-        }
-        t[j] = a * sct, sv[j] = c * scs, mt = fmax(mt, t[j]), ms = fmax(ms, sv[j]);
-      }
+      double mt, ms, zt = 0, zs = 0, E = 0;
+      kl_ref_scores(&shape, rx, i, h, t, sv, &mt, &ms);
       for (int64_t j = 0; j < T; j++)
         if (prefix_sees(causal, P, off, N, i, j)) zt += exp(t[j] - mt), zs += exp(sv[j] - ms);
       for (int64_t j = 0; j < T; j++)

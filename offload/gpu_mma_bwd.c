@@ -43,23 +43,23 @@ void fa_gpu_mma_dq(const fa_gpu_bwd *b) {
 }
 
 /* One team per (key unit, KV head); at head_dim 128 V's tile stays in team
- * memory (vsm: 16-query tiles, fa_mma_dkv_team). */
-#define FA_MMA_DKV(D, F16, VSM)                                                                                    \
+ * memory (FA_MMA_DKV_VSM: 16-query tiles, fa_mma_dkv_team). */
+#define FA_MMA_DKV(D, F16)                                                                                    \
   do {                                                                                                        \
-    const size_t smem = FA_MMA_DKV_SMEM((D), (VSM));                                                          \
+    const size_t smem = FA_MMA_DKV_SMEM(D);                                                          \
     _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args)") \
     {                                                                                                         \
       unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
       const int64_t team = ompx_block_id_x();                                                                 \
-      fa_mma_dkv_team((D), (F16), (VSM), args, team / args.hkv, team % args.hkv, sm);                         \
+      fa_mma_dkv_team((D), (F16), args, team / args.hkv, team % args.hkv, sm);                         \
     }                                                                                                         \
   } while (0)
 
 void fa_gpu_mma_dkv(const fa_gpu_bwd *b) {
   const fa_gpu_bwd args = *b;
   const int nteams = (int)(b->nunits * b->hkv), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
-  if (b->d == 128 && f16) FA_MMA_DKV(128, 1, 1);
-  else if (b->d == 128) FA_MMA_DKV(128, 0, 1);
-  else if (f16) FA_MMA_DKV(64, 1, 0);
-  else FA_MMA_DKV(64, 0, 0);
+  if (b->d == 128 && f16) FA_MMA_DKV(128, 1);
+  else if (b->d == 128) FA_MMA_DKV(128, 0);
+  else if (f16) FA_MMA_DKV(64, 1);
+  else FA_MMA_DKV(64, 0);
 }

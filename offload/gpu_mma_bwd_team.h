@@ -149,38 +149,13 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
         s[n].w = t3 == -INFINITY ? 0.0f : fa_mma_exp2(t3 - lse1) * (dp[n].w - dd1);
       }
     }
-    {
-      const int kl = kt + fa_ldsm_a_row(lane) * P + fa_ldsm_a_col(lane); /* .trans: B of [key][dim] */
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; kk++) {
-        const fa_u4 da = fa_mma_p_frag(s[2 * kk], s[2 * kk + 1], f16);
-#pragma unroll
-        for (int np = 0; np < D / 16; np++) {
-          const fa_u4 bk = fa_ldmatrix_x4(sm, kl + kk * 16 * P + np * 16, 1);
-          dq[2 * np] = fa_mma_16816(dq[2 * np], da, bk.x, bk.y, f16);
-          dq[2 * np + 1] = fa_mma_16816(dq[2 * np + 1], da, bk.z, bk.w, f16);
-        }
-      }
-    }
+    fa_mma_acc_ab(dq, s, sm, kt, P, BK, D, f16, lane); /* dQ += dS K, K of [key][dim] */
     ompx_sync_block_acq_rel();
     cur ^= 1;
     w = nx;
   }
   bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
-  const fa_dev_tensor t = b.dq;
-  const float sc = b.scale;
-#pragma unroll
-  for (int n = 0; n < D / 8; n++) {
-    const int64_t c = n * 8 + c0;
-    if (ok0) {
-      fa_store(t.data, t.dtype, row0 * t.rs + h * t.hs + c, bad0 ? NAN : sc * dq[n].x);
-      fa_store(t.data, t.dtype, row0 * t.rs + h * t.hs + c + 1, bad0 ? NAN : sc * dq[n].y);
-    }
-    if (ok1) {
-      fa_store(t.data, t.dtype, (row0 + 8) * t.rs + h * t.hs + c, bad1 ? NAN : sc * dq[n].z);
-      fa_store(t.data, t.dtype, (row0 + 8) * t.rs + h * t.hs + c + 1, bad1 ? NAN : sc * dq[n].w);
-    }
-  }
+  fa_mma_store_rows(b.dq, row0, h, dq, D, c0, ok0, ok1, b.scale, b.scale, bad0, bad1);
 }
 
 /* ---- dK/dV --------------------------------------------------------------- */
@@ -204,21 +179,21 @@ static inline void fa_mma_load_queries(fa_smem m, int at, int ld, int P, int D, 
 }
 
 /* A dK/dV team accumulates dK and dV together. At head_dim 64 the K and V
- * fragments both live in registers (32-query tiles); at 128 (vsm) V's tile
+ * fragments both live in registers (32-query tiles); at 128 (FA_MMA_DKV_VSM) V's tile
  * stays in team memory and its A fragments are read per 16-query tile: K and
  * V fragments in registers next to 64 + 64 accumulators spilled (ptxas: 160
  * local loads/stores per tile), and a dV pass plus a dK pass (5 products per
  * tile instead of 4) measured slower (bench/NOTES-gpu.md, v1.7).
  * Team memory at head_dim d: [V tile, vsm only] | two query buffers
  * (Q [BQ][P], dO [BQ][P]) | lse, D of each | scan flags. */
-#define FA_MMA_DKV_SMEM(d, vsmem)                                                                               \
-  ((size_t)(((vsmem) ? FA_MMA_ROWS : 0) + 4 * ((vsmem) ? 16 : FA_MMA_BQ)) * ((d) + 8) * 2 +                     \
-   4 * ((vsmem) ? 16 : FA_MMA_BQ) * sizeof(float) + 4 * sizeof(unsigned))
+#define FA_MMA_DKV_VSM(d) ((d) == 128)
+#define FA_MMA_DKV_SMEM(d)                                                                                      \
+  ((size_t)((FA_MMA_DKV_VSM(d) ? FA_MMA_ROWS : 0) + 4 * (FA_MMA_DKV_VSM(d) ? 16 : FA_MMA_BQ)) * ((d) + 8) * 2 + \
+   4 * (FA_MMA_DKV_VSM(d) ? 16 : FA_MMA_BQ) * sizeof(float) + 4 * sizeof(unsigned))
 
-static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, const int f16, const int vsm,
-                                                                   const fa_gpu_bwd b, int64_t ui, int64_t g,
-                                                                   unsigned short *smem) {
-  const int P = D + 8, BQ = vsm ? 16 : FA_MMA_BQ;
+static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, const int f16, const fa_gpu_bwd b,
+                                                                   int64_t ui, int64_t g, unsigned short *smem) {
+  const int vsm = FA_MMA_DKV_VSM(D), P = D + 8, BQ = vsm ? 16 : FA_MMA_BQ;
   const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
   const fa_key_unit u = b.units[ui];
   const fa_block blk = b.kblocks[u.block];
@@ -358,34 +333,13 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
     w = nx;
   }
   bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
-  const float sc = b.scale;
-#pragma unroll
-  for (int n = 0; n < D / 8; n++) {
-    const int64_t c = n * 8 + c0;
-    const float k00 = bad0 ? NAN : sc * dk[n].x, k01 = bad0 ? NAN : sc * dk[n].y;
-    const float k10 = bad1 ? NAN : sc * dk[n].z, k11 = bad1 ? NAN : sc * dk[n].w;
-    const float v00 = bad0 ? NAN : dv[n].x, v01 = bad0 ? NAN : dv[n].y;
-    const float v10 = bad1 ? NAN : dv[n].z, v11 = bad1 ? NAN : dv[n].w;
-    if (b.part_k) { /* [units, hkv, 64, d] partial sums, reduced in unit order */
-      const int64_t s0 = ((ui * b.hkv + g) * FA_MMA_ROWS + r0) * b.d + c, s1 = s0 + 8 * b.d;
-      if (ok0) b.part_k[s0] = k00, b.part_k[s0 + 1] = k01, b.part_v[s0] = v00, b.part_v[s0 + 1] = v01;
-      if (ok1) b.part_k[s1] = k10, b.part_k[s1 + 1] = k11, b.part_v[s1] = v10, b.part_v[s1 + 1] = v11;
-    } else {
-      const fa_dev_tensor tk = b.dk, tv = b.dv;
-      if (ok0) {
-        fa_store(tk.data, tk.dtype, k_pos0 * tk.rs + g * tk.hs + c, k00);
-        fa_store(tk.data, tk.dtype, k_pos0 * tk.rs + g * tk.hs + c + 1, k01);
-        fa_store(tv.data, tv.dtype, k_pos0 * tv.rs + g * tv.hs + c, v00);
-        fa_store(tv.data, tv.dtype, k_pos0 * tv.rs + g * tv.hs + c + 1, v01);
-      }
-      if (ok1) {
-        fa_store(tk.data, tk.dtype, k_pos1 * tk.rs + g * tk.hs + c, k10);
-        fa_store(tk.data, tk.dtype, k_pos1 * tk.rs + g * tk.hs + c + 1, k11);
-        fa_store(tv.data, tv.dtype, k_pos1 * tv.rs + g * tv.hs + c, v10);
-        fa_store(tv.data, tv.dtype, k_pos1 * tv.rs + g * tv.hs + c + 1, v11);
-      }
-    }
-  }
+  /* the gradients, or this unit's partial sums [units, hkv, 64, d] (reduced in unit order) */
+  const int part = b.part_k != NULL;
+  const int64_t slot = (ui * b.hkv + g) * FA_MMA_ROWS * b.d, row = part ? r0 : k_pos0, head = part ? 0 : g;
+  const fa_dev_tensor tk = part ? fa_mma_part_view(b.part_k + slot, b.d) : b.dk;
+  const fa_dev_tensor tv = part ? fa_mma_part_view(b.part_v + slot, b.d) : b.dv;
+  fa_mma_store_rows(tk, row, head, dk, D, c0, ok0, ok1, b.scale, b.scale, bad0, bad1);
+  fa_mma_store_rows(tv, row, head, dv, D, c0, ok0, ok1, 1.0f, 1.0f, bad0, bad1);
 }
 #pragma omp end declare target
 

@@ -134,19 +134,7 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
     m0 = n0, m1 = n1;
 
     /* O += P V: P from the S accumulators (two n-tiles make one A fragment). */
-    {
-      const int vl = vt + fa_ldsm_a_row(lane) * P + fa_ldsm_a_col(lane); /* with .trans: B of [key][dim] */
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; kk++) {
-        const fa_u4 pa = fa_mma_p_frag(s[2 * kk], s[2 * kk + 1], f16);
-#pragma unroll
-        for (int np = 0; np < D / 16; np++) {
-          const fa_u4 b = fa_ldmatrix_x4(sm, vl + kk * 16 * P + np * 16, 1);
-          o[2 * np] = fa_mma_16816(o[2 * np], pa, b.x, b.y, f16);
-          o[2 * np + 1] = fa_mma_16816(o[2 * np + 1], pa, b.z, b.w, f16);
-        }
-      }
-    }
+    fa_mma_acc_ab(o, s, sm, vt, P, BK, D, f16, lane);
     ompx_sync_block_acq_rel(); /* every warp is done with this buffer before it is refilled */
     cur ^= 1;
     w = nx;
@@ -158,20 +146,8 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
   l1 += fa_mma_shfl_xor(l1, 2);
   bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
   const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
-  const fa_dev_tensor ot = ga.o;
   const int64_t row0 = blk.start + r0;
-#pragma unroll
-  for (int n = 0; n < D / 8; n++) {
-    const int64_t c = n * 8 + c0;
-    if (ok0) {
-      fa_store(ot.data, ot.dtype, row0 * ot.rs + h * ot.hs + c, bad0 ? NAN : o[n].x * i0);
-      fa_store(ot.data, ot.dtype, row0 * ot.rs + h * ot.hs + c + 1, bad0 ? NAN : o[n].y * i0);
-    }
-    if (ok1) {
-      fa_store(ot.data, ot.dtype, (row0 + 8) * ot.rs + h * ot.hs + c, bad1 ? NAN : o[n].z * i1);
-      fa_store(ot.data, ot.dtype, (row0 + 8) * ot.rs + h * ot.hs + c + 1, bad1 ? NAN : o[n].w * i1);
-    }
-  }
+  fa_mma_store_rows(ga.o, row0, h, o, D, c0, ok0, ok1, i0, i1, bad0, bad1);
   if (ga.lse && c0 == 0) {
     if (ok0) ga.lse[row0 * ga.hq + h] = l0 > 0.0f ? (m0 + log2f(l0)) * FA_LN2 : -INFINITY;
     if (ok1) ga.lse[(row0 + 8) * ga.hq + h] = l1 > 0.0f ? (m1 + log2f(l1)) * FA_LN2 : -INFINITY;

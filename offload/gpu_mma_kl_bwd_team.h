@@ -102,38 +102,14 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dq_team(const int D,
       ct[n].z = key < lim1 ? fa_mma_kl_coef(ct[n].z * b.st, cs[n].z * b.ss, st1, g1, b.reverse, teacher) : 0.0f;
       ct[n].w = key + 1 < lim1 ? fa_mma_kl_coef(ct[n].w * b.st, cs[n].w * b.ss, st1, g1, b.reverse, teacher) : 0.0f;
     }
-    { /* dQ += C K of the side: K through ldmatrix.trans (B of [key][dim]) */
-      const int kl = kside + fa_ldsm_a_row(lane) * P + fa_ldsm_a_col(lane);
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; kk++) {
-        const fa_u4 ca = fa_mma_p_frag(ct[2 * kk], ct[2 * kk + 1], f16);
-#pragma unroll
-        for (int np = 0; np < D / 16; np++) {
-          const fa_u4 bk = fa_ldmatrix_x4(sm, kl + kk * 16 * P + np * 16, 1);
-          dq[2 * np] = fa_mma_16816(dq[2 * np], ca, bk.x, bk.y, f16);
-          dq[2 * np + 1] = fa_mma_16816(dq[2 * np + 1], ca, bk.z, bk.w, f16);
-        }
-      }
-    }
+    fa_mma_acc_ab(dq, ct, sm, kside, P, BK, D, f16, lane); /* dQ += C K of the side, K of [key][dim] */
     ompx_sync_block_acq_rel();
     cur ^= 1;
     w = nx;
   }
   bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
-  const fa_dev_tensor t = teacher ? b.dqt : b.dqs;
-  const float sc = teacher ? b.st : b.ss;
-#pragma unroll
-  for (int n = 0; n < D / 8; n++) {
-    const int64_t c = n * 8 + c0;
-    if (ok0) {
-      fa_store(t.data, t.dtype, row0 * t.rs + h * t.hs + c, bad0 ? NAN : sc * dq[n].x);
-      fa_store(t.data, t.dtype, row0 * t.rs + h * t.hs + c + 1, bad0 ? NAN : sc * dq[n].y);
-    }
-    if (ok1) {
-      fa_store(t.data, t.dtype, (row0 + 8) * t.rs + h * t.hs + c, bad1 ? NAN : sc * dq[n].z);
-      fa_store(t.data, t.dtype, (row0 + 8) * t.rs + h * t.hs + c + 1, bad1 ? NAN : sc * dq[n].w);
-    }
-  }
+  const float scale = teacher ? b.st : b.ss;
+  fa_mma_store_rows(teacher ? b.dqt : b.dqs, row0, h, dq, D, c0, ok0, ok1, scale, scale, bad0, bad1);
 }
 
 /* ---- dK ------------------------------------------------------------------ */
@@ -265,46 +241,17 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dk_team(const int D,
       ct[n].z = v10 ? fa_mma_kl_coef(ct[n].z * b.st, cs[n].z * b.ss, sq0, gq0, b.reverse, teacher) : 0.0f;
       ct[n].w = v11 ? fa_mma_kl_coef(ct[n].w * b.st, cs[n].w * b.ss, sq1, gq1, b.reverse, teacher) : 0.0f;
     }
-    { /* dK += C^T Q of the side: Q through ldmatrix.trans (B of [query][dim]) */
-      const int al = qside + fa_ldsm_a_row(lane) * P + fa_ldsm_a_col(lane);
-#pragma unroll
-      for (int kk = 0; kk < BQ / 16; kk++) {
-        const fa_u4 ca = fa_mma_p_frag(ct[2 * kk], ct[2 * kk + 1], f16);
-#pragma unroll
-        for (int np = 0; np < D / 16; np++) {
-          const fa_u4 bq = fa_ldmatrix_x4(sm, al + kk * 16 * P + np * 16, 1);
-          acc[2 * np] = fa_mma_16816(acc[2 * np], ca, bq.x, bq.y, f16);
-          acc[2 * np + 1] = fa_mma_16816(acc[2 * np + 1], ca, bq.z, bq.w, f16);
-        }
-      }
-    }
+    fa_mma_acc_ab(acc, ct, sm, qside, P, BQ, D, f16, lane); /* dK += C^T Q of the side, Q of [query][dim] */
     ompx_sync_block_acq_rel();
     cur ^= 1;
     w = nx;
   }
   bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
-  const float sc = teacher ? b.st : b.ss;
-  const fa_dev_tensor t = teacher ? b.dkt : b.dks;
-#pragma unroll
-  for (int n = 0; n < D / 8; n++) {
-    const int64_t c = n * 8 + c0;
-    const float a00 = bad0 ? NAN : sc * acc[n].x, a01 = bad0 ? NAN : sc * acc[n].y;
-    const float a10 = bad1 ? NAN : sc * acc[n].z, a11 = bad1 ? NAN : sc * acc[n].w;
-    if (b.part) { /* [units, hkv, 64, d] partial sums, reduced in unit order */
-      const int64_t s0 = ((ui * b.hkv_t + g) * FA_MMA_ROWS + r0) * D + c, s1 = s0 + 8 * D;
-      if (ok0) b.part[s0] = a00, b.part[s0 + 1] = a01;
-      if (ok1) b.part[s1] = a10, b.part[s1 + 1] = a11;
-    } else {
-      if (ok0) {
-        fa_store(t.data, t.dtype, k_pos0 * t.rs + g * t.hs + c, a00);
-        fa_store(t.data, t.dtype, k_pos0 * t.rs + g * t.hs + c + 1, a01);
-      }
-      if (ok1) {
-        fa_store(t.data, t.dtype, k_pos1 * t.rs + g * t.hs + c, a10);
-        fa_store(t.data, t.dtype, k_pos1 * t.rs + g * t.hs + c + 1, a11);
-      }
-    }
-  }
+  /* the gradient, or this unit's partial sums [units, hkv, 64, d] (reduced in unit order) */
+  const float scale = teacher ? b.st : b.ss;
+  const int64_t slot = (ui * b.hkv_t + g) * FA_MMA_ROWS * D, row = b.part ? r0 : k_pos0, head = b.part ? 0 : g;
+  const fa_dev_tensor t = b.part ? fa_mma_part_view(b.part + slot, D) : teacher ? b.dkt : b.dks;
+  fa_mma_store_rows(t, row, head, acc, D, c0, ok0, ok1, scale, scale, bad0, bad1);
 }
 #pragma omp end declare target
 

@@ -192,6 +192,56 @@ static inline float fa_mma_score(float s, float mul, int key, int lim) { return 
 static inline float fa_mma_mask(float s, int key, int lim) { return key < lim ? s : -INFINITY; }
 
 
+/* acc (16 rows x D) += A B for one warp: A (16 x K) packed from the
+ * accumulators a (two n-tiles a k-step: P, dS or a StreamKL score gradient),
+ * B (K x D) the tile at element `tile` of team memory, [K][P] rows through
+ * ldmatrix.trans. The forward's P V, dQ's dS K, dK's dS^T Q and StreamKL's
+ * C K and C^T Q. Pointers to the caller's register arrays: always inlined,
+ * they stay registers. */
+static inline __attribute__((always_inline)) void fa_mma_acc_ab(fa_f4 *acc, const fa_f4 *a, fa_smem sm, int tile,
+                                                                int P, int K, int D, int f16, int lane) {
+  const int bl = tile + fa_ldsm_a_row(lane) * P + fa_ldsm_a_col(lane); /* constant offsets from here fold */
+#pragma unroll
+  for (int kk = 0; kk < K / 16; kk++) {
+    const fa_u4 pa = fa_mma_p_frag(a[2 * kk], a[2 * kk + 1], f16);
+#pragma unroll
+    for (int np = 0; np < D / 16; np++) {
+      const fa_u4 b = fa_ldmatrix_x4(sm, bl + kk * 16 * P + np * 16, 1);
+      acc[2 * np] = fa_mma_16816(acc[2 * np], pa, b.x, b.y, f16);
+      acc[2 * np + 1] = fa_mma_16816(acc[2 * np + 1], pa, b.z, b.w, f16);
+    }
+  }
+}
+
+/* Key block partial sums of one (unit, KV head) slot, [64 rows][d] f32, as a
+ * tensor of one head: the dK/dV teams store them like their gradients. */
+static inline fa_dev_tensor fa_mma_part_view(float *slot, int64_t d) {
+  const fa_dev_tensor t = {slot, FORKATTN_DTYPE_F32, d, 0};
+  return t;
+}
+
+/* A warp's 16 x D accumulator rows to t: the lane's rows `row` (x, y) and
+ * row + 8 (z, w), head `head`, columns from c0; each row times its factor
+ * (m0, m1), NaN where flagged (bad0, bad1), nothing for a row outside its
+ * block (ok0, ok1). */
+static inline __attribute__((always_inline)) void fa_mma_store_rows(fa_dev_tensor t, int64_t row, int64_t head,
+                                                                    const fa_f4 *acc, int D, int c0, int ok0,
+                                                                    int ok1, float m0, float m1, int bad0,
+                                                                    int bad1) {
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) {
+    const int64_t c = n * 8 + c0, e0 = row * t.rs + head * t.hs + c, e1 = e0 + 8 * t.rs;
+    if (ok0) {
+      fa_store(t.data, t.dtype, e0, bad0 ? NAN : m0 * acc[n].x);
+      fa_store(t.data, t.dtype, e0 + 1, bad0 ? NAN : m0 * acc[n].y);
+    }
+    if (ok1) {
+      fa_store(t.data, t.dtype, e1, bad1 ? NAN : m1 * acc[n].z);
+      fa_store(t.data, t.dtype, e1 + 1, bad1 ? NAN : m1 * acc[n].w);
+    }
+  }
+}
+
 /* Team-cooperative scan of rows [0, n) of an n x D b16 tile (n = 16, 32 or
  * 64; pitch P): non-finite elements are zeroed, and bit r of the result says
  * row r had one. flags: 4 words of team memory. Contains barriers: call from

@@ -199,7 +199,7 @@ static void run_case(const char *name, const emu_case *c) {
   cr_assert_eq(nonfinite, 0, "%s: %lld non-finite (or unwritten) dq elements", name, (long long)nonfinite);
   cr_assert_leq(edq, 1e-2, "%s: dq relative error %.3g", name, edq);
   for (int64_t u = 0; u < nunits; u++) /* head_dim 128: V in team memory */
-    for (int64_t g = 0; g < hkv; g++) EMU_TEAM(fa_mma_dkv_team((int)d, f16, d == 128, gb, u, g, smem));
+    for (int64_t g = 0; g < hkv; g++) EMU_TEAM(fa_mma_dkv_team((int)d, f16, gb, u, g, smem));
   if (part_k) /* as fa_gpu_dkv_reduce: each block's units in order */
     for (int64_t blk = 0; blk < nkb; blk++)
       for (int64_t g = 0; g < hkv; g++)

@@ -16,13 +16,11 @@ void fa_gpu_free(int device, void *p);
 /* Copy bytes; *_dev says whether each side is device memory. 0 on success. */
 int fa_gpu_memcpy(int device, void *dst, int dst_dev, const void *src, int src_dev, size_t bytes);
 
-/* Reader rows per unit when heavily read key blocks are split over the FP32
- * dK/dV teams (fa_plan_key_units, fa_plan_key_chunk): INT64_MAX when no
- * block needs it. Shared by the attention and StreamKL FP32 dK passes
- * (gpu_segment_bwd.c). */
-int64_t fa_gpu_dkv_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int64_t hkv);
-/* The same for the tensor-core dK/dV and StreamKL dK teams (2 per SM). */
-int64_t fa_gpu_mma_dkv_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int64_t hkv);
+/* Reader rows per unit when heavily read key blocks are split over the dK/dV
+ * teams (fa_plan_key_units, fa_plan_key_chunk) of the FP32 kernels, or with
+ * mma the tensor-core ones: INT64_MAX when no block needs it. Shared by the
+ * attention and StreamKL dK passes (gpu_segment_bwd.c). */
+int64_t fa_gpu_dkv_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int64_t hkv, int mma);
 
 forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkattn_memory memory);
 forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkattn_memory memory);

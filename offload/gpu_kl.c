@@ -509,10 +509,7 @@ forkattn_status fa_gpu_kl_bwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_m
   const int64_t nqb = fa_plan_blocks(p, krows, 0, &qb_h);
   const int64_t nkb = fa_plan_blocks(p, krows, 1, &kb_h);
   if (nqb >= 0 && nkb >= 0)
-    nunits = fa_plan_key_units(p, kb_h, nkb,
-                               mma ? fa_gpu_mma_dkv_chunk(p, kb_h, nkb, c->hkv_s)
-                                   : fa_gpu_dkv_chunk(p, kb_h, nkb, c->hkv_s),
-                               &units_h, &unit_off_h);
+    nunits = fa_plan_key_units(p, kb_h, nkb, fa_gpu_dkv_chunk(p, kb_h, nkb, c->hkv_s, mma), &units_h, &unit_off_h);
   const int64_t hkv_max = c->teacher_grad && c->hkv_t > c->hkv_s ? c->hkv_t : c->hkv_s;
   forkattn_status status = FORKATTN_OK;
   if (nunits < 0)

@@ -265,12 +265,8 @@ static void fa_gpu_dkv_reduce(const fa_gpu_bwd *b, int dev) {
 #define FA_GPU_DKV_SLOTS (8 * FA_GPU_SMS)
 #define FA_MMA_DKV_SLOTS (2 * FA_GPU_SMS)
 
-int64_t fa_gpu_dkv_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int64_t hkv) {
-  return fa_plan_key_chunk(p, kb, nkb, hkv, FA_GPU_DKV_SLOTS);
-}
-
-int64_t fa_gpu_mma_dkv_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int64_t hkv) {
-  return fa_plan_key_chunk(p, kb, nkb, hkv, FA_MMA_DKV_SLOTS);
+int64_t fa_gpu_dkv_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int64_t hkv, int mma) {
+  return fa_plan_key_chunk(p, kb, nkb, hkv, mma ? FA_MMA_DKV_SLOTS : FA_GPU_DKV_SLOTS);
 }
 
 forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkattn_memory memory) {
@@ -285,9 +281,7 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
   fa_key_unit *units_h = NULL;
   int64_t *unit_off_h = NULL, nunits = -1;
   if (nqb >= 0 && nkb >= 0)
-    nunits = fa_plan_key_units(p, kb_h, nkb,
-                               mma ? fa_gpu_mma_dkv_chunk(p, kb_h, nkb, a->hkv) : fa_gpu_dkv_chunk(p, kb_h, nkb, a->hkv),
-                               &units_h, &unit_off_h);
+    nunits = fa_plan_key_units(p, kb_h, nkb, fa_gpu_dkv_chunk(p, kb_h, nkb, a->hkv, mma), &units_h, &unit_off_h);
   fa_stage st;
   fa_stage_init(&st, ctx, memory == FORKATTN_MEMORY_HOST);
   fa_gpu_bwd b = {.rows = p->rows, .qshift = p->qshift, .hq = a->hq, .hkv = a->hkv, .d = a->d, .scale = a->scale,

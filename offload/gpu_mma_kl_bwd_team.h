@@ -54,7 +54,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dq_team(const int D,
   unsigned *kbad = (unsigned *)(smem + 4 * BK * P);
   const int64_t g = h / (b.h / b.hkv_t); /* the students' KV head is the same (fa_gpu_mma_kl_bwd_ok) */
 
-  const fa_mma_kl_qf q = fa_mma_kl_load_q(sm, P, D, &b, blk, h, tid);
+  const fa_mma_kl_frags q = fa_mma_kl_load_frags(sm, P, D, b.qt, h, b.qs, h, blk, tid);
 
   const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
   const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
@@ -158,21 +158,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dk_team(const int D,
 
   /* K_t's and K_s's 64 rows into registers: each warp's 16 keys as A
    * fragments of K Q^T. */
-  fa_mma_load_rows(sm, 0, P, FA_MMA_ROWS, D, b.kt, blk.start, blk.len, g, tid);
-  fa_mma_load_rows(sm, FA_MMA_ROWS * P, P, FA_MMA_ROWS, D, b.ks, blk.start, blk.len, g, tid);
-  fa_cp_async_commit();
-  fa_cp_async_wait(0);
-  ompx_sync_block_acq_rel();
-  fa_u4 ktf[FA_MMA_MAX_D / 16], ksf[FA_MMA_MAX_D / 16];
-  {
-    const int r = warp * 16 + fa_ldsm_a_row(lane), c = fa_ldsm_a_col(lane);
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ks++) {
-      ktf[ks] = fa_ldmatrix_x4(sm, r * P + ks * 16 + c, 0);
-      ksf[ks] = fa_ldmatrix_x4(sm, (FA_MMA_ROWS + r) * P + ks * 16 + c, 0);
-    }
-  }
-  ompx_sync_block_acq_rel();
+  const fa_mma_kl_frags k = fa_mma_kl_load_frags(sm, P, D, b.kt, g, b.ks, g, blk, tid);
 
   const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
   const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
@@ -216,10 +202,10 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dk_team(const int D,
         for (int np = 0; np < BQ / 16; np++) {
           const fa_u4 bt = fa_ldmatrix_x4(sm, qt + bl + np * 16 * P + ks * 16, 0);
           const fa_u4 bs = fa_ldmatrix_x4(sm, qst + bl + np * 16 * P + ks * 16, 0);
-          ct[2 * np] = fa_mma_16816(ct[2 * np], ktf[ks], bt.x, bt.y, f16);
-          ct[2 * np + 1] = fa_mma_16816(ct[2 * np + 1], ktf[ks], bt.z, bt.w, f16);
-          cs[2 * np] = fa_mma_16816(cs[2 * np], ksf[ks], bs.x, bs.y, f16);
-          cs[2 * np + 1] = fa_mma_16816(cs[2 * np + 1], ksf[ks], bs.z, bs.w, f16);
+          ct[2 * np] = fa_mma_16816(ct[2 * np], k.t[ks], bt.x, bt.y, f16);
+          ct[2 * np + 1] = fa_mma_16816(ct[2 * np + 1], k.t[ks], bt.z, bt.w, f16);
+          cs[2 * np] = fa_mma_16816(cs[2 * np], k.s[ks], bs.x, bs.y, f16);
+          cs[2 * np + 1] = fa_mma_16816(cs[2 * np + 1], k.s[ks], bs.z, bs.w, f16);
         }
     }
     /* C^T in place of the teacher's scores: rows k_pos0 (x, y), k_pos1 (z, w); columns qi, qi + 1 */

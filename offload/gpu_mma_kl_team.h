@@ -33,40 +33,41 @@ static inline fa_kl_state fa_mma_kl_shfl(fa_kl_state s, int mask) {
   return o;
 }
 
-/* Both sides' Q fragments of a warp's 16 rows, and both sides' scores of
- * those rows against a key tile (by value, see gpu_mma.h; the forward and the
- * backward's dQ teams share them). */
-typedef struct fa_mma_kl_qf {
+/* Both sides' A fragments of a warp's 16 rows (Q_t and Q_s, or K_t and
+ * K_s), and both sides' scores of those rows against a key tile (by value,
+ * see gpu_mma.h; the forward's and the backward's teams share them). */
+typedef struct fa_mma_kl_frags {
   fa_u4 t[FA_MMA_MAX_D / 16], s[FA_MMA_MAX_D / 16];
-} fa_mma_kl_qf;
+} fa_mma_kl_frags;
 typedef struct fa_mma_kl_sc {
   fa_f4 t[FA_MMA_MAX_BK / 8], s[FA_MMA_MAX_BK / 8];
 } fa_mma_kl_sc;
 
-/* Q_t's and Q_s's rows of query block blk (query head h) through team memory
- * into each warp's A fragments. Contains barriers: call from every thread. */
-static inline fa_mma_kl_qf fa_mma_kl_load_q(fa_smem sm, int P, int D, const fa_gpu_kl *b, fa_block blk, int64_t h,
-                                            int tid) {
+/* Rows [blk.start, + blk.len) of the teacher's tensor ta (head ht) and the
+ * student's ts (head hs) through team memory into each warp's A fragments.
+ * Contains barriers: call from every thread. */
+static inline fa_mma_kl_frags fa_mma_kl_load_frags(fa_smem sm, int P, int D, fa_dev_tensor ta, int64_t ht,
+                                                   fa_dev_tensor ts, int64_t hs, fa_block blk, int tid) {
   const int warp = tid / 32, lane = tid % 32;
-  fa_mma_load_rows(sm, 0, P, FA_MMA_ROWS, D, b->qt, blk.start, blk.len, h, tid);
-  fa_mma_load_rows(sm, FA_MMA_ROWS * P, P, FA_MMA_ROWS, D, b->qs, blk.start, blk.len, h, tid);
+  fa_mma_load_rows(sm, 0, P, FA_MMA_ROWS, D, ta, blk.start, blk.len, ht, tid);
+  fa_mma_load_rows(sm, FA_MMA_ROWS * P, P, FA_MMA_ROWS, D, ts, blk.start, blk.len, hs, tid);
   fa_cp_async_commit();
   fa_cp_async_wait(0);
   ompx_sync_block_acq_rel();
-  fa_mma_kl_qf q;
+  fa_mma_kl_frags f;
   const int r = warp * 16 + fa_ldsm_a_row(lane), c = fa_ldsm_a_col(lane);
 #pragma unroll
   for (int ks = 0; ks < D / 16; ks++) {
-    q.t[ks] = fa_ldmatrix_x4(sm, r * P + ks * 16 + c, 0);
-    q.s[ks] = fa_ldmatrix_x4(sm, (FA_MMA_ROWS + r) * P + ks * 16 + c, 0);
+    f.t[ks] = fa_ldmatrix_x4(sm, r * P + ks * 16 + c, 0);
+    f.s[ks] = fa_ldmatrix_x4(sm, (FA_MMA_ROWS + r) * P + ks * 16 + c, 0);
   }
   ompx_sync_block_acq_rel();
-  return q;
+  return f;
 }
 
 /* S_t = Q_t K_t^T and S_s = Q_s K_s^T, raw, against the BK-key tiles of K_t
  * at element kt and K_s at kst of team memory. */
-static inline fa_mma_kl_sc fa_mma_kl_scores(fa_smem sm, int kt, int kst, int P, int D, int BK, fa_mma_kl_qf q,
+static inline fa_mma_kl_sc fa_mma_kl_scores(fa_smem sm, int kt, int kst, int P, int D, int BK, fa_mma_kl_frags q,
                                             int f16, int lane) {
   fa_mma_kl_sc sc;
 #pragma unroll
@@ -101,7 +102,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_fwd_team(const int D
   const int64_t gt = h / (b.h / b.hkv_t), gs = h / (b.h / b.hkv_s);
 
   /* Q_t and Q_s (64 rows each) fill the team memory first; the walk starts after. */
-  const fa_mma_kl_qf q = fa_mma_kl_load_q(sm, P, D, &b, blk, h, tid);
+  const fa_mma_kl_frags q = fa_mma_kl_load_frags(sm, P, D, b.qt, h, b.qs, h, blk, tid);
 
   const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
   const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;

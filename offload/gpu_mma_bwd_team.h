@@ -243,14 +243,9 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
     const fa_query_walk nx = fa_qwalk_next(w, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
     const int qt = cur ? qbuf1 : qbuf0, ot = qt + BQ * P;
     const float *ld = (const float *)(smem + (cur ? ld1 : ld0));
-    if (nx.j <= u.j1) {
+    if (nx.j <= u.j1)
       fa_mma_load_queries(sm, cur ? qbuf0 : qbuf1, cur ? ld0 : ld1, P, D, BQ, &b, nx, g * group + nx.hh, tid);
-      fa_cp_async_commit();
-      fa_cp_async_wait(1);
-    } else {
-      fa_cp_async_wait(0);
-    }
-    ompx_sync_block_acq_rel();
+    fa_mma_tile_ready(nx.j <= u.j1);
     const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
     const int lo0 = fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb + qsh, nq);
     const int lo1 = fa_mma_key_first_query(ok1, w.causal, k_pos1, w.qb + qsh, nq);

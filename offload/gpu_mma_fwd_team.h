@@ -12,6 +12,23 @@
 #include "gpu_mma_tiles.h"
 
 #pragma omp declare target
+/* s (16 rows x BK keys of one warp) = Q K^T: Q's A fragments qf, K the
+ * tile at element kt of team memory, [BK][P] rows through ldmatrix. */
+static inline __attribute__((always_inline)) void fa_mma_qk(fa_f4 *s, const fa_u4 *qf, fa_smem sm, int kt, int P,
+                                                            int BK, int D, int f16, int lane) {
+#pragma unroll
+  for (int n = 0; n < BK / 8; n++) s[n] = fa_f4_zero();
+  const int kl = kt + fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane); /* constant offsets from here fold */
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ks++)
+#pragma unroll
+    for (int np = 0; np < BK / 16; np++) {
+      const fa_u4 b = fa_ldmatrix_x4(sm, kl + np * 16 * P + ks * 16, 0);
+      s[2 * np] = fa_mma_16816(s[2 * np], qf[ks], b.x, b.y, f16);
+      s[2 * np + 1] = fa_mma_16816(s[2 * np + 1], qf[ks], b.z, b.w, f16);
+    }
+}
+
 /* One team: FA_MMA_ROWS query rows of block blk, query head h, KV head g.
  * D and BK are compile-time constants after inlining (register arrays). */
 static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, const int BK, const int f16,
@@ -34,7 +51,7 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
   w = fa_walk_seek(w, seg, pair, blk, qshift);
   if (w.pi < w.pend) fa_mma_load_kv(sm, buf0, P, BK, D, ga.k, g, ga.v, g, w, tid);
   fa_cp_async_commit();
-  fa_cp_async_wait(1);
+  fa_cp_async_wait(0);
   ompx_sync_block_acq_rel();
   fa_u4 qf[FA_MMA_MAX_D / 16]; /* fixed sizes: a VLA would be globalized (gpu_mma.h) */
   {
@@ -42,7 +59,18 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
 #pragma unroll
     for (int ks = 0; ks < D / 16; ks++) qf[ks] = fa_ldmatrix_x4(sm, buf1 + r * P + ks * 16 + c, 0);
   }
-  ompx_sync_block_acq_rel(); /* buffer 1 is free for tile 1 */
+  ompx_sync_block_acq_rel(); /* buffer 1 is free for tile 1's K */
+
+  /* Software pipeline: K runs one tile ahead of V, so S of tile j + 1 is
+   * multiplied while tile j's softmax and P V run; the two chains are
+   * independent and their instructions interleave (2 warps a scheduler
+   * cannot hide the softmax's latency alone). Buffer i holds K then V:
+   * in iteration j, K(j+1) and V(j) are read, K(j+2) and V(j+1) stream in. */
+  fa_tile_walk w1 = fa_walk_next(w, BK, seg, pair, blk, qshift);
+  if (w1.pi < w1.pend) fa_mma_load_rows(sm, buf1, P, BK, D, ga.k, w1.kb, fa_walk_keys(w1, BK), g, tid);
+  fa_cp_async_commit();
+  fa_f4 s[FA_MMA_MAX_BK / 8];
+  if (w.pi < w.pend) fa_mma_qk(s, qf, sm, buf0, P, BK, D, f16, lane);
 
   fa_f4 o[FA_MMA_MAX_D / 8];
 #pragma unroll
@@ -53,12 +81,16 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
   int bad0 = 0, bad1 = 0; /* the row sees a non-finite V row of a masked tile */
   const int qfirst = (int)(blk.start + qshift); /* key-frame position of the block's first row */
   const int q_pos0 = qfirst + r0, q_pos1 = q_pos0 + 8;
-  int cur = 0;
+  int cur = 0; /* tile j's buffer */
 
   while (w.pi < w.pend) {
-    const fa_tile_walk nx = fa_walk_next(w, BK, seg, pair, blk, qshift);
-    const int kt = cur ? buf1 : buf0, vt = kt + BK * P;
-    fa_mma_kv_step(sm, cur ? buf0 : buf1, P, BK, D, ga.k, g, ga.v, g, nx, tid);
+    fa_cp_async_wait(0); /* K(j+1), V(j) */
+    ompx_sync_block_acq_rel(); /* ... visible, and iteration j - 1's reads of K(j), V(j-1) done */
+    const int kt = cur ? buf1 : buf0, kn = cur ? buf0 : buf1, vt = kt + BK * P;
+    const fa_tile_walk w2 = fa_walk_next(w1, BK, seg, pair, blk, qshift);
+    if (w2.pi < w2.pend) fa_mma_load_rows(sm, kt, P, BK, D, ga.k, w2.kb, fa_walk_keys(w2, BK), g, tid);
+    if (w1.pi < w1.pend) fa_mma_load_rows(sm, kn + BK * P, P, BK, D, ga.v, w1.kb, fa_walk_keys(w1, BK), g, tid);
+    fa_cp_async_commit();
     const int nk = fa_walk_keys(w, BK);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
     const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
@@ -69,21 +101,6 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
     unsigned long long vflags = 0; /* bit j: V row j of the tile was non-finite */
     if (masked) vflags = fa_mma_scan_rows(smem + vt, P, BK, D, f16, vbad, tid);
 
-    /* S = Q K^T: 16 rows x BK keys per warp. */
-    fa_f4 s[FA_MMA_MAX_BK / 8];
-#pragma unroll
-    for (int n = 0; n < BK / 8; n++) s[n] = fa_f4_zero();
-    {
-      const int kl = kt + fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane); /* constant offsets from here fold */
-#pragma unroll
-      for (int ks = 0; ks < D / 16; ks++)
-#pragma unroll
-        for (int np = 0; np < BK / 16; np++) {
-          const fa_u4 b = fa_ldmatrix_x4(sm, kl + np * 16 * P + ks * 16, 0);
-          s[2 * np] = fa_mma_16816(s[2 * np], qf[ks], b.x, b.y, f16);
-          s[2 * np + 1] = fa_mma_16816(s[2 * np + 1], qf[ks], b.z, b.w, f16);
-        }
-    }
     /* Raw scores: the scale (> 0, validated) is applied in the exponent's
      * fma, so it commutes with the max. A tile whose keys every row of this
      * warp sees (warp-uniform) skips the masks. */
@@ -112,6 +129,10 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
           bad1 |= (s[n].z != -INFINITY && (vflags >> key & 1u)) || (s[n].w != -INFINITY && (vflags >> (key + 1) & 1u));
         }
     }
+    /* S of tile j + 1 (after the last tile: tile j's K again, discarded, so
+     * no branch splits this block from the softmax it overlaps). */
+    fa_f4 sn[FA_MMA_MAX_BK / 8];
+    fa_mma_qk(sn, qf, sm, w1.pi < w1.pend ? kn : kt, P, BK, D, f16, lane);
     mx0 = fmaxf(mx0, fa_mma_shfl_xor(mx0, 1));
     mx0 = fmaxf(mx0, fa_mma_shfl_xor(mx0, 2));
     mx1 = fmaxf(mx1, fa_mma_shfl_xor(mx1, 1));
@@ -121,9 +142,6 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
     const float a0 = fa_mma_exp2(m0 - u0), a1 = fa_mma_exp2(m1 - u1);
     l0 *= a0;
     l1 *= a1;
-    if (fa_mma_ballot(a0 != 1.0f || a1 != 1.0f)) /* warp-uniform: once the row maxima settle, most tiles skip it */
-#pragma unroll
-      for (int n = 0; n < D / 8; n++) o[n].x *= a0, o[n].y *= a0, o[n].z *= a1, o[n].w *= a1;
 #pragma unroll
     for (int n = 0; n < BK / 8; n++) { /* a masked -inf stays -inf: exp2 gives 0 */
       s[n].x = fa_mma_exp2(fmaf(s[n].x, mul, -u0)), s[n].y = fa_mma_exp2(fmaf(s[n].y, mul, -u0));
@@ -132,12 +150,17 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
       l1 += s[n].z + s[n].w;
     }
     m0 = n0, m1 = n1;
+    if (fa_mma_ballot(a0 != 1.0f || a1 != 1.0f)) /* warp-uniform: once the row maxima settle, most tiles skip it */
+#pragma unroll
+      for (int n = 0; n < D / 8; n++) o[n].x *= a0, o[n].y *= a0, o[n].z *= a1, o[n].w *= a1;
 
     /* O += P V: P from the S accumulators (two n-tiles make one A fragment). */
     fa_mma_acc_ab(o, s, sm, vt, P, BK, D, f16, lane);
-    ompx_sync_block_acq_rel(); /* every warp is done with this buffer before it is refilled */
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++) s[n] = sn[n];
     cur ^= 1;
-    w = nx;
+    w = w1;
+    w1 = w2;
   }
 
   l0 += fa_mma_shfl_xor(l0, 1);

@@ -178,18 +178,42 @@ static inline void fa_mma_load_queries(fa_smem m, int at, int ld, int P, int D, 
   }
 }
 
+/* S^T (16 keys x BQ queries of one warp) = K Q^T and dP^T = V dO^T for the
+ * query buffer at element qt (Q [BQ][P], then dO): K's A fragments kf, V's
+ * vf or, when vsm, read from team memory at this lane's row vl. */
+static inline __attribute__((always_inline)) void fa_mma_dkv_scores(fa_f4 *s, fa_f4 *dp, const fa_u4 *kf,
+                                                                     const fa_u4 *vf, int vsm, int vl, fa_smem sm,
+                                                                     int qt, int P, int BQ, int D, int f16,
+                                                                     int lane) {
+#pragma unroll
+  for (int n = 0; n < BQ / 8; n++) s[n] = dp[n] = fa_f4_zero();
+  const int bl = qt + fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane); /* constant offsets from here fold */
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ks++)
+#pragma unroll
+    for (int np = 0; np < BQ / 16; np++) {
+      const fa_u4 bq = fa_ldmatrix_x4(sm, bl + np * 16 * P + ks * 16, 0);
+      s[2 * np] = fa_mma_16816(s[2 * np], kf[ks], bq.x, bq.y, f16);
+      s[2 * np + 1] = fa_mma_16816(s[2 * np + 1], kf[ks], bq.z, bq.w, f16);
+      const fa_u4 bo = fa_ldmatrix_x4(sm, bl + BQ * P + np * 16 * P + ks * 16, 0);
+      const fa_u4 va = vsm ? fa_ldmatrix_x4(sm, vl + ks * 16, 0) : vf[ks];
+      dp[2 * np] = fa_mma_16816(dp[2 * np], va, bo.x, bo.y, f16);
+      dp[2 * np + 1] = fa_mma_16816(dp[2 * np + 1], va, bo.z, bo.w, f16);
+    }
+}
+
 /* A dK/dV team accumulates dK and dV together. At head_dim 64 the K and V
  * fragments both live in registers (32-query tiles); at 128 (FA_MMA_DKV_VSM) V's tile
  * stays in team memory and its A fragments are read per 16-query tile: K and
  * V fragments in registers next to 64 + 64 accumulators spilled (ptxas: 160
  * local loads/stores per tile), and a dV pass plus a dK pass (5 products per
  * tile instead of 4) measured slower (bench/NOTES-gpu.md, v1.7).
- * Team memory at head_dim d: [V tile, vsm only] | two query buffers
+ * Team memory at head_dim d: [V tile, vsm only] | three query buffers
  * (Q [BQ][P], dO [BQ][P]) | lse, D of each | scan flags. */
 #define FA_MMA_DKV_VSM(d) ((d) == 128)
 #define FA_MMA_DKV_SMEM(d)                                                                                      \
-  ((size_t)((FA_MMA_DKV_VSM(d) ? FA_MMA_ROWS : 0) + 4 * (FA_MMA_DKV_VSM(d) ? 16 : FA_MMA_BQ)) * ((d) + 8) * 2 + \
-   4 * (FA_MMA_DKV_VSM(d) ? 16 : FA_MMA_BQ) * sizeof(float) + 4 * sizeof(unsigned))
+  ((size_t)((FA_MMA_DKV_VSM(d) ? FA_MMA_ROWS : 0) + 6 * (FA_MMA_DKV_VSM(d) ? 16 : FA_MMA_BQ)) * ((d) + 8) * 2 + \
+   6 * (FA_MMA_DKV_VSM(d) ? 16 : FA_MMA_BQ) * sizeof(float) + 4 * sizeof(unsigned))
 
 static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, const int f16, const fa_gpu_bwd b,
                                                                    int64_t ui, int64_t g, unsigned short *smem) {
@@ -202,8 +226,8 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
   /* team memory (FA_MMA_DKV_SMEM), element offsets */
   const fa_smem sm = fa_smem_of(smem);
   const int vtile = 0, qbuf0 = vsm ? FA_MMA_ROWS * P : 0, qbuf1 = qbuf0 + 2 * BQ * P;
-  const int ld0 = qbuf1 + 2 * BQ * P, ld1 = ld0 + 4 * BQ; /* [BQ] lse, [BQ] D as floats */
-  unsigned *qbad = (unsigned *)(smem + ld1 + 4 * BQ);
+  const int ld0 = qbuf0 + 6 * BQ * P; /* per buffer i: [BQ] lse, [BQ] D as floats at ld0 + 4 BQ i */
+  unsigned *qbad = (unsigned *)(smem + ld0 + 12 * BQ);
 
   /* K goes through the query buffers (4 BQ = 64 rows with V in team memory,
    * 2 BQ otherwise) into registers: each warp's 16 keys as A fragments of
@@ -234,47 +258,46 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
   for (int n = 0; n < D / 8; n++) dk[n] = fa_f4_zero(), dv[n] = fa_f4_zero();
   int bad0 = 0, bad1 = 0;
 
+  /* Software pipeline over three query buffers: S^T and dP^T of tile j + 1
+   * (dependent chains of D / 16 products) are multiplied in the block that
+   * holds tile j's dV and dK products, so the two overlap. Iteration j reads
+   * buffers j (Q, dO of dV, dK) and j + 1 (S^T, dP^T) while j + 2 streams in. */
+  const int qstep = 2 * BQ * P;
   fa_query_walk w = {(int)u.j0, 0, 0, 0, 0, 0};
   w = fa_qwalk_seek(w, b.seg, b.pair, b.kidx, qshift, u, blk, group);
   if (w.j <= u.j1) fa_mma_load_queries(sm, qbuf0, ld0, P, D, BQ, &b, w, g * group + w.hh, tid);
   fa_cp_async_commit();
-  int cur = 0;
+  fa_query_walk w1 = fa_qwalk_next(w, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
+  if (w1.j <= u.j1) fa_mma_load_queries(sm, qbuf1, ld0 + 4 * BQ, P, D, BQ, &b, w1, g * group + w1.hh, tid);
+  fa_cp_async_commit();
+  fa_cp_async_wait(1);
+  ompx_sync_block_acq_rel();
+  fa_f4 s[FA_MMA_BQ / 8], dp[FA_MMA_BQ / 8]; /* 16 keys x BQ queries */
+  if (w.j <= u.j1) fa_mma_dkv_scores(s, dp, kf, vf, vsm, vl, sm, qbuf0, P, BQ, D, f16, lane);
+  int cb = 0; /* tile j's buffer; j + 1 is cb + 1 mod 3 */
   while (w.j <= u.j1) {
-    const fa_query_walk nx = fa_qwalk_next(w, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
-    const int qt = cur ? qbuf1 : qbuf0, ot = qt + BQ * P;
-    const float *ld = (const float *)(smem + (cur ? ld1 : ld0));
-    if (nx.j <= u.j1)
-      fa_mma_load_queries(sm, cur ? qbuf0 : qbuf1, cur ? ld0 : ld1, P, D, BQ, &b, nx, g * group + nx.hh, tid);
-    fa_mma_tile_ready(nx.j <= u.j1);
+    fa_cp_async_wait(0); /* tile j + 1 */
+    ompx_sync_block_acq_rel(); /* ... visible, and iteration j - 1's reads of buffer j + 2 done */
+    const int nb = cb == 2 ? 0 : cb + 1, fb = nb == 2 ? 0 : nb + 1;
+    const int qt = qbuf0 + cb * qstep, ot = qt + BQ * P;
+    const float *ld = (const float *)(smem + ld0 + 4 * BQ * cb);
+    const fa_query_walk w2 = fa_qwalk_next(w1, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
+    if (w2.j <= u.j1)
+      fa_mma_load_queries(sm, qbuf0 + fb * qstep, ld0 + 4 * BQ * fb, P, D, BQ, &b, w2, g * group + w2.hh, tid);
+    fa_cp_async_commit();
     const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
     const int lo0 = fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb + qsh, nq);
     const int lo1 = fa_mma_key_first_query(ok1, w.causal, k_pos1, w.qb + qsh, nq);
     /* dV += P^T dO and dK += dS^T Q multiply hidden queries' rows by 0: in a
      * tile where some query cannot see some key, non-finite Q/dO rows are
-     * zeroed and flagged. */
+     * zeroed and flagged. S^T and dP^T, computed from the rows before the
+     * scan, see such a row only where the masks below select it away, or in a
+     * row that is flagged. */
     const int masked = w.causal && w.qb + qsh < kfirst + (int)blk.len - 1;
     const unsigned long long qflags =
         masked ? fa_mma_scan_rows(smem + qt, P, BQ, D, f16, qbad, tid) | fa_mma_scan_rows(smem + ot, P, BQ, D, f16, qbad, tid)
                : 0;
 
-    fa_f4 s[FA_MMA_BQ / 8], dp[FA_MMA_BQ / 8]; /* 16 keys x BQ queries */
-#pragma unroll
-    for (int n = 0; n < BQ / 8; n++) s[n] = dp[n] = fa_f4_zero();
-    {
-      const int bl = qt + fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane); /* constant offsets from here fold */
-#pragma unroll
-      for (int ks = 0; ks < D / 16; ks++)
-#pragma unroll
-        for (int np = 0; np < BQ / 16; np++) {
-          const fa_u4 bq = fa_ldmatrix_x4(sm, bl + np * 16 * P + ks * 16, 0);
-          s[2 * np] = fa_mma_16816(s[2 * np], kf[ks], bq.x, bq.y, f16);
-          s[2 * np + 1] = fa_mma_16816(s[2 * np + 1], kf[ks], bq.z, bq.w, f16);
-          const fa_u4 bo = fa_ldmatrix_x4(sm, bl + BQ * P + np * 16 * P + ks * 16, 0);
-          const fa_u4 va = vsm ? fa_ldmatrix_x4(sm, vl + ks * 16, 0) : vf[ks];
-          dp[2 * np] = fa_mma_16816(dp[2 * np], va, bo.x, bo.y, f16);
-          dp[2 * np + 1] = fa_mma_16816(dp[2 * np + 1], va, bo.z, bo.w, f16);
-        }
-    }
     /* P^T and dS^T in place of S^T and dP^T. A tile whose queries all see
      * every key of this warp (warp-uniform) skips the masks. */
     if (nq == BQ && (!w.causal || kfirst + warp * 16 + 15 <= w.qb + qsh)) {
@@ -309,6 +332,9 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
         dp[n].w = v11 ? s[n].w * (dp[n].w - d1) : 0.0f;
       }
     }
+    /* Tile j + 1's scores (after the last tile: tile j's rows again, discarded). */
+    fa_f4 sn[FA_MMA_BQ / 8], dpn[FA_MMA_BQ / 8];
+    fa_mma_dkv_scores(sn, dpn, kf, vf, vsm, vl, sm, w1.j <= u.j1 ? qbuf0 + nb * qstep : qt, P, BQ, D, f16, lane);
     const int al = qt + ar * P + ac; /* .trans: B of [query][dim]; constant offsets from here fold */
 #pragma unroll
     for (int kk = 0; kk < BQ / 16; kk++) { /* 16 queries: the k-step of dV and dK */
@@ -323,9 +349,11 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
         dk[2 * np + 1] = fa_mma_16816(dk[2 * np + 1], da, bq.z, bq.w, f16);
       }
     }
-    ompx_sync_block_acq_rel();
-    cur ^= 1;
-    w = nx;
+#pragma unroll
+    for (int n = 0; n < BQ / 8; n++) s[n] = sn[n], dp[n] = dpn[n];
+    cb = nb;
+    w = w1;
+    w1 = w2;
   }
   bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
   /* the gradients, or this unit's partial sums [units, hkv, 64, d] (reduced in unit order) */

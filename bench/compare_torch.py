@@ -13,8 +13,8 @@ Each is timed forward and forward+backward (gradients of sum(o * dout), dout ran
 head-major [B, H, L, d] copies of the packed [T, H, d] rows that forkattn reads (made before
 timing; flex_attention's block mask too); forkattn gets the torch tensors' data_ptr() (device
 memory; the library's kernels do not run on PyTorch's stream, so it is synchronized before every
-library call, as in compare_kl.py). CUDA events around each call, then a synchronize; warm-up,
-median. TFLOP/s count useful FLOPs (design.md): 4*d*Hq*(visible query-key pairs) forward, 3.5x
+library call, as in compare_kl.py; its ctypes arguments are built once per case, as a binding would
+cache them). CUDA events around each call, then a synchronize; warm-up, median. TFLOP/s count useful FLOPs (design.md): 4*d*Hq*(visible query-key pairs) forward, 3.5x
 that forward+backward, the same count for every implementation.
 
 Correctness: a float32 reference from the same bf16 inputs, computed by the formulas in chunks of
@@ -117,19 +117,27 @@ class Forkattn:
         self.version = self.lib.forkattn_version_string().decode()
         self.reason = self.lib.forkattn_ctx_backend_reason(self.ctx).decode()
 
-    def _call(self, which, lay, *args):
-        sync(self.cuda)
+    def _prepare(self, which, lay, *args):
+        """The call as a closure whose ctypes arguments are built once, as a binding would cache
+        them: the timed calls then measure the library (and the synchronize it needs), not the
+        per-call marshalling of nine tensor descriptors in Python."""
         name = "forkattn_%s_%s" % (lay.kind, which)
-        rc = getattr(self.lib, name)(self.ctx, C.byref(lay.c), *args, self.memory)
-        if rc:
-            raise LibraryError("%s: status %d: %s" % (name, rc, self.lib.forkattn_ctx_last_error(self.ctx).decode()))
+        fn, full = getattr(self.lib, name), (self.ctx, C.byref(lay.c)) + args + (self.memory,)
 
-    def fwd(self, lay, t):
-        self._call("fwd", lay, desc(t["q"]), desc(t["k"]), desc(t["v"]), desc(t["o"]), t["lse"].data_ptr(), SCALE)
+        def call():
+            sync(self.cuda)
+            rc = fn(*full)
+            if rc:
+                raise LibraryError("%s: status %d: %s" % (name, rc, self.lib.forkattn_ctx_last_error(self.ctx).decode()))
+        return call
 
-    def bwd(self, lay, t):
-        self._call("bwd", lay, desc(t["q"]), desc(t["k"]), desc(t["v"]), desc(t["o"]), desc(t["do"]),
-                   t["lse"].data_ptr(), desc(t["dq"]), desc(t["dk"]), desc(t["dv"]), SCALE)
+    def prepared(self, lay, t):
+        """fwd() and bwd() closures on tensors t (their data pointers must not change)."""
+        fwd = self._prepare("fwd", lay, desc(t["q"]), desc(t["k"]), desc(t["v"]), desc(t["o"]),
+                            t["lse"].data_ptr(), SCALE)
+        bwd = self._prepare("bwd", lay, desc(t["q"]), desc(t["k"]), desc(t["v"]), desc(t["o"]), desc(t["do"]),
+                            t["lse"].data_ptr(), desc(t["dq"]), desc(t["dk"]), desc(t["dv"]), SCALE)
+        return fwd, bwd
 
 
 class Layout:
@@ -371,12 +379,13 @@ def run_forkattn(fa, lay, t, ref, a):
     try:
         for n in ("o", "lse", "dq", "dk", "dv"):
             t[n].fill_(math.nan)
-        fa.fwd(lay, t)
-        fa.bwd(lay, t)
+        fwd, bwd = fa.prepared(lay, t)
+        fwd()
+        bwd()
         r["written"] = all(bool(torch.isfinite(t[n]).all()) for n in ("o", "lse", "dq", "dk", "dv"))
         r["err"] = {n: max_err(t[n], ref[n]) for n in OUTS}
-        r["fwd_ms"] = timed(lambda: fa.fwd(lay, t), a)
-        r["fwd_bwd_ms"] = timed(lambda: (fa.fwd(lay, t), fa.bwd(lay, t)), a)
+        r["fwd_ms"] = timed(fwd, a)
+        r["fwd_bwd_ms"] = timed(lambda: (fwd(), bwd()), a)
     except Exception as e:  # a failed case is recorded and the others still run
         r["error"] = describe(e)
     return r

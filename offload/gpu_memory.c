@@ -5,6 +5,7 @@
 #include "alloc.h"
 #include "gpu_backend.h"
 #include "gpu_sync.h"
+#include "gpu_team_memory.h"
 
 int fa_gpu_probe(int device, char *why, size_t len) {
   int n = omp_get_num_devices();
@@ -31,8 +32,9 @@ int fa_gpu_probe(int device, char *why, size_t len) {
              n, device);
     return 0;
   }
-  snprintf(why, len, "device %d of %d ran the probe kernel", device, n);
   fa_gpu_sync_policy(device); /* the runtime has initialized the device by now */
+  const size_t team = fa_gpu_team_memory_init(device);
+  snprintf(why, len, "device %d of %d ran the probe kernel; team memory up to %zu KB", device, n, team / 1024);
   return 1;
 }
 

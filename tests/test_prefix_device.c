@@ -3,6 +3,7 @@
  * Skipped (and says so) when the context's backend is the CPU: device memory
  * needs the GPU backend, which test_prefix_errors checks. [device only] */
 #include <criterion/criterion.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "test_common.h"
@@ -71,3 +72,26 @@ static void device_matches_host(const char *name, forkattn_dtype dt) {
 
 Test(memory, device_pointers_match_host_f32) { device_matches_host("memory/device_f32", FORKATTN_DTYPE_F32); }
 Test(memory, device_pointers_match_host_bf16) { device_matches_host("memory/device_bf16", FORKATTN_DTYPE_BF16); }
+
+/* The GPU backend unlocks team memory past CUDA's 48 KB default under LLVM
+ * 19's runtime (offload/gpu_team_memory.c) and checks it with a kernel that
+ * uses 64 KB; the backend reason reports the result. Every device the
+ * offload build targets (sm_90) allows more than 48 KB, so anything else
+ * means the unlock or its check failed. [device only] */
+Test(memory, team_memory_past_48kb) {
+  forkattn_ctx *ctx = tc_ctx_default("memory/team_memory");
+  cr_assert_not_null(ctx);
+  if (forkattn_ctx_backend(ctx) != FORKATTN_BACKEND_GPU) {
+    forkattn_ctx_destroy(ctx);
+    cr_skip_test("memory/team_memory: needs the gpu backend (this context runs on the host)");
+  }
+  const char *why = forkattn_ctx_backend_reason(ctx), *at = strstr(why, "team memory up to ");
+  cr_assert_not_null(at, "backend reason without team memory: %s", why);
+  const long kb = strtol(at + strlen("team memory up to "), NULL, 10);
+  const char *e = getenv("FORKATTN_GPU_TEAM_MEMORY");
+  if (e && !strcmp(e, "runtime"))
+    cr_assert_eq(kb, 48, "%s", why);
+  else
+    cr_assert_gt(kb, 48, "team memory not unlocked: %s", why);
+  forkattn_ctx_destroy(ctx);
+}

@@ -1,0 +1,30 @@
+/* Team memory past 48 KB under LLVM 19's offload runtime.
+ *
+ * A CUDA kernel may use more than 48 KB of dynamic shared memory only after
+ * cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES) raised its limit; LLVM
+ * 19's CUDA plugin never does (newer LLVM does), so an `ompx_dyn_cgroup_mem`
+ * above 48 KB fails at launch (design.md). The plugin calls the driver
+ * through a table of pointers it filled with dlsym; fa_gpu_team_memory_init
+ * replaces its cuLaunchKernel entry with a forwarder that first raises the
+ * launched kernel's limit to the bytes it asks for, then checks the result
+ * with a kernel that fills and reads back more than 48 KB of team memory.
+ * Nothing else changes: a table it cannot find, or a failed check, leaves
+ * the 48 KB limit, and the kernels keep their 48 KB shapes.
+ * FORKATTN_GPU_TEAM_MEMORY=runtime leaves the runtime alone. */
+#ifndef FORKATTN_GPU_TEAM_MEMORY_H
+#define FORKATTN_GPU_TEAM_MEMORY_H
+#include <stddef.h>
+
+/* What every CUDA launch allows without the attribute. */
+#define FA_GPU_TEAM_MEMORY_DEFAULT ((size_t)48 * 1024)
+
+/* Once per process and device, after the runtime has initialized OpenMP
+ * device `device` (its CUDA ordinal): install the forwarder and check it.
+ * Returns the bytes of team memory a launch on the device may ask for. */
+size_t fa_gpu_team_memory_init(int device);
+
+/* The bytes fa_gpu_team_memory_init found for `device` (the 48 KB default
+ * before it ran, or for a device it did not run on). */
+size_t fa_gpu_team_memory(int device);
+
+#endif

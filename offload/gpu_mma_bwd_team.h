@@ -107,7 +107,8 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
     fa_f4 s[FA_MMA_MAX_BK / 8], dp[FA_MMA_MAX_BK / 8];
 #pragma unroll
     for (int n = 0; n < BK / 8; n++) s[n] = fa_f4_zero(), dp[n] = fa_f4_zero();
-    {
+    { /* S = Q K^T and dP = dO V^T in one loop: as two fa_mma_acc_abt calls, ptxas orders the loads
+       * differently and dQ ran 3-4 % slower on the H200 (bench/logs/gpu_ab_refactor_abt_h200.txt) */
       const int kl = kt + fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane); /* constant offsets from here fold */
 #pragma unroll
       for (int ks = 0; ks < D / 16; ks++)
@@ -187,19 +188,11 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_scores(fa_f4 *s, fa
                                                                      int lane) {
 #pragma unroll
   for (int n = 0; n < BQ / 8; n++) s[n] = dp[n] = fa_f4_zero();
-  const int bl = qt + fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane); /* constant offsets from here fold */
+  fa_mma_acc_abt(s, kf, sm, qt, P, BQ, D, f16, lane); /* S^T = K Q^T */
+  fa_u4 va[FA_MMA_MAX_D / 16];
 #pragma unroll
-  for (int ks = 0; ks < D / 16; ks++)
-#pragma unroll
-    for (int np = 0; np < BQ / 16; np++) {
-      const fa_u4 bq = fa_ldmatrix_x4(sm, bl + np * 16 * P + ks * 16, 0);
-      s[2 * np] = fa_mma_16816(s[2 * np], kf[ks], bq.x, bq.y, f16);
-      s[2 * np + 1] = fa_mma_16816(s[2 * np + 1], kf[ks], bq.z, bq.w, f16);
-      const fa_u4 bo = fa_ldmatrix_x4(sm, bl + BQ * P + np * 16 * P + ks * 16, 0);
-      const fa_u4 va = vsm ? fa_ldmatrix_x4(sm, vl + ks * 16, 0) : vf[ks];
-      dp[2 * np] = fa_mma_16816(dp[2 * np], va, bo.x, bo.y, f16);
-      dp[2 * np + 1] = fa_mma_16816(dp[2 * np + 1], va, bo.z, bo.w, f16);
-    }
+  for (int ks = 0; ks < D / 16; ks++) va[ks] = vsm ? fa_ldmatrix_x4(sm, vl + ks * 16, 0) : vf[ks];
+  fa_mma_acc_abt(dp, va, sm, qt + BQ * P, P, BQ, D, f16, lane); /* dP^T = V dO^T */
 }
 
 /* A dK/dV team accumulates dK and dV together. At head_dim 64 the K and V

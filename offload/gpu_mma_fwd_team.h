@@ -18,15 +18,7 @@ static inline __attribute__((always_inline)) void fa_mma_qk(fa_f4 *s, const fa_u
                                                             int BK, int D, int f16, int lane) {
 #pragma unroll
   for (int n = 0; n < BK / 8; n++) s[n] = fa_f4_zero();
-  const int kl = kt + fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane); /* constant offsets from here fold */
-#pragma unroll
-  for (int ks = 0; ks < D / 16; ks++)
-#pragma unroll
-    for (int np = 0; np < BK / 16; np++) {
-      const fa_u4 b = fa_ldmatrix_x4(sm, kl + np * 16 * P + ks * 16, 0);
-      s[2 * np] = fa_mma_16816(s[2 * np], qf[ks], b.x, b.y, f16);
-      s[2 * np + 1] = fa_mma_16816(s[2 * np + 1], qf[ks], b.z, b.w, f16);
-    }
+  fa_mma_acc_abt(s, qf, sm, kt, P, BK, D, f16, lane);
 }
 
 /* One team: FA_MMA_ROWS query rows of block blk, query head h, KV head g.

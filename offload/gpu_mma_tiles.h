@@ -220,6 +220,23 @@ static inline __attribute__((always_inline)) void fa_mma_acc_ab(fa_f4 *acc, cons
   }
 }
 
+/* acc (16 rows x N) += A B^T for one warp: A (16 x D) the register
+ * fragments a (one a k-step), B (N x D) the tile at element `tile` of team
+ * memory, [N][P] rows through ldmatrix. The forward's S = Q K^T, dK/dV's
+ * S^T = K Q^T and dP^T = V dO^T (dQ keeps its S and dP in one loop). */
+static inline __attribute__((always_inline)) void fa_mma_acc_abt(fa_f4 *acc, const fa_u4 *a, fa_smem sm, int tile,
+                                                                 int P, int N, int D, int f16, int lane) {
+  const int bl = tile + fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane); /* constant offsets from here fold */
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ks++)
+#pragma unroll
+    for (int np = 0; np < N / 16; np++) {
+      const fa_u4 b = fa_ldmatrix_x4(sm, bl + np * 16 * P + ks * 16, 0);
+      acc[2 * np] = fa_mma_16816(acc[2 * np], a[ks], b.x, b.y, f16);
+      acc[2 * np + 1] = fa_mma_16816(acc[2 * np + 1], a[ks], b.z, b.w, f16);
+    }
+}
+
 /* Key block partial sums of one (unit, KV head) slot, [64 rows][d] f32, as a
  * tensor of one head: the dK/dV teams store them like their gradients. */
 static inline fa_dev_tensor fa_mma_part_view(float *slot, int64_t d) {

@@ -39,8 +39,7 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
   /* Q (64 rows) streams into buffer 1 while tile 0 streams into buffer 0. */
   fa_mma_load_rows(sm, buf1, P, FA_MMA_ROWS, D, ga.q, blk.start, blk.len, h, tid);
   fa_cp_async_commit();
-  fa_tile_walk w = fa_walk_init(ga.qoff, blk);
-  w = fa_walk_seek(w, seg, pair, blk, qshift);
+  fa_tile_walk w = fa_walk_first(ga.qoff, seg, pair, blk, qshift);
   if (w.pi < w.pend) fa_mma_load_kv(sm, buf0, P, BK, D, ga.k, g, ga.v, g, w, tid);
   fa_cp_async_commit();
   fa_cp_async_wait(0);

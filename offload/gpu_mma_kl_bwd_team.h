@@ -72,8 +72,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dq_team(const int D,
   for (int n = 0; n < D / 8; n++) dq[n] = fa_f4_zero();
   int bad0 = 0, bad1 = 0;
 
-  fa_tile_walk w = fa_walk_init(b.qoff, blk);
-  w = fa_walk_seek(w, b.seg, b.pair, blk, 0);
+  fa_tile_walk w = fa_walk_first(b.qoff, b.seg, b.pair, blk, 0);
   if (w.pi < w.pend) fa_mma_load_kv(sm, buf0, P, BK, D, b.kt, g, b.ks, g, w, tid);
   fa_cp_async_commit();
   int cur = 0;

@@ -109,8 +109,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_fwd_team(const int D
   const int64_t row0 = blk.start + r0; /* StreamKL plans have qshift 0 */
   fa_kl_state acc0 = fa_kl_init(), acc1 = fa_kl_init();
 
-  fa_tile_walk w = fa_walk_init(b.qoff, blk);
-  w = fa_walk_seek(w, b.seg, b.pair, blk, 0);
+  fa_tile_walk w = fa_walk_first(b.qoff, b.seg, b.pair, blk, 0);
   if (w.pi < w.pend) fa_mma_load_kv(sm, buf0, P, BK, D, b.kt, gt, b.ks, gs, w, tid);
   fa_cp_async_commit();
   int cur = 0;

@@ -39,12 +39,6 @@ typedef struct fa_tile_walk {
   int pi, pend, kb, kend, causal;
 } fa_tile_walk;
 
-/* The walk of query block blk: its segment's pairs, no tile yet. */
-static inline fa_tile_walk fa_walk_init(const int64_t *qoff, fa_block blk) {
-  const fa_tile_walk w = {(int)qoff[blk.seg], (int)qoff[blk.seg + 1], 0, 0, 0};
-  return w;
-}
-
 /* First tile at or after pair w.pi whose pair sees keys (w.pi == w.pend: done). */
 static inline fa_tile_walk fa_walk_seek(fa_tile_walk w, const fa_range *seg, const fa_pair *pair, fa_block blk,
                                         int64_t qshift) {
@@ -58,6 +52,13 @@ static inline fa_tile_walk fa_walk_seek(fa_tile_walk w, const fa_range *seg, con
     }
   }
   return w;
+}
+
+/* The walk of query block blk over its segment's pairs, at its first tile. */
+static inline fa_tile_walk fa_walk_first(const int64_t *qoff, const fa_range *seg, const fa_pair *pair, fa_block blk,
+                                         int64_t qshift) {
+  const fa_tile_walk w = {(int)qoff[blk.seg], (int)qoff[blk.seg + 1], 0, 0, 0};
+  return fa_walk_seek(w, seg, pair, blk, qshift);
 }
 
 static inline fa_tile_walk fa_walk_next(fa_tile_walk w, int bk, const fa_range *seg, const fa_pair *pair,

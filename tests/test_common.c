@@ -1,6 +1,7 @@
 /* test_common.c - see test_common.h. */
 #define _POSIX_C_SOURCE 200809L
 #include "test_common.h"
+#include <criterion/criterion.h>
 
 #include <inttypes.h>
 #include <math.h>
@@ -336,6 +337,16 @@ forkattn_ctx *tc_ctx_default(const char *test_name) {
     return NULL;
   }
   tc_print_where(ctx, test_name);
+  return ctx;
+}
+
+forkattn_ctx *tc_gpu_ctx_or_skip(const char *test_name) {
+  forkattn_ctx *ctx = tc_ctx_default(test_name);
+  cr_assert_not_null(ctx, "%s: no context", test_name);
+  if (forkattn_ctx_backend(ctx) != FORKATTN_BACKEND_GPU) {
+    forkattn_ctx_destroy(ctx);
+    cr_skip_test("%s: needs the gpu backend (this context runs on the host)", test_name);
+  }
   return ctx;
 }
 

@@ -141,6 +141,12 @@ void tc_print_where(const forkattn_ctx *ctx, const char *test_name);
  * Returns NULL (after printing the status) on failure.
  */
 forkattn_ctx *tc_ctx_default(const char *test_name);
+/**
+ * A default context on the GPU backend, or the calling Criterion test is
+ * skipped (and says so) when the context runs on the host. For tests that
+ * need device memory or GPU kernels.
+ */
+forkattn_ctx *tc_gpu_ctx_or_skip(const char *test_name);
 /** Monotonic wall clock in seconds. */
 double tc_now(void);
 

@@ -592,12 +592,7 @@ Test(kv_policy, long_sequence_streams_without_an_LxL_buffer, .timeout = 200) {
 
 /* Device tensors are staged to the host: same sets as host tensors. [GPU only] */
 Test(kv_policy, device_tensors_match_host) {
-  forkattn_ctx *ctx = tc_ctx_default("kv_policy/device");
-  cr_assert_not_null(ctx);
-  if (forkattn_ctx_backend(ctx) != FORKATTN_BACKEND_GPU) {
-    forkattn_ctx_destroy(ctx);
-    cr_skip_test("kv_policy/device: needs the gpu backend (this context runs on the host)");
-  }
+  forkattn_ctx *ctx = tc_gpu_ctx_or_skip("kv_policy/device");
   tc_rng rng = tc_rng_for("kv_policy/device");
   kp_inputs in;
   kp_make(&in, &rng, 300, 4, 2, 64, BF16, KP_ROWPAD, 1.0);

@@ -11,12 +11,7 @@
 #define NT 8 /* q, k, v, o, dout, dq, dk, dv */
 
 static void device_matches_host(const char *name, forkattn_dtype dt) {
-  forkattn_ctx *ctx = tc_ctx_default(name);
-  cr_assert_not_null(ctx);
-  if (forkattn_ctx_backend(ctx) != FORKATTN_BACKEND_GPU) {
-    forkattn_ctx_destroy(ctx);
-    cr_skip_test("%s: needs the gpu backend (this context runs on the host)", name);
-  }
+  forkattn_ctx *ctx = tc_gpu_ctx_or_skip(name);
   tc_rng rng = tc_rng_for(name);
   const int64_t P = 77, N = 3, hq = 6, hkv = 2, d = 64;
   int64_t off[4] = {0, 31, 31, 90}; /* an empty response in the middle */
@@ -79,12 +74,7 @@ Test(memory, device_pointers_match_host_bf16) { device_matches_host("memory/devi
  * offload build targets (sm_90) allows more than 48 KB, so anything else
  * means the unlock or its check failed. [device only] */
 Test(memory, team_memory_past_48kb) {
-  forkattn_ctx *ctx = tc_ctx_default("memory/team_memory");
-  cr_assert_not_null(ctx);
-  if (forkattn_ctx_backend(ctx) != FORKATTN_BACKEND_GPU) {
-    forkattn_ctx_destroy(ctx);
-    cr_skip_test("memory/team_memory: needs the gpu backend (this context runs on the host)");
-  }
+  forkattn_ctx *ctx = tc_gpu_ctx_or_skip("memory/team_memory");
   const char *why = forkattn_ctx_backend_reason(ctx), *at = strstr(why, "team memory up to ");
   cr_assert_not_null(at, "backend reason without team memory: %s", why);
   const long kb = strtol(at + strlen("team memory up to "), NULL, 10);

@@ -347,12 +347,7 @@ Test(similarity, bad_arguments) {
 /* Device memory (GPU backend): the GPU path equals the host path to rounding
  * and the float64 rule; strided device views, mixed dtypes. */
 Test(similarity, device_memory) {
-  forkattn_ctx *ctx = tc_ctx_default("similarity/device_memory");
-  cr_assert_not_null(ctx);
-  if (forkattn_ctx_backend(ctx) != FORKATTN_BACKEND_GPU) {
-    forkattn_ctx_destroy(ctx);
-    cr_skip_test("similarity/device_memory: needs the gpu backend (this context runs on the host)");
-  }
+  forkattn_ctx *ctx = tc_gpu_ctx_or_skip("similarity/device_memory");
   tc_rng rng = tc_rng_for("similarity/device_memory");
   const int64_t shapes[][3] = {{1, 1, 1}, {777, 8, 128}, {40000, 2, 64}, {5, 70, 3}};
   for (int s = 0; s < 4; s++) {

@@ -8,8 +8,10 @@
 # Output:
 #   FORKATTN_HAVE_OFFLOAD      TRUE when offload is configured, else FALSE
 #   FORKATTN_OFFLOAD_ARCH      sm_XX[a]
+#   FORKATTN_HAVE_WGMMA        TRUE for sm_90a (the warpgroup tensor-core kernels are built)
 #   FORKATTN_OFFLOAD_FLAGS     compile (and link) flags for device-code sources
 #   FORKATTN_OFFLOAD_BC        device runtime bitcode libomptarget-nvptx-sm_XX.bc
+#   FORKATTN_OFFLOAD_DEVICERTL the device runtime archive repackaged for sm_XXa (else empty)
 #   FORKATTN_LLVM_LIBDIR       LLVM's libdir (libomptarget.so, libomp.so)
 #   FORKATTN_CUDA_ROOT         the real CUDA toolkit root
 #   FORKATTN_OFFLOAD_CUDA_PATH what --cuda-path points to (the fake root when the ELF fix is on)
@@ -41,7 +43,7 @@ function(forkattn_enable_offload target)
   # to it even in a process that already loaded libgomp.
   target_link_directories(${target} PRIVATE "${FORKATTN_LLVM_LIBDIR}")
   target_link_libraries(${target} PRIVATE "-Wl,--push-state,--no-as-needed" omptarget
-                        "-Wl,--pop-state")
+                        "-Wl,--pop-state" ${FORKATTN_OFFLOAD_DEVICERTL})
   # add_test() may run before enable_testing() in the same directory: CMake emits the test
   # when testing ends up enabled there and ignores it otherwise.
   set(test_name device_image_header)
@@ -64,6 +66,11 @@ if(NOT FORKATTN_OFFLOAD MATCHES "^nvptx:(sm_([0-9]+))(a?)$")
 endif()
 set(FORKATTN_OFFLOAD_ARCH "${CMAKE_MATCH_1}${CMAKE_MATCH_3}")
 set(_bc_arch "${CMAKE_MATCH_1}")   # sm_90a uses the sm_90 device runtime
+# The warpgroup (wgmma) kernels need the arch-specific sm_90a target.
+set(FORKATTN_HAVE_WGMMA FALSE)
+if(FORKATTN_OFFLOAD_ARCH STREQUAL "sm_90a")
+  set(FORKATTN_HAVE_WGMMA TRUE)
+endif()
 
 # ---- compiler: clang >= 19 ---------------------------------------------------------------
 if(NOT CMAKE_C_COMPILER_ID STREQUAL "Clang" OR CMAKE_C_COMPILER_VERSION VERSION_LESS 19)
@@ -115,6 +122,44 @@ if(NOT FORKATTN_OFFLOAD_BC)
 endif()
 if(NOT FORKATTN_LLVM_LIBDIR)
   message(FATAL_ERROR "No libomptarget.so in: ${_llvm_libdirs}. Install libomp-${_llvm_major}-dev.")
+endif()
+
+# ---- device runtime for an arch-specific target (sm_90a) ---------------------------------------
+# The linker wrapper takes the device runtime from libomptarget.devicertl.a, whose members are
+# per plain arch (devicertl-nvptx-sm_90.o) and chosen by exact arch name: for sm_90a none
+# matches, and runtime calls the device compiler adds stay unresolved at nvlink. sm_90a is sm_90
+# plus arch-specific instructions, so the sm_90 member's bitcode is repackaged under the sm_90a
+# name into an archive of our own that the offload targets link.
+set(FORKATTN_OFFLOAD_DEVICERTL "")
+if(NOT FORKATTN_OFFLOAD_ARCH STREQUAL _bc_arch)
+  find_program(FORKATTN_OFFLOAD_PACKAGER NAMES clang-offload-packager-${_llvm_major} clang-offload-packager
+               HINTS "${_clang_bindir}")
+  find_program(FORKATTN_LLVM_OBJCOPY NAMES llvm-objcopy-${_llvm_major} llvm-objcopy HINTS "${_clang_bindir}")
+  find_program(FORKATTN_LLVM_AR NAMES llvm-ar-${_llvm_major} llvm-ar HINTS "${_clang_bindir}")
+  set(_rtl_archive "${FORKATTN_LLVM_LIBDIR}/libomptarget.devicertl.a")
+  if(NOT FORKATTN_OFFLOAD_PACKAGER OR NOT FORKATTN_LLVM_OBJCOPY OR NOT FORKATTN_LLVM_AR OR
+     NOT EXISTS "${_rtl_archive}")
+    message(FATAL_ERROR "FORKATTN_OFFLOAD=${FORKATTN_OFFLOAD} needs clang-offload-packager, llvm-objcopy, "
+      "llvm-ar and ${_rtl_archive}: install clang-tools-${_llvm_major} llvm-${_llvm_major} libomp-${_llvm_major}-dev.")
+  endif()
+  set(_rtl_dir "${CMAKE_BINARY_DIR}/forkattn-devicertl")
+  set(_member "devicertl-nvptx-${_bc_arch}.o")
+  set(FORKATTN_OFFLOAD_DEVICERTL "${_rtl_dir}/libforkattn-devicertl-${FORKATTN_OFFLOAD_ARCH}.a")
+  file(MAKE_DIRECTORY "${_rtl_dir}")
+  foreach(_step
+      "${FORKATTN_LLVM_AR};x;${_rtl_archive};${_member}"
+      "${FORKATTN_OFFLOAD_PACKAGER};${_member};--image=file=rtl.bc,arch=${_bc_arch}"
+      "${FORKATTN_OFFLOAD_PACKAGER};-o;rtl.bin;--image=file=rtl.bc,triple=nvptx64-nvidia-cuda,arch=${FORKATTN_OFFLOAD_ARCH},kind=openmp"
+      "${FORKATTN_LLVM_OBJCOPY};--update-section;.llvm.offloading=rtl.bin;${_member};rtl.o"
+      "${CMAKE_COMMAND};-E;rm;-f;${FORKATTN_OFFLOAD_DEVICERTL}"
+      "${FORKATTN_LLVM_AR};rcs;${FORKATTN_OFFLOAD_DEVICERTL};rtl.o")
+    execute_process(COMMAND ${_step} WORKING_DIRECTORY "${_rtl_dir}" RESULT_VARIABLE _rc
+                    OUTPUT_VARIABLE _out ERROR_VARIABLE _out)
+    if(NOT _rc EQUAL 0)
+      message(FATAL_ERROR "Repackaging the ${_bc_arch} device runtime as ${FORKATTN_OFFLOAD_ARCH} failed at "
+                          "'${_step}': ${_out}")
+    endif()
+  endforeach()
 endif()
 
 # ---- CUDA toolkit (ptxas, nvlink, nvvm/libdevice) ------------------------------------------

@@ -24,6 +24,8 @@ typedef struct fa_gpu_fwd_args {
 
 /* Query rows per team of the tensor-core forward (16 per warp, 4 warps). */
 #define FA_MMA_ROWS 64
+/* Keys per tile of the wgmma forward (its S is one m64n64 product a k-step). */
+#define FA_WG_BK 64
 
 /* 1 when the tensor-core forward runs this call: FORKATTN_GPU_MMA is not 0
  * in the environment, q, k, v all bf16 or
@@ -35,6 +37,10 @@ int fa_gpu_mma_fwd_ok(const fa_attn_fwd *a, forkattn_memory memory);
  * plan's rows (with qshift) and pairs below FA_MMA_MAX_POS (32-bit walks). */
 int fa_gpu_mma_ok(const forkattn_tensor *const *t, int n, int64_t d, int has_kept, const fa_plan *plan,
                   forkattn_memory memory);
+/* 1 when fa_gpu_mma_fwd runs the warpgroup (wgmma) kernel for head_dim d on
+ * `device`: a FORKATTN_HAVE_WGMMA (sm_90a) build, FORKATTN_GPU_WGMMA=1,
+ * and the device's team memory (gpu_team_memory.h) holds its tiles. */
+int fa_gpu_wgmma_fwd_on(int device, int64_t d);
 void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g);
 
 #endif

@@ -52,6 +52,15 @@ static inline fa_f4 fa_f4_zero(void) {
 
 static inline float fa_mma_exp2(float x) { return exp2f(x); }
 
+/* 1 / x for x >= 1 (a softmax row sum): the hardware reciprocal, within an
+ * ulp. The IEEE-rounded division is a subroutine call on the GPU, and a call
+ * makes ptxas serialize the wgmma kernels' asynchronous products. */
+static inline float fa_mma_rcp(float x) { return 1.0f / x; }
+
+/* Order this thread's generic-proxy writes to team memory (cp.async, plain
+ * stores) before async-proxy reads of it (wgmma), across the next barrier. */
+static inline void fa_fence_proxy_async(void) {}
+
 /* lo in the low half (the smaller column index of an A fragment). f16 != 0
  * packs IEEE halves, else bf16; both round to nearest even. */
 static inline uint32_t fa_mma_pack(float lo, float hi, int f16) {
@@ -296,6 +305,14 @@ static inline int fa_acc_col(int lane, int e) { return 2 * (lane % 4) + e % 2; }
 static inline float fa_mma_exp2(float x) {
   float y;
   __asm__("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+static inline void fa_fence_proxy_async(void) { __asm__ volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+static inline float fa_mma_rcp(float x) {
+  float y;
+  __asm__("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 

@@ -24,6 +24,7 @@
 #include "gpu_mma.h"
 #include "gpu_mma_fwd_team.h"
 #include "gpu_mma_tiles.h"
+#include "gpu_team_memory.h"
 #include "online_softmax.h"
 
 
@@ -50,10 +51,35 @@ int fa_gpu_mma_fwd_ok(const fa_attn_fwd *a, forkattn_memory memory) {
 }
 
 
-#define FA_MMA_FWD(D, BK, F16) FA_MMA_QUERY_TEAMS(fa_mma_fwd_team, blocks, D, BK, F16)
+#define FA_MMA_FWD(D, BK, F16) FA_MMA_QUERY_TEAMS(fa_mma_fwd_team, blocks, D, BK, F16, (D) + 8)
+
+int fa_gpu_wgmma_fwd_on(int device, int64_t d) {
+#ifdef FORKATTN_HAVE_WGMMA
+  /* Opt-in (FORKATTN_GPU_WGMMA=1) while it is slower than the mma.sync kernel (bench/NOTES-gpu.md, v2.0). */
+  const char *env = getenv("FORKATTN_GPU_WGMMA");
+  if (!env || strcmp(env, "1") != 0) return 0;
+  return fa_gpu_team_memory(device) >= FA_MMA_QUERY_SMEM(FA_WG_BK, d);
+#else
+  (void)device, (void)d;
+  return 0;
+#endif
+}
+
+#ifdef FORKATTN_HAVE_WGMMA
+#define FA_WG_FWD(D, F16) FA_MMA_QUERY_TEAMS(fa_wg_fwd_team, blocks, D, FA_WG_BK, F16, D)
+#endif
 
 void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g) {
   const fa_gpu_fwd_args args = *g;
-  const int nteams = (int)(g->nblocks * g->hq), dev = g->device;
-  FA_MMA_BY_SHAPE(FA_MMA_FWD, g->d, g->q.dtype == FORKATTN_DTYPE_F16);
+  const int nteams = (int)(g->nblocks * g->hq), dev = g->device, f16 = g->q.dtype == FORKATTN_DTYPE_F16;
+#ifdef FORKATTN_HAVE_WGMMA
+  if (fa_gpu_wgmma_fwd_on(dev, g->d)) {
+    if (g->d == 128 && f16) FA_WG_FWD(128, 1);
+    else if (g->d == 128) FA_WG_FWD(128, 0);
+    else if (f16) FA_WG_FWD(64, 1);
+    else FA_WG_FWD(64, 0);
+    return;
+  }
+#endif
+  FA_MMA_BY_SHAPE(FA_MMA_FWD, g->d, f16);
 }

@@ -10,6 +10,7 @@
 #include "gpu_fwd.h"
 #include "gpu_mma.h"
 #include "gpu_mma_tiles.h"
+#include "gpu_wgmma.h"
 
 #pragma omp declare target
 /* s (16 rows x BK keys of one warp) = Q K^T: Q's A fragments qf, K the
@@ -21,12 +22,24 @@ static inline __attribute__((always_inline)) void fa_mma_qk(fa_f4 *s, const fa_u
   fa_mma_acc_abt(s, qf, sm, kt, P, BK, D, f16, lane);
 }
 
+/* rows [row0, row0 + n) of head `head` of t into a cap-row tile at element
+ * dst: the padded ldmatrix layout (pitch P), or with WG the wgmma layout. */
+static inline __attribute__((always_inline)) void fa_fwd_load(int WG, fa_smem m, int dst, int P, int cap, int D,
+                                                              fa_dev_tensor t, int64_t row0, int64_t n, int64_t head,
+                                                              int tid) {
+  if (WG) fa_wg_load_rows(m, dst, cap, D, t, row0, n, head, tid);
+  else fa_mma_load_rows(m, dst, P, cap, D, t, row0, n, head, tid);
+}
+
 /* One team: FA_MMA_ROWS query rows of block blk, query head h, KV head g.
- * D and BK are compile-time constants after inlining (register arrays). */
-static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, const int BK, const int f16,
-                                                                   const fa_gpu_fwd_args ga, fa_block blk,
-                                                                   int64_t h, int64_t g, unsigned short *smem) {
-  const int P = D + 8; /* pitch: rows 16 bytes apart modulo 128, so ldmatrix is conflict-free */
+ * D, BK and WG are compile-time constants after inlining (register arrays).
+ * WG: the products by warpgroup wgmma (sm_90a; gpu_wgmma.h), K and V tiles
+ * in its layout, S of the next tile issued asynchronously before this
+ * tile's softmax; else mma.sync with ldmatrix from padded rows. */
+static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const int BK, const int f16, const int WG,
+                                                               const fa_gpu_fwd_args ga, fa_block blk, int64_t h,
+                                                               int64_t g, unsigned short *smem) {
+  const int P = WG ? D : D + 8; /* pitch: rows 16 bytes apart modulo 128, so ldmatrix is conflict-free */
   const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
   const fa_smem sm = fa_smem_of(smem);
   const int buf0 = 0, buf1 = 2 * BK * P; /* element offsets of the two K/V buffers */
@@ -37,18 +50,23 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
   const float mul = ga.scale * FA_LOG2E;
 
   /* Q (64 rows) streams into buffer 1 while tile 0 streams into buffer 0. */
-  fa_mma_load_rows(sm, buf1, P, FA_MMA_ROWS, D, ga.q, blk.start, blk.len, h, tid);
+  fa_fwd_load(WG, sm, buf1, P, FA_MMA_ROWS, D, ga.q, blk.start, blk.len, h, tid);
   fa_cp_async_commit();
   fa_tile_walk w = fa_walk_first(ga.qoff, seg, pair, blk, qshift);
-  if (w.pi < w.pend) fa_mma_load_kv(sm, buf0, P, BK, D, ga.k, g, ga.v, g, w, tid);
+  if (w.pi < w.pend) {
+    fa_fwd_load(WG, sm, buf0, P, BK, D, ga.k, w.kb, fa_walk_keys(w, BK), g, tid);
+    fa_fwd_load(WG, sm, buf0 + BK * P, P, BK, D, ga.v, w.kb, fa_walk_keys(w, BK), g, tid);
+  }
   fa_cp_async_commit();
   fa_cp_async_wait(0);
+  if (WG) fa_fence_proxy_async();
   ompx_sync_block_acq_rel();
   fa_u4 qf[FA_MMA_MAX_D / 16]; /* fixed sizes: a VLA would be globalized (gpu_mma.h) */
   {
     const int r = warp * 16 + fa_ldsm_a_row(lane), c = fa_ldsm_a_col(lane);
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ks++) qf[ks] = fa_ldmatrix_x4(sm, buf1 + r * P + ks * 16 + c, 0);
+    for (int ks = 0; ks < D / 16; ks++)
+      qf[ks] = fa_ldmatrix_x4(sm, buf1 + (WG ? fa_wg_elem(r, ks * 16 + c, D) : r * P + ks * 16 + c), 0);
   }
   ompx_sync_block_acq_rel(); /* buffer 1 is free for tile 1's K */
 
@@ -58,10 +76,22 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
    * cannot hide the softmax's latency alone). Buffer i holds K then V:
    * in iteration j, K(j+1) and V(j) are read, K(j+2) and V(j+1) stream in. */
   fa_tile_walk w1 = fa_walk_next(w, BK, seg, pair, blk, qshift);
-  if (w1.pi < w1.pend) fa_mma_load_rows(sm, buf1, P, BK, D, ga.k, w1.kb, fa_walk_keys(w1, BK), g, tid);
+  if (w1.pi < w1.pend) fa_fwd_load(WG, sm, buf1, P, BK, D, ga.k, w1.kb, fa_walk_keys(w1, BK), g, tid);
   fa_cp_async_commit();
-  fa_f4 s[FA_MMA_MAX_BK / 8];
-  if (w.pi < w.pend) fa_mma_qk(s, qf, sm, buf0, P, BK, D, f16, lane);
+  fa_f4 s[FA_MMA_MAX_BK / 8], sn[FA_MMA_MAX_BK / 8];
+  if (WG)
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++) sn[n] = fa_f4_zero(); /* defined inputs of the first asynchronous S */
+  if (w.pi < w.pend) {
+    if (WG) {
+      fa_wg_acc_abt(s, qf, sm, buf0, BK, D, f16);
+      fa_wg_commit();
+      fa_wg_wait(0);
+      fa_wg_pin(s, BK / 8);
+    } else {
+      fa_mma_qk(s, qf, sm, buf0, P, BK, D, f16, lane);
+    }
+  }
 
   fa_f4 o[FA_MMA_MAX_D / 8];
 #pragma unroll
@@ -76,11 +106,12 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
 
   while (w.pi < w.pend) {
     fa_cp_async_wait(0); /* K(j+1), V(j) */
+    if (WG) fa_fence_proxy_async(); /* ... for the tensor cores' reads too */
     ompx_sync_block_acq_rel(); /* ... visible, and iteration j - 1's reads of K(j), V(j-1) done */
     const int kt = cur ? buf1 : buf0, kn = cur ? buf0 : buf1, vt = kt + BK * P;
     const fa_tile_walk w2 = fa_walk_next(w1, BK, seg, pair, blk, qshift);
-    if (w2.pi < w2.pend) fa_mma_load_rows(sm, kt, P, BK, D, ga.k, w2.kb, fa_walk_keys(w2, BK), g, tid);
-    if (w1.pi < w1.pend) fa_mma_load_rows(sm, kn + BK * P, P, BK, D, ga.v, w1.kb, fa_walk_keys(w1, BK), g, tid);
+    if (w2.pi < w2.pend) fa_fwd_load(WG, sm, kt, P, BK, D, ga.k, w2.kb, fa_walk_keys(w2, BK), g, tid);
+    if (w1.pi < w1.pend) fa_fwd_load(WG, sm, kn + BK * P, P, BK, D, ga.v, w1.kb, fa_walk_keys(w1, BK), g, tid);
     fa_cp_async_commit();
     const int nk = fa_walk_keys(w, BK);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
@@ -121,9 +152,14 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
         }
     }
     /* S of tile j + 1 (after the last tile: tile j's K again, discarded, so
-     * no branch splits this block from the softmax it overlaps). */
-    fa_f4 sn[FA_MMA_MAX_BK / 8];
-    fa_mma_qk(sn, qf, sm, w1.pi < w1.pend ? kn : kt, P, BK, D, f16, lane);
+     * no branch splits this block from the softmax it overlaps). wgmma:
+     * issued here, waited with P V below. */
+    if (WG) {
+      fa_wg_acc_abt(sn, qf, sm, w1.pi < w1.pend ? kn : kt, BK, D, f16);
+      fa_wg_commit();
+    } else {
+      fa_mma_qk(sn, qf, sm, w1.pi < w1.pend ? kn : kt, P, BK, D, f16, lane);
+    }
     mx0 = fmaxf(mx0, fa_mma_shfl_xor(mx0, 1));
     mx0 = fmaxf(mx0, fa_mma_shfl_xor(mx0, 2));
     mx1 = fmaxf(mx1, fa_mma_shfl_xor(mx1, 1));
@@ -146,7 +182,15 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
       for (int n = 0; n < D / 8; n++) o[n].x *= a0, o[n].y *= a0, o[n].z *= a1, o[n].w *= a1;
 
     /* O += P V: P from the S accumulators (two n-tiles make one A fragment). */
-    fa_mma_acc_ab(o, s, sm, vt, P, BK, D, f16, lane);
+    if (WG) {
+      fa_wg_acc_ab(o, s, sm, vt, BK, D, f16);
+      fa_wg_commit();
+      fa_wg_wait(0); /* S of tile j + 1 and O */
+      fa_wg_pin(o, D / 8);
+      fa_wg_pin(sn, BK / 8);
+    } else {
+      fa_mma_acc_ab(o, s, sm, vt, P, BK, D, f16, lane);
+    }
 #pragma unroll
     for (int n = 0; n < BK / 8; n++) s[n] = sn[n];
     cur ^= 1;
@@ -159,13 +203,27 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
   l1 += fa_mma_shfl_xor(l1, 1);
   l1 += fa_mma_shfl_xor(l1, 2);
   bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
-  const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+  const float i0 = l0 > 0.0f ? fa_mma_rcp(l0) : 0.0f, i1 = l1 > 0.0f ? fa_mma_rcp(l1) : 0.0f;
   const int64_t row0 = blk.start + r0;
   fa_mma_store_rows(ga.o, row0, h, o, D, c0, ok0, ok1, i0, i1, bad0, bad1);
   if (ga.lse && c0 == 0) {
     if (ok0) ga.lse[row0 * ga.hq + h] = l0 > 0.0f ? (m0 + log2f(l0)) * FA_LN2 : -INFINITY;
     if (ok1) ga.lse[(row0 + 8) * ga.hq + h] = l1 > 0.0f ? (m1 + log2f(l1)) * FA_LN2 : -INFINITY;
   }
+}
+
+/* The mma.sync forward (any sm_80+ build). */
+static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, const int BK, const int f16,
+                                                                   const fa_gpu_fwd_args ga, fa_block blk,
+                                                                   int64_t h, int64_t g, unsigned short *smem) {
+  fa_fwd_team(D, BK, f16, 0, ga, blk, h, g, smem);
+}
+
+/* The wgmma forward (sm_90a builds; host tests under the emulation). */
+static inline __attribute__((always_inline)) void fa_wg_fwd_team(const int D, const int BK, const int f16,
+                                                                  const fa_gpu_fwd_args ga, fa_block blk,
+                                                                  int64_t h, int64_t g, unsigned short *smem) {
+  fa_fwd_team(D, BK, f16, 1, ga, blk, h, g, smem);
 }
 #pragma omp end declare target
 

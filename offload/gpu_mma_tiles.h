@@ -137,6 +137,10 @@ static inline void fa_mma_load_rows(fa_smem m, int dst, int P, int cap, int D, f
   }
 }
 
+/* Element offset of (row r, column c) of a [n][D] tile in the wgmma layout
+ * (gpu_wgmma.h): 8-row x 16-byte core matrices by (row group, chunk). */
+static inline int fa_wg_elem(int r, int c, int D) { return (((r >> 3) * (D >> 3) + (c >> 3)) << 6) + ((r & 7) << 3) + (c & 7); }
+
 /* Keys of tile w (at most bk). */
 static inline int fa_walk_keys(fa_tile_walk w, int bk) { return w.kend - w.kb < bk ? w.kend - w.kb : bk; }
 
@@ -272,15 +276,19 @@ static inline __attribute__((always_inline)) void fa_mma_store_rows(fa_dev_tenso
  * row r had one. flags: 4 words of team memory. Contains barriers: call from
  * every thread of the team. A masked tile's product multiplies such a row by
  * an exact 0 for the rows or keys that cannot see it; zeroing keeps that 0,
- * and the caller marks NaN the outputs that do see the row. */
+ * and the caller marks NaN the outputs that do see the row. P == D means
+ * the tile is in the wgmma layout (the padded layouts have P = D + 8). */
 static inline unsigned long long fa_mma_scan_rows(unsigned short *t, int P, int n, int D, int f16,
                                                   unsigned *flags, int tid) {
   const int tpr = FA_MMA_THREADS / n, r = tid / tpr, part = tid % tpr, span = D / tpr, lane = tid % 32;
+  const int wg = P == D; /* unpadded: the wgmma layout (fa_wg_elem), whose readers need the proxy fence */
   int bad = 0;
   for (int c = part * span; c < (part + 1) * span; c++) {
-    const float x = f16 ? fa_f16_to_f32(t[r * P + c]) : fa_bf16_to_f32(t[r * P + c]);
-    if (!isfinite(x)) bad = 1, t[r * P + c] = 0;
+    const int e = wg ? fa_wg_elem(r, c, D) : r * P + c;
+    const float x = f16 ? fa_f16_to_f32(t[e]) : fa_bf16_to_f32(t[e]);
+    if (!isfinite(x)) bad = 1, t[e] = 0;
   }
+  if (wg) fa_fence_proxy_async();
   const unsigned b = fa_mma_ballot(bad); /* lanes [i*tpr, (i+1)*tpr) own row (warp)*32/tpr + i */
   if (lane == 0) {
     unsigned f = 0;
@@ -295,18 +303,24 @@ static inline unsigned long long fa_mma_scan_rows(unsigned short *t, int P, int 
 }
 #pragma omp end declare target
 
+/* Team memory of a query-side team: two K/V tile buffers of BK rows of
+ * PITCH elements (D + 8 padded for ldmatrix, D in the wgmma layout) and 4
+ * flag words. */
+#define FA_MMA_QUERY_SMEM(BK, PITCH) ((size_t)(4 * (BK) * (PITCH)) * 2 + 4 * sizeof(unsigned))
+
 /* Launch TEAM(D, BK, F16, args, block, h, g, smem) on one team per (query
- * block of args.BLOCKS, query head), FA_MMA_THREADS threads, two K/V tile
- * buffers of BK keys and 4 flag words of team memory. Needs `args` (by
- * value), `nteams` and `dev` in scope. */
-#define FA_MMA_QUERY_TEAMS(TEAM, BLOCKS, D, BK, F16)                                                            \
+ * block of args.BLOCKS, query head), FA_MMA_THREADS threads and
+ * FA_MMA_QUERY_SMEM(BK, PITCH) of team memory. Needs `args` (by value),
+ * `nteams` and `dev` in scope. */
+#define FA_MMA_QUERY_TEAMS(TEAM, BLOCKS, D, BK, F16, PITCH)                                                     \
   do {                                                                                                        \
-    const size_t smem = (size_t)(4 * (BK) * ((D) + 8)) * 2 + 4 * sizeof(unsigned);                            \
+    const size_t smem = FA_MMA_QUERY_SMEM(BK, PITCH);                                                         \
     _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args)") \
     {                                                                                                         \
       unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
-      const int64_t team = ompx_block_id_x(), h = team % args.hq;                                             \
-      TEAM((D), (BK), (F16), args, args.BLOCKS[team / args.hq], h, h / (args.hq / args.hkv), sm);             \
+      /* 32-bit: a 64-bit division is a subroutine call, which makes ptxas serialize wgmma */                 \
+      const int team = (int)ompx_block_id_x(), hq = (int)args.hq, h = team % hq;                              \
+      TEAM((D), (BK), (F16), args, args.BLOCKS[team / hq], h, h / (hq / (int)args.hkv), sm);                  \
     }                                                                                                         \
   } while (0)
 

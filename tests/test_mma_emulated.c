@@ -10,6 +10,9 @@
  * and the StreamKL forward and backward (offload/gpu_mma_kl_team.h,
  * offload/gpu_mma_kl_bwd_team.h) against a direct float64 KL of the
  * materialized distributions and its gradients.
+ * The forward runs twice: the warpgroup (wgmma) kernel of sm_90a builds
+ * (offload/gpu_wgmma.h: its descriptors' core-matrix layout as the ISA
+ * defines it) and the mma.sync one.
  * Tolerances are those of the 16-bit GPU tests (prefix_harness.c: 1e-2
  * relative for o and the gradients, 1e-3 absolute for lse): P and dS are
  * rounded to 16 bits before their products. [ran on host: emulation; the
@@ -131,35 +134,44 @@ static void run_case(const char *name, const emu_case *c) {
   /* forward: one team per (64-row query block, query head) */
   static unsigned short smem[(4 * 64 * (128 + 8)) + 64];
   cr_assert_geq(sizeof smem, FA_MMA_DKV_SMEM(d));
+  cr_assert_geq(sizeof smem, FA_MMA_QUERY_SMEM(FA_WG_BK, d));
   fa_block *qb;
   const int64_t nqb = fa_plan_blocks(&plan, FA_MMA_ROWS, 0, &qb);
   cr_assert(nqb > 0);
-  for (int64_t i = 0; i < nq; i++) b.o[i] = 0x7fc1; /* poison: NaN in both dtypes */
-  for (int64_t i = 0; i < T * hq; i++) b.lse[i] = NAN;
   fa_gpu_fwd_args ga = {view(b.q, dt, hq, d), view(b.k, dt, hkv, d), view(b.v, dt, hkv, d), view(b.o, dt, hq, d),
                         b.lse, plan.seg, plan.pair, plan.q_pair_off, qb, nqb, hq, hkv, d, plan.qshift,
                         (float)scale, {0}, 0, 0};
-  for (int64_t blk = 0; blk < nqb; blk++)
-    for (int64_t h = 0; h < hq; h++) EMU_TEAM(fa_mma_fwd_team((int)d, bk, f16, ga, qb[blk], h, h / group, smem));
-
+  /* the warpgroup (wgmma) forward, then the mma.sync one, whose o and lse the backward reads */
   int64_t nonfinite = 0;
-  if (c->nan_v_row < 0) {
-    const double eo = rel_err(b.o, ro, nq, f16, &nonfinite);
-    double el = 0;
-    for (int64_t i = 0; i < T * hq; i++) el = fmax(el, fabs(b.lse[i] - rlse[i]));
-    cr_assert_eq(nonfinite, 0, "%s: %lld non-finite (or unwritten) o", name, (long long)nonfinite);
-    cr_assert_leq(eo, 1e-2, "%s: o relative error %.3g", name, eo);
-    cr_assert_leq(el, 1e-3, "%s: lse error %.3g", name, el);
-  } else { /* rows that see the NaN key are NaN, all others match the reference */
-    for (int64_t r = 0; r < T; r++)
-      for (int64_t h = 0; h < group; h++) { /* query heads of KV head 0 */
-        const int sees = !c->causal || r >= c->nan_v_row; /* a prefix case, the NaN row in the prompt */
-        const double g = from16(b.o[(r * hq + h) * d], f16), want = ro[(r * hq + h) * d];
-        if (sees) cr_assert(isnan(g), "%s: o[%lld, %lld] should be NaN", name, (long long)r, (long long)h);
-        else cr_assert(fabs(g - want) <= 2e-2, "%s: o[%lld, %lld] = %g, want %g", name, (long long)r, (long long)h, g, want);
+  for (int wg = 1; wg >= 0; wg--) {
+    const char *kernel = wg ? "wgmma forward" : "mma forward";
+    for (int64_t i = 0; i < nq; i++) b.o[i] = 0x7fc1; /* poison: NaN in both dtypes */
+    for (int64_t i = 0; i < T * hq; i++) b.lse[i] = NAN;
+    for (int64_t blk = 0; blk < nqb; blk++)
+      for (int64_t h = 0; h < hq; h++) {
+        if (wg) EMU_TEAM(fa_wg_fwd_team((int)d, FA_WG_BK, f16, ga, qb[blk], h, h / group, smem));
+        else EMU_TEAM(fa_mma_fwd_team((int)d, bk, f16, ga, qb[blk], h, h / group, smem));
       }
-    goto done;
+    if (c->nan_v_row < 0) {
+      const double eo = rel_err(b.o, ro, nq, f16, &nonfinite);
+      double el = 0;
+      for (int64_t i = 0; i < T * hq; i++) el = fmax(el, fabs(b.lse[i] - rlse[i]));
+      cr_assert_eq(nonfinite, 0, "%s %s: %lld non-finite (or unwritten) o", name, kernel, (long long)nonfinite);
+      cr_assert_leq(eo, 1e-2, "%s %s: o relative error %.3g", name, kernel, eo);
+      cr_assert_leq(el, 1e-3, "%s %s: lse error %.3g", name, kernel, el);
+    } else { /* rows that see the NaN key are NaN, all others match the reference */
+      for (int64_t r = 0; r < T; r++)
+        for (int64_t h = 0; h < group; h++) { /* query heads of KV head 0 */
+          const int sees = !c->causal || r >= c->nan_v_row; /* a prefix case, the NaN row in the prompt */
+          const double g = from16(b.o[(r * hq + h) * d], f16), want = ro[(r * hq + h) * d];
+          if (sees) cr_assert(isnan(g), "%s %s: o[%lld, %lld] should be NaN", name, kernel, (long long)r, (long long)h);
+          else
+            cr_assert(fabs(g - want) <= 2e-2, "%s %s: o[%lld, %lld] = %g, want %g", name, kernel, (long long)r,
+                      (long long)h, g, want);
+        }
+    }
   }
+  if (c->nan_v_row >= 0) goto done;
 
   /* backward: dQ teams (which also compute D from the stored o), dK/dV teams
    * over key units (units of 64 reader rows: several per block, so partial

@@ -1,0 +1,230 @@
+/* Warpgroup tensor-core micro-kernels (Hopper, sm_90a): wgmma.mma_async
+ * m64nNk16 with A from registers and B from team memory through a matrix
+ * descriptor, its fence / commit / wait, and the tile layout it reads.
+ *
+ * A warpgroup is the team's 4 warps. Warp w's share of A (rows 16w..16w+15)
+ * and of the accumulator D is laid out exactly as mma.sync m16n8k16's A and
+ * C fragments (PTX ISA, "Register Fragments" of wgmma): a fa_u4 per 16-wide
+ * k-step, a fa_f4 per 8 columns of D. So the kernels' softmax, masks and P
+ * packing are unchanged; only the products move to wgmma.
+ *
+ * Tile layout (no swizzle, "interleave"): a [n][D] tile of 16-bit elements
+ * is stored as 8-row x 16-byte core matrices, 128 bytes each, ordered by
+ * (row group, 16-byte column chunk): element (r, c) at
+ * fa_wg_elem(r, c, D). One layout serves both operand roles:
+ *  - K-major B (S = Q K^T, B[k = d][n = key] from K's rows): the two core
+ *    matrices of a 16-wide k-step are adjacent (LBO = 128 bytes) and row
+ *    groups are D/8 core matrices apart (SBO = D * 16 bytes);
+ *  - N-major B (O += P V, B[k = key][n = d] from V's rows, transposed):
+ *    the k-step's two key groups are SBO_K apart (its LBO) and the d chunks
+ *    adjacent (its SBO = 128 bytes).
+ * A warp's ldmatrix of Q from the same layout reads whole core matrices, so
+ * it is free of bank conflicts, and cp.async writes each warp's 512 bytes
+ * contiguously (fa_wg_load_rows).
+ *
+ * Bases and the emulation follow gpu_mma.h: with FORKATTN_MMA_EMULATE the
+ * product is computed from the warpgroup's published A fragments and the
+ * descriptor's layout as the ISA defines it; otherwise the host base traps.
+ * The nvptx variant exists only when compiling for sm_90a
+ * (__CUDA_ARCH_FEAT_SM90_ALL); other device builds trap, and the launch
+ * side compiles the wgmma kernels only with FORKATTN_HAVE_WGMMA. */
+#ifndef FORKATTN_GPU_WGMMA_H
+#define FORKATTN_GPU_WGMMA_H
+#include <stdint.h>
+#include <string.h>
+
+#include "gpu_mma.h"
+#include "gpu_mma_tiles.h"
+
+#pragma omp declare target
+/* Descriptor strides (bytes) of a [n][D] tile: K-major reads (the tile's
+ * rows are B's n) and N-major reads (the tile's rows are B's k). */
+static inline int fa_wg_group_bytes(int D) { return D * 16; } /* one 8-row group */
+#define FA_WG_CORE_BYTES 128
+
+#ifndef FORKATTN_MMA_EMULATE
+/* acc (this warp's 16 rows x N, N/8 fragments) = A B (+ acc when acc_in):
+ * A the warp's 16 x 16 fragment a, B (16 x N) at element off of m, core
+ * matrices lbo bytes apart along k and sbo along n; tnsp: B is N-major.
+ * Warpgroup-collective and asynchronous: the results are defined only after
+ * fa_wg_commit and fa_wg_wait. */
+static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *acc, int N, fa_u4 a, fa_smem m, int off, int lbo,
+                                                            int sbo, int tnsp, int f16, int acc_in) {
+  (void)acc, (void)N, (void)a, (void)m, (void)off, (void)lbo, (void)sbo, (void)tnsp, (void)f16, (void)acc_in;
+  __builtin_trap();
+}
+#else
+static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *acc, int N, fa_u4 a, fa_smem m, int off, int lbo,
+                                                            int sbo, int tnsp, int f16, int acc_in) {
+  const int t = omp_get_thread_num(), L = t & 31, g0 = t & ~127;
+  fa_emu_lanes *e = fa_emu_next(t);
+  e->a[t] = a;
+#pragma omp barrier
+  const unsigned char *base = (const unsigned char *)(m.p + off);
+  for (int i = 0; i < N / 8; i++) {
+    double d[4] = {acc[i].x, acc[i].y, acc[i].z, acc[i].w};
+    if (!acc_in) d[0] = d[1] = d[2] = d[3] = 0.0;
+    for (int k = 0; k < 16; k++)
+      for (int e2 = 0; e2 < 4; e2++) {
+        /* A: warp row/16 of the group, lane 4 (row % 8) + (k % 8) / 2, register (row % 16) / 8 + 2 (k / 8) */
+        const int row = 16 * ((t - g0) / 32) + L / 4 + 8 * (e2 / 2), n = 8 * i + 2 * (L % 4) + e2 % 2;
+        const fa_u4 ar = e->a[g0 + 32 * (row / 16) + 4 * (row % 8) + (k % 8) / 2];
+        const int reg = (row % 16) / 8 + 2 * (k / 8);
+        const uint32_t av = reg == 0 ? ar.x : reg == 1 ? ar.y : reg == 2 ? ar.z : ar.w;
+        /* B[k][n]: core matrix (k / 8, n / 8); K-major rows are n, N-major rows are k */
+        const int in = tnsp ? (k % 8) * 16 + (n % 8) * 2 : (n % 8) * 16 + (k % 8) * 2;
+        uint16_t bv;
+        memcpy(&bv, base + (k / 8) * lbo + (n / 8) * sbo + in, 2);
+        d[e2] += (double)fa_emu_half(av, k % 2, f16) * (f16 ? fa_f16_to_f32(bv) : fa_bf16_to_f32(bv));
+      }
+    const fa_f4 r = {(float)d[0], (float)d[1], (float)d[2], (float)d[3]};
+    acc[i] = r;
+  }
+}
+#endif
+/* Order this thread's earlier register writes (accumulators, A fragments)
+ * before the warpgroup's next wgmma (wgmma.fence). */
+static inline void fa_wg_fence(void) {}
+/* Close the wgmma issued since the last commit into one group. */
+static inline void fa_wg_commit(void) {}
+/* Wait until at most n (0 or 1) of this warpgroup's groups are pending. */
+static inline void fa_wg_wait(int n) { (void)n; }
+/* Pin a register array at this point of the program (an empty asm that
+ * reads and writes it): keeps the compiler from moving its reads above a
+ * wait, or its writes below a fence. */
+static inline __attribute__((always_inline)) void fa_wg_pin(fa_f4 *acc, int n) { (void)acc, (void)n; }
+static inline __attribute__((always_inline)) void fa_wg_pin_u4(fa_u4 *a, int n) { (void)a, (void)n; }
+#pragma omp end declare target
+
+#ifdef __clang__
+#pragma omp begin declare variant match(device = {arch(nvptx64)})
+static inline __attribute__((always_inline)) void fa_wg_pin(fa_f4 *acc, int n) {
+#pragma unroll
+  for (int i = 0; i < n; i++)
+    __asm__ volatile("" : "+f"(acc[i].x), "+f"(acc[i].y), "+f"(acc[i].z), "+f"(acc[i].w)::"memory");
+}
+static inline __attribute__((always_inline)) void fa_wg_pin_u4(fa_u4 *a, int n) {
+#pragma unroll
+  for (int i = 0; i < n; i++) __asm__ volatile("" : "+r"(a[i].x), "+r"(a[i].y), "+r"(a[i].z), "+r"(a[i].w)::"memory");
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+static inline void fa_wg_fence(void) { __asm__ volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+static inline void fa_wg_commit(void) { __asm__ volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+static inline void fa_wg_wait(int n) {
+  if (n) __asm__ volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+  else __asm__ volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+
+#define FA_WG_F4(i) "+f"(c[i].x), "+f"(c[i].y), "+f"(c[i].z), "+f"(c[i].w)
+#define FA_WG_ACC32 FA_WG_F4(0), FA_WG_F4(1), FA_WG_F4(2), FA_WG_F4(3), FA_WG_F4(4), FA_WG_F4(5), FA_WG_F4(6), FA_WG_F4(7)
+#define FA_WG_ACC64                                                                                                \
+  FA_WG_ACC32, FA_WG_F4(8), FA_WG_F4(9), FA_WG_F4(10), FA_WG_F4(11), FA_WG_F4(12), FA_WG_F4(13), FA_WG_F4(14),      \
+      FA_WG_F4(15)
+/* One wgmma of N = 64 / 128 columns; TY the input type, TN imm-trans-b. */
+#define FA_WG_N64(TY, TN)                                                                                          \
+  __asm__ volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                    \
+                   "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                     \
+                   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "   \
+                   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, " \
+                   "1, " TN ";\n}\n"                                                                               \
+                   : FA_WG_ACC32                                                                                   \
+                   : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(desc), "r"(acc_in)                               \
+                   : "memory")
+#define FA_WG_N128(TY, TN)                                                                                         \
+  __asm__ volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                    \
+                   "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                                    \
+                   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "   \
+                   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "     \
+                   "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "     \
+                   "%56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, " TN ";\n}\n"     \
+                   : FA_WG_ACC64                                                                                   \
+                   : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(desc), "r"(acc_in)                               \
+                   : "memory")
+
+static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *c, int N, fa_u4 a, fa_smem m, int off, int lbo,
+                                                            int sbo, int tnsp, int f16, int acc_in) {
+  /* Matrix descriptor: start address, LBO and SBO in 16-byte units; no swizzle. */
+  const uint32_t addr = m.s + 2u * (uint32_t)off;
+  const uint64_t desc = (uint64_t)(((addr & 0x3ffffu) >> 4) | ((uint32_t)(lbo >> 4) << 16)) |
+                        (uint64_t)(uint32_t)(sbo >> 4) << 32;
+  if (N == 64) {
+    if (f16) {
+      if (tnsp) FA_WG_N64("f16", "1");
+      else FA_WG_N64("f16", "0");
+    } else {
+      if (tnsp) FA_WG_N64("bf16", "1");
+      else FA_WG_N64("bf16", "0");
+    }
+  } else {
+    if (f16) {
+      if (tnsp) FA_WG_N128("f16", "1");
+      else FA_WG_N128("f16", "0");
+    } else {
+      if (tnsp) FA_WG_N128("bf16", "1");
+      else FA_WG_N128("bf16", "0");
+    }
+  }
+}
+#undef FA_WG_N64
+#undef FA_WG_N128
+#undef FA_WG_ACC64
+#undef FA_WG_ACC32
+#undef FA_WG_F4
+#endif /* __CUDA_ARCH_FEAT_SM90_ALL */
+#pragma omp end declare variant
+#endif
+
+#pragma omp declare target
+/* Team-cooperative cp.async of rows [row0, row0 + n) of head `head` of t
+ * (n <= cap) into a cap x D tile in the wgmma layout at element dst of m;
+ * rows n..cap-1 are zero-filled. Thread tid copies linear 16-byte chunk
+ * tid + 128 i: each warp writes 512 contiguous bytes, and reads 8 rows x 64
+ * bytes. */
+static inline void fa_wg_load_rows(fa_smem m, int dst, int cap, int D, fa_dev_tensor t, int64_t row0, int64_t n,
+                                   int64_t head, int tid) {
+  const int chunks = D / 8, step = FA_MMA_THREADS / chunks; /* 16-byte chunks per row; rows per pass */
+  const int r0 = (tid / (8 * chunks)) * 8 + tid % 8, col = ((tid / 8) % chunks) * 8;
+  const unsigned short *base = (const unsigned short *)t.data + head * t.hs + col;
+  const unsigned short *src = base + (row0 + r0) * t.rs, *first = base + row0 * t.rs;
+  const int64_t stride = (int64_t)step * t.rs;
+#pragma unroll
+  for (int i = 0; i < cap / step; i++, src += stride) {
+    const int in = n >= cap || r0 + i * step < n; /* a row past n copies nothing (zero-fill) from row0 */
+    fa_cp_async16(m, dst + (tid + FA_MMA_THREADS * i) * 8, in ? src : first, in ? 16 : 0);
+  }
+}
+
+/* acc (this warp's 16 rows x N) = A B^T over D/16 k-steps: A the warp's
+ * register fragments a (one per k-step), B (N x D) the tile at element tile
+ * of team memory in the wgmma layout (K-major). Issued, not waited. */
+static inline __attribute__((always_inline)) void fa_wg_acc_abt(fa_f4 *acc, const fa_u4 *a, fa_smem sm, int tile,
+                                                                int N, int D, int f16) {
+  fa_wg_pin(acc, N / 8);
+  fa_wg_fence();
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ks++)
+    fa_wg_mma(acc, N, a[ks], sm, tile + ks * 128, FA_WG_CORE_BYTES, fa_wg_group_bytes(D), 0, f16,
+              ks > 0);
+}
+
+/* acc (16 rows x D) += A B over K/16 k-steps: A packed from the accumulators
+ * a (two n-tiles a k-step), B (K x D) the tile at element tile in the wgmma
+ * layout read N-major. The fragments are packed and pinned before the
+ * fence, so no register the products read is written after it. Issued, not
+ * waited. */
+static inline __attribute__((always_inline)) void fa_wg_acc_ab(fa_f4 *acc, const fa_f4 *a, fa_smem sm, int tile, int K,
+                                                               int D, int f16) {
+  fa_u4 pa[FA_MMA_MAX_BK / 16];
+#pragma unroll
+  for (int kk = 0; kk < K / 16; kk++) pa[kk] = fa_mma_p_frag(a[2 * kk], a[2 * kk + 1], f16);
+  fa_wg_pin_u4(pa, K / 16);
+  fa_wg_pin(acc, D / 8);
+  fa_wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < K / 16; kk++)
+    fa_wg_mma(acc, D, pa[kk], sm, tile + kk * 2 * D * 8, fa_wg_group_bytes(D), FA_WG_CORE_BYTES, 1, f16, 1);
+}
+#pragma omp end declare target
+
+#endif

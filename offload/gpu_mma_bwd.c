@@ -34,7 +34,7 @@ int fa_gpu_mma_bwd_ok(const fa_attn_bwd *a, forkattn_memory memory) {
 }
 
 
-#define FA_MMA_DQ(D, BK, F16) FA_MMA_QUERY_TEAMS(fa_mma_dq_team, qblocks, D, BK, F16, (D) + 8)
+#define FA_MMA_DQ(D, BK, F16) FA_MMA_QUERY_TEAMS(fa_mma_dq_team, qblocks, D, BK, F16, FA_MMA_QUERY_SMEM(BK, (D) + 8))
 
 void fa_gpu_mma_dq(const fa_gpu_bwd *b) {
   const fa_gpu_bwd args = *b;

@@ -51,14 +51,14 @@ int fa_gpu_mma_fwd_ok(const fa_attn_fwd *a, forkattn_memory memory) {
 }
 
 
-#define FA_MMA_FWD(D, BK, F16) FA_MMA_QUERY_TEAMS(fa_mma_fwd_team, blocks, D, BK, F16, (D) + 8)
+#define FA_MMA_FWD(D, BK, F16) FA_MMA_QUERY_TEAMS(fa_mma_fwd_team, blocks, D, BK, F16, FA_MMA_QUERY_SMEM(BK, (D) + 8))
 
 int fa_gpu_wgmma_fwd_on(int device, int64_t d) {
 #ifdef FORKATTN_HAVE_WGMMA
-  /* Opt-in (FORKATTN_GPU_WGMMA=1) while it is slower than the mma.sync kernel (bench/NOTES-gpu.md, v2.0). */
+  /* FORKATTN_GPU_WGMMA=0 keeps the mma.sync kernel (comparison and diagnosis). */
   const char *env = getenv("FORKATTN_GPU_WGMMA");
-  if (!env || strcmp(env, "1") != 0) return 0;
-  return fa_gpu_team_memory(device) >= FA_MMA_QUERY_SMEM(FA_WG_BK, d);
+  if (env && strcmp(env, "0") == 0) return 0;
+  return fa_gpu_team_memory(device) >= FA_WG_QUERY_SMEM(d);
 #else
   (void)device, (void)d;
   return 0;
@@ -66,7 +66,7 @@ int fa_gpu_wgmma_fwd_on(int device, int64_t d) {
 }
 
 #ifdef FORKATTN_HAVE_WGMMA
-#define FA_WG_FWD(D, F16) FA_MMA_QUERY_TEAMS(fa_wg_fwd_team, blocks, D, FA_WG_BK, F16, D)
+#define FA_WG_FWD(D, F16) FA_MMA_QUERY_TEAMS(fa_wg_fwd_team, blocks, D, FA_WG_BK, F16, FA_WG_QUERY_SMEM(D))
 #endif
 
 void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g) {

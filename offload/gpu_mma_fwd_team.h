@@ -22,25 +22,18 @@ static inline __attribute__((always_inline)) void fa_mma_qk(fa_f4 *s, const fa_u
   fa_mma_acc_abt(s, qf, sm, kt, P, BK, D, f16, lane);
 }
 
-/* rows [row0, row0 + n) of head `head` of t into a cap-row tile at element
- * dst: the padded ldmatrix layout (pitch P), or with WG the wgmma layout. */
-static inline __attribute__((always_inline)) void fa_fwd_load(int WG, fa_smem m, int dst, int P, int cap, int D,
-                                                              fa_dev_tensor t, int64_t row0, int64_t n, int64_t head,
-                                                              int tid) {
-  if (WG) fa_wg_load_rows(m, dst, cap, D, t, row0, n, head, tid);
-  else fa_mma_load_rows(m, dst, P, cap, D, t, row0, n, head, tid);
-}
-
 /* One team: FA_MMA_ROWS query rows of block blk, query head h, KV head g.
  * D, BK and WG are compile-time constants after inlining (register arrays).
  * WG: the products by warpgroup wgmma (sm_90a; gpu_wgmma.h), K and V tiles
  * in its layout, S of the next tile issued asynchronously before this
- * tile's softmax; else mma.sync with ldmatrix from padded rows. */
+ * tile's softmax (pitch P = D selects its layout in the loads and the
+ * scan); else mma.sync with ldmatrix from padded rows. */
 static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const int BK, const int f16, const int WG,
                                                                const fa_gpu_fwd_args ga, fa_block blk, int64_t h,
                                                                int64_t g, unsigned short *smem) {
   const int P = WG ? D : D + 8; /* pitch: rows 16 bytes apart modulo 128, so ldmatrix is conflict-free */
   const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
+  if (WG) smem += fa_wg_align(fa_smem_of(smem)); /* swizzled tiles start 1024-byte aligned */
   const fa_smem sm = fa_smem_of(smem);
   const int buf0 = 0, buf1 = 2 * BK * P; /* element offsets of the two K/V buffers */
   unsigned *vbad = (unsigned *)(smem + 4 * BK * P); /* per-warp flags of non-finite V rows */
@@ -50,12 +43,12 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
   const float mul = ga.scale * FA_LOG2E;
 
   /* Q (64 rows) streams into buffer 1 while tile 0 streams into buffer 0. */
-  fa_fwd_load(WG, sm, buf1, P, FA_MMA_ROWS, D, ga.q, blk.start, blk.len, h, tid);
+  fa_mma_load_rows(sm, buf1, P, FA_MMA_ROWS, D, ga.q, blk.start, blk.len, h, tid);
   fa_cp_async_commit();
   fa_tile_walk w = fa_walk_first(ga.qoff, seg, pair, blk, qshift);
   if (w.pi < w.pend) {
-    fa_fwd_load(WG, sm, buf0, P, BK, D, ga.k, w.kb, fa_walk_keys(w, BK), g, tid);
-    fa_fwd_load(WG, sm, buf0 + BK * P, P, BK, D, ga.v, w.kb, fa_walk_keys(w, BK), g, tid);
+    fa_mma_load_rows(sm, buf0, P, BK, D, ga.k, w.kb, fa_walk_keys(w, BK), g, tid);
+    fa_mma_load_rows(sm, buf0 + BK * P, P, BK, D, ga.v, w.kb, fa_walk_keys(w, BK), g, tid);
   }
   fa_cp_async_commit();
   fa_cp_async_wait(0);
@@ -66,7 +59,7 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
     const int r = warp * 16 + fa_ldsm_a_row(lane), c = fa_ldsm_a_col(lane);
 #pragma unroll
     for (int ks = 0; ks < D / 16; ks++)
-      qf[ks] = fa_ldmatrix_x4(sm, buf1 + (WG ? fa_wg_elem(r, ks * 16 + c, D) : r * P + ks * 16 + c), 0);
+      qf[ks] = fa_ldmatrix_x4(sm, buf1 + (WG ? fa_wg_elem(r, ks * 16 + c, FA_MMA_ROWS) : r * P + ks * 16 + c), 0);
   }
   ompx_sync_block_acq_rel(); /* buffer 1 is free for tile 1's K */
 
@@ -76,7 +69,7 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
    * cannot hide the softmax's latency alone). Buffer i holds K then V:
    * in iteration j, K(j+1) and V(j) are read, K(j+2) and V(j+1) stream in. */
   fa_tile_walk w1 = fa_walk_next(w, BK, seg, pair, blk, qshift);
-  if (w1.pi < w1.pend) fa_fwd_load(WG, sm, buf1, P, BK, D, ga.k, w1.kb, fa_walk_keys(w1, BK), g, tid);
+  if (w1.pi < w1.pend) fa_mma_load_rows(sm, buf1, P, BK, D, ga.k, w1.kb, fa_walk_keys(w1, BK), g, tid);
   fa_cp_async_commit();
   fa_f4 s[FA_MMA_MAX_BK / 8], sn[FA_MMA_MAX_BK / 8];
   if (WG)
@@ -110,8 +103,8 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
     ompx_sync_block_acq_rel(); /* ... visible, and iteration j - 1's reads of K(j), V(j-1) done */
     const int kt = cur ? buf1 : buf0, kn = cur ? buf0 : buf1, vt = kt + BK * P;
     const fa_tile_walk w2 = fa_walk_next(w1, BK, seg, pair, blk, qshift);
-    if (w2.pi < w2.pend) fa_fwd_load(WG, sm, kt, P, BK, D, ga.k, w2.kb, fa_walk_keys(w2, BK), g, tid);
-    if (w1.pi < w1.pend) fa_fwd_load(WG, sm, kn + BK * P, P, BK, D, ga.v, w1.kb, fa_walk_keys(w1, BK), g, tid);
+    if (w2.pi < w2.pend) fa_mma_load_rows(sm, kt, P, BK, D, ga.k, w2.kb, fa_walk_keys(w2, BK), g, tid);
+    if (w1.pi < w1.pend) fa_mma_load_rows(sm, kn + BK * P, P, BK, D, ga.v, w1.kb, fa_walk_keys(w1, BK), g, tid);
     fa_cp_async_commit();
     const int nk = fa_walk_keys(w, BK);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);

@@ -109,12 +109,22 @@ static inline fa_query_walk fa_qwalk_next(fa_query_walk w, int bq, const fa_rang
   return fa_qwalk_seek(w, seg, pair, kidx, qshift, u, blk, group);
 }
 
+/* Element offset of (row r, column c) of an R-row tile in the wgmma layout
+ * (gpu_wgmma.h), from a 1024-byte aligned base: 64-column slabs of R rows,
+ * 128 bytes a row, and in each 8-row block the 16-byte chunks of row r
+ * permuted by XOR with r % 8 (the hardware's 128-byte swizzle). */
+static inline int fa_wg_elem(int r, int c, int R) {
+  return (c >> 6) * R * 64 + (r >> 3) * 512 + (r & 7) * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3) + (c & 7);
+}
+
 /* Team-cooperative cp.async of rows [row0, row0 + n) of head `head` of t
  * (n <= cap) into a cap x D tile of pitch P elements at element dst of team
- * memory m; rows n..cap-1 are zero-filled (masked lanes then multiply finite
- * zeros). */
-static inline void fa_mma_load_rows(fa_smem m, int dst, int P, int cap, int D, fa_dev_tensor t, int64_t row0,
-                                    int64_t n, int64_t head, int tid) {
+ * memory m (P == D: the wgmma layout, fa_wg_elem); rows n..cap-1 are
+ * zero-filled (masked lanes then multiply finite zeros). */
+static inline __attribute__((always_inline)) void fa_mma_load_rows(fa_smem m, int dst, int P, int cap, int D,
+                                                                   fa_dev_tensor t, int64_t row0, int64_t n,
+                                                                   int64_t head, int tid) {
+  const int wg = P == D; /* unpadded: the wgmma layout (fa_wg_elem of a cap-row tile) */
   /* Thread tid copies chunk tid % chunks of rows tid / chunks + i * step: a
    * trip count known at compile time (cap is a multiple of step for every
    * tile shape), so the loop unrolls without remainder code and the row
@@ -127,19 +137,18 @@ static inline void fa_mma_load_rows(fa_smem m, int dst, int P, int cap, int D, f
   const int64_t stride = (int64_t)step * t.rs;
   if (n >= cap) {
 #pragma unroll
-    for (int i = 0; i < cap / step; i++, src += stride) fa_cp_async16(m, dst + (r0 + i * step) * P + col, src, 16);
+    for (int i = 0; i < cap / step; i++, src += stride)
+      fa_cp_async16(m, dst + (wg ? fa_wg_elem(r0 + i * step, col, cap) : (r0 + i * step) * P + col), src, 16);
   } else {
 #pragma unroll
     for (int i = 0; i < cap / step; i++, src += stride) {
       const int in = r0 + i * step < n; /* a row past n copies nothing (zero-fill) from row0, which exists */
-      fa_cp_async16(m, dst + (r0 + i * step) * P + col, in ? src : first, in ? 16 : 0);
+      fa_cp_async16(m, dst + (wg ? fa_wg_elem(r0 + i * step, col, cap) : (r0 + i * step) * P + col), in ? src : first,
+                    in ? 16 : 0);
     }
   }
 }
 
-/* Element offset of (row r, column c) of a [n][D] tile in the wgmma layout
- * (gpu_wgmma.h): 8-row x 16-byte core matrices by (row group, chunk). */
-static inline int fa_wg_elem(int r, int c, int D) { return (((r >> 3) * (D >> 3) + (c >> 3)) << 6) + ((r & 7) << 3) + (c & 7); }
 
 /* Keys of tile w (at most bk). */
 static inline int fa_walk_keys(fa_tile_walk w, int bk) { return w.kend - w.kb < bk ? w.kend - w.kb : bk; }
@@ -284,7 +293,7 @@ static inline unsigned long long fa_mma_scan_rows(unsigned short *t, int P, int 
   const int wg = P == D; /* unpadded: the wgmma layout (fa_wg_elem), whose readers need the proxy fence */
   int bad = 0;
   for (int c = part * span; c < (part + 1) * span; c++) {
-    const int e = wg ? fa_wg_elem(r, c, D) : r * P + c;
+    const int e = wg ? fa_wg_elem(r, c, n) : r * P + c;
     const float x = f16 ? fa_f16_to_f32(t[e]) : fa_bf16_to_f32(t[e]);
     if (!isfinite(x)) bad = 1, t[e] = 0;
   }
@@ -309,12 +318,12 @@ static inline unsigned long long fa_mma_scan_rows(unsigned short *t, int P, int 
 #define FA_MMA_QUERY_SMEM(BK, PITCH) ((size_t)(4 * (BK) * (PITCH)) * 2 + 4 * sizeof(unsigned))
 
 /* Launch TEAM(D, BK, F16, args, block, h, g, smem) on one team per (query
- * block of args.BLOCKS, query head), FA_MMA_THREADS threads and
- * FA_MMA_QUERY_SMEM(BK, PITCH) of team memory. Needs `args` (by value),
+ * block of args.BLOCKS, query head), FA_MMA_THREADS threads and SMEM bytes
+ * of team memory. Needs `args` (by value),
  * `nteams` and `dev` in scope. */
-#define FA_MMA_QUERY_TEAMS(TEAM, BLOCKS, D, BK, F16, PITCH)                                                     \
+#define FA_MMA_QUERY_TEAMS(TEAM, BLOCKS, D, BK, F16, SMEM)                                                      \
   do {                                                                                                        \
-    const size_t smem = FA_MMA_QUERY_SMEM(BK, PITCH);                                                         \
+    const size_t smem = (SMEM);                                                                               \
     _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args)") \
     {                                                                                                         \
       unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \

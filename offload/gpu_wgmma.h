@@ -8,19 +8,21 @@
  * k-step, a fa_f4 per 8 columns of D. So the kernels' softmax, masks and P
  * packing are unchanged; only the products move to wgmma.
  *
- * Tile layout (no swizzle, "interleave"): a [n][D] tile of 16-bit elements
- * is stored as 8-row x 16-byte core matrices, 128 bytes each, ordered by
- * (row group, 16-byte column chunk): element (r, c) at
- * fa_wg_elem(r, c, D). One layout serves both operand roles:
- *  - K-major B (S = Q K^T, B[k = d][n = key] from K's rows): the two core
- *    matrices of a 16-wide k-step are adjacent (LBO = 128 bytes) and row
- *    groups are D/8 core matrices apart (SBO = D * 16 bytes);
- *  - N-major B (O += P V, B[k = key][n = d] from V's rows, transposed):
- *    the k-step's two key groups are SBO_K apart (its LBO) and the d chunks
- *    adjacent (its SBO = 128 bytes).
- * A warp's ldmatrix of Q from the same layout reads whole core matrices, so
- * it is free of bank conflicts, and cp.async writes each warp's 512 bytes
- * contiguously (fa_wg_load_rows).
+ * Tile layout (fa_wg_elem, gpu_mma_tiles.h): the hardware's 128-byte
+ * swizzle. A tile of R rows is cut into 64-column slabs; a slab row is 128
+ * bytes, and within each 8-row (1024-byte) block the 16-byte chunk c of row r
+ * sits at chunk c ^ (r % 8). Tiles start 1024-byte aligned (fa_wg_align),
+ * since the swizzle XORs absolute address bits 4-6 with bits 7-9. One layout
+ * serves both operand roles:
+ *  - K-major B (S = Q K^T, B[k = d][n = key] from K's rows): a 16-wide
+ *    k-step starts 32 bytes into its slab's rows, 8-row blocks are 1024
+ *    bytes apart (SBO);
+ *  - N-major B (O += P V, B[k = key][n = d] from V's rows): a k-step is two
+ *    8-row blocks (SBO 1024 bytes), the slabs of 64 d-columns R * 128 bytes
+ *    apart (LBO).
+ * cp.async fills a slab row with 8 lanes' 16 bytes (one 128-byte line of
+ * global memory, one 128-byte row of team memory: no bank conflicts), and
+ * ldmatrix of Q reads 8 rows of one chunk from 8 different bank groups.
  *
  * Bases and the emulation follow gpu_mma.h: with FORKATTN_MMA_EMULATE the
  * product is computed from the warpgroup's published A fragments and the
@@ -33,19 +35,25 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "gpu_fwd.h"
 #include "gpu_mma.h"
 #include "gpu_mma_tiles.h"
 
 #pragma omp declare target
-/* Descriptor strides (bytes) of a [n][D] tile: K-major reads (the tile's
- * rows are B's n) and N-major reads (the tile's rows are B's k). */
-static inline int fa_wg_group_bytes(int D) { return D * 16; } /* one 8-row group */
-#define FA_WG_CORE_BYTES 128
+#define FA_WG_BLOCK_BYTES 1024 /* 8 swizzled 128-byte rows: the descriptors' SBO */
+/* Team memory of the wgmma forward: FA_MMA_QUERY_SMEM's tiles unpadded, plus
+ * room to align them (fa_wg_align). */
+#define FA_WG_QUERY_SMEM(D) (FA_MMA_QUERY_SMEM(FA_WG_BK, (D)) + FA_WG_BLOCK_BYTES)
+
+/* Elements to skip from team memory m so that tiles start 1024-byte aligned
+ * (the runtime aligns the dynamic buffer to 16 bytes only). */
+static inline int fa_wg_align(fa_smem m) { return (int)((FA_WG_BLOCK_BYTES - (m.s & (FA_WG_BLOCK_BYTES - 1))) & (FA_WG_BLOCK_BYTES - 1)) / 2; }
 
 #ifndef FORKATTN_MMA_EMULATE
 /* acc (this warp's 16 rows x N, N/8 fragments) = A B (+ acc when acc_in):
- * A the warp's 16 x 16 fragment a, B (16 x N) at element off of m, core
- * matrices lbo bytes apart along k and sbo along n; tnsp: B is N-major.
+ * A the warp's 16 x 16 fragment a, B (16 x N) at element off of m in the
+ * 128-byte swizzle (tnsp: N-major, 64-column slabs lbo bytes apart; else
+ * K-major), 8-row blocks sbo bytes apart.
  * Warpgroup-collective and asynchronous: the results are defined only after
  * fa_wg_commit and fa_wg_wait. */
 static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *acc, int N, fa_u4 a, fa_smem m, int off, int lbo,
@@ -71,10 +79,13 @@ static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *acc, int N, f
         const fa_u4 ar = e->a[g0 + 32 * (row / 16) + 4 * (row % 8) + (k % 8) / 2];
         const int reg = (row % 16) / 8 + 2 * (k / 8);
         const uint32_t av = reg == 0 ? ar.x : reg == 1 ? ar.y : reg == 2 ? ar.z : ar.w;
-        /* B[k][n]: core matrix (k / 8, n / 8); K-major rows are n, N-major rows are k */
-        const int in = tnsp ? (k % 8) * 16 + (n % 8) * 2 : (n % 8) * 16 + (k % 8) * 2;
+        /* B[k][n] at its logical address, then the 128-byte swizzle of the absolute address:
+         * K-major: rows are n (8-row blocks sbo apart), k runs along the row from the start;
+         * N-major: rows are k (8-row blocks sbo apart), n along the row, 64-wide slabs lbo apart */
+        const uintptr_t la = tnsp ? (uintptr_t)(base + (k / 8) * sbo + (k % 8) * 128 + (n / 64) * lbo + (n % 64) * 2)
+                                  : (uintptr_t)(base + (n / 8) * sbo + (n % 8) * 128 + k * 2);
         uint16_t bv;
-        memcpy(&bv, base + (k / 8) * lbo + (n / 8) * sbo + in, 2);
+        memcpy(&bv, (const void *)(la ^ (((la >> 7) & 7) << 4)), 2);
         d[e2] += (double)fa_emu_half(av, k % 2, f16) * (f16 ? fa_f16_to_f32(bv) : fa_bf16_to_f32(bv));
       }
     const fa_f4 r = {(float)d[0], (float)d[1], (float)d[2], (float)d[3]};
@@ -144,10 +155,10 @@ static inline void fa_wg_wait(int n) {
 
 static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *c, int N, fa_u4 a, fa_smem m, int off, int lbo,
                                                             int sbo, int tnsp, int f16, int acc_in) {
-  /* Matrix descriptor: start address, LBO and SBO in 16-byte units; no swizzle. */
+  /* Matrix descriptor: start address, LBO and SBO in 16-byte units; bits 62-63 = 1: 128-byte swizzle. */
   const uint32_t addr = m.s + 2u * (uint32_t)off;
   const uint64_t desc = (uint64_t)(((addr & 0x3ffffu) >> 4) | ((uint32_t)(lbo >> 4) << 16)) |
-                        (uint64_t)(uint32_t)(sbo >> 4) << 32;
+                        (uint64_t)(uint32_t)(sbo >> 4) << 32 | 1ull << 62;
   if (N == 64) {
     if (f16) {
       if (tnsp) FA_WG_N64("f16", "1");
@@ -176,41 +187,22 @@ static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *c, int N, fa_
 #endif
 
 #pragma omp declare target
-/* Team-cooperative cp.async of rows [row0, row0 + n) of head `head` of t
- * (n <= cap) into a cap x D tile in the wgmma layout at element dst of m;
- * rows n..cap-1 are zero-filled. Thread tid copies linear 16-byte chunk
- * tid + 128 i: each warp writes 512 contiguous bytes, and reads 8 rows x 64
- * bytes. */
-static inline void fa_wg_load_rows(fa_smem m, int dst, int cap, int D, fa_dev_tensor t, int64_t row0, int64_t n,
-                                   int64_t head, int tid) {
-  const int chunks = D / 8, step = FA_MMA_THREADS / chunks; /* 16-byte chunks per row; rows per pass */
-  const int r0 = (tid / (8 * chunks)) * 8 + tid % 8, col = ((tid / 8) % chunks) * 8;
-  const unsigned short *base = (const unsigned short *)t.data + head * t.hs + col;
-  const unsigned short *src = base + (row0 + r0) * t.rs, *first = base + row0 * t.rs;
-  const int64_t stride = (int64_t)step * t.rs;
-#pragma unroll
-  for (int i = 0; i < cap / step; i++, src += stride) {
-    const int in = n >= cap || r0 + i * step < n; /* a row past n copies nothing (zero-fill) from row0 */
-    fa_cp_async16(m, dst + (tid + FA_MMA_THREADS * i) * 8, in ? src : first, in ? 16 : 0);
-  }
-}
-
 /* acc (this warp's 16 rows x N) = A B^T over D/16 k-steps: A the warp's
- * register fragments a (one per k-step), B (N x D) the tile at element tile
- * of team memory in the wgmma layout (K-major). Issued, not waited. */
+ * register fragments a (one per k-step), B (N x D) the N-row tile at
+ * element tile of team memory in the wgmma layout (K-major). Issued, not
+ * waited. */
 static inline __attribute__((always_inline)) void fa_wg_acc_abt(fa_f4 *acc, const fa_u4 *a, fa_smem sm, int tile,
                                                                 int N, int D, int f16) {
   fa_wg_pin(acc, N / 8);
   fa_wg_fence();
 #pragma unroll
   for (int ks = 0; ks < D / 16; ks++)
-    fa_wg_mma(acc, N, a[ks], sm, tile + ks * 128, FA_WG_CORE_BYTES, fa_wg_group_bytes(D), 0, f16,
-              ks > 0);
+    fa_wg_mma(acc, N, a[ks], sm, tile + (ks >> 2) * N * 64 + (ks & 3) * 16, 16, FA_WG_BLOCK_BYTES, 0, f16, ks > 0);
 }
 
 /* acc (16 rows x D) += A B over K/16 k-steps: A packed from the accumulators
- * a (two n-tiles a k-step), B (K x D) the tile at element tile in the wgmma
- * layout read N-major. The fragments are packed and pinned before the
+ * a (two n-tiles a k-step), B (K x D) the K-row tile at element tile in the
+ * wgmma layout read N-major. The fragments are packed and pinned before the
  * fence, so no register the products read is written after it. Issued, not
  * waited. */
 static inline __attribute__((always_inline)) void fa_wg_acc_ab(fa_f4 *acc, const fa_f4 *a, fa_smem sm, int tile, int K,
@@ -223,7 +215,7 @@ static inline __attribute__((always_inline)) void fa_wg_acc_ab(fa_f4 *acc, const
   fa_wg_fence();
 #pragma unroll
   for (int kk = 0; kk < K / 16; kk++)
-    fa_wg_mma(acc, D, pa[kk], sm, tile + kk * 2 * D * 8, fa_wg_group_bytes(D), FA_WG_CORE_BYTES, 1, f16, 1);
+    fa_wg_mma(acc, D, pa[kk], sm, tile + kk * 1024, K * 128, FA_WG_BLOCK_BYTES, 1, f16, 1);
 }
 #pragma omp end declare target
 

@@ -134,7 +134,7 @@ static void run_case(const char *name, const emu_case *c) {
   /* forward: one team per (64-row query block, query head) */
   static unsigned short smem[(4 * 64 * (128 + 8)) + 64];
   cr_assert_geq(sizeof smem, FA_MMA_DKV_SMEM(d));
-  cr_assert_geq(sizeof smem, FA_MMA_QUERY_SMEM(FA_WG_BK, d));
+  cr_assert_geq(sizeof smem, FA_WG_QUERY_SMEM(d));
   fa_block *qb;
   const int64_t nqb = fa_plan_blocks(&plan, FA_MMA_ROWS, 0, &qb);
   cr_assert(nqb > 0);

@@ -37,10 +37,6 @@ int fa_gpu_mma_fwd_ok(const fa_attn_fwd *a, forkattn_memory memory);
  * plan's rows (with qshift) and pairs below FA_MMA_MAX_POS (32-bit walks). */
 int fa_gpu_mma_ok(const forkattn_tensor *const *t, int n, int64_t d, int has_kept, const fa_plan *plan,
                   forkattn_memory memory);
-/* 1 when fa_gpu_mma_fwd runs the warpgroup (wgmma) kernel for head_dim d on
- * `device`: a FORKATTN_HAVE_WGMMA (sm_90a) build, FORKATTN_GPU_WGMMA not 0,
- * and the device's team memory (gpu_team_memory.h) holds its tiles. */
-int fa_gpu_wgmma_fwd_on(int device, int64_t d);
 void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g);
 
 #endif

@@ -26,6 +26,7 @@
 #include "gpu_mma.h"
 #include "gpu_mma_bwd_team.h"
 #include "gpu_mma_tiles.h"
+#include "gpu_wgmma.h"
 
 int fa_gpu_mma_bwd_ok(const fa_attn_bwd *a, forkattn_memory memory) {
   /* o too: the dQ teams read it in 16-byte chunks for D */
@@ -36,10 +37,23 @@ int fa_gpu_mma_bwd_ok(const fa_attn_bwd *a, forkattn_memory memory) {
 
 #define FA_MMA_DQ(D, BK, F16) FA_MMA_QUERY_TEAMS(fa_mma_dq_team, qblocks, D, BK, F16, FA_MMA_QUERY_SMEM(BK, (D) + 8))
 
+#ifdef FORKATTN_HAVE_WGMMA
+#define FA_WG_DQ(D, F16) FA_MMA_QUERY_TEAMS(fa_wg_dq_team, qblocks, D, FA_WG_DQ_BK, F16, FA_WG_QUERY_SMEM(FA_WG_DQ_BK, D, 2))
+#endif
+
 void fa_gpu_mma_dq(const fa_gpu_bwd *b) {
   const fa_gpu_bwd args = *b;
-  const int nteams = (int)(b->nqb * b->hq), dev = b->device;
-  FA_MMA_BY_SHAPE(FA_MMA_DQ, b->d, b->q.dtype == FORKATTN_DTYPE_F16);
+  const int nteams = (int)(b->nqb * b->hq), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
+#ifdef FORKATTN_HAVE_WGMMA
+  if (fa_gpu_wgmma_on(dev, FA_WG_QUERY_SMEM(FA_WG_DQ_BK, b->d, 2))) {
+    if (b->d == 128 && f16) FA_WG_DQ(128, 1);
+    else if (b->d == 128) FA_WG_DQ(128, 0);
+    else if (f16) FA_WG_DQ(64, 1);
+    else FA_WG_DQ(64, 0);
+    return;
+  }
+#endif
+  FA_MMA_BY_SHAPE(FA_MMA_DQ, b->d, f16);
 }
 
 /* One team per (key unit, KV head); at head_dim 128 V's tile stays in team

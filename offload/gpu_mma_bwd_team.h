@@ -11,21 +11,30 @@
 #include "gpu_bwd.h"
 #include "gpu_mma.h"
 #include "gpu_mma_tiles.h"
+#include "gpu_wgmma.h"
 
 #define FA_MMA_BQ 32 /* reader queries per dK/dV tile (16 with V in team memory) */
+#ifndef FA_WG_DQ_BK
+#define FA_WG_DQ_BK 64 /* keys per tile of the wgmma dQ (S and dP m64n64 products) */
+#endif
 
 #pragma omp declare target
 
 /* ---- dQ ------------------------------------------------------------------ */
 
-static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, const int BK, const int f16,
-                                                                  const fa_gpu_bwd b, fa_block blk, int64_t h,
-                                                                  int64_t g, unsigned short *smem) {
-  const int P = D + 8;
+/* One dQ team: FA_MMA_ROWS query rows of block blk, query head h, KV head g.
+ * WG: S, dP and dQ += dS K by wgmma (gpu_wgmma.h; pitch P = D selects its
+ * tile layout in the loads and the scan), else mma.sync. */
+static inline __attribute__((always_inline)) void fa_dq_team(const int D, const int BK, const int f16, const int WG,
+                                                              const fa_gpu_bwd b, fa_block blk, int64_t h, int64_t g,
+                                                              unsigned short *smem) {
+  const int P = WG ? D : D + 8;
   const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
+  if (WG) smem += fa_wg_align(fa_smem_of(smem)); /* swizzled tiles start 1024-byte aligned */
   const fa_smem sm = fa_smem_of(smem);
-  const int buf0 = 0, buf1 = 2 * BK * P; /* element offsets; each: K [BK][P], V [BK][P] */
-  unsigned *kbad = (unsigned *)(smem + 4 * BK * P);
+  /* element offsets; each: K [BK][P], V [BK][P]. WG keeps Q's and dO's tiles in front of them. */
+  const int buf0 = WG ? 2 * FA_MMA_ROWS * P : 0, buf1 = buf0 + 2 * BK * P;
+  unsigned *kbad = (unsigned *)(smem + buf0 + 4 * BK * P);
   const fa_range *seg = b.seg;
   const fa_pair *pair = b.pair;
   const int64_t qshift = b.qshift;
@@ -36,9 +45,10 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
   fa_mma_load_rows(sm, FA_MMA_ROWS * P, P, FA_MMA_ROWS, D, b.dout, blk.start, blk.len, h, tid);
   fa_cp_async_commit();
   fa_cp_async_wait(0);
+  if (WG) fa_fence_proxy_async(); /* the products read Q and dO from their tiles */
   ompx_sync_block_acq_rel();
   fa_u4 qf[FA_MMA_MAX_D / 16], of[FA_MMA_MAX_D / 16];
-  {
+  if (!WG) {
     const int r = warp * 16 + fa_ldsm_a_row(lane), c = fa_ldsm_a_col(lane);
 #pragma unroll
     for (int ks = 0; ks < D / 16; ks++) {
@@ -64,7 +74,8 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
     float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
     for (int i = 0; i < D / 16; i++) {
-      const fa_u4 dv = fa_load_u4(smem + (FA_MMA_ROWS + rr) * P + half + 8 * i);
+      const fa_u4 dv = fa_load_u4(smem + FA_MMA_ROWS * P +
+                                  (WG ? fa_wg_elem(rr, half + 8 * i, FA_MMA_ROWS) : rr * P + half + 8 * i));
       s0 += fa_dot_b16x2(dv.x, ov[i].x, f16) + fa_dot_b16x2(dv.y, ov[i].y, f16);
       s1 += fa_dot_b16x2(dv.z, ov[i].z, f16) + fa_dot_b16x2(dv.w, ov[i].w, f16);
     }
@@ -104,11 +115,18 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
     const unsigned long long kflags = masked ? fa_mma_scan_rows(smem + kt, P, BK, D, f16, kbad, tid) : 0;
 
     fa_f4 s[FA_MMA_MAX_BK / 8], dp[FA_MMA_MAX_BK / 8];
-#pragma unroll
-    for (int n = 0; n < BK / 8; n++) s[n] = fa_f4_zero(), dp[n] = fa_f4_zero();
-    { /* S = Q K^T and dP = dO V^T in one loop: as two fa_mma_acc_abt calls, ptxas orders the loads
+    if (WG) { /* the first k-step of each ignores the accumulator's old value */
+      fa_wg_acc_abt(s, 0, sm, kt, BK, D, f16);
+      fa_wg_acc_abt(dp, FA_MMA_ROWS * P, sm, kt + BK * P, BK, D, f16);
+      fa_wg_commit();
+      fa_wg_wait(0);
+      fa_wg_pin(s, BK / 8);
+      fa_wg_pin(dp, BK / 8);
+    } else { /* S = Q K^T and dP = dO V^T in one loop: as two fa_mma_acc_abt calls, ptxas orders the loads
        * differently and dQ ran 3-4 % slower on the H200 (bench/logs/gpu_ab_refactor_abt_h200.txt) */
       const int kl = kt + fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane); /* constant offsets from here fold */
+#pragma unroll
+      for (int n = 0; n < BK / 8; n++) s[n] = fa_f4_zero(), dp[n] = fa_f4_zero();
 #pragma unroll
       for (int ks = 0; ks < D / 16; ks++)
 #pragma unroll
@@ -149,13 +167,33 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
         s[n].w = t3 == -INFINITY ? 0.0f : fa_mma_exp2(t3 - lse1) * (dp[n].w - dd1);
       }
     }
-    fa_mma_acc_ab(dq, s, sm, kt, P, BK, D, f16, lane); /* dQ += dS K, K of [key][dim] */
+    if (WG) { /* dQ += dS K, K of [key][dim] read N-major */
+      fa_wg_acc_ab(dq, s, sm, kt, BK, D, f16);
+      fa_wg_commit();
+      fa_wg_wait(0);
+      fa_wg_pin(dq, D / 8);
+    } else {
+      fa_mma_acc_ab(dq, s, sm, kt, P, BK, D, f16, lane); /* dQ += dS K, K of [key][dim] */
+    }
     ompx_sync_block_acq_rel();
     cur ^= 1;
     w = nx;
   }
   bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
   fa_mma_store_rows(b.dq, row0, h, dq, D, c0, ok0, ok1, b.scale, b.scale, bad0, bad1);
+}
+
+static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, const int BK, const int f16,
+                                                                  const fa_gpu_bwd b, fa_block blk, int64_t h,
+                                                                  int64_t g, unsigned short *smem) {
+  fa_dq_team(D, BK, f16, 0, b, blk, h, g, smem);
+}
+
+/* The wgmma dQ (sm_90a builds; host tests under the emulation). */
+static inline __attribute__((always_inline)) void fa_wg_dq_team(const int D, const int BK, const int f16,
+                                                                 const fa_gpu_bwd b, fa_block blk, int64_t h,
+                                                                 int64_t g, unsigned short *smem) {
+  fa_dq_team(D, BK, f16, 1, b, blk, h, g, smem);
 }
 
 /* ---- dK/dV --------------------------------------------------------------- */

@@ -25,6 +25,7 @@
 #include "gpu_mma_fwd_team.h"
 #include "gpu_mma_tiles.h"
 #include "gpu_team_memory.h"
+#include "gpu_wgmma.h"
 #include "online_softmax.h"
 
 
@@ -53,27 +54,27 @@ int fa_gpu_mma_fwd_ok(const fa_attn_fwd *a, forkattn_memory memory) {
 
 #define FA_MMA_FWD(D, BK, F16) FA_MMA_QUERY_TEAMS(fa_mma_fwd_team, blocks, D, BK, F16, FA_MMA_QUERY_SMEM(BK, (D) + 8))
 
-int fa_gpu_wgmma_fwd_on(int device, int64_t d) {
+int fa_gpu_wgmma_on(int device, size_t smem) {
 #ifdef FORKATTN_HAVE_WGMMA
-  /* FORKATTN_GPU_WGMMA=0 keeps the mma.sync kernel (comparison and diagnosis). */
+  /* FORKATTN_GPU_WGMMA=0 keeps the mma.sync kernels (comparison and diagnosis). */
   const char *env = getenv("FORKATTN_GPU_WGMMA");
   if (env && strcmp(env, "0") == 0) return 0;
-  return fa_gpu_team_memory(device) >= FA_WG_QUERY_SMEM(d);
+  return fa_gpu_team_memory(device) >= smem;
 #else
-  (void)device, (void)d;
+  (void)device, (void)smem;
   return 0;
 #endif
 }
 
 #ifdef FORKATTN_HAVE_WGMMA
-#define FA_WG_FWD(D, F16) FA_MMA_QUERY_TEAMS(fa_wg_fwd_team, blocks, D, FA_WG_BK, F16, FA_WG_QUERY_SMEM(D))
+#define FA_WG_FWD(D, F16) FA_MMA_QUERY_TEAMS(fa_wg_fwd_team, blocks, D, FA_WG_BK, F16, FA_WG_QUERY_SMEM(FA_WG_BK, D, 1))
 #endif
 
 void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g) {
   const fa_gpu_fwd_args args = *g;
   const int nteams = (int)(g->nblocks * g->hq), dev = g->device, f16 = g->q.dtype == FORKATTN_DTYPE_F16;
 #ifdef FORKATTN_HAVE_WGMMA
-  if (fa_gpu_wgmma_fwd_on(dev, g->d)) {
+  if (fa_gpu_wgmma_on(dev, FA_WG_QUERY_SMEM(FA_WG_BK, g->d, 1))) {
     if (g->d == 128 && f16) FA_WG_FWD(128, 1);
     else if (g->d == 128) FA_WG_FWD(128, 0);
     else if (f16) FA_WG_FWD(64, 1);

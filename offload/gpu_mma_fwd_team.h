@@ -35,15 +35,16 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
   const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
   if (WG) smem += fa_wg_align(fa_smem_of(smem)); /* swizzled tiles start 1024-byte aligned */
   const fa_smem sm = fa_smem_of(smem);
-  const int buf0 = 0, buf1 = 2 * BK * P; /* element offsets of the two K/V buffers */
-  unsigned *vbad = (unsigned *)(smem + 4 * BK * P); /* per-warp flags of non-finite V rows */
+  /* element offsets of the two K/V buffers; WG keeps Q's tile (qt) in front of them for the whole walk */
+  const int qt = 0, buf0 = WG ? FA_MMA_ROWS * P : 0, buf1 = buf0 + 2 * BK * P;
+  unsigned *vbad = (unsigned *)(smem + buf0 + 4 * BK * P); /* per-warp flags of non-finite V rows */
   const fa_range *seg = ga.seg;
   const fa_pair *pair = ga.pair;
   const int64_t qshift = ga.qshift;
   const float mul = ga.scale * FA_LOG2E;
 
-  /* Q (64 rows) streams into buffer 1 while tile 0 streams into buffer 0. */
-  fa_mma_load_rows(sm, buf1, P, FA_MMA_ROWS, D, ga.q, blk.start, blk.len, h, tid);
+  /* Q (64 rows) streams into buffer 1 (WG: its own tile) while tile 0 streams into buffer 0. */
+  fa_mma_load_rows(sm, WG ? qt : buf1, P, FA_MMA_ROWS, D, ga.q, blk.start, blk.len, h, tid);
   fa_cp_async_commit();
   fa_tile_walk w = fa_walk_first(ga.qoff, seg, pair, blk, qshift);
   if (w.pi < w.pend) {
@@ -55,13 +56,12 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
   if (WG) fa_fence_proxy_async();
   ompx_sync_block_acq_rel();
   fa_u4 qf[FA_MMA_MAX_D / 16]; /* fixed sizes: a VLA would be globalized (gpu_mma.h) */
-  {
+  if (!WG) { /* WG reads Q from its tile (fa_wg_acc_abt) */
     const int r = warp * 16 + fa_ldsm_a_row(lane), c = fa_ldsm_a_col(lane);
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ks++)
-      qf[ks] = fa_ldmatrix_x4(sm, buf1 + (WG ? fa_wg_elem(r, ks * 16 + c, FA_MMA_ROWS) : r * P + ks * 16 + c), 0);
+    for (int ks = 0; ks < D / 16; ks++) qf[ks] = fa_ldmatrix_x4(sm, buf1 + r * P + ks * 16 + c, 0);
+    ompx_sync_block_acq_rel(); /* buffer 1 is free for tile 1's K */
   }
-  ompx_sync_block_acq_rel(); /* buffer 1 is free for tile 1's K */
 
   /* Software pipeline: K runs one tile ahead of V, so S of tile j + 1 is
    * multiplied while tile j's softmax and P V run; the two chains are
@@ -77,7 +77,7 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
     for (int n = 0; n < BK / 8; n++) sn[n] = fa_f4_zero(); /* defined inputs of the first asynchronous S */
   if (w.pi < w.pend) {
     if (WG) {
-      fa_wg_acc_abt(s, qf, sm, buf0, BK, D, f16);
+      fa_wg_acc_abt(s, qt, sm, buf0, BK, D, f16);
       fa_wg_commit();
       fa_wg_wait(0);
       fa_wg_pin(s, BK / 8);
@@ -148,7 +148,7 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
      * no branch splits this block from the softmax it overlaps). wgmma:
      * issued here, waited with P V below. */
     if (WG) {
-      fa_wg_acc_abt(sn, qf, sm, w1.pi < w1.pend ? kn : kt, BK, D, f16);
+      fa_wg_acc_abt(sn, qt, sm, w1.pi < w1.pend ? kn : kt, BK, D, f16);
       fa_wg_commit();
     } else {
       fa_mma_qk(sn, qf, sm, w1.pi < w1.pend ? kn : kt, P, BK, D, f16, lane);

@@ -178,7 +178,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dk_team(const int D,
     const float *rd = (const float *)(smem + (cur ? rd1 : rd0));
     if (nx.j <= u.j1)
       fa_mma_kl_load_queries(sm, cur ? qbuf0 : qbuf1, cur ? rd0 : rd1, P, D, BQ, &b, nx, g * group + nx.hh, tid);
-    fa_mma_tile_ready(nx.j <= u.j1);
+    fa_mma_tile_ready(nx.j <= u.j1, 0);
     const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
     const int lo0 = fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb, nq);
     const int lo1 = fa_mma_key_first_query(ok1, w.causal, k_pos1, w.qb, nq);

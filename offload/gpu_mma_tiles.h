@@ -166,23 +166,24 @@ static inline void fa_mma_load_kv(fa_smem m, int buf, int P, int BK, int D, fa_d
 /* A double-buffered walk's wait, after the next tile's copies were issued
  * (issued != 0: they form the newest group) or not (the last tile): this
  * thread's copies of the current tile land, then the team's, so the current
- * buffer is complete and visible. */
-static inline void fa_mma_tile_ready(int issued) {
+ * buffer is complete and visible (wg: to wgmma's async-proxy reads too). */
+static inline void fa_mma_tile_ready(int issued, int wg) {
   if (issued) {
     fa_cp_async_commit();
     fa_cp_async_wait(1);
   } else {
     fa_cp_async_wait(0);
   }
+  if (wg) fa_fence_proxy_async();
   ompx_sync_block_acq_rel();
 }
 
 /* The key walk's step: start tile nx (if any) into `next`, then
- * fa_mma_tile_ready. */
+ * fa_mma_tile_ready (P == D: the wgmma layout). */
 static inline void fa_mma_kv_step(fa_smem m, int next, int P, int BK, int D, fa_dev_tensor a, int64_t ga,
                                   fa_dev_tensor b, int64_t gb, fa_tile_walk nx, int tid) {
   if (nx.pi < nx.pend) fa_mma_load_kv(m, next, P, BK, D, a, ga, b, gb, nx, tid);
-  fa_mma_tile_ready(nx.pi < nx.pend);
+  fa_mma_tile_ready(nx.pi < nx.pend, P == D);
 }
 
 /* Keys [0, n) of a tile (kb, nk) that a query row at key-frame position

@@ -32,6 +32,7 @@
  * side compiles the wgmma kernels only with FORKATTN_HAVE_WGMMA. */
 #ifndef FORKATTN_GPU_WGMMA_H
 #define FORKATTN_GPU_WGMMA_H
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -41,9 +42,11 @@
 
 #pragma omp declare target
 #define FA_WG_BLOCK_BYTES 1024 /* 8 swizzled 128-byte rows: the descriptors' SBO */
-/* Team memory of the wgmma forward: FA_MMA_QUERY_SMEM's tiles unpadded, plus
- * room to align them (fa_wg_align). */
-#define FA_WG_QUERY_SMEM(D) (FA_MMA_QUERY_SMEM(FA_WG_BK, (D)) + FA_WG_BLOCK_BYTES)
+/* Team memory of the wgmma forward (NQ = 1: Q) and dQ (NQ = 2: Q, dO):
+ * the query tiles the products read from team memory, then
+ * FA_MMA_QUERY_SMEM's K/V tiles unpadded, plus room to align them
+ * (fa_wg_align). */
+#define FA_WG_QUERY_SMEM(BK, D, NQ) (FA_MMA_QUERY_SMEM((BK), (D)) + (size_t)(NQ) * FA_MMA_ROWS * (D) * 2 + FA_WG_BLOCK_BYTES)
 
 /* Elements to skip from team memory m so that tiles start 1024-byte aligned
  * (the runtime aligns the dynamic buffer to 16 bytes only). */
@@ -59,6 +62,11 @@ static inline int fa_wg_align(fa_smem m) { return (int)((FA_WG_BLOCK_BYTES - (m.
 static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *acc, int N, fa_u4 a, fa_smem m, int off, int lbo,
                                                             int sbo, int tnsp, int f16, int acc_in) {
   (void)acc, (void)N, (void)a, (void)m, (void)off, (void)lbo, (void)sbo, (void)tnsp, (void)f16, (void)acc_in;
+  __builtin_trap();
+}
+static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *acc, int N, fa_smem m, int aoff, int off,
+                                                               int lbo, int sbo, int tnsp, int f16, int acc_in) {
+  (void)acc, (void)N, (void)m, (void)aoff, (void)off, (void)lbo, (void)sbo, (void)tnsp, (void)f16, (void)acc_in;
   __builtin_trap();
 }
 #else
@@ -87,6 +95,32 @@ static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *acc, int N, f
         uint16_t bv;
         memcpy(&bv, (const void *)(la ^ (((la >> 7) & 7) << 4)), 2);
         d[e2] += (double)fa_emu_half(av, k % 2, f16) * (f16 ? fa_f16_to_f32(bv) : fa_bf16_to_f32(bv));
+      }
+    const fa_f4 r = {(float)d[0], (float)d[1], (float)d[2], (float)d[3]};
+    acc[i] = r;
+  }
+}
+/* acc (this warp's 16 rows x N) = A B (+ acc when acc_in), A (64 x 16) from
+ * team memory too: the warpgroup's rows at element aoff, K-major in the
+ * 128-byte swizzle, 8-row blocks 1024 bytes apart; B as fa_wg_mma. */
+static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *acc, int N, fa_smem m, int aoff, int off,
+                                                               int lbo, int sbo, int tnsp, int f16, int acc_in) {
+  const int t = omp_get_thread_num(), L = t & 31, g0 = t & ~127;
+#pragma omp barrier
+  const unsigned char *abase = (const unsigned char *)(m.p + aoff), *base = (const unsigned char *)(m.p + off);
+  for (int i = 0; i < N / 8; i++) {
+    double d[4] = {acc[i].x, acc[i].y, acc[i].z, acc[i].w};
+    if (!acc_in) d[0] = d[1] = d[2] = d[3] = 0.0;
+    for (int k = 0; k < 16; k++)
+      for (int e2 = 0; e2 < 4; e2++) {
+        const int row = 16 * ((t - g0) / 32) + L / 4 + 8 * (e2 / 2), n = 8 * i + 2 * (L % 4) + e2 % 2;
+        const uintptr_t aa = (uintptr_t)(abase + (row / 8) * FA_WG_BLOCK_BYTES + (row % 8) * 128 + k * 2);
+        const uintptr_t la = tnsp ? (uintptr_t)(base + (k / 8) * sbo + (k % 8) * 128 + (n / 64) * lbo + (n % 64) * 2)
+                                  : (uintptr_t)(base + (n / 8) * sbo + (n % 8) * 128 + k * 2);
+        uint16_t av, bv;
+        memcpy(&av, (const void *)(aa ^ (((aa >> 7) & 7) << 4)), 2);
+        memcpy(&bv, (const void *)(la ^ (((la >> 7) & 7) << 4)), 2);
+        d[e2] += (double)(f16 ? fa_f16_to_f32(av) : fa_bf16_to_f32(av)) * (f16 ? fa_f16_to_f32(bv) : fa_bf16_to_f32(bv));
       }
     const fa_f4 r = {(float)d[0], (float)d[1], (float)d[2], (float)d[3]};
     acc[i] = r;
@@ -132,7 +166,16 @@ static inline void fa_wg_wait(int n) {
 #define FA_WG_ACC64                                                                                                \
   FA_WG_ACC32, FA_WG_F4(8), FA_WG_F4(9), FA_WG_F4(10), FA_WG_F4(11), FA_WG_F4(12), FA_WG_F4(13), FA_WG_F4(14),      \
       FA_WG_F4(15)
-/* One wgmma of N = 64 / 128 columns; TY the input type, TN imm-trans-b. */
+/* One wgmma of N = 32 / 64 / 128 columns; TY the input type, TN imm-trans-b. */
+#define FA_WG_ACC16 FA_WG_F4(0), FA_WG_F4(1), FA_WG_F4(2), FA_WG_F4(3)
+#define FA_WG_N32(TY, TN)                                                                                          \
+  __asm__ volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                                    \
+                   "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                                     \
+                   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, " \
+                   "%20, p, 1, 1, " TN ";\n}\n"                                                                    \
+                   : FA_WG_ACC16                                                                                   \
+                   : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(desc), "r"(acc_in)                               \
+                   : "memory")
 #define FA_WG_N64(TY, TN)                                                                                          \
   __asm__ volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                    \
                    "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                     \
@@ -153,13 +196,55 @@ static inline void fa_wg_wait(int n) {
                    : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(desc), "r"(acc_in)                               \
                    : "memory")
 
+#define FA_WG_SS_N64(TY)                                                                                           \
+  __asm__ volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                    \
+                   "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                     \
+                   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "   \
+                   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"   \
+                   : FA_WG_ACC32                                                                                   \
+                   : "l"(adesc), "l"(desc), "r"(acc_in)                                                            \
+                   : "memory")
+#define FA_WG_SS_N32(TY)                                                                                           \
+  __asm__ volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                    \
+                   "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                                     \
+                   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, " \
+                   "0;\n}\n"                                                                                        \
+                   : FA_WG_ACC16                                                                                   \
+                   : "l"(adesc), "l"(desc), "r"(acc_in)                                                            \
+                   : "memory")
+
+/* A descriptor of the 128-byte swizzle at element off of m (bits 62-63 = 1). */
+static inline uint64_t fa_wg_desc(fa_smem m, int off, int lbo, int sbo) {
+  const uint32_t addr = m.s + 2u * (uint32_t)off;
+  return (uint64_t)(((addr & 0x3ffffu) >> 4) | ((uint32_t)(lbo >> 4) << 16)) | (uint64_t)(uint32_t)(sbo >> 4) << 32 |
+         1ull << 62;
+}
+
+static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *c, int N, fa_smem m, int aoff, int off,
+                                                               int lbo, int sbo, int tnsp, int f16, int acc_in) {
+  (void)tnsp; /* K-major B only (S = Q K^T) */
+  const uint64_t adesc = fa_wg_desc(m, aoff, 16, FA_WG_BLOCK_BYTES), desc = fa_wg_desc(m, off, lbo, sbo);
+  if (N == 32) {
+    if (f16) FA_WG_SS_N32("f16");
+    else FA_WG_SS_N32("bf16");
+  } else {
+    if (f16) FA_WG_SS_N64("f16");
+    else FA_WG_SS_N64("bf16");
+  }
+}
+
 static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *c, int N, fa_u4 a, fa_smem m, int off, int lbo,
                                                             int sbo, int tnsp, int f16, int acc_in) {
-  /* Matrix descriptor: start address, LBO and SBO in 16-byte units; bits 62-63 = 1: 128-byte swizzle. */
-  const uint32_t addr = m.s + 2u * (uint32_t)off;
-  const uint64_t desc = (uint64_t)(((addr & 0x3ffffu) >> 4) | ((uint32_t)(lbo >> 4) << 16)) |
-                        (uint64_t)(uint32_t)(sbo >> 4) << 32 | 1ull << 62;
-  if (N == 64) {
+  const uint64_t desc = fa_wg_desc(m, off, lbo, sbo);
+  if (N == 32) {
+    if (f16) {
+      if (tnsp) FA_WG_N32("f16", "1");
+      else FA_WG_N32("f16", "0");
+    } else {
+      if (tnsp) FA_WG_N32("bf16", "1");
+      else FA_WG_N32("bf16", "0");
+    }
+  } else if (N == 64) {
     if (f16) {
       if (tnsp) FA_WG_N64("f16", "1");
       else FA_WG_N64("f16", "0");
@@ -177,27 +262,35 @@ static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *c, int N, fa_
     }
   }
 }
+#undef FA_WG_N32
+#undef FA_WG_SS_N32
+#undef FA_WG_SS_N64
 #undef FA_WG_N64
 #undef FA_WG_N128
 #undef FA_WG_ACC64
 #undef FA_WG_ACC32
+#undef FA_WG_ACC16
 #undef FA_WG_F4
 #endif /* __CUDA_ARCH_FEAT_SM90_ALL */
 #pragma omp end declare variant
 #endif
 
 #pragma omp declare target
-/* acc (this warp's 16 rows x N) = A B^T over D/16 k-steps: A the warp's
- * register fragments a (one per k-step), B (N x D) the N-row tile at
- * element tile of team memory in the wgmma layout (K-major). Issued, not
- * waited. */
-static inline __attribute__((always_inline)) void fa_wg_acc_abt(fa_f4 *acc, const fa_u4 *a, fa_smem sm, int tile,
-                                                                int N, int D, int f16) {
+/* acc (this warp's 16 rows x N) = A B^T over D/16 k-steps: A (64 x D) the
+ * FA_MMA_ROWS-row tile at element atile, B (N x D) the N-row tile at
+ * element tile, both in the wgmma layout (K-major). A is read from team
+ * memory, not registers: ptxas 13.0 reused the registers of a loop-invariant
+ * A fragment after its first wgmma (the dQ kernel's dO fragments, SASS of
+ * the sm_90a build), so no wgmma here takes A from registers that must
+ * outlive it. Issued, not waited. */
+static inline __attribute__((always_inline)) void fa_wg_acc_abt(fa_f4 *acc, int atile, fa_smem sm, int tile, int N,
+                                                                int D, int f16) {
   fa_wg_pin(acc, N / 8);
   fa_wg_fence();
 #pragma unroll
   for (int ks = 0; ks < D / 16; ks++)
-    fa_wg_mma(acc, N, a[ks], sm, tile + (ks >> 2) * N * 64 + (ks & 3) * 16, 16, FA_WG_BLOCK_BYTES, 0, f16, ks > 0);
+    fa_wg_mma_ss(acc, N, sm, atile + (ks >> 2) * FA_MMA_ROWS * 64 + (ks & 3) * 16,
+                 tile + (ks >> 2) * N * 64 + (ks & 3) * 16, 16, FA_WG_BLOCK_BYTES, 0, f16, ks > 0);
 }
 
 /* acc (16 rows x D) += A B over K/16 k-steps: A packed from the accumulators
@@ -218,5 +311,11 @@ static inline __attribute__((always_inline)) void fa_wg_acc_ab(fa_f4 *acc, const
     fa_wg_mma(acc, D, pa[kk], sm, tile + kk * 1024, K * 128, FA_WG_BLOCK_BYTES, 1, f16, 1);
 }
 #pragma omp end declare target
+
+/* 1 when the tensor-core launches on `device` take their warpgroup (wgmma)
+ * kernel of `smem` bytes of team memory: a FORKATTN_HAVE_WGMMA (sm_90a)
+ * build, FORKATTN_GPU_WGMMA not 0, and the device's team memory
+ * (gpu_team_memory.h) holds it. Host code (gpu_mma_fwd.c). */
+int fa_gpu_wgmma_on(int device, size_t smem);
 
 #endif

@@ -10,9 +10,9 @@
  * and the StreamKL forward and backward (offload/gpu_mma_kl_team.h,
  * offload/gpu_mma_kl_bwd_team.h) against a direct float64 KL of the
  * materialized distributions and its gradients.
- * The forward runs twice: the warpgroup (wgmma) kernel of sm_90a builds
- * (offload/gpu_wgmma.h: its descriptors' core-matrix layout as the ISA
- * defines it) and the mma.sync one.
+ * The forward and dQ run twice: the warpgroup (wgmma) kernels of sm_90a
+ * builds (offload/gpu_wgmma.h: the swizzled layout its descriptors read, as
+ * the ISA defines it) and the mma.sync ones.
  * Tolerances are those of the 16-bit GPU tests (prefix_harness.c: 1e-2
  * relative for o and the gradients, 1e-3 absolute for lse): P and dS are
  * rounded to 16 bits before their products. [ran on host: emulation; the
@@ -132,9 +132,10 @@ static void run_case(const char *name, const emu_case *c) {
   if (c->nan_v_row >= 0) b.v[c->nan_v_row * hkv * d] = to16(NAN, f16);
 
   /* forward: one team per (64-row query block, query head) */
-  static unsigned short smem[(4 * 64 * (128 + 8)) + 64];
+  static unsigned short smem[2 * 64 * 128 + 4 * 64 * (128 + 8) + 1024]; /* the largest: the wgmma dQ */
   cr_assert_geq(sizeof smem, FA_MMA_DKV_SMEM(d));
-  cr_assert_geq(sizeof smem, FA_WG_QUERY_SMEM(d));
+  cr_assert_geq(sizeof smem, FA_WG_QUERY_SMEM(FA_WG_BK, d, 1));
+  cr_assert_geq(sizeof smem, FA_WG_QUERY_SMEM(FA_WG_DQ_BK, d, 2));
   fa_block *qb;
   const int64_t nqb = fa_plan_blocks(&plan, FA_MMA_ROWS, 0, &qb);
   cr_assert(nqb > 0);
@@ -195,22 +196,32 @@ static void run_case(const char *name, const emu_case *c) {
                          view(b.dv, dt, hkv, d), b.lse, b.dsum, plan.seg, plan.pair, plan.q_pair_off,
                          plan.k_pair_idx, qb, kb, units, unit_off, part_k, part_v, nqb, nkb, nunits, T,
                          plan.qshift, hq, hkv, d, FA_MMA_ROWS, (float)scale, {0}, 0, 0};
-  for (int64_t blk = 0; blk < nqb; blk++)
-    for (int64_t h = 0; h < hq; h++) EMU_TEAM(fa_mma_dq_team((int)d, bk, f16, gb, qb[blk], h, h / group, smem));
-  for (int64_t r = 0; r < T; r++) /* D against float64 (every row here is a query row) */
-    for (int64_t h = 0; h < hq; h++) {
-      double s = 0, mag = 0;
-      for (int64_t x = 0; x < d; x++) {
-        const double t = from16(b.o[(r * hq + h) * d + x], f16) * b.rdout[(r * hq + h) * d + x];
-        s += t, mag += fabs(t);
+  double edq = 0;
+  for (int wg = 1; wg >= 0; wg--) { /* the wgmma dQ, then the mma.sync one (its D feeds dK/dV) */
+    const char *kernel = wg ? "wgmma dQ" : "mma dQ";
+    for (int64_t i = 0; i < T * hq; i++) b.dsum[i] = NAN;
+    for (int64_t i = 0; i < nq; i++) b.dq[i] = 0x7fc1;
+    for (int64_t blk = 0; blk < nqb; blk++)
+      for (int64_t h = 0; h < hq; h++) {
+        if (wg) EMU_TEAM(fa_wg_dq_team((int)d, FA_WG_DQ_BK, f16, gb, qb[blk], h, h / group, smem));
+        else EMU_TEAM(fa_mma_dq_team((int)d, bk, f16, gb, qb[blk], h, h / group, smem));
       }
-      /* float32 sums of d products: within d ulps of the sum of magnitudes */
-      cr_assert(fabs(b.dsum[r * hq + h] - s) <= 1e-6 * (double)d * mag + 1e-30, "%s: D[%lld, %lld] = %g, want %g",
-                name, (long long)r, (long long)h, (double)b.dsum[r * hq + h], s);
-    }
-  const double edq = rel_err(b.dq, rdq, nq, f16, &nonfinite);
-  cr_assert_eq(nonfinite, 0, "%s: %lld non-finite (or unwritten) dq elements", name, (long long)nonfinite);
-  cr_assert_leq(edq, 1e-2, "%s: dq relative error %.3g", name, edq);
+    for (int64_t r = 0; r < T; r++) /* D against float64 (every row here is a query row) */
+      for (int64_t h = 0; h < hq; h++) {
+        double s = 0, mag = 0;
+        for (int64_t x = 0; x < d; x++) {
+          const double t = from16(b.o[(r * hq + h) * d + x], f16) * b.rdout[(r * hq + h) * d + x];
+          s += t, mag += fabs(t);
+        }
+        /* float32 sums of d products: within d ulps of the sum of magnitudes */
+        cr_assert(fabs(b.dsum[r * hq + h] - s) <= 1e-6 * (double)d * mag + 1e-30,
+                  "%s %s: D[%lld, %lld] = %g, want %g", name, kernel, (long long)r, (long long)h,
+                  (double)b.dsum[r * hq + h], s);
+      }
+    edq = rel_err(b.dq, rdq, nq, f16, &nonfinite);
+    cr_assert_eq(nonfinite, 0, "%s %s: %lld non-finite (or unwritten) dq elements", name, kernel, (long long)nonfinite);
+    cr_assert_leq(edq, 1e-2, "%s %s: dq relative error %.3g", name, kernel, edq);
+  }
   for (int64_t u = 0; u < nunits; u++) /* head_dim 128: V in team memory */
     for (int64_t g = 0; g < hkv; g++) EMU_TEAM(fa_mma_dkv_team((int)d, f16, gb, u, g, smem));
   if (part_k) /* as fa_gpu_dkv_reduce: each block's units in order */

@@ -58,22 +58,32 @@ void fa_gpu_mma_dq(const fa_gpu_bwd *b) {
 
 /* One team per (key unit, KV head); at head_dim 128 V's tile stays in team
  * memory (FA_MMA_DKV_VSM: 16-query tiles, fa_mma_dkv_team). */
-#define FA_MMA_DKV(D, F16)                                                                                    \
+/* TEAM(D, F16, args, unit, KV head, smem) on one team per (key unit, KV head), SMEM bytes of team memory. */
+#define FA_MMA_DKV_TEAMS(TEAM, D, F16, SMEM)                                                                  \
   do {                                                                                                        \
-    const size_t smem = FA_MMA_DKV_SMEM(D);                                                          \
+    const size_t smem = (SMEM);                                                                               \
     _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args)") \
     {                                                                                                         \
       unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
-      const int64_t team = ompx_block_id_x();                                                                 \
-      fa_mma_dkv_team((D), (F16), args, team / args.hkv, team % args.hkv, sm);                         \
+      const int team = (int)ompx_block_id_x(), hkv = (int)args.hkv; /* 32-bit: see FA_MMA_QUERY_TEAMS */      \
+      TEAM((D), (F16), args, team / hkv, team % hkv, sm);                                                     \
     }                                                                                                         \
   } while (0)
 
 void fa_gpu_mma_dkv(const fa_gpu_bwd *b) {
   const fa_gpu_bwd args = *b;
   const int nteams = (int)(b->nunits * b->hkv), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
-  if (b->d == 128 && f16) FA_MMA_DKV(128, 1);
-  else if (b->d == 128) FA_MMA_DKV(128, 0);
-  else if (f16) FA_MMA_DKV(64, 1);
-  else FA_MMA_DKV(64, 0);
+#ifdef FORKATTN_HAVE_WGMMA
+  if (fa_gpu_wgmma_on(dev, FA_WG_DKV_SMEM(b->d))) {
+    if (b->d == 128 && f16) FA_MMA_DKV_TEAMS(fa_wg_dkv_team, 128, 1, FA_WG_DKV_SMEM(128));
+    else if (b->d == 128) FA_MMA_DKV_TEAMS(fa_wg_dkv_team, 128, 0, FA_WG_DKV_SMEM(128));
+    else if (f16) FA_MMA_DKV_TEAMS(fa_wg_dkv_team, 64, 1, FA_WG_DKV_SMEM(64));
+    else FA_MMA_DKV_TEAMS(fa_wg_dkv_team, 64, 0, FA_WG_DKV_SMEM(64));
+    return;
+  }
+#endif
+  if (b->d == 128 && f16) FA_MMA_DKV_TEAMS(fa_mma_dkv_team, 128, 1, FA_MMA_DKV_SMEM(128));
+  else if (b->d == 128) FA_MMA_DKV_TEAMS(fa_mma_dkv_team, 128, 0, FA_MMA_DKV_SMEM(128));
+  else if (f16) FA_MMA_DKV_TEAMS(fa_mma_dkv_team, 64, 1, FA_MMA_DKV_SMEM(64));
+  else FA_MMA_DKV_TEAMS(fa_mma_dkv_team, 64, 0, FA_MMA_DKV_SMEM(64));
 }

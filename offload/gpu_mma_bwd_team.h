@@ -232,6 +232,66 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_scores(fa_f4 *s, fa
   fa_mma_acc_abt(dp, va, sm, qt + BQ * P, P, BQ, D, f16, lane); /* dP^T = V dO^T */
 }
 
+/* P^T and dS^T of one warp's 16 keys x BQ queries in place of S^T (s) and
+ * dP^T (dp): ld the tile's [BQ] lse (natural log) and [BQ] D. A tile whose
+ * queries all see every key of the warp (all, warp-uniform) skips the
+ * masks; otherwise query qi sees the lane's keys from lo0 / lo1 on, below
+ * nq. qflags: the tile's non-finite Q/dO rows (fa_mma_scan_rows), which flag
+ * the keys that see them (bad0, bad1). */
+static inline __attribute__((always_inline)) void fa_mma_dkv_grads(fa_f4 *s, fa_f4 *dp, const float *ld, float mul,
+                                                                    int nq, int BQ, int all, int lo0, int lo1,
+                                                                    int c0, unsigned long long qflags, int *bad0,
+                                                                    int *bad1) {
+  if (all) {
+    if (qflags) *bad0 = *bad1 = 1; /* every key of the warp is seen by the tile's non-finite row */
+#pragma unroll
+    for (int n = 0; n < BQ / 8; n++) {
+      const int qi = n * 8 + c0;
+      const float l0 = ld[qi] * FA_LOG2E, l1 = ld[qi + 1] * FA_LOG2E, d0 = ld[BQ + qi], d1 = ld[BQ + qi + 1];
+      s[n].x = fa_mma_exp2(fmaf(s[n].x, mul, -l0)), s[n].y = fa_mma_exp2(fmaf(s[n].y, mul, -l1));
+      s[n].z = fa_mma_exp2(fmaf(s[n].z, mul, -l0)), s[n].w = fa_mma_exp2(fmaf(s[n].w, mul, -l1));
+      dp[n].x = s[n].x * (dp[n].x - d0), dp[n].y = s[n].y * (dp[n].y - d1);
+      dp[n].z = s[n].z * (dp[n].z - d0), dp[n].w = s[n].w * (dp[n].w - d1);
+    }
+  } else {
+#pragma unroll
+    for (int n = 0; n < BQ / 8; n++) {
+      const int qi = n * 8 + c0; /* columns qi, qi + 1; rows k_pos0 (x, y), k_pos1 (z, w) */
+      const int v00 = qi >= lo0 && qi < nq, v01 = qi + 1 >= lo0 && qi + 1 < nq;
+      const int v10 = qi >= lo1 && qi < nq, v11 = qi + 1 >= lo1 && qi + 1 < nq;
+      if (qflags) {
+        *bad0 |= (v00 && (qflags >> qi & 1u)) || (v01 && (qflags >> (qi + 1) & 1u));
+        *bad1 |= (v10 && (qflags >> qi & 1u)) || (v11 && (qflags >> (qi + 1) & 1u));
+      }
+      const float l0 = ld[qi] * FA_LOG2E, l1 = ld[qi + 1] * FA_LOG2E, d0 = ld[BQ + qi], d1 = ld[BQ + qi + 1];
+      s[n].x = v00 ? fa_mma_exp2(s[n].x * mul - l0) : 0.0f;
+      s[n].y = v01 ? fa_mma_exp2(s[n].y * mul - l1) : 0.0f;
+      s[n].z = v10 ? fa_mma_exp2(s[n].z * mul - l0) : 0.0f;
+      s[n].w = v11 ? fa_mma_exp2(s[n].w * mul - l1) : 0.0f;
+      dp[n].x = v00 ? s[n].x * (dp[n].x - d0) : 0.0f;
+      dp[n].y = v01 ? s[n].y * (dp[n].y - d1) : 0.0f;
+      dp[n].z = v10 ? s[n].z * (dp[n].z - d0) : 0.0f;
+      dp[n].w = v11 ? s[n].w * (dp[n].w - d1) : 0.0f;
+    }
+  }
+}
+
+/* A dK/dV team's dK (times the scale) and dV of its 16 keys a warp, or its
+ * unit's partial sums [units, hkv, 64, d] when the unit's block is split
+ * (reduced in unit order by fa_gpu_dkv_reduce). */
+static inline __attribute__((always_inline)) void fa_mma_dkv_store(const fa_gpu_bwd *b, int64_t ui, int64_t g,
+                                                                    const fa_f4 *dk, const fa_f4 *dv, int D, int r0,
+                                                                    int k_pos0, int c0, int ok0, int ok1, int bad0,
+                                                                    int bad1, int lane) {
+  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
+  const int part = b->part_k != NULL;
+  const int64_t slot = (ui * b->hkv + g) * FA_MMA_ROWS * b->d, row = part ? r0 : k_pos0, head = part ? 0 : g;
+  const fa_dev_tensor tk = part ? fa_mma_part_view(b->part_k + slot, b->d) : b->dk;
+  const fa_dev_tensor tv = part ? fa_mma_part_view(b->part_v + slot, b->d) : b->dv;
+  fa_mma_store_rows(tk, row, head, dk, D, c0, ok0, ok1, b->scale, b->scale, bad0, bad1);
+  fa_mma_store_rows(tv, row, head, dv, D, c0, ok0, ok1, 1.0f, 1.0f, bad0, bad1);
+}
+
 /* A dK/dV team accumulates dK and dV together. At head_dim 64 the K and V
  * fragments both live in registers (32-query tiles); at 128 (FA_MMA_DKV_VSM) V's tile
  * stays in team memory and its A fragments are read per 16-query tile: K and
@@ -328,40 +388,8 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
         masked ? fa_mma_scan_rows(smem + qt, P, BQ, D, f16, qbad, tid) | fa_mma_scan_rows(smem + ot, P, BQ, D, f16, qbad, tid)
                : 0;
 
-    /* P^T and dS^T in place of S^T and dP^T. A tile whose queries all see
-     * every key of this warp (warp-uniform) skips the masks. */
-    if (nq == BQ && (!w.causal || kfirst + warp * 16 + 15 <= w.qb + qsh)) {
-      if (qflags) bad0 = bad1 = 1; /* every key of the warp is seen by the tile's non-finite row */
-#pragma unroll
-      for (int n = 0; n < BQ / 8; n++) {
-        const int qi = n * 8 + c0;
-        const float l0 = ld[qi] * FA_LOG2E, l1 = ld[qi + 1] * FA_LOG2E, d0 = ld[BQ + qi], d1 = ld[BQ + qi + 1];
-        s[n].x = fa_mma_exp2(fmaf(s[n].x, mul, -l0)), s[n].y = fa_mma_exp2(fmaf(s[n].y, mul, -l1));
-        s[n].z = fa_mma_exp2(fmaf(s[n].z, mul, -l0)), s[n].w = fa_mma_exp2(fmaf(s[n].w, mul, -l1));
-        dp[n].x = s[n].x * (dp[n].x - d0), dp[n].y = s[n].y * (dp[n].y - d1);
-        dp[n].z = s[n].z * (dp[n].z - d0), dp[n].w = s[n].w * (dp[n].w - d1);
-      }
-    } else {
-#pragma unroll
-      for (int n = 0; n < BQ / 8; n++) {
-        const int qi = n * 8 + c0; /* columns qi, qi + 1; rows k_pos0 (x, y), k_pos1 (z, w) */
-        const int v00 = qi >= lo0 && qi < nq, v01 = qi + 1 >= lo0 && qi + 1 < nq;
-        const int v10 = qi >= lo1 && qi < nq, v11 = qi + 1 >= lo1 && qi + 1 < nq;
-        if (qflags) {
-          bad0 |= (v00 && (qflags >> qi & 1u)) || (v01 && (qflags >> (qi + 1) & 1u));
-          bad1 |= (v10 && (qflags >> qi & 1u)) || (v11 && (qflags >> (qi + 1) & 1u));
-        }
-        const float l0 = ld[qi] * FA_LOG2E, l1 = ld[qi + 1] * FA_LOG2E, d0 = ld[BQ + qi], d1 = ld[BQ + qi + 1];
-        s[n].x = v00 ? fa_mma_exp2(s[n].x * mul - l0) : 0.0f;
-        s[n].y = v01 ? fa_mma_exp2(s[n].y * mul - l1) : 0.0f;
-        s[n].z = v10 ? fa_mma_exp2(s[n].z * mul - l0) : 0.0f;
-        s[n].w = v11 ? fa_mma_exp2(s[n].w * mul - l1) : 0.0f;
-        dp[n].x = v00 ? s[n].x * (dp[n].x - d0) : 0.0f;
-        dp[n].y = v01 ? s[n].y * (dp[n].y - d1) : 0.0f;
-        dp[n].z = v10 ? s[n].z * (dp[n].z - d0) : 0.0f;
-        dp[n].w = v11 ? s[n].w * (dp[n].w - d1) : 0.0f;
-      }
-    }
+    fa_mma_dkv_grads(s, dp, ld, mul, nq, BQ, nq == BQ && (!w.causal || kfirst + warp * 16 + 15 <= w.qb + qsh), lo0,
+                     lo1, c0, qflags, &bad0, &bad1);
     /* Tile j + 1's scores (after the last tile: tile j's rows again, discarded). */
     fa_f4 sn[FA_MMA_BQ / 8], dpn[FA_MMA_BQ / 8];
     fa_mma_dkv_scores(sn, dpn, kf, vf, vsm, vl, sm, w1.j <= u.j1 ? qbuf0 + nb * qstep : qt, P, BQ, D, f16, lane);
@@ -385,14 +413,93 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
     w = w1;
     w1 = w2;
   }
-  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
-  /* the gradients, or this unit's partial sums [units, hkv, 64, d] (reduced in unit order) */
-  const int part = b.part_k != NULL;
-  const int64_t slot = (ui * b.hkv + g) * FA_MMA_ROWS * b.d, row = part ? r0 : k_pos0, head = part ? 0 : g;
-  const fa_dev_tensor tk = part ? fa_mma_part_view(b.part_k + slot, b.d) : b.dk;
-  const fa_dev_tensor tv = part ? fa_mma_part_view(b.part_v + slot, b.d) : b.dv;
-  fa_mma_store_rows(tk, row, head, dk, D, c0, ok0, ok1, b.scale, b.scale, bad0, bad1);
-  fa_mma_store_rows(tv, row, head, dv, D, c0, ok0, ok1, 1.0f, 1.0f, bad0, bad1);
+  fa_mma_dkv_store(&b, ui, g, dk, dv, D, r0, k_pos0, c0, ok0, ok1, bad0, bad1, lane);
+}
+
+/* The wgmma dK/dV team (sm_90a builds; host tests under the emulation): the
+ * same unit walk, masks, flags and stores as fa_mma_dkv_team, with K's and
+ * V's 64-key tiles kept in team memory as the A operands of S^T = K Q^T and
+ * dP^T = V dO^T (read through descriptors: register A fragments that outlive
+ * a wgmma are not safe, fa_wg_acc_abt), and dV += P^T dO, dK += dS^T Q with
+ * P^T and dS^T packed from registers. Query tiles of FA_WG_DKV_BQ(D) rows,
+ * double-buffered (the next tile streams in during this one); each product
+ * group is waited before registers it reads are rewritten. Team memory
+ * (FA_WG_DKV_SMEM, elements from a 1024-byte aligned base): K | V | two
+ * (Q, dO) buffers | lse, D of each | scan flags. */
+#define FA_WG_DKV_BQ(d) ((d) == 128 ? 32 : 64) /* 64 at d=128 spilled: 9.56 vs 8.18 ms at case 2 (v2.3) */
+#define FA_WG_DKV_SMEM(d)                                                                                       \
+  ((size_t)(2 * FA_MMA_ROWS + 4 * FA_WG_DKV_BQ(d)) * (d) * 2 + 4 * FA_WG_DKV_BQ(d) * sizeof(float) +            \
+   4 * sizeof(unsigned) + FA_WG_BLOCK_BYTES)
+
+static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, const int f16, const fa_gpu_bwd b,
+                                                                  int64_t ui, int64_t g, unsigned short *smem) {
+  const int P = D, BQ = FA_WG_DKV_BQ(D); /* P == D: the wgmma layout in the loads and the scans */
+  const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
+  const fa_key_unit u = b.units[ui];
+  const fa_block blk = b.kblocks[u.block];
+  const int64_t group = (int)b.hq / (int)b.hkv, qshift = b.qshift; /* 32-bit: a 64-bit division is a call (C7509) */
+  const float mul = b.scale * FA_LOG2E;
+  smem += fa_wg_align(fa_smem_of(smem)); /* swizzled tiles start 1024-byte aligned */
+  const fa_smem sm = fa_smem_of(smem);
+  const int ktile = 0, vtile = FA_MMA_ROWS * P, qbuf0 = 2 * FA_MMA_ROWS * P, qstep = 2 * BQ * P;
+  const int ld0 = qbuf0 + 2 * qstep; /* per buffer i: [BQ] lse, [BQ] D as floats at ld0 + 4 BQ i */
+  unsigned *qbad = (unsigned *)(smem + ld0 + 8 * BQ);
+
+  fa_mma_load_rows(sm, ktile, P, FA_MMA_ROWS, D, b.k, blk.start, blk.len, g, tid);
+  fa_mma_load_rows(sm, vtile, P, FA_MMA_ROWS, D, b.v, blk.start, blk.len, g, tid);
+  fa_query_walk w = {(int)u.j0, 0, 0, 0, 0, 0};
+  w = fa_qwalk_seek(w, b.seg, b.pair, b.kidx, qshift, u, blk, group);
+  if (w.j <= u.j1) fa_mma_load_queries(sm, qbuf0, ld0, P, D, BQ, &b, w, g * group + w.hh, tid);
+  fa_cp_async_commit();
+
+  const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
+  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
+  const int kfirst = (int)blk.start, qsh = (int)qshift; /* keys are rows of the key frame */
+  const int k_pos0 = kfirst + r0, k_pos1 = k_pos0 + 8;
+  fa_f4 dk[FA_MMA_MAX_D / 8], dv[FA_MMA_MAX_D / 8];
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) dk[n] = fa_f4_zero(), dv[n] = fa_f4_zero();
+  int bad0 = 0, bad1 = 0;
+  int cb = 0;
+  while (w.j <= u.j1) {
+    fa_cp_async_wait(0); /* tile j (and at first K, V) */
+    fa_fence_proxy_async();
+    ompx_sync_block_acq_rel(); /* ... visible, and iteration j - 1's reads of the other buffer done */
+    const int qt = qbuf0 + cb * qstep, ot = qt + BQ * P;
+    const float *ld = (const float *)(smem + ld0 + 4 * BQ * cb);
+    const fa_query_walk w1 = fa_qwalk_next(w, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
+    if (w1.j <= u.j1)
+      fa_mma_load_queries(sm, qbuf0 + (cb ^ 1) * qstep, ld0 + 4 * BQ * (cb ^ 1), P, D, BQ, &b, w1,
+                          g * group + w1.hh, tid);
+    fa_cp_async_commit();
+    const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
+    const int lo0 = fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb + qsh, nq);
+    const int lo1 = fa_mma_key_first_query(ok1, w.causal, k_pos1, w.qb + qsh, nq);
+    const int masked = w.causal && w.qb + qsh < kfirst + (int)blk.len - 1; /* as fa_mma_dkv_team */
+    const unsigned long long qflags =
+        masked ? fa_mma_scan_rows(smem + qt, P, BQ, D, f16, qbad, tid) | fa_mma_scan_rows(smem + ot, P, BQ, D, f16, qbad, tid)
+               : 0;
+    fa_f4 s[FA_MMA_MAX_BK / 8], dp[FA_MMA_MAX_BK / 8]; /* 16 keys x BQ queries */
+    fa_wg_acc_abt(s, ktile, sm, qt, BQ, D, f16);  /* S^T = K Q^T */
+    fa_wg_acc_abt(dp, vtile, sm, ot, BQ, D, f16); /* dP^T = V dO^T */
+    fa_wg_commit();
+    fa_wg_wait(0);
+    fa_wg_pin(s, BQ / 8);
+    fa_wg_pin(dp, BQ / 8);
+    fa_mma_dkv_grads(s, dp, ld, mul, nq, BQ, nq == BQ && (!w.causal || kfirst + warp * 16 + 15 <= w.qb + qsh), lo0,
+                     lo1, c0, qflags, &bad0, &bad1);
+    fa_wg_acc_ab(dv, s, sm, ot, BQ, D, f16); /* dV += P^T dO, dO of [query][dim] read N-major */
+    fa_wg_commit();
+    fa_wg_wait(0);
+    fa_wg_pin(dv, D / 8);
+    fa_wg_acc_ab(dk, dp, sm, qt, BQ, D, f16); /* dK += dS^T Q */
+    fa_wg_commit();
+    fa_wg_wait(0);
+    fa_wg_pin(dk, D / 8);
+    cb ^= 1;
+    w = w1;
+  }
+  fa_mma_dkv_store(&b, ui, g, dk, dv, D, r0, k_pos0, c0, ok0, ok1, bad0, bad1, lane);
 }
 #pragma omp end declare target
 

@@ -10,7 +10,7 @@
  * and the StreamKL forward and backward (offload/gpu_mma_kl_team.h,
  * offload/gpu_mma_kl_bwd_team.h) against a direct float64 KL of the
  * materialized distributions and its gradients.
- * The forward and dQ run twice: the warpgroup (wgmma) kernels of sm_90a
+ * The forward, dQ and dK/dV run twice: the warpgroup (wgmma) kernels of sm_90a
  * builds (offload/gpu_wgmma.h: the swizzled layout its descriptors read, as
  * the ISA defines it) and the mma.sync ones.
  * Tolerances are those of the 16-bit GPU tests (prefix_harness.c: 1e-2
@@ -136,6 +136,7 @@ static void run_case(const char *name, const emu_case *c) {
   cr_assert_geq(sizeof smem, FA_MMA_DKV_SMEM(d));
   cr_assert_geq(sizeof smem, FA_WG_QUERY_SMEM(FA_WG_BK, d, 1));
   cr_assert_geq(sizeof smem, FA_WG_QUERY_SMEM(FA_WG_DQ_BK, d, 2));
+  cr_assert_geq(sizeof smem, FA_WG_DKV_SMEM(d));
   fa_block *qb;
   const int64_t nqb = fa_plan_blocks(&plan, FA_MMA_ROWS, 0, &qb);
   cr_assert(nqb > 0);
@@ -222,25 +223,33 @@ static void run_case(const char *name, const emu_case *c) {
     cr_assert_eq(nonfinite, 0, "%s %s: %lld non-finite (or unwritten) dq elements", name, kernel, (long long)nonfinite);
     cr_assert_leq(edq, 1e-2, "%s %s: dq relative error %.3g", name, kernel, edq);
   }
-  for (int64_t u = 0; u < nunits; u++) /* head_dim 128: V in team memory */
-    for (int64_t g = 0; g < hkv; g++) EMU_TEAM(fa_mma_dkv_team((int)d, f16, gb, u, g, smem));
-  if (part_k) /* as fa_gpu_dkv_reduce: each block's units in order */
-    for (int64_t blk = 0; blk < nkb; blk++)
-      for (int64_t g = 0; g < hkv; g++)
-        for (int64_t row = 0; row < kb[blk].len; row++)
-          for (int64_t x = 0; x < d; x++) {
-            float sk = 0, sv = 0;
-            for (int64_t u = unit_off[blk]; u < unit_off[blk + 1]; u++) {
-              sk += part_k[((u * hkv + g) * FA_MMA_ROWS + row) * d + x];
-              sv += part_v[((u * hkv + g) * FA_MMA_ROWS + row) * d + x];
+  double edk = 0, edv = 0;
+  for (int wg = 1; wg >= 0; wg--) { /* the wgmma dK/dV, then the mma.sync one */
+    const char *kernel = wg ? "wgmma dK/dV" : "mma dK/dV";
+    for (int64_t i = 0; i < nk; i++) b.dk[i] = b.dv[i] = 0x7fc1;
+    for (int64_t u = 0; u < nunits; u++) /* head_dim 128: V in team memory */
+      for (int64_t g = 0; g < hkv; g++) {
+        if (wg) EMU_TEAM(fa_wg_dkv_team((int)d, f16, gb, u, g, smem));
+        else EMU_TEAM(fa_mma_dkv_team((int)d, f16, gb, u, g, smem));
+      }
+    if (part_k) /* as fa_gpu_dkv_reduce: each block's units in order */
+      for (int64_t blk = 0; blk < nkb; blk++)
+        for (int64_t g = 0; g < hkv; g++)
+          for (int64_t row = 0; row < kb[blk].len; row++)
+            for (int64_t x = 0; x < d; x++) {
+              float sk = 0, sv = 0;
+              for (int64_t u = unit_off[blk]; u < unit_off[blk + 1]; u++) {
+                sk += part_k[((u * hkv + g) * FA_MMA_ROWS + row) * d + x];
+                sv += part_v[((u * hkv + g) * FA_MMA_ROWS + row) * d + x];
+              }
+              const int64_t e = ((kb[blk].start + row) * hkv + g) * d + x;
+              b.dk[e] = to16(sk, f16), b.dv[e] = to16(sv, f16);
             }
-            const int64_t e = ((kb[blk].start + row) * hkv + g) * d + x;
-            b.dk[e] = to16(sk, f16), b.dv[e] = to16(sv, f16);
-          }
-  const double edk = rel_err(b.dk, rdk, nk, f16, &nonfinite), edv = rel_err(b.dv, rdv, nk, f16, &nonfinite);
-  cr_assert_eq(nonfinite, 0, "%s: %lld non-finite (or unwritten) dk/dv elements", name, (long long)nonfinite);
-  cr_assert_leq(edk, 1e-2, "%s: dk relative error %.3g", name, edk);
-  cr_assert_leq(edv, 1e-2, "%s: dv relative error %.3g", name, edv);
+    edk = rel_err(b.dk, rdk, nk, f16, &nonfinite), edv = rel_err(b.dv, rdv, nk, f16, &nonfinite);
+    cr_assert_eq(nonfinite, 0, "%s %s: %lld non-finite (or unwritten) dk/dv elements", name, kernel, (long long)nonfinite);
+    cr_assert_leq(edk, 1e-2, "%s %s: dk relative error %.3g", name, kernel, edk);
+    cr_assert_leq(edv, 1e-2, "%s %s: dv relative error %.3g", name, kernel, edv);
+  }
   cr_log_info("%s: units %lld over %lld key blocks; dq %.2g dk %.2g dv %.2g", name, (long long)nunits,
               (long long)nkb, edq, edk, edv);
   free(part_k);

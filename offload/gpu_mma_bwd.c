@@ -38,7 +38,8 @@ int fa_gpu_mma_bwd_ok(const fa_attn_bwd *a, forkattn_memory memory) {
 #define FA_MMA_DQ(D, BK, F16) FA_MMA_QUERY_TEAMS(fa_mma_dq_team, qblocks, D, BK, F16, FA_MMA_QUERY_SMEM(BK, (D) + 8))
 
 #ifdef FORKATTN_HAVE_WGMMA
-#define FA_WG_DQ(D, F16) FA_MMA_QUERY_TEAMS(fa_wg_dq_team, qblocks, D, FA_WG_DQ_BK, F16, FA_WG_QUERY_SMEM(FA_WG_DQ_BK, D, 2))
+#define FA_WG_DQ(D, F16) \
+  FA_MMA_QUERY_TEAMS(fa_wg_dq_team, qblocks, D, FA_WG_DQ_BK, F16, FA_WG_QUERY_SMEM(FA_WG_DQ_BK, D, 2))
 #endif
 
 void fa_gpu_mma_dq(const fa_gpu_bwd *b) {

@@ -476,9 +476,9 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, co
     const int lo0 = fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb + qsh, nq);
     const int lo1 = fa_mma_key_first_query(ok1, w.causal, k_pos1, w.qb + qsh, nq);
     const int masked = w.causal && w.qb + qsh < kfirst + (int)blk.len - 1; /* as fa_mma_dkv_team */
-    const unsigned long long qflags =
-        masked ? fa_mma_scan_rows(smem + qt, P, BQ, D, f16, qbad, tid) | fa_mma_scan_rows(smem + ot, P, BQ, D, f16, qbad, tid)
-               : 0;
+    const unsigned long long qflags = masked ? fa_mma_scan_rows(smem + qt, P, BQ, D, f16, qbad, tid) |
+                                                   fa_mma_scan_rows(smem + ot, P, BQ, D, f16, qbad, tid)
+                                             : 0;
     fa_f4 s[FA_MMA_MAX_BK / 8], dp[FA_MMA_MAX_BK / 8]; /* 16 keys x BQ queries */
     fa_wg_acc_abt(s, ktile, sm, qt, BQ, D, f16);  /* S^T = K Q^T */
     fa_wg_acc_abt(dp, vtile, sm, ot, BQ, D, f16); /* dP^T = V dO^T */

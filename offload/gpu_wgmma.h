@@ -46,11 +46,14 @@
  * the query tiles the products read from team memory, then
  * FA_MMA_QUERY_SMEM's K/V tiles unpadded, plus room to align them
  * (fa_wg_align). */
-#define FA_WG_QUERY_SMEM(BK, D, NQ) (FA_MMA_QUERY_SMEM((BK), (D)) + (size_t)(NQ) * FA_MMA_ROWS * (D) * 2 + FA_WG_BLOCK_BYTES)
+#define FA_WG_QUERY_SMEM(BK, D, NQ) \
+  (FA_MMA_QUERY_SMEM((BK), (D)) + (size_t)(NQ) * FA_MMA_ROWS * (D) * 2 + FA_WG_BLOCK_BYTES)
 
 /* Elements to skip from team memory m so that tiles start 1024-byte aligned
  * (the runtime aligns the dynamic buffer to 16 bytes only). */
-static inline int fa_wg_align(fa_smem m) { return (int)((FA_WG_BLOCK_BYTES - (m.s & (FA_WG_BLOCK_BYTES - 1))) & (FA_WG_BLOCK_BYTES - 1)) / 2; }
+static inline int fa_wg_align(fa_smem m) {
+  return (int)((FA_WG_BLOCK_BYTES - (m.s & (FA_WG_BLOCK_BYTES - 1))) & (FA_WG_BLOCK_BYTES - 1)) / 2;
+}
 
 #ifndef FORKATTN_MMA_EMULATE
 /* acc (this warp's 16 rows x N, N/8 fragments) = A B (+ acc when acc_in):
@@ -70,61 +73,62 @@ static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *acc, int N
   __builtin_trap();
 }
 #else
-static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *acc, int N, fa_u4 a, fa_smem m, int off, int lbo,
-                                                            int sbo, int tnsp, int f16, int acc_in) {
+/* The 16-bit element at logical team-memory address la, after the 128-byte swizzle of the
+ * absolute address (bits 4-6 ^= bits 7-9). */
+static inline float fa_emu_swz(uintptr_t la, int f16) {
+  uint16_t v;
+  memcpy(&v, (const void *)(la ^ (((la >> 7) & 7) << 4)), 2);
+  return f16 ? fa_f16_to_f32(v) : fa_bf16_to_f32(v);
+}
+
+/* One wgmma for this thread's accumulators: A from the warpgroup's published register
+ * fragments e->a, or (aoff >= 0) from team memory, K-major, 8-row blocks 1024 bytes apart;
+ * B[k][n] at its logical address: K-major rows are n (8-row blocks sbo apart) with k along the
+ * row, N-major rows are k (blocks sbo apart) with n along the row in 64-wide slabs lbo apart. */
+static inline void fa_emu_wgmma(fa_f4 *acc, int N, const fa_emu_lanes *e, fa_smem m, int aoff, int off, int lbo,
+                                int sbo, int tnsp, int f16, int acc_in) {
   const int t = omp_get_thread_num(), L = t & 31, g0 = t & ~127;
-  fa_emu_lanes *e = fa_emu_next(t);
-  e->a[t] = a;
-#pragma omp barrier
+  const unsigned char *abase = (const unsigned char *)(m.p + (aoff >= 0 ? aoff : 0));
   const unsigned char *base = (const unsigned char *)(m.p + off);
   for (int i = 0; i < N / 8; i++) {
     double d[4] = {acc[i].x, acc[i].y, acc[i].z, acc[i].w};
     if (!acc_in) d[0] = d[1] = d[2] = d[3] = 0.0;
     for (int k = 0; k < 16; k++)
       for (int e2 = 0; e2 < 4; e2++) {
-        /* A: warp row/16 of the group, lane 4 (row % 8) + (k % 8) / 2, register (row % 16) / 8 + 2 (k / 8) */
         const int row = 16 * ((t - g0) / 32) + L / 4 + 8 * (e2 / 2), n = 8 * i + 2 * (L % 4) + e2 % 2;
-        const fa_u4 ar = e->a[g0 + 32 * (row / 16) + 4 * (row % 8) + (k % 8) / 2];
-        const int reg = (row % 16) / 8 + 2 * (k / 8);
-        const uint32_t av = reg == 0 ? ar.x : reg == 1 ? ar.y : reg == 2 ? ar.z : ar.w;
-        /* B[k][n] at its logical address, then the 128-byte swizzle of the absolute address:
-         * K-major: rows are n (8-row blocks sbo apart), k runs along the row from the start;
-         * N-major: rows are k (8-row blocks sbo apart), n along the row, 64-wide slabs lbo apart */
+        float av;
+        if (aoff >= 0) {
+          av = fa_emu_swz((uintptr_t)(abase + (row / 8) * FA_WG_BLOCK_BYTES + (row % 8) * 128 + k * 2), f16);
+        } else { /* warp row/16 of the group, lane 4 (row % 8) + (k % 8) / 2, register (row % 16) / 8 + 2 (k / 8) */
+          const fa_u4 ar = e->a[g0 + 32 * (row / 16) + 4 * (row % 8) + (k % 8) / 2];
+          const int reg = (row % 16) / 8 + 2 * (k / 8);
+          av = fa_emu_half(reg == 0 ? ar.x : reg == 1 ? ar.y : reg == 2 ? ar.z : ar.w, k % 2, f16);
+        }
         const uintptr_t la = tnsp ? (uintptr_t)(base + (k / 8) * sbo + (k % 8) * 128 + (n / 64) * lbo + (n % 64) * 2)
                                   : (uintptr_t)(base + (n / 8) * sbo + (n % 8) * 128 + k * 2);
-        uint16_t bv;
-        memcpy(&bv, (const void *)(la ^ (((la >> 7) & 7) << 4)), 2);
-        d[e2] += (double)fa_emu_half(av, k % 2, f16) * (f16 ? fa_f16_to_f32(bv) : fa_bf16_to_f32(bv));
+        d[e2] += (double)av * fa_emu_swz(la, f16);
       }
     const fa_f4 r = {(float)d[0], (float)d[1], (float)d[2], (float)d[3]};
     acc[i] = r;
   }
 }
+
+static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *acc, int N, fa_u4 a, fa_smem m, int off, int lbo,
+                                                            int sbo, int tnsp, int f16, int acc_in) {
+  const int t = omp_get_thread_num();
+  fa_emu_lanes *e = fa_emu_next(t);
+  e->a[t] = a;
+#pragma omp barrier
+  fa_emu_wgmma(acc, N, e, m, -1, off, lbo, sbo, tnsp, f16, acc_in);
+}
+
 /* acc (this warp's 16 rows x N) = A B (+ acc when acc_in), A (64 x 16) from
  * team memory too: the warpgroup's rows at element aoff, K-major in the
  * 128-byte swizzle, 8-row blocks 1024 bytes apart; B as fa_wg_mma. */
 static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *acc, int N, fa_smem m, int aoff, int off,
                                                                int lbo, int sbo, int tnsp, int f16, int acc_in) {
-  const int t = omp_get_thread_num(), L = t & 31, g0 = t & ~127;
 #pragma omp barrier
-  const unsigned char *abase = (const unsigned char *)(m.p + aoff), *base = (const unsigned char *)(m.p + off);
-  for (int i = 0; i < N / 8; i++) {
-    double d[4] = {acc[i].x, acc[i].y, acc[i].z, acc[i].w};
-    if (!acc_in) d[0] = d[1] = d[2] = d[3] = 0.0;
-    for (int k = 0; k < 16; k++)
-      for (int e2 = 0; e2 < 4; e2++) {
-        const int row = 16 * ((t - g0) / 32) + L / 4 + 8 * (e2 / 2), n = 8 * i + 2 * (L % 4) + e2 % 2;
-        const uintptr_t aa = (uintptr_t)(abase + (row / 8) * FA_WG_BLOCK_BYTES + (row % 8) * 128 + k * 2);
-        const uintptr_t la = tnsp ? (uintptr_t)(base + (k / 8) * sbo + (k % 8) * 128 + (n / 64) * lbo + (n % 64) * 2)
-                                  : (uintptr_t)(base + (n / 8) * sbo + (n % 8) * 128 + k * 2);
-        uint16_t av, bv;
-        memcpy(&av, (const void *)(aa ^ (((aa >> 7) & 7) << 4)), 2);
-        memcpy(&bv, (const void *)(la ^ (((la >> 7) & 7) << 4)), 2);
-        d[e2] += (double)(f16 ? fa_f16_to_f32(av) : fa_bf16_to_f32(av)) * (f16 ? fa_f16_to_f32(bv) : fa_bf16_to_f32(bv));
-      }
-    const fa_f4 r = {(float)d[0], (float)d[1], (float)d[2], (float)d[3]};
-    acc[i] = r;
-  }
+  fa_emu_wgmma(acc, N, NULL, m, aoff, off, lbo, sbo, tnsp, f16, acc_in);
 }
 #endif
 /* Order this thread's earlier register writes (accumulators, A fragments)
@@ -162,7 +166,8 @@ static inline void fa_wg_wait(int n) {
 }
 
 #define FA_WG_F4(i) "+f"(c[i].x), "+f"(c[i].y), "+f"(c[i].z), "+f"(c[i].w)
-#define FA_WG_ACC32 FA_WG_F4(0), FA_WG_F4(1), FA_WG_F4(2), FA_WG_F4(3), FA_WG_F4(4), FA_WG_F4(5), FA_WG_F4(6), FA_WG_F4(7)
+#define FA_WG_ACC32 \
+  FA_WG_F4(0), FA_WG_F4(1), FA_WG_F4(2), FA_WG_F4(3), FA_WG_F4(4), FA_WG_F4(5), FA_WG_F4(6), FA_WG_F4(7)
 #define FA_WG_ACC64                                                                                                \
   FA_WG_ACC32, FA_WG_F4(8), FA_WG_F4(9), FA_WG_F4(10), FA_WG_F4(11), FA_WG_F4(12), FA_WG_F4(13), FA_WG_F4(14),      \
       FA_WG_F4(15)

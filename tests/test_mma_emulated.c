@@ -246,7 +246,8 @@ static void run_case(const char *name, const emu_case *c) {
               b.dk[e] = to16(sk, f16), b.dv[e] = to16(sv, f16);
             }
     edk = rel_err(b.dk, rdk, nk, f16, &nonfinite), edv = rel_err(b.dv, rdv, nk, f16, &nonfinite);
-    cr_assert_eq(nonfinite, 0, "%s %s: %lld non-finite (or unwritten) dk/dv elements", name, kernel, (long long)nonfinite);
+    cr_assert_eq(nonfinite, 0, "%s %s: %lld non-finite (or unwritten) dk/dv elements", name, kernel,
+                 (long long)nonfinite);
     cr_assert_leq(edk, 1e-2, "%s %s: dk relative error %.3g", name, kernel, edk);
     cr_assert_leq(edv, 1e-2, "%s %s: dv relative error %.3g", name, kernel, edv);
   }

@@ -35,26 +35,16 @@ int fa_gpu_mma_bwd_ok(const fa_attn_bwd *a, forkattn_memory memory) {
 }
 
 
-#define FA_MMA_DQ(D, BK, F16) FA_MMA_QUERY_TEAMS(fa_mma_dq_team, qblocks, D, BK, F16, FA_MMA_QUERY_SMEM(BK, (D) + 8))
+#define FA_MMA_DQ(D, F16) \
+  FA_MMA_QUERY_TEAMS(fa_mma_dq_team, qblocks, D, FA_MMA_BK(D), F16, FA_MMA_QUERY_SMEM(FA_MMA_BK(D), (D) + 8))
 
-#ifdef FORKATTN_HAVE_WGMMA
 #define FA_WG_DQ(D, F16) \
   FA_MMA_QUERY_TEAMS(fa_wg_dq_team, qblocks, D, FA_WG_DQ_BK, F16, FA_WG_QUERY_SMEM(FA_WG_DQ_BK, D, 2))
-#endif
 
 void fa_gpu_mma_dq(const fa_gpu_bwd *b) {
   const fa_gpu_bwd args = *b;
   const int nteams = (int)(b->nqb * b->hq), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
-#ifdef FORKATTN_HAVE_WGMMA
-  if (fa_gpu_wgmma_on(dev, FA_WG_QUERY_SMEM(FA_WG_DQ_BK, b->d, 2))) {
-    if (b->d == 128 && f16) FA_WG_DQ(128, 1);
-    else if (b->d == 128) FA_WG_DQ(128, 0);
-    else if (f16) FA_WG_DQ(64, 1);
-    else FA_WG_DQ(64, 0);
-    return;
-  }
-#endif
-  FA_MMA_BY_SHAPE(FA_MMA_DQ, b->d, f16);
+  FA_WG_OR_MMA(FA_WG_DQ, FA_MMA_DQ, FA_WG_QUERY_SMEM(FA_WG_DQ_BK, b->d, 2), b->d, f16);
 }
 
 /* One team per (key unit, KV head); at head_dim 128 V's tile stays in team
@@ -70,21 +60,11 @@ void fa_gpu_mma_dq(const fa_gpu_bwd *b) {
       TEAM((D), (F16), args, team / hkv, team % hkv, sm);                                                     \
     }                                                                                                         \
   } while (0)
+#define FA_MMA_DKV(D, F16) FA_MMA_DKV_TEAMS(fa_mma_dkv_team, D, F16, FA_MMA_DKV_SMEM(D))
+#define FA_WG_DKV(D, F16) FA_MMA_DKV_TEAMS(fa_wg_dkv_team, D, F16, FA_WG_DKV_SMEM(D))
 
 void fa_gpu_mma_dkv(const fa_gpu_bwd *b) {
   const fa_gpu_bwd args = *b;
   const int nteams = (int)(b->nunits * b->hkv), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
-#ifdef FORKATTN_HAVE_WGMMA
-  if (fa_gpu_wgmma_on(dev, FA_WG_DKV_SMEM(b->d))) {
-    if (b->d == 128 && f16) FA_MMA_DKV_TEAMS(fa_wg_dkv_team, 128, 1, FA_WG_DKV_SMEM(128));
-    else if (b->d == 128) FA_MMA_DKV_TEAMS(fa_wg_dkv_team, 128, 0, FA_WG_DKV_SMEM(128));
-    else if (f16) FA_MMA_DKV_TEAMS(fa_wg_dkv_team, 64, 1, FA_WG_DKV_SMEM(64));
-    else FA_MMA_DKV_TEAMS(fa_wg_dkv_team, 64, 0, FA_WG_DKV_SMEM(64));
-    return;
-  }
-#endif
-  if (b->d == 128 && f16) FA_MMA_DKV_TEAMS(fa_mma_dkv_team, 128, 1, FA_MMA_DKV_SMEM(128));
-  else if (b->d == 128) FA_MMA_DKV_TEAMS(fa_mma_dkv_team, 128, 0, FA_MMA_DKV_SMEM(128));
-  else if (f16) FA_MMA_DKV_TEAMS(fa_mma_dkv_team, 64, 1, FA_MMA_DKV_SMEM(64));
-  else FA_MMA_DKV_TEAMS(fa_mma_dkv_team, 64, 0, FA_MMA_DKV_SMEM(64));
+  FA_WG_OR_MMA(FA_WG_DKV, FA_MMA_DKV, FA_WG_DKV_SMEM(b->d), b->d, f16);
 }

@@ -14,9 +14,7 @@
 #include "gpu_wgmma.h"
 
 #define FA_MMA_BQ 32 /* reader queries per dK/dV tile (16 with V in team memory) */
-#ifndef FA_WG_DQ_BK
 #define FA_WG_DQ_BK 64 /* keys per tile of the wgmma dQ (S and dP m64n64 products) */
-#endif
 
 #pragma omp declare target
 

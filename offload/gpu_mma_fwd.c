@@ -52,7 +52,8 @@ int fa_gpu_mma_fwd_ok(const fa_attn_fwd *a, forkattn_memory memory) {
 }
 
 
-#define FA_MMA_FWD(D, BK, F16) FA_MMA_QUERY_TEAMS(fa_mma_fwd_team, blocks, D, BK, F16, FA_MMA_QUERY_SMEM(BK, (D) + 8))
+#define FA_MMA_FWD(D, F16) \
+  FA_MMA_QUERY_TEAMS(fa_mma_fwd_team, blocks, D, FA_MMA_BK(D), F16, FA_MMA_QUERY_SMEM(FA_MMA_BK(D), (D) + 8))
 
 int fa_gpu_wgmma_on(int device, size_t smem) {
 #ifdef FORKATTN_HAVE_WGMMA
@@ -66,21 +67,10 @@ int fa_gpu_wgmma_on(int device, size_t smem) {
 #endif
 }
 
-#ifdef FORKATTN_HAVE_WGMMA
 #define FA_WG_FWD(D, F16) FA_MMA_QUERY_TEAMS(fa_wg_fwd_team, blocks, D, FA_WG_BK, F16, FA_WG_QUERY_SMEM(FA_WG_BK, D, 1))
-#endif
 
 void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g) {
   const fa_gpu_fwd_args args = *g;
   const int nteams = (int)(g->nblocks * g->hq), dev = g->device, f16 = g->q.dtype == FORKATTN_DTYPE_F16;
-#ifdef FORKATTN_HAVE_WGMMA
-  if (fa_gpu_wgmma_on(dev, FA_WG_QUERY_SMEM(FA_WG_BK, g->d, 1))) {
-    if (g->d == 128 && f16) FA_WG_FWD(128, 1);
-    else if (g->d == 128) FA_WG_FWD(128, 0);
-    else if (f16) FA_WG_FWD(64, 1);
-    else FA_WG_FWD(64, 0);
-    return;
-  }
-#endif
-  FA_MMA_BY_SHAPE(FA_MMA_FWD, g->d, f16);
+  FA_WG_OR_MMA(FA_WG_FWD, FA_MMA_FWD, FA_WG_QUERY_SMEM(FA_WG_BK, g->d, 1), g->d, f16);
 }

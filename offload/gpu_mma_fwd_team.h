@@ -47,10 +47,7 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
   fa_mma_load_rows(sm, WG ? qt : buf1, P, FA_MMA_ROWS, D, ga.q, blk.start, blk.len, h, tid);
   fa_cp_async_commit();
   fa_tile_walk w = fa_walk_first(ga.qoff, seg, pair, blk, qshift);
-  if (w.pi < w.pend) {
-    fa_mma_load_rows(sm, buf0, P, BK, D, ga.k, w.kb, fa_walk_keys(w, BK), g, tid);
-    fa_mma_load_rows(sm, buf0 + BK * P, P, BK, D, ga.v, w.kb, fa_walk_keys(w, BK), g, tid);
-  }
+  if (w.pi < w.pend) fa_mma_load_kv(sm, buf0, P, BK, D, ga.k, g, ga.v, g, w, tid);
   fa_cp_async_commit();
   fa_cp_async_wait(0);
   if (WG) fa_fence_proxy_async();

@@ -21,14 +21,14 @@ int fa_gpu_mma_kl_bwd_ok(const fa_kl_call *c, forkattn_memory memory) {
 }
 
 /* One team per (64-row query block, query head); two buffers of both sides' K tiles. */
-#define FA_MMA_KL(D, BK, F16)                                                                                  \
+#define FA_MMA_KL(D, F16)                                                                                      \
   do {                                                                                                        \
-    const size_t smem = (size_t)(4 * (BK) * ((D) + 8)) * 2;                                                   \
+    const size_t smem = (size_t)(4 * FA_MMA_BK(D) * ((D) + 8)) * 2;                                           \
     _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args)") \
     {                                                                                                         \
       unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
       const int64_t team = ompx_block_id_x();                                                                 \
-      fa_mma_kl_fwd_team((D), (BK), (F16), args, args.qblocks[team / args.h], team % args.h, sm);             \
+      fa_mma_kl_fwd_team((D), FA_MMA_BK(D), (F16), args, args.qblocks[team / args.h], team % args.h, sm);             \
     }                                                                                                         \
   } while (0)
 
@@ -36,18 +36,18 @@ void fa_gpu_mma_kl_fwd(const fa_gpu_kl *b, int dev) {
   const fa_gpu_kl args = *b;
   const int nteams = (int)(b->nqb * b->h);
   if (nteams == 0) return;
-  FA_MMA_BY_SHAPE(FA_MMA_KL, b->dt, b->qt.dtype == FORKATTN_DTYPE_F16);
+  FA_MMA_BY_HEAD_DIM(FA_MMA_KL, b->dt, b->qt.dtype == FORKATTN_DTYPE_F16);
 }
 
 /* One team per (64-row query block, query head), as the forward. */
-#define FA_MMA_KL_DQ(D, BK, F16)                                                                               \
+#define FA_MMA_KL_DQ(D, F16)                                                                                   \
   do {                                                                                                        \
-    const size_t smem = FA_MMA_KL_DQ_SMEM((D), (BK));                                                          \
+    const size_t smem = FA_MMA_KL_DQ_SMEM((D), FA_MMA_BK(D));                                                  \
     _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args, teacher)") \
     {                                                                                                         \
       unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
       const int64_t team = ompx_block_id_x();                                                                 \
-      fa_mma_kl_dq_team((D), (BK), (F16), args, args.qblocks[team / args.h], team % args.h, teacher, sm);     \
+      fa_mma_kl_dq_team((D), FA_MMA_BK(D), (F16), args, args.qblocks[team / args.h], team % args.h, teacher, sm);     \
     }                                                                                                         \
   } while (0)
 
@@ -55,7 +55,7 @@ void fa_gpu_mma_kl_dq(const fa_gpu_kl *b, int teacher, int dev) {
   const fa_gpu_kl args = *b;
   const int nteams = (int)(b->nqb * b->h);
   if (nteams == 0) return;
-  FA_MMA_BY_SHAPE(FA_MMA_KL_DQ, b->dt, b->qt.dtype == FORKATTN_DTYPE_F16);
+  FA_MMA_BY_HEAD_DIM(FA_MMA_KL_DQ, b->dt, b->qt.dtype == FORKATTN_DTYPE_F16);
 }
 
 /* One team per (key unit, KV head). */
@@ -74,8 +74,5 @@ void fa_gpu_mma_kl_dk(const fa_gpu_kl *b, int teacher, int dev) {
   const fa_gpu_kl args = *b;
   const int nteams = (int)(b->nunits * b->hkv_t), f16 = b->qt.dtype == FORKATTN_DTYPE_F16;
   if (nteams == 0) return;
-  if (b->dt == 128 && f16) FA_MMA_KL_DK(128, 1);
-  else if (b->dt == 128) FA_MMA_KL_DK(128, 0);
-  else if (f16) FA_MMA_KL_DK(64, 1);
-  else FA_MMA_KL_DK(64, 0);
+  FA_MMA_BY_HEAD_DIM(FA_MMA_KL_DK, b->dt, f16);
 }

@@ -334,15 +334,19 @@ static inline unsigned long long fa_mma_scan_rows(unsigned short *t, int P, int 
     }                                                                                                         \
   } while (0)
 
-/* L(D, BK, F16) for the call's head_dim and dtype: one kernel per pair, so
- * register arrays have fixed sizes and no dtype branch runs in the loop.
- * Tiles: 32 keys at head_dim 128 (registers), 64 at 64. */
-#define FA_MMA_BY_SHAPE(L, d, f16)                                                                              \
+/* L(D, F16) for the call's head_dim (64 or 128) and dtype: one kernel per
+ * pair, so register arrays have fixed sizes and no dtype branch runs in the
+ * loop. Every tensor-core launch dispatches through it. */
+#define FA_MMA_BY_HEAD_DIM(L, d, f16)                                                                           \
   do {                                                                                                        \
-    if ((d) == 128 && (f16)) L(128, 32, 1);                                                                   \
-    else if ((d) == 128) L(128, 32, 0);                                                                       \
-    else if (f16) L(64, 64, 1);                                                                               \
-    else L(64, 64, 0);                                                                                        \
+    if ((d) == 128 && (f16)) L(128, 1);                                                                       \
+    else if ((d) == 128) L(128, 0);                                                                           \
+    else if (f16) L(64, 1);                                                                                   \
+    else L(64, 0);                                                                                            \
   } while (0)
+
+/* Keys per tile of the mma.sync query-side kernels (forward, dQ, StreamKL):
+ * 32 at head_dim 128 (registers), 64 at 64. */
+#define FA_MMA_BK(D) ((D) == 128 ? 32 : 64)
 
 #endif

@@ -46,7 +46,7 @@
  * the query tiles the products read from team memory, then
  * FA_MMA_QUERY_SMEM's K/V tiles unpadded, plus room to align them
  * (fa_wg_align). */
-#define FA_WG_QUERY_SMEM(BK, D, NQ) \
+#define FA_WG_QUERY_SMEM(BK, D, NQ)                                                                                \
   (FA_MMA_QUERY_SMEM((BK), (D)) + (size_t)(NQ) * FA_MMA_ROWS * (D) * 2 + FA_WG_BLOCK_BYTES)
 
 /* Elements to skip from team memory m so that tiles start 1024-byte aligned
@@ -55,21 +55,26 @@ static inline int fa_wg_align(fa_smem m) {
   return (int)((FA_WG_BLOCK_BYTES - (m.s & (FA_WG_BLOCK_BYTES - 1))) & (FA_WG_BLOCK_BYTES - 1)) / 2;
 }
 
+/* The two wgmma forms the kernels use, warpgroup-collective and
+ * asynchronous (results defined only after fa_wg_commit and fa_wg_wait):
+ *  fa_wg_mma     acc (this warp's 16 rows x N, N/8 fragments; N 64 or 128)
+ *                += A B: A the warp's 16 x 16 register fragment a (P, dS),
+ *                B (16 x N) at element off of m, N-major (rows are k, 8-row
+ *                blocks FA_WG_BLOCK_BYTES apart, 64-column slabs lbo bytes
+ *                apart): V, K, dO or Q read as [k][n];
+ *  fa_wg_mma_ss  acc (N 32 or 64) = A B (+ acc when acc_in): A (64 x 16)
+ *                the warpgroup's rows at element aoff, B (16 x N) the rows
+ *                at off, both K-major (rows are m or n, k along the row).
+ * Both in the 128-byte swizzle. */
 #ifndef FORKATTN_MMA_EMULATE
-/* acc (this warp's 16 rows x N, N/8 fragments) = A B (+ acc when acc_in):
- * A the warp's 16 x 16 fragment a, B (16 x N) at element off of m in the
- * 128-byte swizzle (tnsp: N-major, 64-column slabs lbo bytes apart; else
- * K-major), 8-row blocks sbo bytes apart.
- * Warpgroup-collective and asynchronous: the results are defined only after
- * fa_wg_commit and fa_wg_wait. */
 static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *acc, int N, fa_u4 a, fa_smem m, int off, int lbo,
-                                                            int sbo, int tnsp, int f16, int acc_in) {
-  (void)acc, (void)N, (void)a, (void)m, (void)off, (void)lbo, (void)sbo, (void)tnsp, (void)f16, (void)acc_in;
+                                                            int f16) {
+  (void)acc, (void)N, (void)a, (void)m, (void)off, (void)lbo, (void)f16;
   __builtin_trap();
 }
 static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *acc, int N, fa_smem m, int aoff, int off,
-                                                               int lbo, int sbo, int tnsp, int f16, int acc_in) {
-  (void)acc, (void)N, (void)m, (void)aoff, (void)off, (void)lbo, (void)sbo, (void)tnsp, (void)f16, (void)acc_in;
+                                                               int f16, int acc_in) {
+  (void)acc, (void)N, (void)m, (void)aoff, (void)off, (void)f16, (void)acc_in;
   __builtin_trap();
 }
 #else
@@ -114,21 +119,18 @@ static inline void fa_emu_wgmma(fa_f4 *acc, int N, const fa_emu_lanes *e, fa_sme
 }
 
 static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *acc, int N, fa_u4 a, fa_smem m, int off, int lbo,
-                                                            int sbo, int tnsp, int f16, int acc_in) {
+                                                            int f16) {
   const int t = omp_get_thread_num();
   fa_emu_lanes *e = fa_emu_next(t);
   e->a[t] = a;
 #pragma omp barrier
-  fa_emu_wgmma(acc, N, e, m, -1, off, lbo, sbo, tnsp, f16, acc_in);
+  fa_emu_wgmma(acc, N, e, m, -1, off, lbo, FA_WG_BLOCK_BYTES, 1, f16, 1);
 }
 
-/* acc (this warp's 16 rows x N) = A B (+ acc when acc_in), A (64 x 16) from
- * team memory too: the warpgroup's rows at element aoff, K-major in the
- * 128-byte swizzle, 8-row blocks 1024 bytes apart; B as fa_wg_mma. */
 static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *acc, int N, fa_smem m, int aoff, int off,
-                                                               int lbo, int sbo, int tnsp, int f16, int acc_in) {
+                                                               int f16, int acc_in) {
 #pragma omp barrier
-  fa_emu_wgmma(acc, N, NULL, m, aoff, off, lbo, sbo, tnsp, f16, acc_in);
+  fa_emu_wgmma(acc, N, NULL, m, aoff, off, 0, FA_WG_BLOCK_BYTES, 0, f16, acc_in);
 }
 #endif
 /* Order this thread's earlier register writes (accumulators, A fragments)
@@ -166,46 +168,39 @@ static inline void fa_wg_wait(int n) {
 }
 
 #define FA_WG_F4(i) "+f"(c[i].x), "+f"(c[i].y), "+f"(c[i].z), "+f"(c[i].w)
-#define FA_WG_ACC32 \
+#define FA_WG_ACC32                                                                                                \
   FA_WG_F4(0), FA_WG_F4(1), FA_WG_F4(2), FA_WG_F4(3), FA_WG_F4(4), FA_WG_F4(5), FA_WG_F4(6), FA_WG_F4(7)
 #define FA_WG_ACC64                                                                                                \
-  FA_WG_ACC32, FA_WG_F4(8), FA_WG_F4(9), FA_WG_F4(10), FA_WG_F4(11), FA_WG_F4(12), FA_WG_F4(13), FA_WG_F4(14),      \
+  FA_WG_ACC32, FA_WG_F4(8), FA_WG_F4(9), FA_WG_F4(10), FA_WG_F4(11), FA_WG_F4(12), FA_WG_F4(13), FA_WG_F4(14),     \
       FA_WG_F4(15)
-/* One wgmma of N = 32 / 64 / 128 columns; TY the input type, TN imm-trans-b. */
+/* One wgmma: register A (N = 64, 128; B N-major) or shared-memory A (SS, N = 32, 64; B K-major); TY the
+ * input type. */
 #define FA_WG_ACC16 FA_WG_F4(0), FA_WG_F4(1), FA_WG_F4(2), FA_WG_F4(3)
-#define FA_WG_N32(TY, TN)                                                                                          \
-  __asm__ volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                                    \
-                   "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                                     \
-                   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, " \
-                   "%20, p, 1, 1, " TN ";\n}\n"                                                                    \
-                   : FA_WG_ACC16                                                                                   \
-                   : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(desc), "r"(acc_in)                               \
-                   : "memory")
-#define FA_WG_N64(TY, TN)                                                                                          \
+#define FA_WG_N64(TY)                                                                                              \
   __asm__ volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                    \
                    "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                     \
                    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "   \
                    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, " \
-                   "1, " TN ";\n}\n"                                                                               \
+                   "1, 1;\n}\n"                                                                                    \
                    : FA_WG_ACC32                                                                                   \
-                   : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(desc), "r"(acc_in)                               \
+                   : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(desc), "r"(acc_in)                                \
                    : "memory")
-#define FA_WG_N128(TY, TN)                                                                                         \
+#define FA_WG_N128(TY)                                                                                             \
   __asm__ volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                    \
                    "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                                    \
                    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "   \
-                   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "     \
-                   "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "     \
-                   "%56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, " TN ";\n}\n"     \
+                   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "    \
+                   "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "    \
+                   "%56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"          \
                    : FA_WG_ACC64                                                                                   \
-                   : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(desc), "r"(acc_in)                               \
+                   : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(desc), "r"(acc_in)                                \
                    : "memory")
 
 #define FA_WG_SS_N64(TY)                                                                                           \
   __asm__ volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                    \
                    "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                     \
                    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "   \
-                   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"   \
+                   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"    \
                    : FA_WG_ACC32                                                                                   \
                    : "l"(adesc), "l"(desc), "r"(acc_in)                                                            \
                    : "memory")
@@ -213,7 +208,7 @@ static inline void fa_wg_wait(int n) {
   __asm__ volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                    \
                    "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                                     \
                    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, " \
-                   "0;\n}\n"                                                                                        \
+                   "0;\n}\n"                                                                                       \
                    : FA_WG_ACC16                                                                                   \
                    : "l"(adesc), "l"(desc), "r"(acc_in)                                                            \
                    : "memory")
@@ -226,9 +221,9 @@ static inline uint64_t fa_wg_desc(fa_smem m, int off, int lbo, int sbo) {
 }
 
 static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *c, int N, fa_smem m, int aoff, int off,
-                                                               int lbo, int sbo, int tnsp, int f16, int acc_in) {
-  (void)tnsp; /* K-major B only (S = Q K^T) */
-  const uint64_t adesc = fa_wg_desc(m, aoff, 16, FA_WG_BLOCK_BYTES), desc = fa_wg_desc(m, off, lbo, sbo);
+                                                               int f16, int acc_in) {
+  /* K-major in the swizzle: LBO unused (16), SBO one 8-row block */
+  const uint64_t adesc = fa_wg_desc(m, aoff, 16, FA_WG_BLOCK_BYTES), desc = fa_wg_desc(m, off, 16, FA_WG_BLOCK_BYTES);
   if (N == 32) {
     if (f16) FA_WG_SS_N32("f16");
     else FA_WG_SS_N32("bf16");
@@ -239,35 +234,17 @@ static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *c, int N, 
 }
 
 static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *c, int N, fa_u4 a, fa_smem m, int off, int lbo,
-                                                            int sbo, int tnsp, int f16, int acc_in) {
-  const uint64_t desc = fa_wg_desc(m, off, lbo, sbo);
-  if (N == 32) {
-    if (f16) {
-      if (tnsp) FA_WG_N32("f16", "1");
-      else FA_WG_N32("f16", "0");
-    } else {
-      if (tnsp) FA_WG_N32("bf16", "1");
-      else FA_WG_N32("bf16", "0");
-    }
-  } else if (N == 64) {
-    if (f16) {
-      if (tnsp) FA_WG_N64("f16", "1");
-      else FA_WG_N64("f16", "0");
-    } else {
-      if (tnsp) FA_WG_N64("bf16", "1");
-      else FA_WG_N64("bf16", "0");
-    }
+                                                            int f16) {
+  const uint64_t desc = fa_wg_desc(m, off, lbo, FA_WG_BLOCK_BYTES);
+  const int acc_in = 1; /* P V, dS K, P^T dO, dS^T Q all accumulate */
+  if (N == 64) {
+    if (f16) FA_WG_N64("f16");
+    else FA_WG_N64("bf16");
   } else {
-    if (f16) {
-      if (tnsp) FA_WG_N128("f16", "1");
-      else FA_WG_N128("f16", "0");
-    } else {
-      if (tnsp) FA_WG_N128("bf16", "1");
-      else FA_WG_N128("bf16", "0");
-    }
+    if (f16) FA_WG_N128("f16");
+    else FA_WG_N128("bf16");
   }
 }
-#undef FA_WG_N32
 #undef FA_WG_SS_N32
 #undef FA_WG_SS_N64
 #undef FA_WG_N64
@@ -295,7 +272,7 @@ static inline __attribute__((always_inline)) void fa_wg_acc_abt(fa_f4 *acc, int 
 #pragma unroll
   for (int ks = 0; ks < D / 16; ks++)
     fa_wg_mma_ss(acc, N, sm, atile + (ks >> 2) * FA_MMA_ROWS * 64 + (ks & 3) * 16,
-                 tile + (ks >> 2) * N * 64 + (ks & 3) * 16, 16, FA_WG_BLOCK_BYTES, 0, f16, ks > 0);
+                 tile + (ks >> 2) * N * 64 + (ks & 3) * 16, f16, ks > 0);
 }
 
 /* acc (16 rows x D) += A B over K/16 k-steps: A packed from the accumulators
@@ -313,7 +290,7 @@ static inline __attribute__((always_inline)) void fa_wg_acc_ab(fa_f4 *acc, const
   fa_wg_fence();
 #pragma unroll
   for (int kk = 0; kk < K / 16; kk++)
-    fa_wg_mma(acc, D, pa[kk], sm, tile + kk * 1024, K * 128, FA_WG_BLOCK_BYTES, 1, f16, 1);
+    fa_wg_mma(acc, D, pa[kk], sm, tile + kk * 1024, K * 128, f16);
 }
 #pragma omp end declare target
 
@@ -322,5 +299,18 @@ static inline __attribute__((always_inline)) void fa_wg_acc_ab(fa_f4 *acc, const
  * build, FORKATTN_GPU_WGMMA not 0, and the device's team memory
  * (gpu_team_memory.h) holds it. Host code (gpu_mma_fwd.c). */
 int fa_gpu_wgmma_on(int device, size_t smem);
+
+/* Launch WG(D, F16) (a wgmma kernel of SMEM bytes of team memory) when
+ * fa_gpu_wgmma_on allows it on `dev`, else MMA(D, F16), for head_dim d and
+ * dtype f16 (FA_MMA_BY_HEAD_DIM). Builds without wgmma launch MMA only. */
+#ifdef FORKATTN_HAVE_WGMMA
+#define FA_WG_OR_MMA(WG, MMA, SMEM, d, f16)                                                                    \
+  do {                                                                                                        \
+    if (fa_gpu_wgmma_on(dev, (SMEM))) FA_MMA_BY_HEAD_DIM(WG, d, f16);                                         \
+    else FA_MMA_BY_HEAD_DIM(MMA, d, f16);                                                                     \
+  } while (0)
+#else
+#define FA_WG_OR_MMA(WG, MMA, SMEM, d, f16) FA_MMA_BY_HEAD_DIM(MMA, d, f16)
+#endif
 
 #endif

@@ -82,7 +82,7 @@ static void run_case(const char *name, const emu_case *c) {
   tc_rng rng = tc_rng_for(name);
   const int f16 = c->f16, dt = f16 ? FORKATTN_DTYPE_F16 : FORKATTN_DTYPE_BF16;
   const int64_t hq = c->hq, hkv = c->hkv, d = c->d, group = hq / hkv;
-  const int bk = d == 128 ? 32 : 64;
+  const int bk = FA_MMA_BK(d);
   fa_plan plan;
   int64_t T, off[8];
   if (c->nodes) {
@@ -364,7 +364,7 @@ static void kl_case(const char *name, int64_t P, int64_t N, const int64_t *lens,
   b.reverse = reverse, b.nqb = nqb, b.h = H, b.hkv_t = hkv_t, b.hkv_s = hkv_s, b.dt = b.ds = d;
   b.st = sct, b.ss = scs, b.loss_mul = 1.0f;
   static unsigned short smem[4 * 64 * (128 + 8)];
-  const int bk = d == 128 ? 32 : 64;
+  const int bk = FA_MMA_BK(d);
   for (int64_t blk = 0; blk < nqb; blk++)
     for (int64_t h = 0; h < H; h++) EMU_TEAM(fa_mma_kl_fwd_team((int)d, bk, f16, b, qb[blk], h, smem));
   double worst = 0;
@@ -440,7 +440,7 @@ static void kl_bwd_case(const char *name, int64_t P, int64_t N, const int64_t *l
                         int64_t hkv, int64_t d, int f16, int reverse, int64_t chunk) {
   omp_set_dynamic(0);
   tc_rng rng = tc_rng_for(name);
-  const int dt = f16 ? FORKATTN_DTYPE_F16 : FORKATTN_DTYPE_BF16, bk = d == 128 ? 32 : 64;
+  const int dt = f16 ? FORKATTN_DTYPE_F16 : FORKATTN_DTYPE_BF16, bk = FA_MMA_BK(d);
   int64_t off[8] = {0};
   for (int64_t i = 0; i < N; i++) off[i + 1] = off[i] + lens[i];
   const int64_t T = P + off[N], nq = T * H * d, nk = T * hkv * d, group = H / hkv;

@@ -166,7 +166,9 @@ static inline __attribute__((always_inline)) void fa_dq_team(const int D, const 
       }
     }
     if (WG) { /* dQ += dS K, K of [key][dim] read N-major */
-      fa_wg_acc_ab(dq, s, sm, kt, BK, D, f16);
+      fa_u4 pa[FA_MMA_MAX_BK / 16];
+      fa_wg_pack(pa, s, BK, f16);
+      fa_wg_acc_ab(dq, pa, sm, kt, BK, D, f16);
       fa_wg_commit();
       fa_wg_wait(0);
       fa_wg_pin(dq, D / 8);
@@ -419,9 +421,13 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
  * V's 64-key tiles kept in team memory as the A operands of S^T = K Q^T and
  * dP^T = V dO^T (read through descriptors: register A fragments that outlive
  * a wgmma are not safe, fa_wg_acc_abt), and dV += P^T dO, dK += dS^T Q with
- * P^T and dS^T packed from registers. Query tiles of FA_WG_DKV_BQ(D) rows,
- * double-buffered (the next tile streams in during this one); each product
- * group is waited before registers it reads are rewritten. Team memory
+ * P^T and dS^T packed from registers, both packed before one fence so dV's
+ * and dK's products form one group and one wait. Query tiles of
+ * FA_WG_DKV_BQ(D) rows, double-buffered (the next tile streams in during this
+ * one); each product group is waited before registers it reads are
+ * rewritten. Tried and dropped (v2.4, bench/NOTES-gpu.md): three buffers with
+ * tile j + 1's S^T and dP^T issued with tile j's dV and dK, so tile j + 1's
+ * dS^T overlaps them: correct, but 29 % (case 1) to 52 % (case 2) slower. Team memory
  * (FA_WG_DKV_SMEM, elements from a 1024-byte aligned base): K | V | two
  * (Q, dO) buffers | lse, D of each | scan flags. */
 #define FA_WG_DKV_BQ(d) ((d) == 128 ? 32 : 64) /* 64 at d=128 spilled: 9.56 vs 8.18 ms at case 2 (v2.3) */
@@ -486,13 +492,14 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, co
     fa_wg_pin(dp, BQ / 8);
     fa_mma_dkv_grads(s, dp, ld, mul, nq, BQ, nq == BQ && (!w.causal || kfirst + warp * 16 + 15 <= w.qb + qsh), lo0,
                      lo1, c0, qflags, &bad0, &bad1);
-    fa_wg_acc_ab(dv, s, sm, ot, BQ, D, f16); /* dV += P^T dO, dO of [query][dim] read N-major */
+    fa_u4 pa[FA_MMA_MAX_BK / 16], da[FA_MMA_MAX_BK / 16];
+    fa_wg_pack(pa, s, BQ, f16); /* P^T */
+    fa_wg_pack(da, dp, BQ, f16); /* dS^T */
+    fa_wg_acc_ab(dv, pa, sm, ot, BQ, D, f16); /* dV += P^T dO, dO of [query][dim] read N-major */
+    fa_wg_acc_ab(dk, da, sm, qt, BQ, D, f16); /* dK += dS^T Q */
     fa_wg_commit();
     fa_wg_wait(0);
     fa_wg_pin(dv, D / 8);
-    fa_wg_acc_ab(dk, dp, sm, qt, BQ, D, f16); /* dK += dS^T Q */
-    fa_wg_commit();
-    fa_wg_wait(0);
     fa_wg_pin(dk, D / 8);
     cb ^= 1;
     w = w1;

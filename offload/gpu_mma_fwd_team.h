@@ -173,7 +173,9 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
 
     /* O += P V: P from the S accumulators (two n-tiles make one A fragment). */
     if (WG) {
-      fa_wg_acc_ab(o, s, sm, vt, BK, D, f16);
+      fa_u4 pa[FA_MMA_MAX_BK / 16];
+      fa_wg_pack(pa, s, BK, f16);
+      fa_wg_acc_ab(o, pa, sm, vt, BK, D, f16);
       fa_wg_commit();
       fa_wg_wait(0); /* S of tile j + 1 and O */
       fa_wg_pin(o, D / 8);

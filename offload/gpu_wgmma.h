@@ -213,11 +213,17 @@ static inline void fa_wg_wait(int n) {
                    : "l"(adesc), "l"(desc), "r"(acc_in)                                                            \
                    : "memory")
 
-/* A descriptor of the 128-byte swizzle at element off of m (bits 62-63 = 1). */
+/* A descriptor of the 128-byte swizzle at element off of m (bits 62-63 = 1).
+ * Written as a tile-invariant base plus off / 8 (16-byte units) in the low
+ * word, the high word a constant: off is a multiple of 8, the team memory
+ * window is under 256 KB and m is 1024-byte aligned, so the sum carries into
+ * neither the LBO field nor the high word. Then every product of a tile
+ * costs one add and one move to a uniform register, not the ~10 integer
+ * instructions the masked form compiled to (ncu: integer work and R2UR were
+ * ~60 % of the dK/dV kernel's instructions). */
 static inline uint64_t fa_wg_desc(fa_smem m, int off, int lbo, int sbo) {
-  const uint32_t addr = m.s + 2u * (uint32_t)off;
-  return (uint64_t)(((addr & 0x3ffffu) >> 4) | ((uint32_t)(lbo >> 4) << 16)) | (uint64_t)(uint32_t)(sbo >> 4) << 32 |
-         1ull << 62;
+  const uint32_t lo = ((m.s & 0x3ffffu) >> 4 | (uint32_t)(lbo >> 4) << 16) + ((uint32_t)off >> 3);
+  return (uint64_t)((uint32_t)(sbo >> 4) | 1u << 30) << 32 | lo;
 }
 
 static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *c, int N, fa_smem m, int aoff, int off,
@@ -275,17 +281,21 @@ static inline __attribute__((always_inline)) void fa_wg_acc_abt(fa_f4 *acc, int 
                  tile + (ks >> 2) * N * 64 + (ks & 3) * 16, f16, ks > 0);
 }
 
-/* acc (16 rows x D) += A B over K/16 k-steps: A packed from the accumulators
- * a (two n-tiles a k-step), B (K x D) the K-row tile at element tile in the
- * wgmma layout read N-major. The fragments are packed and pinned before the
- * fence, so no register the products read is written after it. Issued, not
- * waited. */
-static inline __attribute__((always_inline)) void fa_wg_acc_ab(fa_f4 *acc, const fa_f4 *a, fa_smem sm, int tile, int K,
-                                                               int D, int f16) {
-  fa_u4 pa[FA_MMA_MAX_BK / 16];
+/* pa = A fragments of the accumulators a (16 rows x K, two n-tiles a
+ * 16-wide k-step) in the input type, pinned so they are written before the
+ * next fence. */
+static inline __attribute__((always_inline)) void fa_wg_pack(fa_u4 *pa, const fa_f4 *a, int K, int f16) {
 #pragma unroll
   for (int kk = 0; kk < K / 16; kk++) pa[kk] = fa_mma_p_frag(a[2 * kk], a[2 * kk + 1], f16);
   fa_wg_pin_u4(pa, K / 16);
+}
+
+/* acc (16 rows x D) += A B over K/16 k-steps: A the packed fragments pa
+ * (fa_wg_pack), B (K x D) the K-row tile at element tile in the wgmma layout
+ * read N-major. Issued, not waited: the caller keeps pa unchanged and live
+ * until the wait (fa_wg_pin_u4 after it when other work comes between). */
+static inline __attribute__((always_inline)) void fa_wg_acc_ab(fa_f4 *acc, const fa_u4 *pa, fa_smem sm, int tile,
+                                                               int K, int D, int f16) {
   fa_wg_pin(acc, D / 8);
   fa_wg_fence();
 #pragma unroll

@@ -76,6 +76,19 @@ static inline fa_u4 fa_load_u4(const void *p) {
   return r;
 }
 
+/* v to 16 bytes at p, 16-byte aligned (team memory): one vector store. */
+static inline void fa_store_u4(void *p, fa_u4 v) {
+  const fa_v4u32 w = {v.x, v.y, v.z, v.w};
+  *(fa_v4u32 *)p = w;
+}
+
+/* w (two b16 halves; IEEE halves when f16 != 0, else bf16) with its
+ * non-finite halves (exponent all ones: inf or NaN) zeroed. */
+static inline uint32_t fa_b16x2_finite(uint32_t w, int f16) {
+  const uint32_t e = f16 ? 0x7c00u : 0x7f80u;
+  return w & ((w & e) == e ? 0xffff0000u : ~0u) & ((w >> 16 & e) == e ? 0x0000ffffu : ~0u);
+}
+
 /* lo*lo + hi*hi of two b16x2 words (bf16, or IEEE halves when f16 != 0). */
 static inline float fa_dot_b16x2(uint32_t a, uint32_t b, int f16) {
   if (f16)

@@ -293,10 +293,14 @@ static inline unsigned long long fa_mma_scan_rows(unsigned short *t, int P, int 
   const int tpr = FA_MMA_THREADS / n, r = tid / tpr, part = tid % tpr, span = D / tpr, lane = tid % 32;
   const int wg = P == D; /* unpadded: the wgmma layout (fa_wg_elem), whose readers need the proxy fence */
   int bad = 0;
-  for (int c = part * span; c < (part + 1) * span; c++) {
-    const int e = wg ? fa_wg_elem(r, c, n) : r * P + c;
-    const float x = f16 ? fa_f16_to_f32(t[e]) : fa_bf16_to_f32(t[e]);
-    if (!isfinite(x)) bad = 1, t[e] = 0;
+  /* 16-byte chunks (span is a multiple of 8; a chunk stays whole under the swizzle): one load and a few
+   * integer tests per 8 elements, where one element at a time cost as much as a tile's products (ncu) */
+  for (int c = part * span; c < (part + 1) * span; c += 8) {
+    unsigned short *e = t + (wg ? fa_wg_elem(r, c, n) : r * P + c);
+    const fa_u4 v = fa_load_u4(e);
+    const fa_u4 f = {fa_b16x2_finite(v.x, f16), fa_b16x2_finite(v.y, f16), fa_b16x2_finite(v.z, f16),
+                     fa_b16x2_finite(v.w, f16)};
+    if (f.x != v.x || f.y != v.y || f.z != v.z || f.w != v.w) bad = 1, fa_store_u4(e, f);
   }
   if (wg) fa_fence_proxy_async();
   const unsigned b = fa_mma_ballot(bad); /* lanes [i*tpr, (i+1)*tpr) own row (warp)*32/tpr + i */

@@ -402,6 +402,23 @@ static void kl_case(const char *name, int64_t P, int64_t N, const int64_t *lens,
 /* teacher 4 query / 2 KV heads, student 4 / 1; forward and reverse KL */
 /* The kernels keep positions and pair indices in 32 bits; larger plans go to
  * the FP32 kernels (fa_gpu_mma_ok). */
+/* The masked tiles' scan (fa_mma_scan_rows) zeroes exactly the non-finite halves of a b16x2 word: every
+ * bf16 and f16 bit pattern, in either half, next to a finite and a non-finite neighbour. */
+Test(mma_emulated, b16x2_finite_zeroes_exactly_the_non_finite_halves) {
+  for (int f16 = 0; f16 <= 1; f16++) {
+    const uint32_t fin = f16 ? 0x3c00u : 0x3f80u, inf = f16 ? 0x7c00u : 0x7f80u; /* 1.0 and +inf */
+    for (uint32_t h = 0; h <= 0xffffu; h++) {
+      const float x = f16 ? fa_f16_to_f32((uint16_t)h) : fa_bf16_to_f32((uint16_t)h);
+      const uint32_t keep = isfinite(x) ? h : 0u;
+      for (int other = 0; other < 2; other++) {
+        const uint32_t o = other ? inf : fin, ko = other ? 0u : fin;
+        cr_assert_eq(fa_b16x2_finite(h | o << 16, f16), keep | ko << 16, "f16=%d lo=%04x hi=%04x", f16, h, o);
+        cr_assert_eq(fa_b16x2_finite(o | h << 16, f16), ko | keep << 16, "f16=%d lo=%04x hi=%04x", f16, o, h);
+      }
+    }
+  }
+}
+
 Test(mma_emulated, plans_beyond_32_bit_positions_are_refused) {
   fa_plan p;
   int64_t off[2] = {0, 100};

@@ -234,34 +234,34 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_scores(fa_f4 *s, fa
 
 /* This lane's queries' lse (times log2 e) and D of a tile, from its floats
  * at ld ([BQ] lse in natural log, [BQ] D): lq[2n], lq[2n + 1] for queries
- * n * 8 + c0 and + 1, dq likewise. Read apart from fa_mma_dkv_grads so the
+ * n * 8 + c0 and + 1, dd likewise. Read apart from fa_mma_dkv_grads so the
  * wgmma team issues them while its S^T and dP^T products run (ncu: their
  * latency stalled the first use right after the wait). */
-static inline __attribute__((always_inline)) void fa_mma_dkv_rows(float *lq, float *dq, const float *ld, int BQ,
+static inline __attribute__((always_inline)) void fa_mma_dkv_rows(float *lq, float *dd, const float *ld, int BQ,
                                                                    int c0) {
 #pragma unroll
   for (int n = 0; n < BQ / 8; n++) {
     const int qi = n * 8 + c0;
     lq[2 * n] = ld[qi] * FA_LOG2E, lq[2 * n + 1] = ld[qi + 1] * FA_LOG2E;
-    dq[2 * n] = ld[BQ + qi], dq[2 * n + 1] = ld[BQ + qi + 1];
+    dd[2 * n] = ld[BQ + qi], dd[2 * n + 1] = ld[BQ + qi + 1];
   }
 }
 
 /* P^T and dS^T of one warp's 16 keys x BQ queries in place of S^T (s) and
- * dP^T (dp): lq, dq the lane's lse and D (fa_mma_dkv_rows). A tile whose
+ * dP^T (dp): lq, dd the lane's lse and D (fa_mma_dkv_rows). A tile whose
  * queries all see every key of the warp (all, warp-uniform) skips the
  * masks; otherwise query qi sees the lane's keys from lo0 / lo1 on, below
  * nq. qflags: the tile's non-finite Q/dO rows (fa_mma_scan_rows), which flag
  * the keys that see them (bad0, bad1). */
 static inline __attribute__((always_inline)) void fa_mma_dkv_grads(fa_f4 *s, fa_f4 *dp, const float *lq,
-                                                                    const float *dq, float mul, int nq, int BQ,
+                                                                    const float *dd, float mul, int nq, int BQ,
                                                                     int all, int lo0, int lo1, int c0,
                                                                     unsigned long long qflags, int *bad0, int *bad1) {
   if (all) {
     if (qflags) *bad0 = *bad1 = 1; /* every key of the warp is seen by the tile's non-finite row */
 #pragma unroll
     for (int n = 0; n < BQ / 8; n++) {
-      const float l0 = lq[2 * n], l1 = lq[2 * n + 1], d0 = dq[2 * n], d1 = dq[2 * n + 1];
+      const float l0 = lq[2 * n], l1 = lq[2 * n + 1], d0 = dd[2 * n], d1 = dd[2 * n + 1];
       s[n].x = fa_mma_exp2(fmaf(s[n].x, mul, -l0)), s[n].y = fa_mma_exp2(fmaf(s[n].y, mul, -l1));
       s[n].z = fa_mma_exp2(fmaf(s[n].z, mul, -l0)), s[n].w = fa_mma_exp2(fmaf(s[n].w, mul, -l1));
       dp[n].x = s[n].x * (dp[n].x - d0), dp[n].y = s[n].y * (dp[n].y - d1);
@@ -277,7 +277,7 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_grads(fa_f4 *s, fa_
         *bad0 |= (v00 && (qflags >> qi & 1u)) || (v01 && (qflags >> (qi + 1) & 1u));
         *bad1 |= (v10 && (qflags >> qi & 1u)) || (v11 && (qflags >> (qi + 1) & 1u));
       }
-      const float l0 = lq[2 * n], l1 = lq[2 * n + 1], d0 = dq[2 * n], d1 = dq[2 * n + 1];
+      const float l0 = lq[2 * n], l1 = lq[2 * n + 1], d0 = dd[2 * n], d1 = dd[2 * n + 1];
       s[n].x = v00 ? fa_mma_exp2(s[n].x * mul - l0) : 0.0f;
       s[n].y = v01 ? fa_mma_exp2(s[n].y * mul - l1) : 0.0f;
       s[n].z = v10 ? fa_mma_exp2(s[n].z * mul - l0) : 0.0f;
@@ -402,9 +402,9 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
         masked ? fa_mma_scan_rows(smem + qt, P, BQ, D, f16, qbad, tid) | fa_mma_scan_rows(smem + ot, P, BQ, D, f16, qbad, tid)
                : 0;
 
-    float lq[FA_MMA_BQ / 4], dq[FA_MMA_BQ / 4];
-    fa_mma_dkv_rows(lq, dq, ld, BQ, c0);
-    fa_mma_dkv_grads(s, dp, lq, dq, mul, nq, BQ, nq == BQ && (!w.causal || kfirst + warp * 16 + 15 <= w.qb + qsh),
+    float lq[FA_MMA_BQ / 4], dd[FA_MMA_BQ / 4];
+    fa_mma_dkv_rows(lq, dd, ld, BQ, c0);
+    fa_mma_dkv_grads(s, dp, lq, dd, mul, nq, BQ, nq == BQ && (!w.causal || kfirst + warp * 16 + 15 <= w.qb + qsh),
                      lo0, lo1, c0, qflags, &bad0, &bad1);
     /* Tile j + 1's scores (after the last tile: tile j's rows again, discarded). */
     fa_f4 sn[FA_MMA_BQ / 8], dpn[FA_MMA_BQ / 8];
@@ -503,12 +503,12 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, co
     fa_wg_acc_abt(s, ktile, sm, qt, BQ, D, f16);  /* S^T = K Q^T */
     fa_wg_acc_abt(dp, vtile, sm, ot, BQ, D, f16); /* dP^T = V dO^T */
     fa_wg_commit();
-    float lq[FA_MMA_MAX_BK / 4], dq[FA_MMA_MAX_BK / 4];
-    fa_mma_dkv_rows(lq, dq, ld, BQ, c0); /* while the products run */
+    float lq[FA_MMA_MAX_BK / 4], dd[FA_MMA_MAX_BK / 4];
+    fa_mma_dkv_rows(lq, dd, ld, BQ, c0); /* while the products run */
     fa_wg_wait(0);
     fa_wg_pin(s, BQ / 8);
     fa_wg_pin(dp, BQ / 8);
-    fa_mma_dkv_grads(s, dp, lq, dq, mul, nq, BQ, nq == BQ && (!w.causal || kfirst + warp * 16 + 15 <= w.qb + qsh),
+    fa_mma_dkv_grads(s, dp, lq, dd, mul, nq, BQ, nq == BQ && (!w.causal || kfirst + warp * 16 + 15 <= w.qb + qsh),
                      lo0, lo1, c0, qflags, &bad0, &bad1);
     fa_u4 pa[FA_MMA_MAX_BK / 16], da[FA_MMA_MAX_BK / 16];
     fa_wg_pack(pa, s, BQ, f16); /* P^T */

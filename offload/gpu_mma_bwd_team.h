@@ -15,6 +15,7 @@
 
 #define FA_MMA_BQ 32 /* reader queries per dK/dV tile (16 with V in team memory) */
 #define FA_WG_DQ_BK 64 /* keys per tile of the wgmma dQ (S and dP m64n64 products) */
+#define FA_WG_DQ_KP 32 /* keys a part of the wgmma dQ's dS K (fa_dq_team) */
 
 #pragma omp declare target
 
@@ -113,13 +114,14 @@ static inline __attribute__((always_inline)) void fa_dq_team(const int D, const 
     const unsigned long long kflags = masked ? fa_mma_scan_rows(smem + kt, P, BK, D, f16, kbad, tid) : 0;
 
     fa_f4 s[FA_MMA_MAX_BK / 8], dp[FA_MMA_MAX_BK / 8];
-    if (WG) { /* the first k-step of each ignores the accumulator's old value */
+    if (WG) { /* the first k-step of each ignores the accumulator's old value; two groups, so P is
+               * formed while dP still multiplies */
       fa_wg_acc_abt(s, 0, sm, kt, BK, D, f16);
+      fa_wg_commit();
       fa_wg_acc_abt(dp, FA_MMA_ROWS * P, sm, kt + BK * P, BK, D, f16);
       fa_wg_commit();
-      fa_wg_wait(0);
+      fa_wg_wait(1);
       fa_wg_pin(s, BK / 8);
-      fa_wg_pin(dp, BK / 8);
     } else { /* S = Q K^T and dP = dO V^T in one loop: as two fa_mma_acc_abt calls, ptxas orders the loads
        * differently and dQ ran 3-4 % slower on the H200 (bench/logs/gpu_ab_refactor_abt_h200.txt) */
       const int kl = kt + fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane); /* constant offsets from here fold */
@@ -137,19 +139,23 @@ static inline __attribute__((always_inline)) void fa_dq_team(const int D, const 
           dp[2 * np + 1] = fa_mma_16816(dp[2 * np + 1], of[ks], bv.z, bv.w, f16);
         }
     }
-    /* dS = P (dP - D) where visible, an exact 0 elsewhere (a select, not a
-     * product). A tile whose keys every row of this warp sees (warp-uniform,
-     * as in the forward) skips the masks. */
-    if (nk == BK && (!w.causal || w.kb + BK - 1 <= qfirst + warp * 16)) {
+    /* P = exp2(S - lse), then dS = P (dP - D), where visible; an exact 0
+     * elsewhere (a select, not a product; vis0 / vis1: bit 2n + i for column
+     * 8n + c0 + i of rows r0, r0 + 8). A tile whose keys every row of this
+     * warp sees (warp-uniform, as in the forward) skips the masks. With
+     * wgmma, dQ += dS K in KP-key parts: part c's product runs while part
+     * c + 1's dS is formed. */
+    const int all = nk == BK && (!w.causal || w.kb + BK - 1 <= qfirst + warp * 16);
+    unsigned vis0 = ~0u, vis1 = ~0u;
+    if (all) {
       if (kflags) bad0 = bad1 = 1; /* every row of the warp sees the tile's non-finite K row */
 #pragma unroll
       for (int n = 0; n < BK / 8; n++) {
-        s[n].x = fa_mma_exp2(fmaf(s[n].x, mul, -lse0)) * (dp[n].x - dd0);
-        s[n].y = fa_mma_exp2(fmaf(s[n].y, mul, -lse0)) * (dp[n].y - dd0);
-        s[n].z = fa_mma_exp2(fmaf(s[n].z, mul, -lse1)) * (dp[n].z - dd1);
-        s[n].w = fa_mma_exp2(fmaf(s[n].w, mul, -lse1)) * (dp[n].w - dd1);
+        s[n].x = fa_mma_exp2(fmaf(s[n].x, mul, -lse0)), s[n].y = fa_mma_exp2(fmaf(s[n].y, mul, -lse0));
+        s[n].z = fa_mma_exp2(fmaf(s[n].z, mul, -lse1)), s[n].w = fa_mma_exp2(fmaf(s[n].w, mul, -lse1));
       }
     } else {
+      vis0 = vis1 = 0;
 #pragma unroll
       for (int n = 0; n < BK / 8; n++) {
         const int key = n * 8 + c0;
@@ -159,19 +165,39 @@ static inline __attribute__((always_inline)) void fa_dq_team(const int D, const 
           bad0 |= (t0 != -INFINITY && (kflags >> key & 1u)) || (t1 != -INFINITY && (kflags >> (key + 1) & 1u));
           bad1 |= (t2 != -INFINITY && (kflags >> key & 1u)) || (t3 != -INFINITY && (kflags >> (key + 1) & 1u));
         }
-        s[n].x = t0 == -INFINITY ? 0.0f : fa_mma_exp2(t0 - lse0) * (dp[n].x - dd0);
-        s[n].y = t1 == -INFINITY ? 0.0f : fa_mma_exp2(t1 - lse0) * (dp[n].y - dd0);
-        s[n].z = t2 == -INFINITY ? 0.0f : fa_mma_exp2(t2 - lse1) * (dp[n].z - dd1);
-        s[n].w = t3 == -INFINITY ? 0.0f : fa_mma_exp2(t3 - lse1) * (dp[n].w - dd1);
+        vis0 |= (unsigned)(t0 != -INFINITY) << 2 * n | (unsigned)(t1 != -INFINITY) << (2 * n + 1);
+        vis1 |= (unsigned)(t2 != -INFINITY) << 2 * n | (unsigned)(t3 != -INFINITY) << (2 * n + 1);
+        s[n].x = t0 == -INFINITY ? 0.0f : fa_mma_exp2(t0 - lse0);
+        s[n].y = t1 == -INFINITY ? 0.0f : fa_mma_exp2(t1 - lse0);
+        s[n].z = t2 == -INFINITY ? 0.0f : fa_mma_exp2(t2 - lse1);
+        s[n].w = t3 == -INFINITY ? 0.0f : fa_mma_exp2(t3 - lse1);
       }
     }
-    if (WG) { /* dQ += dS K, K of [key][dim] read N-major */
-      fa_u4 pa[FA_MMA_MAX_BK / 16];
-      fa_wg_pack(pa, s, BK, f16);
-      fa_wg_acc_ab(dq, pa, sm, kt, BK, D, f16);
-      fa_wg_commit();
+    if (WG) {
+      fa_wg_wait(0);
+      fa_wg_pin(dp, BK / 8);
+    }
+    const int KP = WG ? FA_WG_DQ_KP : BK;
+    fa_u4 pa[FA_MMA_MAX_BK / 16];
+#pragma unroll
+    for (int k0 = 0; k0 < BK; k0 += KP) {
+#pragma unroll
+      for (int n = k0 / 8; n < (k0 + KP) / 8; n++) {
+        s[n].x = vis0 >> 2 * n & 1u ? s[n].x * (dp[n].x - dd0) : 0.0f;
+        s[n].y = vis0 >> (2 * n + 1) & 1u ? s[n].y * (dp[n].y - dd0) : 0.0f;
+        s[n].z = vis1 >> 2 * n & 1u ? s[n].z * (dp[n].z - dd1) : 0.0f;
+        s[n].w = vis1 >> (2 * n + 1) & 1u ? s[n].w * (dp[n].w - dd1) : 0.0f;
+      }
+      if (WG) { /* dQ += dS K, K of [key][dim] read N-major */
+        fa_wg_pack(pa + k0 / 16, s + k0 / 8, KP, f16);
+        fa_wg_acc_ab(dq, pa + k0 / 16, sm, kt + k0 * 64, KP, BK, D, f16);
+        fa_wg_commit();
+      }
+    }
+    if (WG) {
       fa_wg_wait(0);
       fa_wg_pin(dq, D / 8);
+      fa_wg_pin_u4(pa, BK / 16);
     } else {
       fa_mma_acc_ab(dq, s, sm, kt, P, BK, D, f16, lane); /* dQ += dS K, K of [key][dim] */
     }
@@ -437,8 +463,9 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
  * V's 64-key tiles kept in team memory as the A operands of S^T = K Q^T and
  * dP^T = V dO^T (read through descriptors: register A fragments that outlive
  * a wgmma are not safe, fa_wg_acc_abt), and dV += P^T dO, dK += dS^T Q with
- * P^T and dS^T packed from registers, both packed before one fence so dV's
- * and dK's products form one group and one wait. Query tiles of
+ * P^T and dS^T packed from registers, in two parts of CQ queries: part
+ * c's dV and dK products (one group) run while part c + 1's P^T and dS^T
+ * are formed, then one wait. Query tiles of
  * FA_WG_DKV_BQ(D) rows, double-buffered (the next tile streams in during this
  * one); each product group is waited before registers it reads are
  * rewritten. Tried and dropped (v2.4, bench/NOTES-gpu.md): three buffers with
@@ -447,13 +474,14 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
  * (FA_WG_DKV_SMEM, elements from a 1024-byte aligned base): K | V | two
  * (Q, dO) buffers | lse, D of each | scan flags. */
 #define FA_WG_DKV_BQ(d) ((d) == 128 ? 32 : 64) /* 64 at d=128 spilled: 9.56 vs 8.18 ms at case 2 (v2.3) */
+#define FA_WG_DKV_CQ(d) (FA_WG_DKV_BQ(d) / 2) /* queries a part of the dV and dK products */
 #define FA_WG_DKV_SMEM(d)                                                                                       \
   ((size_t)(2 * FA_MMA_ROWS + 4 * FA_WG_DKV_BQ(d)) * (d) * 2 + 4 * FA_WG_DKV_BQ(d) * sizeof(float) +            \
    4 * sizeof(unsigned) + FA_WG_BLOCK_BYTES)
 
 static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, const int f16, const fa_gpu_bwd b,
                                                                   int64_t ui, int64_t g, unsigned short *smem) {
-  const int P = D, BQ = FA_WG_DKV_BQ(D); /* P == D: the wgmma layout in the loads and the scans */
+  const int P = D, BQ = FA_WG_DKV_BQ(D), CQ = FA_WG_DKV_CQ(D); /* P == D: the wgmma layout in the loads and the scans */
   const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
   const fa_key_unit u = b.units[ui];
   const fa_block blk = b.kblocks[u.block];
@@ -500,25 +528,35 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, co
                                                    fa_mma_scan_rows(smem + ot, P, BQ, D, f16, qbad, tid)
                                              : 0;
     fa_f4 s[FA_MMA_MAX_BK / 8], dp[FA_MMA_MAX_BK / 8]; /* 16 keys x BQ queries */
+    const int all = nq == BQ && (!w.causal || kfirst + warp * 16 + 15 <= w.qb + qsh);
+    float lq[FA_MMA_MAX_BK / 4], dd[FA_MMA_MAX_BK / 4];
+    fa_u4 pa[FA_MMA_MAX_BK / 16], da[FA_MMA_MAX_BK / 16];
     fa_wg_acc_abt(s, ktile, sm, qt, BQ, D, f16);  /* S^T = K Q^T */
     fa_wg_acc_abt(dp, vtile, sm, ot, BQ, D, f16); /* dP^T = V dO^T */
     fa_wg_commit();
-    float lq[FA_MMA_MAX_BK / 4], dd[FA_MMA_MAX_BK / 4];
     fa_mma_dkv_rows(lq, dd, ld, BQ, c0); /* while the products run */
     fa_wg_wait(0);
     fa_wg_pin(s, BQ / 8);
     fa_wg_pin(dp, BQ / 8);
-    fa_mma_dkv_grads(s, dp, lq, dd, mul, nq, BQ, nq == BQ && (!w.causal || kfirst + warp * 16 + 15 <= w.qb + qsh),
-                     lo0, lo1, c0, qflags, &bad0, &bad1);
-    fa_u4 pa[FA_MMA_MAX_BK / 16], da[FA_MMA_MAX_BK / 16];
-    fa_wg_pack(pa, s, BQ, f16); /* P^T */
-    fa_wg_pack(da, dp, BQ, f16); /* dS^T */
-    fa_wg_acc_ab(dv, pa, sm, ot, BQ, D, f16); /* dV += P^T dO, dO of [query][dim] read N-major */
-    fa_wg_acc_ab(dk, da, sm, qt, BQ, D, f16); /* dK += dS^T Q */
-    fa_wg_commit();
+    /* In CQ-query parts: part c's dV and dK products run while part c + 1's
+     * P^T and dS^T are formed (its own registers: a group's A stays intact
+     * until the wait). */
+#pragma unroll
+    for (int c = 0; c < BQ / CQ; c++) {
+      const int q0 = c * CQ;
+      fa_mma_dkv_grads(s + q0 / 8, dp + q0 / 8, lq + q0 / 4, dd + q0 / 4, mul, nq - q0, CQ, all, lo0 - q0, lo1 - q0,
+                       c0, qflags >> q0, &bad0, &bad1);
+      fa_wg_pack(pa + q0 / 16, s + q0 / 8, CQ, f16); /* P^T */
+      fa_wg_pack(da + q0 / 16, dp + q0 / 8, CQ, f16); /* dS^T */
+      fa_wg_acc_ab(dv, pa + q0 / 16, sm, ot + q0 * 64, CQ, BQ, D, f16); /* dV += P^T dO, dO of [query][dim] N-major */
+      fa_wg_acc_ab(dk, da + q0 / 16, sm, qt + q0 * 64, CQ, BQ, D, f16); /* dK += dS^T Q */
+      fa_wg_commit();
+    }
     fa_wg_wait(0);
     fa_wg_pin(dv, D / 8);
     fa_wg_pin(dk, D / 8);
+    fa_wg_pin_u4(pa, BQ / 16);
+    fa_wg_pin_u4(da, BQ / 16);
     cb ^= 1;
     w = w1;
   }

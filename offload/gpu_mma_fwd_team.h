@@ -175,7 +175,7 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
     if (WG) {
       fa_u4 pa[FA_MMA_MAX_BK / 16];
       fa_wg_pack(pa, s, BK, f16);
-      fa_wg_acc_ab(o, pa, sm, vt, BK, D, f16);
+      fa_wg_acc_ab(o, pa, sm, vt, BK, BK, D, f16);
       fa_wg_commit();
       fa_wg_wait(0); /* S of tile j + 1 and O */
       fa_wg_pin(o, D / 8);

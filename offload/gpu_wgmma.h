@@ -291,16 +291,17 @@ static inline __attribute__((always_inline)) void fa_wg_pack(fa_u4 *pa, const fa
 }
 
 /* acc (16 rows x D) += A B over K/16 k-steps: A the packed fragments pa
- * (fa_wg_pack), B (K x D) the K-row tile at element tile in the wgmma layout
- * read N-major. Issued, not waited: the caller keeps pa unchanged and live
- * until the wait (fa_wg_pin_u4 after it when other work comes between). */
+ * (fa_wg_pack), B (K x D) K rows of a tile of R rows (R = K, or a tile whose
+ * rows from `tile` on are taken in parts) in the wgmma layout, read N-major:
+ * its 64-column slabs are R rows apart. Issued, not waited: the caller keeps
+ * pa unchanged and live until the wait (fa_wg_pin_u4 after it). */
 static inline __attribute__((always_inline)) void fa_wg_acc_ab(fa_f4 *acc, const fa_u4 *pa, fa_smem sm, int tile,
-                                                               int K, int D, int f16) {
+                                                               int K, int R, int D, int f16) {
   fa_wg_pin(acc, D / 8);
   fa_wg_fence();
 #pragma unroll
   for (int kk = 0; kk < K / 16; kk++)
-    fa_wg_mma(acc, D, pa[kk], sm, tile + kk * 1024, K * 128, f16);
+    fa_wg_mma(acc, D, pa[kk], sm, tile + kk * 1024, R * 128, f16);
 }
 #pragma omp end declare target
 

@@ -8,6 +8,8 @@
 #include "gpu_stage.h"
 #include "segment_attn.h"
 
+struct fa_tma_map;
+
 typedef struct fa_gpu_fwd_args {
   fa_dev_tensor q, k, v, o; /* device views */
   float *lse;               /* device [rows, hq] or NULL */
@@ -20,6 +22,7 @@ typedef struct fa_gpu_fwd_args {
   fa_kept kept; /* device copy (maps staged) */
   int has_kept;
   int device;
+  const struct fa_tma_map *tma; /* device copies of K's and V's tensor maps (gpu_tma.h), or NULL: cp.async */
 } fa_gpu_fwd_args;
 
 /* Query rows per team of the tensor-core forward (16 per warp, 4 warps). */
@@ -38,5 +41,12 @@ int fa_gpu_mma_fwd_ok(const fa_attn_fwd *a, forkattn_memory memory);
 int fa_gpu_mma_ok(const forkattn_tensor *const *t, int n, int64_t d, int has_kept, const fa_plan *plan,
                   forkattn_memory memory);
 void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g);
+/* 1 when the forward of a call that passes fa_gpu_mma_fwd_ok runs the wgmma
+ * kernel with bulk tensor copies (sm_90a build, device team memory, head_dim
+ * 64 or 128, FORKATTN_GPU_TMA not 0) and the driver encoded K's and V's
+ * tensor maps into maps[0], maps[1] (k, v: the device views). A shape the
+ * driver refuses keeps the cp.async loads. */
+int fa_gpu_mma_fwd_tma(struct fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
+                       int64_t v_rows, int64_t hkv, int64_t d, int device);
 
 #endif

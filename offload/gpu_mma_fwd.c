@@ -25,6 +25,7 @@
 #include "gpu_mma_fwd_team.h"
 #include "gpu_mma_tiles.h"
 #include "gpu_team_memory.h"
+#include "gpu_tma.h"
 #include "gpu_wgmma.h"
 #include "online_softmax.h"
 
@@ -65,6 +66,17 @@ int fa_gpu_wgmma_on(int device, size_t smem) {
   (void)device, (void)smem;
   return 0;
 #endif
+}
+
+int fa_gpu_mma_fwd_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
+                       int64_t v_rows, int64_t hkv, int64_t d, int device) {
+  /* FORKATTN_GPU_TMA=0 keeps the cp.async loads (comparison and diagnosis). */
+  const char *env = getenv("FORKATTN_GPU_TMA");
+  if ((env && strcmp(env, "0") == 0) || !fa_gpu_wgmma_on(device, FA_WG_QUERY_SMEM(FA_WG_BK, d, 1))) return 0;
+  char msg[96];
+  const int f16 = k->dtype == FORKATTN_DTYPE_F16;
+  return !fa_gpu_tma_encode(&maps[0], k->data, f16, k_rows, hkv, d, k->rs, k->hs, FA_WG_BK, msg, sizeof msg) &&
+         !fa_gpu_tma_encode(&maps[1], v->data, f16, v_rows, hkv, d, v->rs, v->hs, FA_WG_BK, msg, sizeof msg);
 }
 
 #define FA_WG_FWD(D, F16) FA_MMA_QUERY_TEAMS(fa_wg_fwd_team, blocks, D, FA_WG_BK, F16, FA_WG_QUERY_SMEM(FA_WG_BK, D, 1))

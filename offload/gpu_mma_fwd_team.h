@@ -10,6 +10,7 @@
 #include "gpu_fwd.h"
 #include "gpu_mma.h"
 #include "gpu_mma_tiles.h"
+#include "gpu_tma.h"
 #include "gpu_wgmma.h"
 
 #pragma omp declare target
@@ -38,6 +39,12 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
   /* element offsets of the two K/V buffers; WG keeps Q's tile (qt) in front of them for the whole walk */
   const int qt = 0, buf0 = WG ? FA_MMA_ROWS * P : 0, buf1 = buf0 + 2 * BK * P;
   unsigned *vbad = (unsigned *)(smem + buf0 + 4 * BK * P); /* per-warp flags of non-finite V rows */
+  /* WG with tensor maps: the walk's K and full V tiles arrive by bulk tensor
+   * copies that thread 0 issues, completing on the mbarrier 16 bytes after
+   * the flags (FA_WG_QUERY_SMEM); a V tile with fewer keys than BK still
+   * comes by cp.async, zero-filled past its keys (0 * NaN in P V). */
+  const fa_tma_map *tma = WG ? ga.tma : NULL;
+  const int mbar = buf0 + 4 * BK * P + 8;
   const fa_range *seg = ga.seg;
   const fa_pair *pair = ga.pair;
   const int64_t qshift = ga.qshift;
@@ -46,6 +53,7 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
   /* Q (64 rows) streams into buffer 1 (WG: its own tile) while tile 0 streams into buffer 0. */
   fa_mma_load_rows(sm, WG ? qt : buf1, P, FA_MMA_ROWS, D, ga.q, blk.start, blk.len, h, tid);
   fa_cp_async_commit();
+  if (tma && tid == 0) fa_mbar_init(sm, mbar, 1); /* visible after the barrier below */
   fa_tile_walk w = fa_walk_first(ga.qoff, seg, pair, blk, qshift);
   if (w.pi < w.pend) fa_mma_load_kv(sm, buf0, P, BK, D, ga.k, g, ga.v, g, w, tid);
   fa_cp_async_commit();
@@ -93,15 +101,29 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
   const int qfirst = (int)(blk.start + qshift); /* key-frame position of the block's first row */
   const int q_pos0 = qfirst + r0, q_pos1 = q_pos0 + 8;
   int cur = 0; /* tile j's buffer */
+  int phase = 0; /* the mbarrier's phase of this iteration's bulk copies */
 
   while (w.pi < w.pend) {
     fa_cp_async_wait(0); /* K(j+1), V(j) */
+    if (tma && phase) fa_mbar_wait(sm, mbar, (phase - 1) & 1); /* ... those that came by bulk copies */
     if (WG) fa_fence_proxy_async(); /* ... for the tensor cores' reads too */
     ompx_sync_block_acq_rel(); /* ... visible, and iteration j - 1's reads of K(j), V(j-1) done */
     const int kt = cur ? buf1 : buf0, kn = cur ? buf0 : buf1, vt = kt + BK * P;
     const fa_tile_walk w2 = fa_walk_next(w1, BK, seg, pair, blk, qshift);
-    if (w2.pi < w2.pend) fa_mma_load_rows(sm, kt, P, BK, D, ga.k, w2.kb, fa_walk_keys(w2, BK), g, tid);
-    if (w1.pi < w1.pend) fa_mma_load_rows(sm, kn + BK * P, P, BK, D, ga.v, w1.kb, fa_walk_keys(w1, BK), g, tid);
+    if (tma) { /* K rows past a tile's keys are masked (any value), V's must be zeros */
+      const int k_bulk = w2.pi < w2.pend, v_bulk = w1.pi < w1.pend && fa_walk_keys(w1, BK) == BK;
+      if (tid == 0) {
+        fa_mbar_expect_tx(sm, mbar, (k_bulk + v_bulk) * BK * D * 2); /* 0 bytes: completes at once */
+        if (k_bulk) fa_tma_tile(sm, kt, tma, (int)g, w2.kb, BK, D, mbar);
+        if (v_bulk) fa_tma_tile(sm, kn + BK * P, tma + 1, (int)g, w1.kb, BK, D, mbar);
+      }
+      if (w1.pi < w1.pend && !v_bulk)
+        fa_mma_load_rows(sm, kn + BK * P, P, BK, D, ga.v, w1.kb, fa_walk_keys(w1, BK), g, tid);
+      phase++;
+    } else {
+      if (w2.pi < w2.pend) fa_mma_load_rows(sm, kt, P, BK, D, ga.k, w2.kb, fa_walk_keys(w2, BK), g, tid);
+      if (w1.pi < w1.pend) fa_mma_load_rows(sm, kn + BK * P, P, BK, D, ga.v, w1.kb, fa_walk_keys(w1, BK), g, tid);
+    }
     fa_cp_async_commit();
     const int nk = fa_walk_keys(w, BK);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);

@@ -18,6 +18,7 @@
 #include "dtype_convert.h"
 #include "gpu_backend.h"
 #include "gpu_fwd.h"
+#include "gpu_tma.h"
 #include "gpu_stage.h"
 #include "gpu_tiles.h"
 #include "gpu_trace.h"
@@ -127,20 +128,25 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
   fa_dev_tensor q, k, v, o;
   const int64_t rows = p->rows, qshift = p->qshift, hq = a->hq, hkv = a->hkv, d = a->d;
   float *lse = NULL;
-  const void *plan_h[4] = {p->seg, p->pair, p->q_pair_off, blocks_h};
-  const size_t plan_bytes[4] = {sizeof *p->seg * (size_t)p->nseg, sizeof *p->pair * (size_t)p->npairs,
-                                sizeof(int64_t) * (size_t)(p->nseg + 1), sizeof *blocks_h * (size_t)nb};
-  void *plan_d[4] = {NULL, NULL, NULL, NULL};
-  int bad = fa_stage_arrays(&st, 4, plan_h, plan_bytes, plan_d);
-  const fa_range *seg = plan_d[0];
-  const fa_pair *pair = plan_d[1];
-  const int64_t *qoff = plan_d[2];
-  const fa_block *blocks = plan_d[3];
   fa_kept kept;
   const int has_kept = a->kept != NULL;
-  bad = bad || fa_gpu_stage_kept(&st, a->kept, &kept) ||
-            fa_stage_tensor(&st, &a->q, 1, &q) || fa_stage_tensor(&st, &a->k, 1, &k) ||
-            fa_stage_tensor(&st, &a->v, 1, &v) || fa_stage_tensor(&st, &a->o, 0, &o);
+  int bad = fa_gpu_stage_kept(&st, a->kept, &kept) || fa_stage_tensor(&st, &a->q, 1, &q) ||
+            fa_stage_tensor(&st, &a->k, 1, &k) || fa_stage_tensor(&st, &a->v, 1, &v) ||
+            fa_stage_tensor(&st, &a->o, 0, &o);
+  /* the plan and, for bulk tensor copies, K's and V's tensor maps in one upload; the maps first,
+   * at the block's start (64-byte aligned) */
+  fa_tma_map maps[2];
+  const int tma = !bad && mma && fa_gpu_mma_fwd_tma(maps, &k, a->k.rows, &v, a->v.rows, hkv, d, ctx->device);
+  const void *plan_h[5] = {maps, p->seg, p->pair, p->q_pair_off, blocks_h};
+  const size_t plan_bytes[5] = {tma ? sizeof maps : 0, sizeof *p->seg * (size_t)p->nseg,
+                                sizeof *p->pair * (size_t)p->npairs, sizeof(int64_t) * (size_t)(p->nseg + 1),
+                                sizeof *blocks_h * (size_t)nb};
+  void *plan_d[5] = {NULL, NULL, NULL, NULL, NULL};
+  bad = bad || fa_stage_arrays(&st, 5, plan_h, plan_bytes, plan_d);
+  const fa_range *seg = plan_d[1];
+  const fa_pair *pair = plan_d[2];
+  const int64_t *qoff = plan_d[3];
+  const fa_block *blocks = plan_d[4];
   if (!bad && a->lse) bad = !(lse = fa_stage_floats(&st, a->lse, (size_t)(rows * hq), 0));
   fa_free(blocks_h);
   if (bad) {
@@ -150,8 +156,9 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
                    status == FORKATTN_ERR_DEVICE ? "copy" : "allocation");
   }
 
-  const fa_gpu_fwd_args ga = {q, k, v, o, lse, seg, pair, qoff, blocks, nb, hq, hkv, d, qshift, a->scale, kept,
-                              has_kept, ctx->device};
+  const fa_gpu_fwd_args ga = {q,  k,    v,      o,        lse,         seg,         pair,
+                              qoff, blocks, nb, hq, hkv, d, qshift, a->scale, kept, has_kept, ctx->device,
+                              tma ? (const fa_tma_map *)plan_d[0] : NULL};
   fa_note_workspace(ctx, st.bytes);
   fa_gpu_trace_mark(&tr, "stage");
 

@@ -13,10 +13,11 @@
  * Rows past the tensor's last row arrive as zeros; rows past a segment's
  * end inside the tensor arrive as they are (the caller masks or zeroes them).
  *
- * Not yet used by the attention kernels: tests/test_tma.c checks on the GPU
- * that a copy lands bit for bit where fa_mma_load_rows (cp.async) puts the
- * same rows, and that a barrier serves consecutive phases. Host bases trap
- * (no emulation yet); the nvptx variants exist for sm_90 and newer. */
+ * The wgmma forward loads its K and V tiles this way (gpu_mma_fwd_team.h);
+ * tests/test_tma.c checks on the GPU that a copy lands bit for bit where
+ * fa_mma_load_rows (cp.async) puts the same rows, and that a barrier serves
+ * consecutive phases. Host bases trap (the emulated kernels take the
+ * cp.async path); the nvptx variants exist for sm_90 and newer. */
 #ifndef FORKATTN_GPU_TMA_H
 #define FORKATTN_GPU_TMA_H
 #include <stdint.h>
@@ -24,7 +25,7 @@
 #include "gpu_mma.h"
 
 /** An encoded tensor map (CUtensorMap: 128 bytes, 64-byte aligned). */
-typedef struct fa_tma_map {
+typedef struct fa_tma_map { /* struct tag: forward-declared in gpu_fwd.h */
   _Alignas(64) uint64_t opaque[16];
 } fa_tma_map;
 
@@ -103,6 +104,13 @@ static inline int fa_mbar_try_wait(fa_smem m, int off, int parity) {
 static inline void fa_mbar_wait(fa_smem m, int off, int parity) {
   while (!fa_mbar_try_wait(m, off, parity)) {
   }
+}
+
+/* Rows [row, row + R) of head `head` into an R x D tile at dst in the wgmma
+ * layout (fa_wg_elem): one box per 64-column slab, R * 64 elements apart
+ * (the map's boxes are R rows). Completes on the barrier at bar; one thread. */
+static inline void fa_tma_tile(fa_smem m, int dst, const fa_tma_map *map, int head, int row, int R, int D, int bar) {
+  for (int c = 0; c < D; c += 64) fa_tma_load_3d(m, dst + c * R, map, c, head, row, bar);
 }
 #pragma omp end declare target
 

@@ -44,10 +44,11 @@
 #define FA_WG_BLOCK_BYTES 1024 /* 8 swizzled 128-byte rows: the descriptors' SBO */
 /* Team memory of the wgmma forward (NQ = 1: Q) and dQ (NQ = 2: Q, dO):
  * the query tiles the products read from team memory, then
- * FA_MMA_QUERY_SMEM's K/V tiles unpadded, plus room to align them
- * (fa_wg_align). */
+ * FA_MMA_QUERY_SMEM's K/V tiles unpadded and flags, an mbarrier (bulk
+ * tensor copies, gpu_tma.h) 16 bytes after the flags, plus room to align
+ * the tiles (fa_wg_align). */
 #define FA_WG_QUERY_SMEM(BK, D, NQ)                                                                                \
-  (FA_MMA_QUERY_SMEM((BK), (D)) + (size_t)(NQ) * FA_MMA_ROWS * (D) * 2 + FA_WG_BLOCK_BYTES)
+  (FA_MMA_QUERY_SMEM((BK), (D)) + 16 + (size_t)(NQ) * FA_MMA_ROWS * (D) * 2 + FA_WG_BLOCK_BYTES)
 
 /* Elements to skip from team memory m so that tiles start 1024-byte aligned
  * (the runtime aligns the dynamic buffer to 16 bytes only). */

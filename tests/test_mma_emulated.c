@@ -142,7 +142,7 @@ static void run_case(const char *name, const emu_case *c) {
   cr_assert(nqb > 0);
   fa_gpu_fwd_args ga = {view(b.q, dt, hq, d), view(b.k, dt, hkv, d), view(b.v, dt, hkv, d), view(b.o, dt, hq, d),
                         b.lse, plan.seg, plan.pair, plan.q_pair_off, qb, nqb, hq, hkv, d, plan.qshift,
-                        (float)scale, {0}, 0, 0};
+                        (float)scale, {0}, 0, 0, NULL}; /* no tensor maps: the cp.async loads (TMA has no emulation) */
   /* the warpgroup (wgmma) forward, then the mma.sync one, whose o and lse the backward reads */
   int64_t nonfinite = 0;
   for (int wg = 1; wg >= 0; wg--) {

@@ -287,7 +287,7 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
   fa_gpu_bwd b = {.rows = p->rows, .qshift = p->qshift, .hq = a->hq, .hkv = a->hkv, .d = a->d, .scale = a->scale,
                   .nqb = nqb, .nkb = nkb, .nunits = nunits, .krows = brows, .device = ctx->device};
   int bad = nunits < 0;
-  if (!bad && (nqb * a->hq > INT_MAX || 2 * nunits * a->hkv > INT_MAX || nkb * a->hkv * brows > INT_MAX ||
+  if (!bad && (nqb * a->hq > INT_MAX || nunits * a->hkv > INT_MAX || nkb * a->hkv * brows > INT_MAX ||
                p->rows * a->hq / FA_ROWSUM_WARPS >= INT_MAX)) {
     fa_free(qb_h);
     fa_free(kb_h);

@@ -16,13 +16,16 @@
  * The wgmma forward loads its K and V tiles this way (gpu_mma_fwd_team.h);
  * tests/test_tma.c checks on the GPU that a copy lands bit for bit where
  * fa_mma_load_rows (cp.async) puts the same rows, and that a barrier serves
- * consecutive phases. Host bases trap (the emulated kernels take the
- * cp.async path); the nvptx variants exist for sm_90 and newer. */
+ * consecutive phases; tests/test_mma_emulated.c runs the forward with
+ * emulated copies (below) against its cp.async form. The nvptx variants
+ * exist for sm_90 and newer. */
 #ifndef FORKATTN_GPU_TMA_H
 #define FORKATTN_GPU_TMA_H
 #include <stdint.h>
+#include <string.h>
 
 #include "gpu_mma.h"
+#include "gpu_mma_tiles.h"
 
 /** An encoded tensor map (CUtensorMap: 128 bytes, 64-byte aligned). */
 typedef struct fa_tma_map { /* struct tag: forward-declared in gpu_fwd.h */
@@ -39,28 +42,66 @@ int fa_gpu_tma_encode(fa_tma_map *map, const void *base, int f16, int64_t rows, 
 
 #pragma omp declare target
 /* Team-memory offsets below are in 16-bit elements, like every fa_smem
- * operand; an mbarrier takes 8 bytes (4 elements), 8-byte aligned. */
-
-/* Initialise the mbarrier at off for `count` arriving threads (one thread;
- * a team barrier must follow before any other thread uses it). */
+ * operand; an mbarrier takes 8 bytes (4 elements), 8-byte aligned.
+ *  fa_mbar_init       initialise the mbarrier at off for `count` arriving
+ *                     threads (one thread; a team barrier must follow);
+ *  fa_mbar_expect_tx  this thread arrives and adds `bytes` to the transfer
+ *                     the current phase waits for;
+ *  fa_tma_load_3d     copy the box at (column c0, head c1, row c2) of the
+ *                     tensor `map` describes to team memory at dst (1024-byte
+ *                     aligned for the swizzle), its bytes completing the
+ *                     barrier at bar; issued by one thread;
+ *  fa_mbar_try_wait   1 once the barrier's phase of this parity (0, 1, 0, ...)
+ *                     completed.
+ * Bases: with FORKATTN_MMA_EMULATE (host tests) the copy happens at once,
+ * from the map fa_tma_emulated_map wrote, into the wgmma layout the
+ * cp.async loader writes (so the emulated wgmma reads it alike), and the
+ * barrier calls do nothing: the team barrier that precedes every read of a
+ * tile orders it. Otherwise they trap. */
+#ifndef FORKATTN_MMA_EMULATE
 static inline void fa_mbar_init(fa_smem m, int off, int count) { (void)m, (void)off, (void)count, __builtin_trap(); }
-
-/* This thread arrives on the barrier and adds `bytes` to the transfer its
- * current phase waits for. */
 static inline void fa_mbar_expect_tx(fa_smem m, int off, int bytes) { (void)m, (void)off, (void)bytes, __builtin_trap(); }
-
-/* Copy the box at (column c0, head c1, row c2) of the tensor `map`
- * describes into team memory at dst (1024-byte aligned for the swizzle);
- * its bytes complete the barrier at bar. Issued by one thread. */
 static inline void fa_tma_load_3d(fa_smem m, int dst, const fa_tma_map *map, int c0, int c1, int c2, int bar) {
   (void)m, (void)dst, (void)map, (void)c0, (void)c1, (void)c2, (void)bar, __builtin_trap();
 }
-
-/* 1 once the barrier's phase with this parity (0, 1, 0, ...) completed. */
 static inline int fa_mbar_try_wait(fa_smem m, int off, int parity) {
   (void)m, (void)off, (void)parity, __builtin_trap();
   return 1;
 }
+#else
+/* The emulation's map: what fa_gpu_tma_encode gives the driver. */
+typedef struct fa_tma_emu {
+  const uint16_t *base;
+  int64_t rows, heads, d, row_stride, head_stride; /* elements */
+  int box_rows;
+} fa_tma_emu;
+_Static_assert(sizeof(fa_tma_emu) <= sizeof(fa_tma_map), "the emulated map fits a tensor map");
+
+static inline void fa_tma_emulated_map(fa_tma_map *map, const void *base, int64_t rows, int64_t heads, int64_t d,
+                                       int64_t row_stride, int64_t head_stride, int box_rows) {
+  const fa_tma_emu e = {(const uint16_t *)base, rows, heads, d, row_stride, head_stride, box_rows};
+  memset(map, 0, sizeof *map);
+  memcpy(map, &e, sizeof e);
+}
+
+static inline void fa_mbar_init(fa_smem m, int off, int count) { (void)m, (void)off, (void)count; }
+static inline void fa_mbar_expect_tx(fa_smem m, int off, int bytes) { (void)m, (void)off, (void)bytes; }
+static inline void fa_tma_load_3d(fa_smem m, int dst, const fa_tma_map *map, int c0, int c1, int c2, int bar) {
+  fa_tma_emu e;
+  memcpy(&e, map, sizeof e);
+  (void)bar;
+  for (int r = 0; r < e.box_rows; r++)
+    for (int c = 0; c < 64; c++) { /* out of the tensor: zeros */
+      const int64_t row = (int64_t)c2 + r, col = (int64_t)c0 + c;
+      const int in = row < e.rows && col < e.d && c1 < e.heads;
+      m.p[dst + fa_wg_elem(r, c, e.box_rows)] = in ? e.base[row * e.row_stride + c1 * e.head_stride + col] : 0;
+    }
+}
+static inline int fa_mbar_try_wait(fa_smem m, int off, int parity) {
+  (void)m, (void)off, (void)parity;
+  return 1;
+}
+#endif
 #pragma omp end declare target
 
 #ifdef __clang__

@@ -142,11 +142,21 @@ static void run_case(const char *name, const emu_case *c) {
   cr_assert(nqb > 0);
   fa_gpu_fwd_args ga = {view(b.q, dt, hq, d), view(b.k, dt, hkv, d), view(b.v, dt, hkv, d), view(b.o, dt, hq, d),
                         b.lse, plan.seg, plan.pair, plan.q_pair_off, qb, nqb, hq, hkv, d, plan.qshift,
-                        (float)scale, {0}, 0, 0, NULL}; /* no tensor maps: the cp.async loads (TMA has no emulation) */
-  /* the warpgroup (wgmma) forward, then the mma.sync one, whose o and lse the backward reads */
+                        (float)scale, {0}, 0, 0, NULL};
+  /* K's and V's tiles by (emulated) bulk tensor copies: K whole, V when the tile has 64 keys */
+  fa_tma_map maps[2];
+  fa_tma_emulated_map(&maps[0], b.k, T, hkv, d, hkv * d, d, FA_WG_BK);
+  fa_tma_emulated_map(&maps[1], b.v, T, hkv, d, hkv * d, d, FA_WG_BK);
+  /* the warpgroup (wgmma) forward with bulk copies, without (which must give the same bits),
+   * then the mma.sync one, whose o and lse the backward reads */
   int64_t nonfinite = 0;
-  for (int wg = 1; wg >= 0; wg--) {
-    const char *kernel = wg ? "wgmma forward" : "mma forward";
+  uint16_t *o_tma = malloc(sizeof(uint16_t) * (size_t)nq);
+  float *lse_tma = malloc(sizeof(float) * (size_t)(T * hq));
+  cr_assert(o_tma && lse_tma);
+  for (int pass = 2; pass >= 0; pass--) {
+    const int wg = pass > 0;
+    const char *kernel = pass == 2 ? "wgmma forward (bulk copies)" : wg ? "wgmma forward" : "mma forward";
+    ga.tma = pass == 2 ? maps : NULL;
     for (int64_t i = 0; i < nq; i++) b.o[i] = 0x7fc1; /* poison: NaN in both dtypes */
     for (int64_t i = 0; i < T * hq; i++) b.lse[i] = NAN;
     for (int64_t blk = 0; blk < nqb; blk++)
@@ -154,6 +164,16 @@ static void run_case(const char *name, const emu_case *c) {
         if (wg) EMU_TEAM(fa_wg_fwd_team((int)d, FA_WG_BK, f16, ga, qb[blk], h, h / group, smem));
         else EMU_TEAM(fa_mma_fwd_team((int)d, bk, f16, ga, qb[blk], h, h / group, smem));
       }
+    if (pass == 2) {
+      memcpy(o_tma, b.o, sizeof(uint16_t) * (size_t)nq);
+      memcpy(lse_tma, b.lse, sizeof(float) * (size_t)(T * hq));
+    } else if (pass == 1) {
+      int64_t diff = 0;
+      for (int64_t i = 0; i < nq; i++) diff += o_tma[i] != b.o[i];
+      for (int64_t i = 0; i < T * hq; i++) diff += memcmp(&lse_tma[i], &b.lse[i], sizeof(float)) != 0;
+      cr_assert_eq(diff, 0, "%s: the forward with bulk copies differs from the cp.async one in %lld elements", name,
+                   (long long)diff);
+    }
     if (c->nan_v_row < 0) {
       const double eo = rel_err(b.o, ro, nq, f16, &nonfinite);
       double el = 0;
@@ -259,7 +279,7 @@ static void run_case(const char *name, const emu_case *c) {
   free(units);
   free(unit_off);
 done:
-  free(qb);
+  free(qb), free(o_tma), free(lse_tma);
   for (int i = 0; i < 8; i++) free(*b16[i]);
   free(b.rq), free(b.rk), free(b.rv), free(b.rdout), free(b.lse), free(b.dsum);
   free(ro), free(rlse), free(rdq), free(rdk), free(rdv);

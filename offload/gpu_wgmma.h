@@ -63,7 +63,7 @@ static inline int fa_wg_align(fa_smem m) {
  *                B (16 x N) at element off of m, N-major (rows are k, 8-row
  *                blocks FA_WG_BLOCK_BYTES apart, 64-column slabs lbo bytes
  *                apart): V, K, dO or Q read as [k][n];
- *  fa_wg_mma_ss  acc (N 32 or 64) = A B (+ acc when acc_in): A (64 x 16)
+ *  fa_wg_mma_ss  acc (N 32, 64 or 128) = A B (+ acc when acc_in): A (64 x 16)
  *                the warpgroup's rows at element aoff, B (16 x N) the rows
  *                at off, both K-major (rows are m or n, k along the row).
  * Both in the 128-byte swizzle. */
@@ -174,7 +174,7 @@ static inline void fa_wg_wait(int n) {
 #define FA_WG_ACC64                                                                                                \
   FA_WG_ACC32, FA_WG_F4(8), FA_WG_F4(9), FA_WG_F4(10), FA_WG_F4(11), FA_WG_F4(12), FA_WG_F4(13), FA_WG_F4(14),     \
       FA_WG_F4(15)
-/* One wgmma: register A (N = 64, 128; B N-major) or shared-memory A (SS, N = 32, 64; B K-major); TY the
+/* One wgmma: register A (N = 64, 128; B N-major) or shared-memory A (SS, N = 32, 64, 128; B K-major); TY the
  * input type. */
 #define FA_WG_ACC16 FA_WG_F4(0), FA_WG_F4(1), FA_WG_F4(2), FA_WG_F4(3)
 #define FA_WG_N64(TY)                                                                                              \
@@ -203,6 +203,16 @@ static inline void fa_wg_wait(int n) {
                    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "   \
                    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"    \
                    : FA_WG_ACC32                                                                                   \
+                   : "l"(adesc), "l"(desc), "r"(acc_in)                                                            \
+                   : "memory")
+#define FA_WG_SS_N128(TY)                                                                                          \
+  __asm__ volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                    \
+                   "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                                    \
+                   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "   \
+                   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "    \
+                   "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "    \
+                   "%56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"                       \
+                   : FA_WG_ACC64                                                                                   \
                    : "l"(adesc), "l"(desc), "r"(acc_in)                                                            \
                    : "memory")
 #define FA_WG_SS_N32(TY)                                                                                           \
@@ -234,9 +244,12 @@ static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *c, int N, 
   if (N == 32) {
     if (f16) FA_WG_SS_N32("f16");
     else FA_WG_SS_N32("bf16");
-  } else {
+  } else if (N == 64) {
     if (f16) FA_WG_SS_N64("f16");
     else FA_WG_SS_N64("bf16");
+  } else {
+    if (f16) FA_WG_SS_N128("f16");
+    else FA_WG_SS_N128("bf16");
   }
 }
 
@@ -252,6 +265,7 @@ static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *c, int N, fa_
     else FA_WG_N128("bf16");
   }
 }
+#undef FA_WG_SS_N128
 #undef FA_WG_SS_N32
 #undef FA_WG_SS_N64
 #undef FA_WG_N64

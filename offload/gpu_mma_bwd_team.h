@@ -101,8 +101,14 @@ static inline __attribute__((always_inline)) void fa_dq_team(const int D, const 
   if (w.pi < w.pend) fa_mma_load_kv(sm, buf0, P, BK, D, b.k, g, b.v, g, w, tid);
   fa_cp_async_commit();
   int cur = 0;
+  /* The walk runs a tile ahead of the loads: tile j + 1's position (nx) is
+   * known when iteration j starts, and tile j + 2's is computed after tile
+   * j's S and dP are issued, so the plan reads it takes (global memory) do
+   * not stall the copies in front of the products (ncu; dQ -6 % at case 2).
+   * Issuing the copies after the products instead, as the dK/dV team does,
+   * was slower here (+10 %, bench/NOTES-gpu.md v2.12). */
+  fa_tile_walk nx = fa_walk_next(w, BK, seg, pair, blk, qshift);
   while (w.pi < w.pend) {
-    const fa_tile_walk nx = fa_walk_next(w, BK, seg, pair, blk, qshift);
     const int kt = cur ? buf1 : buf0; /* K [BK][P], then V */
     fa_mma_kv_step(sm, cur ? buf0 : buf1, P, BK, D, b.k, g, b.v, g, nx, tid);
     const int nk = fa_walk_keys(w, BK);
@@ -139,6 +145,7 @@ static inline __attribute__((always_inline)) void fa_dq_team(const int D, const 
           dp[2 * np + 1] = fa_mma_16816(dp[2 * np + 1], of[ks], bv.z, bv.w, f16);
         }
     }
+    const fa_tile_walk nx2 = fa_walk_next(nx, BK, seg, pair, blk, qshift);
     /* P = exp2(S - lse), then dS = P (dP - D), where visible; an exact 0
      * elsewhere (a select, not a product; vis0 / vis1: bit 2n + i for column
      * 8n + c0 + i of rows r0, r0 + 8). A tile whose keys every row of this
@@ -204,6 +211,7 @@ static inline __attribute__((always_inline)) void fa_dq_team(const int D, const 
     ompx_sync_block_acq_rel();
     cur ^= 1;
     w = nx;
+    nx = nx2;
   }
   bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
   fa_mma_store_rows(b.dq, row0, h, dq, D, c0, ok0, ok1, b.scale, b.scale, bad0, bad1);
@@ -515,11 +523,6 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, co
     ompx_sync_block_acq_rel(); /* ... visible, and iteration j - 1's reads of the other buffer done */
     const int qt = qbuf0 + cb * qstep, ot = qt + BQ * P;
     const float *ld = (const float *)(smem + ld0 + 4 * BQ * cb);
-    const fa_query_walk w1 = fa_qwalk_next(w, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
-    if (w1.j <= u.j1)
-      fa_mma_load_queries(sm, qbuf0 + (cb ^ 1) * qstep, ld0 + 4 * BQ * (cb ^ 1), P, D, BQ, &b, w1,
-                          g * group + w1.hh, tid);
-    fa_cp_async_commit();
     const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
     const int lo0 = fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb + qsh, nq);
     const int lo1 = fa_mma_key_first_query(ok1, w.causal, k_pos1, w.qb + qsh, nq);
@@ -534,7 +537,16 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, co
     fa_wg_acc_abt(s, ktile, sm, qt, BQ, D, f16);  /* S^T = K Q^T */
     fa_wg_acc_abt(dp, vtile, sm, ot, BQ, D, f16); /* dP^T = V dO^T */
     fa_wg_commit();
-    fa_mma_dkv_rows(lq, dd, ld, BQ, c0); /* while the products run */
+    /* While the products run: tile j + 1's position (plan reads from global
+     * memory: issued before the products, their latency stalled the address
+     * arithmetic in front of S^T and dP^T, ncu), its copies into the buffer
+     * iteration j - 1 read, this tile's lse and D. */
+    const fa_query_walk w1 = fa_qwalk_next(w, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
+    if (w1.j <= u.j1)
+      fa_mma_load_queries(sm, qbuf0 + (cb ^ 1) * qstep, ld0 + 4 * BQ * (cb ^ 1), P, D, BQ, &b, w1,
+                          g * group + w1.hh, tid);
+    fa_cp_async_commit();
+    fa_mma_dkv_rows(lq, dd, ld, BQ, c0);
     fa_wg_wait(0);
     fa_wg_pin(s, BQ / 8);
     fa_wg_pin(dp, BQ / 8);

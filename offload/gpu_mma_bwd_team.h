@@ -110,7 +110,12 @@ static inline __attribute__((always_inline)) void fa_dq_team(const int D, const 
   fa_tile_walk nx = fa_walk_next(w, BK, seg, pair, blk, qshift);
   while (w.pi < w.pend) {
     const int kt = cur ? buf1 : buf0; /* K [BK][P], then V */
-    fa_mma_kv_step(sm, cur ? buf0 : buf1, P, BK, D, b.k, g, b.v, g, nx, tid);
+    /* Tile j landed and every warp is done with iteration j - 1 (its products
+     * waited for), so tile j + 1 may stream into that buffer: one barrier a
+     * tile (-3 % at case 1, bench/NOTES-gpu.md v2.12). */
+    fa_mma_tile_ready(0, WG);
+    if (nx.pi < nx.pend) fa_mma_load_kv(sm, cur ? buf0 : buf1, P, BK, D, b.k, g, b.v, g, nx, tid);
+    fa_cp_async_commit();
     const int nk = fa_walk_keys(w, BK);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
     const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
@@ -208,7 +213,6 @@ static inline __attribute__((always_inline)) void fa_dq_team(const int D, const 
     } else {
       fa_mma_acc_ab(dq, s, sm, kt, P, BK, D, f16, lane); /* dQ += dS K, K of [key][dim] */
     }
-    ompx_sync_block_acq_rel();
     cur ^= 1;
     w = nx;
     nx = nx2;

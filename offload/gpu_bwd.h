@@ -28,6 +28,7 @@ typedef struct fa_gpu_bwd {
   fa_kept kept; /* device copy, used when has_kept */
   int has_kept;
   int device;
+  const struct fa_tma_map *tma; /* device copies of Q's and dO's tensor maps for the wgmma dK/dV, or NULL */
 } fa_gpu_bwd;
 
 /* 1 when the tensor-core backward runs this call: the forward's conditions

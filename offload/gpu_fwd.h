@@ -41,12 +41,13 @@ int fa_gpu_mma_fwd_ok(const fa_attn_fwd *a, forkattn_memory memory);
 int fa_gpu_mma_ok(const forkattn_tensor *const *t, int n, int64_t d, int has_kept, const fa_plan *plan,
                   forkattn_memory memory);
 void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g);
-/* 1 when the forward of a call that passes fa_gpu_mma_fwd_ok runs the wgmma
- * kernel with bulk tensor copies (sm_90a build, device team memory, head_dim
- * 64 or 128, FORKATTN_GPU_TMA not 0) and the driver encoded K's and V's
- * tensor maps into maps[0], maps[1] (k, v: the device views). A shape the
- * driver refuses keeps the cp.async loads. */
-int fa_gpu_mma_fwd_tma(struct fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
-                       int64_t v_rows, int64_t hkv, int64_t d, int device);
+/* 1 when a tensor-core launch of a call that passes fa_gpu_mma_ok takes its
+ * wgmma kernel (team memory `smem`) with bulk tensor copies (sm_90a build,
+ * device team memory, FORKATTN_GPU_TMA not 0) and the driver encoded the
+ * tensor maps of a and b (device views of [rows][heads][d]) into maps[0],
+ * maps[1], boxes of box_rows rows: the forward's K and V, the dK/dV's Q and
+ * dO. A shape the driver refuses keeps the cp.async loads. */
+int fa_gpu_mma_tma_pair(struct fa_tma_map *maps, const fa_dev_tensor *a, int64_t a_rows, const fa_dev_tensor *b,
+                        int64_t b_rows, int64_t heads, int64_t d, int box_rows, size_t smem, int device);
 
 #endif

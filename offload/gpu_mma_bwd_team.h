@@ -11,6 +11,7 @@
 #include "gpu_bwd.h"
 #include "gpu_mma.h"
 #include "gpu_mma_tiles.h"
+#include "gpu_tma.h"
 #include "gpu_wgmma.h"
 
 #define FA_MMA_BQ 32 /* reader queries per dK/dV tile (16 with V in team memory) */
@@ -236,22 +237,30 @@ static inline __attribute__((always_inline)) void fa_wg_dq_team(const int D, con
 
 /* ---- dK/dV --------------------------------------------------------------- */
 
-/* Queries of tile w (BQ of them): Q, dO rows and their lse and D into
- * buffer `at` (Q [BQ][P], dO [BQ][P]) and the float pair at element `ld`
- * ([BQ] lse, [BQ] D), all by cp.async in the caller's copy group: a plain
- * load there stalled its warp for a memory latency per tile, and the team
- * with it at the next barrier (ncu: a fifth of the kernel's samples). lse
- * stays in natural-log units; the reader scales it. */
-static inline void fa_mma_load_queries(fa_smem m, int at, int ld, int P, int D, int BQ, const fa_gpu_bwd *b,
-                                       fa_query_walk w, int64_t h, int tid) {
+/* Queries of tile w (BQ of them): fa_mma_load_queries copies Q, dO rows and
+ * their lse and D into buffer `at` (Q [BQ][P], dO [BQ][P]) and the float
+ * pair at element `ld` ([BQ] lse, [BQ] D), fa_mma_load_query_stats only lse
+ * and D (the rows come by bulk tensor copies), all by cp.async in the
+ * caller's copy group: a plain load there stalled its warp for a memory
+ * latency per tile, and the team with it at the next barrier (ncu: a fifth
+ * of the kernel's samples). lse stays in natural-log units; the reader
+ * scales it. */
+static inline void fa_mma_load_query_stats(fa_smem m, int ld, int BQ, const fa_gpu_bwd *b, fa_query_walk w,
+                                           int64_t h, int tid) {
   const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
-  fa_mma_load_rows(m, at, P, BQ, D, b->q, w.qb, nq, h, tid);
-  fa_mma_load_rows(m, at + BQ * P, P, BQ, D, b->dout, w.qb, nq, h, tid);
   if (tid < 2 * BQ) { /* visible to the team after the wait and barrier that precede its use */
     const int i = tid % BQ, in = i < nq;
     const float *src = (tid < BQ ? b->lse : b->dsum) + ((int64_t)w.qb + (in ? i : 0)) * b->hq + h;
     fa_cp_async4(m, ld + 2 * tid, src, in ? 4 : 0); /* zero-filled past the tile's queries */
   }
+}
+
+static inline void fa_mma_load_queries(fa_smem m, int at, int ld, int P, int D, int BQ, const fa_gpu_bwd *b,
+                                       fa_query_walk w, int64_t h, int tid) {
+  const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
+  fa_mma_load_rows(m, at, P, BQ, D, b->q, w.qb, nq, h, tid);
+  fa_mma_load_rows(m, at + BQ * P, P, BQ, D, b->dout, w.qb, nq, h, tid);
+  fa_mma_load_query_stats(m, ld, BQ, b, w, h, tid);
 }
 
 /* S^T (16 keys x BQ queries of one warp) = K Q^T and dP^T = V dO^T for the
@@ -489,7 +498,7 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
 #define FA_WG_DKV_CQ(d) (FA_WG_DKV_BQ(d) / 2) /* queries a part of the dV and dK products */
 #define FA_WG_DKV_SMEM(d)                                                                                       \
   ((size_t)(2 * FA_MMA_ROWS + 4 * FA_WG_DKV_BQ(d)) * (d) * 2 + 4 * FA_WG_DKV_BQ(d) * sizeof(float) +            \
-   4 * sizeof(unsigned) + FA_WG_BLOCK_BYTES)
+   4 * sizeof(unsigned) + 16 + FA_WG_BLOCK_BYTES)
 
 static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, const int f16, const fa_gpu_bwd b,
                                                                   int64_t ui, int64_t g, unsigned short *smem) {
@@ -504,6 +513,14 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, co
   const int ktile = 0, vtile = FA_MMA_ROWS * P, qbuf0 = 2 * FA_MMA_ROWS * P, qstep = 2 * BQ * P;
   const int ld0 = qbuf0 + 2 * qstep; /* per buffer i: [BQ] lse, [BQ] D as floats at ld0 + 4 BQ i */
   unsigned *qbad = (unsigned *)(smem + ld0 + 8 * BQ);
+  /* With tensor maps (b.tma: Q's, dO's), a tile of BQ queries comes by bulk
+   * tensor copies that thread 0 issues, completing on the mbarrier after the
+   * flags; a shorter tile (its rows past the queries must be zeros: 0 * NaN
+   * in dV and dK) and every tile's lse and D still come by cp.async. */
+  const fa_tma_map *tma = b.tma;
+  const int mbar = ld0 + 8 * BQ + 8;
+  int phase = 0; /* the mbarrier's phase of this iteration's bulk copies */
+  if (tma && tid == 0) fa_mbar_init(sm, mbar, 1); /* visible after the first iteration's barrier */
 
   fa_mma_load_rows(sm, ktile, P, FA_MMA_ROWS, D, b.k, blk.start, blk.len, g, tid);
   fa_mma_load_rows(sm, vtile, P, FA_MMA_ROWS, D, b.v, blk.start, blk.len, g, tid);
@@ -523,6 +540,7 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, co
   int cb = 0;
   while (w.j <= u.j1) {
     fa_cp_async_wait(0); /* tile j (and at first K, V) */
+    if (tma && phase) fa_mbar_wait(sm, mbar, (phase - 1) & 1); /* ... those that came by bulk copies */
     fa_fence_proxy_async();
     ompx_sync_block_acq_rel(); /* ... visible, and iteration j - 1's reads of the other buffer done */
     const int qt = qbuf0 + cb * qstep, ot = qt + BQ * P;
@@ -546,9 +564,22 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, co
      * arithmetic in front of S^T and dP^T, ncu), its copies into the buffer
      * iteration j - 1 read, this tile's lse and D. */
     const fa_query_walk w1 = fa_qwalk_next(w, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
-    if (w1.j <= u.j1)
-      fa_mma_load_queries(sm, qbuf0 + (cb ^ 1) * qstep, ld0 + 4 * BQ * (cb ^ 1), P, D, BQ, &b, w1,
-                          g * group + w1.hh, tid);
+    const int nxt = qbuf0 + (cb ^ 1) * qstep, nld = ld0 + 4 * BQ * (cb ^ 1), h1 = (int)(g * group) + w1.hh;
+    if (tma) {
+      const int bulk = w1.j <= u.j1 && w1.qend - w1.qb >= BQ;
+      if (tid == 0) {
+        fa_mbar_expect_tx(sm, mbar, bulk * 2 * BQ * D * 2); /* 0 bytes: completes at once */
+        if (bulk) {
+          fa_tma_tile(sm, nxt, tma, h1, w1.qb, BQ, D, mbar);
+          fa_tma_tile(sm, nxt + BQ * P, tma + 1, h1, w1.qb, BQ, D, mbar);
+        }
+      }
+      if (bulk) fa_mma_load_query_stats(sm, nld, BQ, &b, w1, h1, tid);
+      else if (w1.j <= u.j1) fa_mma_load_queries(sm, nxt, nld, P, D, BQ, &b, w1, h1, tid);
+      phase++;
+    } else if (w1.j <= u.j1) {
+      fa_mma_load_queries(sm, nxt, nld, P, D, BQ, &b, w1, h1, tid);
+    }
     fa_cp_async_commit();
     fa_mma_dkv_rows(lq, dd, ld, BQ, c0);
     fa_wg_wait(0);

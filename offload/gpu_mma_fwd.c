@@ -68,15 +68,15 @@ int fa_gpu_wgmma_on(int device, size_t smem) {
 #endif
 }
 
-int fa_gpu_mma_fwd_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
-                       int64_t v_rows, int64_t hkv, int64_t d, int device) {
+int fa_gpu_mma_tma_pair(fa_tma_map *maps, const fa_dev_tensor *a, int64_t a_rows, const fa_dev_tensor *b,
+                        int64_t b_rows, int64_t heads, int64_t d, int box_rows, size_t smem, int device) {
   /* FORKATTN_GPU_TMA=0 keeps the cp.async loads (comparison and diagnosis). */
   const char *env = getenv("FORKATTN_GPU_TMA");
-  if ((env && strcmp(env, "0") == 0) || !fa_gpu_wgmma_on(device, FA_WG_QUERY_SMEM(FA_WG_BK, d, 1))) return 0;
+  if ((env && strcmp(env, "0") == 0) || !fa_gpu_wgmma_on(device, smem)) return 0;
   char msg[96];
-  const int f16 = k->dtype == FORKATTN_DTYPE_F16;
-  return !fa_gpu_tma_encode(&maps[0], k->data, f16, k_rows, hkv, d, k->rs, k->hs, FA_WG_BK, msg, sizeof msg) &&
-         !fa_gpu_tma_encode(&maps[1], v->data, f16, v_rows, hkv, d, v->rs, v->hs, FA_WG_BK, msg, sizeof msg);
+  const int f16 = a->dtype == FORKATTN_DTYPE_F16;
+  return !fa_gpu_tma_encode(&maps[0], a->data, f16, a_rows, heads, d, a->rs, a->hs, box_rows, msg, sizeof msg) &&
+         !fa_gpu_tma_encode(&maps[1], b->data, f16, b_rows, heads, d, b->rs, b->hs, box_rows, msg, sizeof msg);
 }
 
 #define FA_WG_FWD(D, F16) FA_MMA_QUERY_TEAMS(fa_wg_fwd_team, blocks, D, FA_WG_BK, F16, FA_WG_QUERY_SMEM(FA_WG_BK, D, 1))

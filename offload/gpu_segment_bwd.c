@@ -17,6 +17,8 @@
 #include "gpu_stage.h"
 #include "gpu_trace.h"
 #include "gpu_tiles.h"
+#include "gpu_mma_bwd_team.h"
+#include "gpu_tma.h"
 #include "online_softmax.h"
 
 
@@ -296,30 +298,38 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
     return fa_fail(ctx, FORKATTN_ERR_UNSUPPORTED, "gpu bwd: too many teams for one launch");
   }
   if (!bad) {
-    const void *plan_h[8] = {p->seg, p->pair, p->q_pair_off, p->k_pair_idx, qb_h, kb_h, units_h, unit_off_h};
-    const size_t plan_bytes[8] = {sizeof *p->seg * (size_t)p->nseg,      sizeof *p->pair * (size_t)p->npairs,
-                                  sizeof(int64_t) * (size_t)(p->nseg + 1), sizeof(int64_t) * (size_t)p->npairs,
-                                  sizeof *qb_h * (size_t)nqb,             sizeof *kb_h * (size_t)nkb,
-                                  sizeof *units_h * (size_t)nunits,       sizeof *unit_off_h * (size_t)(nkb + 1)};
-    void *plan_d[8] = {NULL};
-    bad = fa_stage_arrays(&st, 8, plan_h, plan_bytes, plan_d);
-    b.seg = plan_d[0], b.pair = plan_d[1], b.qoff = plan_d[2], b.kidx = plan_d[3];
-    b.qblocks = plan_d[4], b.kblocks = plan_d[5], b.units = plan_d[6], b.unit_off = plan_d[7];
-    if (!bad && nunits > nkb) { /* split blocks: partial sums, then the reduce kernel */
-      const size_t part = sizeof(float) * (size_t)(nunits * a->hkv * brows * a->d);
-      b.part_k = fa_stage_scratch(&st, part);
-      b.part_v = fa_stage_scratch(&st, part);
-      bad = !b.part_k || !b.part_v;
-    }
     b.dsum = fa_stage_scratch(&st, sizeof(float) * (size_t)(p->rows * a->hq));
     b.has_kept = a->kept != NULL;
-    bad = bad || fa_gpu_stage_kept(&st, a->kept, &b.kept);
+    bad = fa_gpu_stage_kept(&st, a->kept, &b.kept);
     b.lse = fa_stage_floats(&st, (float *)a->lse, (size_t)(p->rows * a->hq), 1);
     bad = bad || !b.dsum ||
           !b.lse || fa_stage_tensor(&st, &a->q, 1, &b.q) || fa_stage_tensor(&st, &a->k, 1, &b.k) ||
           fa_stage_tensor(&st, &a->v, 1, &b.v) || fa_stage_tensor(&st, &a->o, 1, &b.o) ||
           fa_stage_tensor(&st, &a->dout, 1, &b.dout) || fa_stage_tensor(&st, &a->dq, 0, &b.dq) ||
           fa_stage_tensor(&st, &a->dk, 0, &b.dk) || fa_stage_tensor(&st, &a->dv, 0, &b.dv);
+    /* the plan and, for the dK/dV's bulk tensor copies, Q's and dO's tensor maps in one upload;
+     * the maps first, at the block's start (64-byte aligned) */
+    fa_tma_map maps[2];
+    const int tma = !bad && mma &&
+                    fa_gpu_mma_tma_pair(maps, &b.q, a->q.rows, &b.dout, a->dout.rows, a->hq, a->d,
+                                        FA_WG_DKV_BQ(a->d), FA_WG_DKV_SMEM(a->d), ctx->device);
+    const void *plan_h[9] = {maps, p->seg, p->pair, p->q_pair_off, p->k_pair_idx, qb_h, kb_h, units_h, unit_off_h};
+    const size_t plan_bytes[9] = {tma ? sizeof maps : 0,
+                                  sizeof *p->seg * (size_t)p->nseg,      sizeof *p->pair * (size_t)p->npairs,
+                                  sizeof(int64_t) * (size_t)(p->nseg + 1), sizeof(int64_t) * (size_t)p->npairs,
+                                  sizeof *qb_h * (size_t)nqb,             sizeof *kb_h * (size_t)nkb,
+                                  sizeof *units_h * (size_t)nunits,       sizeof *unit_off_h * (size_t)(nkb + 1)};
+    void *plan_d[9] = {NULL};
+    bad = bad || fa_stage_arrays(&st, 9, plan_h, plan_bytes, plan_d);
+    b.tma = tma ? (const fa_tma_map *)plan_d[0] : NULL;
+    b.seg = plan_d[1], b.pair = plan_d[2], b.qoff = plan_d[3], b.kidx = plan_d[4];
+    b.qblocks = plan_d[5], b.kblocks = plan_d[6], b.units = plan_d[7], b.unit_off = plan_d[8];
+    if (!bad && nunits > nkb) { /* split blocks: partial sums, then the reduce kernel */
+      const size_t part = sizeof(float) * (size_t)(nunits * a->hkv * brows * a->d);
+      b.part_k = fa_stage_scratch(&st, part);
+      b.part_v = fa_stage_scratch(&st, part);
+      bad = !b.part_k || !b.part_v;
+    }
   }
   fa_free(qb_h);
   fa_free(kb_h);

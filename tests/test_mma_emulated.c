@@ -12,7 +12,9 @@
  * materialized distributions and its gradients.
  * The forward, dQ and dK/dV run twice: the warpgroup (wgmma) kernels of sm_90a
  * builds (offload/gpu_wgmma.h: the swizzled layout its descriptors read, as
- * the ISA defines it) and the mma.sync ones.
+ * the ISA defines it) and the mma.sync ones. The wgmma forward and dK/dV run
+ * once more with their bulk tensor copies emulated (offload/gpu_tma.h: K and
+ * V tiles, Q and dO tiles), and must give the same bits as with cp.async.
  * Tolerances are those of the 16-bit GPU tests (prefix_harness.c: 1e-2
  * relative for o and the gradients, 1e-3 absolute for lse): P and dS are
  * rounded to 16 bits before their products. [ran on host: emulation; the
@@ -212,11 +214,11 @@ static void run_case(const char *name, const emu_case *c) {
   }
   for (int64_t i = 0; i < nq; i++) b.dq[i] = 0x7fc1;
   for (int64_t i = 0; i < nk; i++) b.dk[i] = b.dv[i] = 0x7fc1;
-  const fa_gpu_bwd gb = {view(b.q, dt, hq, d), view(b.k, dt, hkv, d), view(b.v, dt, hkv, d), view(b.o, dt, hq, d),
-                         view(b.dout, dt, hq, d), view(b.dq, dt, hq, d), view(b.dk, dt, hkv, d),
-                         view(b.dv, dt, hkv, d), b.lse, b.dsum, plan.seg, plan.pair, plan.q_pair_off,
-                         plan.k_pair_idx, qb, kb, units, unit_off, part_k, part_v, nqb, nkb, nunits, T,
-                         plan.qshift, hq, hkv, d, FA_MMA_ROWS, (float)scale, {0}, 0, 0};
+  fa_gpu_bwd gb = {view(b.q, dt, hq, d), view(b.k, dt, hkv, d), view(b.v, dt, hkv, d), view(b.o, dt, hq, d),
+                   view(b.dout, dt, hq, d), view(b.dq, dt, hq, d), view(b.dk, dt, hkv, d),
+                   view(b.dv, dt, hkv, d), b.lse, b.dsum, plan.seg, plan.pair, plan.q_pair_off,
+                   plan.k_pair_idx, qb, kb, units, unit_off, part_k, part_v, nqb, nkb, nunits, T,
+                   plan.qshift, hq, hkv, d, FA_MMA_ROWS, (float)scale, {0}, 0, 0, NULL};
   double edq = 0;
   for (int wg = 1; wg >= 0; wg--) { /* the wgmma dQ, then the mma.sync one (its D feeds dK/dV) */
     const char *kernel = wg ? "wgmma dQ" : "mma dQ";
@@ -244,8 +246,17 @@ static void run_case(const char *name, const emu_case *c) {
     cr_assert_leq(edq, 1e-2, "%s %s: dq relative error %.3g", name, kernel, edq);
   }
   double edk = 0, edv = 0;
-  for (int wg = 1; wg >= 0; wg--) { /* the wgmma dK/dV, then the mma.sync one */
-    const char *kernel = wg ? "wgmma dK/dV" : "mma dK/dV";
+  /* the wgmma dK/dV with Q's and dO's full tiles by (emulated) bulk tensor copies, without
+   * (which must give the same bits), then the mma.sync one */
+  fa_tma_map qmaps[2];
+  fa_tma_emulated_map(&qmaps[0], b.q, T, hq, d, hq * d, d, FA_WG_DKV_BQ(d));
+  fa_tma_emulated_map(&qmaps[1], b.dout, T, hq, d, hq * d, d, FA_WG_DKV_BQ(d));
+  uint16_t *dk_tma = malloc(sizeof(uint16_t) * (size_t)nk), *dv_tma = malloc(sizeof(uint16_t) * (size_t)nk);
+  cr_assert(dk_tma && dv_tma);
+  for (int pass = 2; pass >= 0; pass--) {
+    const int wg = pass > 0;
+    const char *kernel = pass == 2 ? "wgmma dK/dV (bulk copies)" : wg ? "wgmma dK/dV" : "mma dK/dV";
+    gb.tma = pass == 2 ? qmaps : NULL;
     for (int64_t i = 0; i < nk; i++) b.dk[i] = b.dv[i] = 0x7fc1;
     for (int64_t u = 0; u < nunits; u++) /* head_dim 128: V in team memory */
       for (int64_t g = 0; g < hkv; g++) {
@@ -265,6 +276,15 @@ static void run_case(const char *name, const emu_case *c) {
               const int64_t e = ((kb[blk].start + row) * hkv + g) * d + x;
               b.dk[e] = to16(sk, f16), b.dv[e] = to16(sv, f16);
             }
+    if (pass == 2) {
+      memcpy(dk_tma, b.dk, sizeof(uint16_t) * (size_t)nk);
+      memcpy(dv_tma, b.dv, sizeof(uint16_t) * (size_t)nk);
+    } else if (pass == 1) {
+      int64_t diff = 0;
+      for (int64_t i = 0; i < nk; i++) diff += (dk_tma[i] != b.dk[i]) + (dv_tma[i] != b.dv[i]);
+      cr_assert_eq(diff, 0, "%s: the dK/dV with bulk copies differs from the cp.async one in %lld elements", name,
+                   (long long)diff);
+    }
     edk = rel_err(b.dk, rdk, nk, f16, &nonfinite), edv = rel_err(b.dv, rdv, nk, f16, &nonfinite);
     cr_assert_eq(nonfinite, 0, "%s %s: %lld non-finite (or unwritten) dk/dv elements", name, kernel,
                  (long long)nonfinite);
@@ -275,6 +295,8 @@ static void run_case(const char *name, const emu_case *c) {
               (long long)nkb, edq, edk, edv);
   free(part_k);
   free(part_v);
+  free(dk_tma);
+  free(dv_tma);
   free(kb);
   free(units);
   free(unit_off);

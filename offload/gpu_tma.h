@@ -13,11 +13,12 @@
  * Rows past the tensor's last row arrive as zeros; rows past a segment's
  * end inside the tensor arrive as they are (the caller masks or zeroes them).
  *
- * The wgmma forward loads its K and V tiles this way (gpu_mma_fwd_team.h);
- * tests/test_tma.c checks on the GPU that a copy lands bit for bit where
- * fa_mma_load_rows (cp.async) puts the same rows, and that a barrier serves
- * consecutive phases; tests/test_mma_emulated.c runs the forward with
- * emulated copies (below) against its cp.async form. The nvptx variants
+ * The wgmma forward loads its K and V tiles this way (gpu_mma_fwd_team.h),
+ * the wgmma dK/dV its Q and dO tiles (gpu_mma_bwd_team.h); tests/test_tma.c
+ * checks on the GPU that a copy lands bit for bit where fa_mma_load_rows
+ * (cp.async) puts the same rows, and that a barrier serves consecutive
+ * phases; tests/test_mma_emulated.c runs the forward and dK/dV with
+ * emulated copies (below) against their cp.async form. The nvptx variants
  * exist for sm_90 and newer. */
 #ifndef FORKATTN_GPU_TMA_H
 #define FORKATTN_GPU_TMA_H

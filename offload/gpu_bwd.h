@@ -36,5 +36,8 @@ typedef struct fa_gpu_bwd {
 int fa_gpu_mma_bwd_ok(const fa_attn_bwd *a, forkattn_memory memory);
 void fa_gpu_mma_dq(const fa_gpu_bwd *b);
 void fa_gpu_mma_dkv(const fa_gpu_bwd *b);
+/* fa_gpu_mma_tma_pair (gpu_fwd.h) for the wgmma dK/dV: Q's and dO's maps, boxes of its query tiles. */
+int fa_gpu_mma_dkv_tma(struct fa_tma_map *maps, const fa_dev_tensor *q, int64_t q_rows, const fa_dev_tensor *dout,
+                       int64_t dout_rows, int64_t hq, int64_t d, int device);
 
 #endif

@@ -49,5 +49,8 @@ void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g);
  * dO. A shape the driver refuses keeps the cp.async loads. */
 int fa_gpu_mma_tma_pair(struct fa_tma_map *maps, const fa_dev_tensor *a, int64_t a_rows, const fa_dev_tensor *b,
                         int64_t b_rows, int64_t heads, int64_t d, int box_rows, size_t smem, int device);
+/* fa_gpu_mma_tma_pair for the wgmma forward: K's and V's maps, boxes of its key tiles. */
+int fa_gpu_mma_fwd_tma(struct fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
+                       int64_t v_rows, int64_t hkv, int64_t d, int device);
 
 #endif

@@ -63,6 +63,11 @@ void fa_gpu_mma_dq(const fa_gpu_bwd *b) {
 #define FA_MMA_DKV(D, F16) FA_MMA_DKV_TEAMS(fa_mma_dkv_team, D, F16, FA_MMA_DKV_SMEM(D))
 #define FA_WG_DKV(D, F16) FA_MMA_DKV_TEAMS(fa_wg_dkv_team, D, F16, FA_WG_DKV_SMEM(D))
 
+int fa_gpu_mma_dkv_tma(fa_tma_map *maps, const fa_dev_tensor *q, int64_t q_rows, const fa_dev_tensor *dout,
+                       int64_t dout_rows, int64_t hq, int64_t d, int device) {
+  return fa_gpu_mma_tma_pair(maps, q, q_rows, dout, dout_rows, hq, d, FA_WG_DKV_BQ(d), FA_WG_DKV_SMEM(d), device);
+}
+
 void fa_gpu_mma_dkv(const fa_gpu_bwd *b) {
   const fa_gpu_bwd args = *b;
   const int nteams = (int)(b->nunits * b->hkv), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;

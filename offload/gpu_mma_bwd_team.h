@@ -107,13 +107,13 @@ static inline __attribute__((always_inline)) void fa_dq_team(const int D, const 
    * j's S and dP are issued, so the plan reads it takes (global memory) do
    * not stall the copies in front of the products (ncu; dQ -6 % at case 2).
    * Issuing the copies after the products instead, as the dK/dV team does,
-   * was slower here (+10 %, bench/NOTES-gpu.md v2.12). */
+   * was slower here (+10 %, bench/NOTES-gpu.md v2.13). */
   fa_tile_walk nx = fa_walk_next(w, BK, seg, pair, blk, qshift);
   while (w.pi < w.pend) {
     const int kt = cur ? buf1 : buf0; /* K [BK][P], then V */
     /* Tile j landed and every warp is done with iteration j - 1 (its products
      * waited for), so tile j + 1 may stream into that buffer: one barrier a
-     * tile (-3 % at case 1, bench/NOTES-gpu.md v2.12). */
+     * tile (-3 % at case 1, bench/NOTES-gpu.md v2.14). */
     fa_mma_tile_ready(0, WG);
     if (nx.pi < nx.pend) fa_mma_load_kv(sm, cur ? buf0 : buf1, P, BK, D, b.k, g, b.v, g, nx, tid);
     fa_cp_async_commit();
@@ -577,7 +577,7 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, co
       if (bulk) fa_mma_load_query_stats(sm, nld, BQ, &b, w1, h1, tid);
       else if (w1.j <= u.j1) fa_mma_load_queries(sm, nxt, nld, P, D, BQ, &b, w1, h1, tid);
       phase++;
-    } else if (w1.j <= u.j1) {
+    } else if (w1.j <= u.j1) { /* one call with the branch above: 8 spill stores, not 3 */
       fa_mma_load_queries(sm, nxt, nld, P, D, BQ, &b, w1, h1, tid);
     }
     fa_cp_async_commit();

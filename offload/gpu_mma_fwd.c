@@ -79,6 +79,11 @@ int fa_gpu_mma_tma_pair(fa_tma_map *maps, const fa_dev_tensor *a, int64_t a_rows
          !fa_gpu_tma_encode(&maps[1], b->data, f16, b_rows, heads, d, b->rs, b->hs, box_rows, msg, sizeof msg);
 }
 
+int fa_gpu_mma_fwd_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
+                       int64_t v_rows, int64_t hkv, int64_t d, int device) {
+  return fa_gpu_mma_tma_pair(maps, k, k_rows, v, v_rows, hkv, d, FA_WG_BK, FA_WG_QUERY_SMEM(FA_WG_BK, d, 1), device);
+}
+
 #define FA_WG_FWD(D, F16) FA_MMA_QUERY_TEAMS(fa_wg_fwd_team, blocks, D, FA_WG_BK, F16, FA_WG_QUERY_SMEM(FA_WG_BK, D, 1))
 
 void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g) {

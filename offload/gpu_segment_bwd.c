@@ -17,7 +17,6 @@
 #include "gpu_stage.h"
 #include "gpu_trace.h"
 #include "gpu_tiles.h"
-#include "gpu_mma_bwd_team.h"
 #include "gpu_tma.h"
 #include "online_softmax.h"
 
@@ -311,8 +310,7 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
      * the maps first, at the block's start (64-byte aligned) */
     fa_tma_map maps[2];
     const int tma = !bad && mma &&
-                    fa_gpu_mma_tma_pair(maps, &b.q, a->q.rows, &b.dout, a->dout.rows, a->hq, a->d,
-                                        FA_WG_DKV_BQ(a->d), FA_WG_DKV_SMEM(a->d), ctx->device);
+                    fa_gpu_mma_dkv_tma(maps, &b.q, a->q.rows, &b.dout, a->dout.rows, a->hq, a->d, ctx->device);
     const void *plan_h[9] = {maps, p->seg, p->pair, p->q_pair_off, p->k_pair_idx, qb_h, kb_h, units_h, unit_off_h};
     const size_t plan_bytes[9] = {tma ? sizeof maps : 0,
                                   sizeof *p->seg * (size_t)p->nseg,      sizeof *p->pair * (size_t)p->npairs,

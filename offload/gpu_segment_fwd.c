@@ -22,7 +22,6 @@
 #include "gpu_stage.h"
 #include "gpu_tiles.h"
 #include "gpu_trace.h"
-#include "gpu_wgmma.h"
 #include "online_softmax.h"
 
 static void fa_gpu_fp32_fwd(const fa_gpu_fwd_args *ga) {
@@ -137,9 +136,7 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
   /* the plan and, for bulk tensor copies, K's and V's tensor maps in one upload; the maps first,
    * at the block's start (64-byte aligned) */
   fa_tma_map maps[2];
-  const int tma = !bad && mma &&
-                  fa_gpu_mma_tma_pair(maps, &k, a->k.rows, &v, a->v.rows, hkv, d, FA_WG_BK,
-                                      FA_WG_QUERY_SMEM(FA_WG_BK, d, 1), ctx->device);
+  const int tma = !bad && mma && fa_gpu_mma_fwd_tma(maps, &k, a->k.rows, &v, a->v.rows, hkv, d, ctx->device);
   const void *plan_h[5] = {maps, p->seg, p->pair, p->q_pair_off, blocks_h};
   const size_t plan_bytes[5] = {tma ? sizeof maps : 0, sizeof *p->seg * (size_t)p->nseg,
                                 sizeof *p->pair * (size_t)p->npairs, sizeof(int64_t) * (size_t)(p->nseg + 1),

@@ -7,7 +7,8 @@
 # `forkattn bench prefix` and FORKATTN_GPU_TRACE=1, so the variants alternate
 # and share the card's state. $OUT/ab.txt: forward and forward+backward per
 # run, and the median phase times (µs) of the traced calls per variant.
-# Usage: bash bench/gpu_ab.sh <offload build dir> label=libdir [label=libdir ...]
+# A variant may set environment variables for its runs: label=libdir:VAR=value[,VAR=value].
+# Usage: bash bench/gpu_ab.sh <offload build dir> label=libdir[:env] [label=libdir[:env] ...]
 set -uo pipefail
 b=$1
 shift
@@ -22,11 +23,12 @@ status=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader >> "$sum" 2>&1
 for round in $(seq "${ROUNDS:-2}"); do
   for v in "$@"; do
-    label=${v%%=*} dir=${v#*=}
+    label=${v%%=*} dir=${v#*=} envs=
+    if [[ $dir == *:* ]]; then envs=${dir#*:} dir=${dir%%:*}; fi
     for c in case1 case2 case64; do
       log="$final/trace_${label}_${c}.txt"
       # shellcheck disable=SC2086
-      LD_LIBRARY_PATH="$(cd "$dir" && pwd)" timeout 180 bash bench/gpu_run.sh "$b/forkattn" bench prefix \
+      env ${envs//,/ } LD_LIBRARY_PATH="$(cd "$dir" && pwd)" timeout 180 bash bench/gpu_run.sh "$b/forkattn" bench prefix \
         --backend gpu --no-replicated --json ${!c} > "$log.out" 2> "$log.r$round" || status=1
       printf '%-10s %-6s round %s: %s\n' "$label" "$c" "$round" \
         "$(grep -o '"shared_fwd_ms":[^,]*,"shared_fwdbwd_ms":[^,]*\|"max_rel_err":[^,]*' "$log.out" | tr '\n' ' ')" >> "$sum"

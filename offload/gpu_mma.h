@@ -121,16 +121,16 @@ static inline void fa_cp_async_wait(int n) { (void)n; }
 #ifdef FORKATTN_MMA_EMULATE
 /* SIMT emulation of the warp-collective operations, for host tests of the
  * kernels' team functions (tests/test_mma_emulated.c): the team runs as the
- * 128 threads of a host `omp parallel` region (ompx_thread_id_x and
+ * 128 (two warpgroups: 256) threads of a host `omp parallel` region (ompx_thread_id_x and
  * ompx_sync_block map to the thread number and a barrier there). Each
  * collective publishes this thread's operands, meets the team at a barrier,
  * computes its lane's result from its warp's operands as the PTX ISA defines
  * it. Collectives alternate between two operand sets, so one barrier each
  * suffices: a set is rewritten two collectives later, after a barrier every
  * reader of it has passed. Valid because every collective in the kernels is
- * reached by all 128 threads in the same order. */
+ * reached by all the team's threads in the same order. */
 #include <omp.h>
-#define FA_EMU_THREADS 128
+#define FA_EMU_THREADS 256 /* the largest team: two warpgroups (gpu_mma_fwd_team.h); most teams run 128 */
 typedef struct fa_emu_lanes {
   const unsigned short *addr[FA_EMU_THREADS];
   fa_u4 a[FA_EMU_THREADS];

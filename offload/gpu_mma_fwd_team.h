@@ -23,6 +23,93 @@ static inline __attribute__((always_inline)) void fa_mma_qk(fa_f4 *s, const fa_u
   fa_mma_acc_abt(s, qf, sm, kt, P, BK, D, f16, lane);
 }
 
+/* Tile j's raw scores s (this warp's 16 rows x BK keys) masked to the keys
+ * each row sees (lim0, lim1: fa_mma_row_keys), and this lane's share of the
+ * row maxima folded into mx0, mx1. unmasked: every row of the warp sees
+ * every key (warp-uniform), so the masks are skipped. vflags: the tile's
+ * non-finite V rows (fa_mma_scan_rows_by, zeroed there); a row that sees
+ * one is marked bad. Raw scores: the scale (> 0, validated) is applied in
+ * the exponent's fma, so it commutes with the max. */
+static inline __attribute__((always_inline)) void fa_fwd_tile_max(fa_f4 *s, int BK, int unmasked, int c0, int lim0,
+                                                                   int lim1, unsigned long long vflags, float *mx0,
+                                                                   float *mx1, int *bad0, int *bad1) {
+  if (unmasked) {
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++) {
+      *mx0 = fmaxf(*mx0, fmaxf(s[n].x, s[n].y));
+      *mx1 = fmaxf(*mx1, fmaxf(s[n].z, s[n].w));
+    }
+    if (vflags) *bad0 = *bad1 = 1; /* every row of the warp sees the tile's non-finite V row */
+    return;
+  }
+#pragma unroll
+  for (int n = 0; n < BK / 8; n++) {
+    const int key = n * 8 + c0;
+    s[n].x = fa_mma_mask(s[n].x, key, lim0), s[n].y = fa_mma_mask(s[n].y, key + 1, lim0);
+    s[n].z = fa_mma_mask(s[n].z, key, lim1), s[n].w = fa_mma_mask(s[n].w, key + 1, lim1);
+    *mx0 = fmaxf(*mx0, fmaxf(s[n].x, s[n].y));
+    *mx1 = fmaxf(*mx1, fmaxf(s[n].z, s[n].w));
+  }
+  if (vflags)
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++) {
+      const int key = n * 8 + c0;
+      *bad0 |= (s[n].x != -INFINITY && (vflags >> key & 1u)) || (s[n].y != -INFINITY && (vflags >> (key + 1) & 1u));
+      *bad1 |= (s[n].z != -INFINITY && (vflags >> key & 1u)) || (s[n].w != -INFINITY && (vflags >> (key + 1) & 1u));
+    }
+}
+
+/* The online-softmax step of a tile after fa_fwd_tile_max: the row maxima
+ * reduced over the quad, the running maxima m (log2 units) and sums l
+ * moved to them, s turned into P = exp2(s * mul - m), and O's rescale
+ * factors returned in a0, a1 (1 where a row's maximum did not move). */
+static inline __attribute__((always_inline)) void fa_fwd_tile_exp(fa_f4 *s, int BK, float mx0, float mx1, float mul,
+                                                                   float *m0, float *m1, float *l0, float *l1,
+                                                                   float *a0, float *a1) {
+  mx0 = fmaxf(mx0, fa_mma_shfl_xor(mx0, 1));
+  mx0 = fmaxf(mx0, fa_mma_shfl_xor(mx0, 2));
+  mx1 = fmaxf(mx1, fa_mma_shfl_xor(mx1, 1));
+  mx1 = fmaxf(mx1, fa_mma_shfl_xor(mx1, 2));
+  const float n0 = fmaxf(*m0, mx0 * mul), n1 = fmaxf(*m1, mx1 * mul); /* log2 units */
+  const float u0 = n0 == -INFINITY ? 0.0f : n0, u1 = n1 == -INFINITY ? 0.0f : n1; /* empty so far */
+  *a0 = fa_mma_exp2(*m0 - u0), *a1 = fa_mma_exp2(*m1 - u1);
+  float r0 = *l0 * *a0, r1 = *l1 * *a1;
+#pragma unroll
+  for (int n = 0; n < BK / 8; n++) { /* a masked -inf stays -inf: exp2 gives 0 */
+    s[n].x = fa_mma_exp2(fmaf(s[n].x, mul, -u0)), s[n].y = fa_mma_exp2(fmaf(s[n].y, mul, -u0));
+    s[n].z = fa_mma_exp2(fmaf(s[n].z, mul, -u1)), s[n].w = fa_mma_exp2(fmaf(s[n].w, mul, -u1));
+    r0 += s[n].x + s[n].y;
+    r1 += s[n].z + s[n].w;
+  }
+  *l0 = r0, *l1 = r1, *m0 = n0, *m1 = n1;
+}
+
+/* O *= a per row, skipped warp-uniformly when no row maximum of the warp moved (most tiles, once they settle). */
+static inline __attribute__((always_inline)) void fa_fwd_rescale(fa_f4 *o, int D, float a0, float a1) {
+  if (fa_mma_ballot(a0 != 1.0f || a1 != 1.0f))
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) o[n].x *= a0, o[n].y *= a0, o[n].z *= a1, o[n].w *= a1;
+}
+
+/* A warp's output rows row0 and row0 + 8 (ok0, ok1: inside the block):
+ * O / l (NaN where bad) and lse = (m + log2 l) ln 2. */
+static inline __attribute__((always_inline)) void fa_fwd_finish(const fa_gpu_fwd_args ga, const fa_f4 *o, int D,
+                                                                 int64_t row0, int64_t h, int c0, int lane, int ok0,
+                                                                 int ok1, float m0, float m1, float l0, float l1,
+                                                                 int bad0, int bad1) {
+  l0 += fa_mma_shfl_xor(l0, 1);
+  l0 += fa_mma_shfl_xor(l0, 2);
+  l1 += fa_mma_shfl_xor(l1, 1);
+  l1 += fa_mma_shfl_xor(l1, 2);
+  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
+  const float i0 = l0 > 0.0f ? fa_mma_rcp(l0) : 0.0f, i1 = l1 > 0.0f ? fa_mma_rcp(l1) : 0.0f;
+  fa_mma_store_rows(ga.o, row0, h, o, D, c0, ok0, ok1, i0, i1, bad0, bad1);
+  if (ga.lse && c0 == 0) {
+    if (ok0) ga.lse[row0 * ga.hq + h] = l0 > 0.0f ? (m0 + log2f(l0)) * FA_LN2 : -INFINITY;
+    if (ok1) ga.lse[(row0 + 8) * ga.hq + h] = l1 > 0.0f ? (m1 + log2f(l1)) * FA_LN2 : -INFINITY;
+  }
+}
+
 /* One team: FA_MMA_ROWS query rows of block blk, query head h, KV head g.
  * D, BK and WG are compile-time constants after inlining (register arrays).
  * WG: the products by warpgroup wgmma (sm_90a; gpu_wgmma.h), K and V tiles
@@ -135,34 +222,9 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
     unsigned long long vflags = 0; /* bit j: V row j of the tile was non-finite */
     if (masked) vflags = fa_mma_scan_rows(smem + vt, P, BK, D, f16, vbad, tid);
 
-    /* Raw scores: the scale (> 0, validated) is applied in the exponent's
-     * fma, so it commutes with the max. A tile whose keys every row of this
-     * warp sees (warp-uniform) skips the masks. */
     float mx0 = -INFINITY, mx1 = -INFINITY;
-    if (nk == BK && (!w.causal || w.kb + BK - 1 <= qfirst + warp * 16)) {
-#pragma unroll
-      for (int n = 0; n < BK / 8; n++) {
-        mx0 = fmaxf(mx0, fmaxf(s[n].x, s[n].y));
-        mx1 = fmaxf(mx1, fmaxf(s[n].z, s[n].w));
-      }
-      if (vflags) bad0 = bad1 = 1; /* every row of the warp sees the tile's non-finite V row */
-    } else {
-#pragma unroll
-      for (int n = 0; n < BK / 8; n++) {
-        const int key = n * 8 + c0;
-        s[n].x = fa_mma_mask(s[n].x, key, lim0), s[n].y = fa_mma_mask(s[n].y, key + 1, lim0);
-        s[n].z = fa_mma_mask(s[n].z, key, lim1), s[n].w = fa_mma_mask(s[n].w, key + 1, lim1);
-        mx0 = fmaxf(mx0, fmaxf(s[n].x, s[n].y));
-        mx1 = fmaxf(mx1, fmaxf(s[n].z, s[n].w));
-      }
-      if (vflags)
-#pragma unroll
-        for (int n = 0; n < BK / 8; n++) {
-          const int key = n * 8 + c0;
-          bad0 |= (s[n].x != -INFINITY && (vflags >> key & 1u)) || (s[n].y != -INFINITY && (vflags >> (key + 1) & 1u));
-          bad1 |= (s[n].z != -INFINITY && (vflags >> key & 1u)) || (s[n].w != -INFINITY && (vflags >> (key + 1) & 1u));
-        }
-    }
+    fa_fwd_tile_max(s, BK, nk == BK && (!w.causal || w.kb + BK - 1 <= qfirst + warp * 16), c0, lim0, lim1, vflags,
+                    &mx0, &mx1, &bad0, &bad1);
     /* S of tile j + 1 (after the last tile: tile j's K again, discarded, so
      * no branch splits this block from the softmax it overlaps). wgmma:
      * issued here, waited with P V below. */
@@ -172,26 +234,9 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
     } else {
       fa_mma_qk(sn, qf, sm, w1.pi < w1.pend ? kn : kt, P, BK, D, f16, lane);
     }
-    mx0 = fmaxf(mx0, fa_mma_shfl_xor(mx0, 1));
-    mx0 = fmaxf(mx0, fa_mma_shfl_xor(mx0, 2));
-    mx1 = fmaxf(mx1, fa_mma_shfl_xor(mx1, 1));
-    mx1 = fmaxf(mx1, fa_mma_shfl_xor(mx1, 2));
-    const float n0 = fmaxf(m0, mx0 * mul), n1 = fmaxf(m1, mx1 * mul); /* log2 units */
-    const float u0 = n0 == -INFINITY ? 0.0f : n0, u1 = n1 == -INFINITY ? 0.0f : n1; /* empty so far */
-    const float a0 = fa_mma_exp2(m0 - u0), a1 = fa_mma_exp2(m1 - u1);
-    l0 *= a0;
-    l1 *= a1;
-#pragma unroll
-    for (int n = 0; n < BK / 8; n++) { /* a masked -inf stays -inf: exp2 gives 0 */
-      s[n].x = fa_mma_exp2(fmaf(s[n].x, mul, -u0)), s[n].y = fa_mma_exp2(fmaf(s[n].y, mul, -u0));
-      s[n].z = fa_mma_exp2(fmaf(s[n].z, mul, -u1)), s[n].w = fa_mma_exp2(fmaf(s[n].w, mul, -u1));
-      l0 += s[n].x + s[n].y;
-      l1 += s[n].z + s[n].w;
-    }
-    m0 = n0, m1 = n1;
-    if (fa_mma_ballot(a0 != 1.0f || a1 != 1.0f)) /* warp-uniform: once the row maxima settle, most tiles skip it */
-#pragma unroll
-      for (int n = 0; n < D / 8; n++) o[n].x *= a0, o[n].y *= a0, o[n].z *= a1, o[n].w *= a1;
+    float a0, a1;
+    fa_fwd_tile_exp(s, BK, mx0, mx1, mul, &m0, &m1, &l0, &l1, &a0, &a1);
+    fa_fwd_rescale(o, D, a0, a1);
 
     /* O += P V: P from the S accumulators (two n-tiles make one A fragment). */
     if (WG) {
@@ -212,18 +257,7 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
     w1 = w2;
   }
 
-  l0 += fa_mma_shfl_xor(l0, 1);
-  l0 += fa_mma_shfl_xor(l0, 2);
-  l1 += fa_mma_shfl_xor(l1, 1);
-  l1 += fa_mma_shfl_xor(l1, 2);
-  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
-  const float i0 = l0 > 0.0f ? fa_mma_rcp(l0) : 0.0f, i1 = l1 > 0.0f ? fa_mma_rcp(l1) : 0.0f;
-  const int64_t row0 = blk.start + r0;
-  fa_mma_store_rows(ga.o, row0, h, o, D, c0, ok0, ok1, i0, i1, bad0, bad1);
-  if (ga.lse && c0 == 0) {
-    if (ok0) ga.lse[row0 * ga.hq + h] = l0 > 0.0f ? (m0 + log2f(l0)) * FA_LN2 : -INFINITY;
-    if (ok1) ga.lse[(row0 + 8) * ga.hq + h] = l1 > 0.0f ? (m1 + log2f(l1)) * FA_LN2 : -INFINITY;
-  }
+  fa_fwd_finish(ga, o, D, blk.start + r0, h, c0, lane, ok0, ok1, m0, m1, l0, l1, bad0, bad1);
 }
 
 /* The mma.sync forward (any sm_80+ build). */
@@ -238,6 +272,155 @@ static inline __attribute__((always_inline)) void fa_wg_fwd_team(const int D, co
                                                                   const fa_gpu_fwd_args ga, fa_block blk,
                                                                   int64_t h, int64_t g, unsigned short *smem) {
   fa_fwd_team(D, BK, f16, 1, ga, blk, h, g, smem);
+}
+
+/* The two-warpgroup wgmma forward (sm_90a, bulk tensor copies required).
+ * One team of FA_WG2_THREADS: FA_WG2_ROWS query rows of block blk, warpgroup
+ * wg owning rows [64 wg, 64 wg + 64) with its own Q tile; the two share
+ * every K/V tile, so each tile is copied once for 128 rows, not 64.
+ *
+ * Tiles stream through FA_WG2_STAGES buffers (K then V of one tile each):
+ * thread 0 issues tile j + 2's bulk copies at the end of iteration j, into
+ * the buffer of tile j - 2, once both warpgroups released it (mbarrier
+ * `empty`, one arrival per warp); a warpgroup waits for a tile on its
+ * mbarrier `full`, not on the other warpgroup. In iteration j a warpgroup
+ * issues S(j) = Q K(j)^T and O += P(j-1) V(j-1) together, waits for S(j),
+ * runs tile j's softmax while P V runs, then waits for it and rescales O:
+ * no product group is left pending across the loop's back-edge (v2.16).
+ * The two warpgroups take turns issuing their products (named barriers 1
+ * and 2), so one's softmax runs while the other's products occupy the
+ * tensor cores (FlashAttention-3's ping-pong).
+ *
+ * A tile that hides keys from some of the team's rows (causal, crossing the
+ * team's first diagonal) or holds fewer than BK keys (the copy brings the
+ * rows after the pair's keys, or zeros past the tensor) is scanned by the
+ * whole team (fa_mma_scan_rows_by) before either warpgroup's P V reads it:
+ * its non-finite V rows are zeroed and flagged, so 0 * NaN cannot reach a
+ * row that does not see them. K rows past a tile's keys are masked. */
+#define FA_WG2_THREADS 256
+#ifndef FA_WG2_STAGES
+#define FA_WG2_STAGES 5
+#endif
+#ifndef FA_WG2_PINGPONG
+#define FA_WG2_PINGPONG 1
+#endif
+/* Team memory: two 64-row Q tiles, the stages, 8 flag words, the full and
+ * empty mbarriers (8 bytes each), room to align the tiles. */
+#define FA_WG2_FWD_SMEM(BK, D)                                                                                     \
+  ((size_t)(FA_WG2_ROWS + 2 * FA_WG2_STAGES * (BK)) * (D) * 2 + 8 * sizeof(unsigned) + 2 * FA_WG2_STAGES * 8 +      \
+   FA_WG_BLOCK_BYTES)
+
+static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, const int BK, const int f16,
+                                                                   const fa_gpu_fwd_args ga, fa_block blk,
+                                                                   int64_t h, int64_t g, unsigned short *smem) {
+  const int tid = ompx_thread_id_x(), wg = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
+  smem += fa_wg_align(fa_smem_of(smem));
+  const fa_smem sm = fa_smem_of(smem);
+  const int qt = wg * FA_MMA_ROWS * D, st0 = FA_WG2_ROWS * D, stage = 2 * BK * D; /* element offsets */
+  unsigned *vbad = (unsigned *)(smem + st0 + FA_WG2_STAGES * stage);
+  const int full = st0 + FA_WG2_STAGES * stage + 16, empty = full + 4 * FA_WG2_STAGES; /* 4 elements a barrier */
+  const fa_tma_map *tma = ga.tma;
+  const fa_range *seg = ga.seg;
+  const fa_pair *pair = ga.pair;
+  const int64_t qshift = ga.qshift;
+  const float mul = ga.scale * FA_LOG2E;
+  const int64_t qrows = blk.len - wg * FA_MMA_ROWS; /* this warpgroup's rows of the block (may be <= 0) */
+
+  fa_mma_load_rows(sm, qt, D, FA_MMA_ROWS, D, ga.q, blk.start + wg * FA_MMA_ROWS,
+                   qrows < 0 ? 0 : qrows > FA_MMA_ROWS ? FA_MMA_ROWS : qrows, h, wt);
+  fa_cp_async_commit();
+  fa_tile_walk w = fa_walk_first(ga.qoff, seg, pair, blk, qshift);
+  fa_tile_walk wl = w; /* thread 0: the next tile to copy */
+  int nl = 0;          /* thread 0: tiles copied so far */
+  if (tid == 0) {
+    for (int s = 0; s < FA_WG2_STAGES; s++) fa_mbar_init(sm, full + 4 * s, 1), fa_mbar_init(sm, empty + 4 * s, 8);
+    for (; nl < 2 && wl.pi < wl.pend; nl++) { /* tiles 0 and 1; the loop copies two ahead */
+      fa_mbar_expect_tx(sm, full + 4 * nl, 2 * BK * D * 2);
+      fa_tma_tile(sm, st0 + nl * stage, tma, (int)g, wl.kb, BK, D, full + 4 * nl);
+      fa_tma_tile(sm, st0 + nl * stage + BK * D, tma + 1, (int)g, wl.kb, BK, D, full + 4 * nl);
+      wl = fa_walk_next(wl, BK, seg, pair, blk, qshift);
+    }
+  }
+  /* V of buffer S - 1 starts as zeros, "tile -1": iteration 0 multiplies it by
+   * P(-1) = 0, so every iteration issues the same two product groups and waits
+   * for them the same way (a product or a wait under a branch makes ptxas
+   * serialize every wgmma of the kernel, C7518), and releases it like any tile */
+  const int zt = st0 + (FA_WG2_STAGES - 1) * stage + BK * D;
+  const fa_u4 z4 = {0, 0, 0, 0};
+  for (int e = tid * 8; e < BK * D; e += FA_WG2_THREADS * 8) fa_store_u4(smem + zt + e, z4);
+  fa_cp_async_wait(0);
+  fa_fence_proxy_async(); /* Q and the zeros for the tensor cores' reads */
+  ompx_sync_block_acq_rel(); /* ... and the barriers' initialization, for every thread */
+
+  fa_f4 s[FA_MMA_MAX_BK / 8], o[FA_MMA_MAX_D / 8];
+  fa_u4 pa[FA_MMA_MAX_BK / 16]; /* P(j - 1), packed */
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) o[n] = fa_f4_zero();
+#pragma unroll
+  for (int n = 0; n < BK / 16; n++) pa[n] = z4;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+  const int rw = warp * 16 + fa_acc_row(lane, 0), r0 = wg * FA_MMA_ROWS + rw, c0 = fa_acc_col(lane, 0);
+  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
+  int bad0 = 0, bad1 = 0;
+  const int qfirst = (int)(blk.start + qshift); /* key-frame position of the team's first row */
+  const int q_pos0 = qfirst + r0, q_pos1 = q_pos0 + 8, wfirst = qfirst + wg * FA_MMA_ROWS + warp * 16;
+  const int turn = 1 + wg, other = 2 - wg; /* named barriers: this warpgroup's turn, the other's */
+  if (FA_WG2_PINGPONG && wg == 1) fa_wg_bar_arrive(1, FA_WG2_THREADS); /* warpgroup 0 goes first */
+  int j = 0, kt = st0, vp = zt; /* tile j's K, tile j - 1's V */
+
+  while (w.pi < w.pend) {
+    fa_mbar_wait(sm, full + 4 * (j % FA_WG2_STAGES), (j / FA_WG2_STAGES) & 1);
+    const int nk = fa_walk_keys(w, BK);
+    unsigned long long vflags = 0; /* bit r: V row r of tile j was non-finite (zeroed) */
+    if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst))
+      vflags = fa_mma_scan_rows_by(smem + kt + BK * D, D, BK, D, f16, vbad, tid, FA_WG2_THREADS);
+    const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
+    const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
+
+    if (FA_WG2_PINGPONG) fa_wg_bar_sync(turn, FA_WG2_THREADS);
+    fa_wg_acc_abt(s, qt, sm, kt, BK, D, f16);
+    fa_wg_commit();
+    fa_wg_acc_ab(o, pa, sm, vp, BK, BK, D, f16);
+    fa_wg_commit();
+    if (FA_WG2_PINGPONG) fa_wg_bar_arrive(other, FA_WG2_THREADS);
+    fa_wg_wait(1); /* S(j); P(j-1) V(j-1) runs on under the softmax */
+    fa_wg_pin(s, BK / 8);
+
+    float mx0 = -INFINITY, mx1 = -INFINITY, a0, a1;
+    fa_fwd_tile_max(s, BK, nk == BK && (!w.causal || w.kb + BK - 1 <= wfirst), c0, lim0, lim1, vflags, &mx0, &mx1,
+                    &bad0, &bad1);
+    fa_fwd_tile_exp(s, BK, mx0, mx1, mul, &m0, &m1, &l0, &l1, &a0, &a1);
+    fa_wg_wait(0);
+    fa_wg_pin(o, D / 8);
+    fa_wg_pin_u4(pa, BK / 16);
+    if (lane == 0) fa_mbar_arrive(sm, empty + 4 * ((j + FA_WG2_STAGES - 1) % FA_WG2_STAGES)); /* tile j - 1 */
+    fa_fwd_rescale(o, D, a0, a1);
+    fa_wg_pack(pa, s, BK, f16);
+
+    /* tile j + 2 into the buffer of tile j + 2 - S, once both warpgroups released it
+     * (its u-th use waits for release u - 1; buffer S - 1's first use for tile -1's) */
+    if (tid == 0 && wl.pi < wl.pend) {
+      const int b = nl % FA_WG2_STAGES, dst = st0 + b * stage, c = nl / FA_WG2_STAGES - (b != FA_WG2_STAGES - 1);
+      if (c >= 0) fa_mbar_wait(sm, empty + 4 * b, c & 1);
+      fa_mbar_expect_tx(sm, full + 4 * b, 2 * BK * D * 2);
+      fa_tma_tile(sm, dst, tma, (int)g, wl.kb, BK, D, full + 4 * b);
+      fa_tma_tile(sm, dst + BK * D, tma + 1, (int)g, wl.kb, BK, D, full + 4 * b);
+      wl = fa_walk_next(wl, BK, seg, pair, blk, qshift);
+      nl++;
+    }
+    w = fa_walk_next(w, BK, seg, pair, blk, qshift);
+    vp = kt + BK * D;
+    kt = kt + stage == st0 + FA_WG2_STAGES * stage ? st0 : kt + stage;
+    j++;
+  }
+  /* P V of the last tile (no tile: P(-1) = 0 times the zeros) */
+  if (FA_WG2_PINGPONG) fa_wg_bar_sync(turn, FA_WG2_THREADS);
+  fa_wg_acc_ab(o, pa, sm, vp, BK, BK, D, f16);
+  fa_wg_commit();
+  if (FA_WG2_PINGPONG && wg == 0) fa_wg_bar_arrive(other, FA_WG2_THREADS);
+  fa_wg_wait(0);
+  fa_wg_pin(o, D / 8);
+  fa_fwd_finish(ga, o, D, blk.start + r0, h, c0, lane, ok0, ok1, m0, m1, l0, l1, bad0, bad1);
 }
 #pragma omp end declare target
 

@@ -281,16 +281,17 @@ static inline __attribute__((always_inline)) void fa_mma_store_rows(fa_dev_tenso
   }
 }
 
-/* Team-cooperative scan of rows [0, n) of an n x D b16 tile (n = 16, 32 or
- * 64; pitch P): non-finite elements are zeroed, and bit r of the result says
- * row r had one. flags: 4 words of team memory. Contains barriers: call from
- * every thread of the team. A masked tile's product multiplies such a row by
- * an exact 0 for the rows or keys that cannot see it; zeroing keeps that 0,
- * and the caller marks NaN the outputs that do see the row. P == D means
- * the tile is in the wgmma layout (the padded layouts have P = D + 8). */
-static inline unsigned long long fa_mma_scan_rows(unsigned short *t, int P, int n, int D, int f16,
-                                                  unsigned *flags, int tid) {
-  const int tpr = FA_MMA_THREADS / n, r = tid / tpr, part = tid % tpr, span = D / tpr, lane = tid % 32;
+/* Cooperative scan, by threads [0, nth) of the team (nth 128 or 256, all
+ * of it), of rows [0, n) of an n x D b16 tile (n = 16, 32 or 64; pitch P):
+ * non-finite elements are zeroed, and bit r of the result says row r had
+ * one. flags: nth / 32 words of team memory. Contains team barriers: call
+ * from every thread of the team. A masked tile's product multiplies such a
+ * row by an exact 0 for the rows or keys that cannot see it; zeroing keeps
+ * that 0, and the caller marks NaN the outputs that do see the row. P == D
+ * means the tile is in the wgmma layout (the padded layouts have P = D + 8). */
+static inline unsigned long long fa_mma_scan_rows_by(unsigned short *t, int P, int n, int D, int f16,
+                                                     unsigned *flags, int tid, int nth) {
+  const int tpr = nth / n, r = tid / tpr, part = tid % tpr, span = D / tpr, lane = tid % 32;
   const int wg = P == D; /* unpadded: the wgmma layout (fa_wg_elem), whose readers need the proxy fence */
   int bad = 0;
   /* 16-byte chunks (span is a multiple of 8; a chunk stays whole under the swizzle): one load and a few
@@ -311,9 +312,15 @@ static inline unsigned long long fa_mma_scan_rows(unsigned short *t, int P, int 
   }
   ompx_sync_block_acq_rel();
   unsigned long long rows = 0;
-  for (int w = 0; w < 4; w++) rows |= (unsigned long long)flags[w] << (w * (32 / tpr));
+  for (int w = 0; w < nth / 32; w++) rows |= (unsigned long long)flags[w] << (w * (32 / tpr));
   ompx_sync_block_acq_rel(); /* flags may be rewritten by the next scan */
   return rows;
+}
+
+/* fa_mma_scan_rows_by for a team of FA_MMA_THREADS (4 flag words). */
+static inline unsigned long long fa_mma_scan_rows(unsigned short *t, int P, int n, int D, int f16,
+                                                  unsigned *flags, int tid) {
+  return fa_mma_scan_rows_by(t, P, n, D, f16, flags, tid, FA_MMA_THREADS);
 }
 #pragma omp end declare target
 
@@ -323,13 +330,14 @@ static inline unsigned long long fa_mma_scan_rows(unsigned short *t, int P, int 
 #define FA_MMA_QUERY_SMEM(BK, PITCH) ((size_t)(4 * (BK) * (PITCH)) * 2 + 4 * sizeof(unsigned))
 
 /* Launch TEAM(D, BK, F16, args, block, h, g, smem) on one team per (query
- * block of args.BLOCKS, query head), FA_MMA_THREADS threads and SMEM bytes
- * of team memory. Needs `args` (by value),
- * `nteams` and `dev` in scope. */
-#define FA_MMA_QUERY_TEAMS(TEAM, BLOCKS, D, BK, F16, SMEM)                                                      \
+ * block of args.BLOCKS, query head), THREADS threads (a constant: the
+ * kernel's launch bound) and SMEM bytes of team memory. Needs `args` (by
+ * value), `nteams` and `dev` in scope. FA_MMA_QUERY_TEAMS: FA_MMA_THREADS. */
+#define FA_MMA_PRAGMA(x) _Pragma(#x)
+#define FA_MMA_QUERY_TEAMS_OF(TEAM, BLOCKS, D, BK, F16, SMEM, THREADS)                                          \
   do {                                                                                                        \
     const size_t smem = (SMEM);                                                                               \
-    _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args)") \
+    FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(nteams) thread_limit(THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args)) \
     {                                                                                                         \
       unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
       /* 32-bit: a 64-bit division is a subroutine call, which makes ptxas serialize wgmma */                 \
@@ -337,6 +345,8 @@ static inline unsigned long long fa_mma_scan_rows(unsigned short *t, int P, int 
       TEAM((D), (BK), (F16), args, args.BLOCKS[team / hq], h, h / (hq / (int)args.hkv), sm);                  \
     }                                                                                                         \
   } while (0)
+#define FA_MMA_QUERY_TEAMS(TEAM, BLOCKS, D, BK, F16, SMEM)                                                      \
+  FA_MMA_QUERY_TEAMS_OF(TEAM, BLOCKS, D, BK, F16, SMEM, FA_MMA_THREADS)
 
 /* L(D, F16) for the call's head_dim (64 or 128) and dtype: one kernel per
  * pair, so register arrays have fixed sizes and no dtype branch runs in the

@@ -113,16 +113,10 @@ static void fa_gpu_fp32_fwd(const fa_gpu_fwd_args *ga) {
 
 forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkattn_memory memory) {
   const fa_plan *p = a->plan;
-  fa_block *blocks_h;
+  fa_block *blocks_h = NULL;
   fa_gpu_trace tr;
   fa_gpu_trace_begin(&tr);
   const int mma = fa_gpu_mma_fwd_ok(a, memory);
-  int64_t nb = fa_plan_blocks(p, mma ? FA_MMA_ROWS : FA_GPU_ROWS, 0, &blocks_h);
-  if (nb < 0) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "gpu fwd: cannot allocate blocks");
-  if (nb * a->hq > INT_MAX) {
-    fa_free(blocks_h);
-    return fa_fail(ctx, FORKATTN_ERR_UNSUPPORTED, "gpu fwd: %lld teams exceed one launch", (long long)(nb * a->hq));
-  }
   fa_stage st;
   fa_stage_init(&st, ctx, memory == FORKATTN_MEMORY_HOST);
   fa_dev_tensor q, k, v, o;
@@ -137,6 +131,16 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
    * at the block's start (64-byte aligned) */
   fa_tma_map maps[2];
   const int tma = !bad && mma && fa_gpu_mma_fwd_tma(maps, &k, a->k.rows, &v, a->v.rows, hkv, d, ctx->device);
+  const int wg2 = mma && fa_gpu_mma_fwd_wg2(tma, d, ctx->device);
+  /* query blocks: the tensor-core kernels' teams (two warpgroups: 128 rows), or the FP32 kernel's */
+  const int64_t nb = bad ? 0 : fa_plan_blocks(p, wg2 ? FA_WG2_ROWS : mma ? FA_MMA_ROWS : FA_GPU_ROWS, 0, &blocks_h);
+  if (!bad && (nb < 0 || nb * a->hq > INT_MAX)) {
+    if (nb >= 0) fa_free(blocks_h);
+    fa_stage_free(&st);
+    return nb < 0 ? fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "gpu fwd: cannot allocate blocks")
+                  : fa_fail(ctx, FORKATTN_ERR_UNSUPPORTED, "gpu fwd: %lld teams exceed one launch",
+                            (long long)(nb * a->hq));
+  }
   const void *plan_h[5] = {maps, p->seg, p->pair, p->q_pair_off, blocks_h};
   const size_t plan_bytes[5] = {tma ? sizeof maps : 0, sizeof *p->seg * (size_t)p->nseg,
                                 sizeof *p->pair * (size_t)p->npairs, sizeof(int64_t) * (size_t)(p->nseg + 1),
@@ -148,7 +152,7 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
   const int64_t *qoff = plan_d[3];
   const fa_block *blocks = plan_d[4];
   if (!bad && a->lse) bad = !(lse = fa_stage_floats(&st, a->lse, (size_t)(rows * hq), 0));
-  fa_free(blocks_h);
+  if (nb > 0) fa_free(blocks_h);
   if (bad) {
     forkattn_status status = fa_stage_status(&st);
     fa_stage_free(&st);
@@ -158,7 +162,7 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
 
   const fa_gpu_fwd_args ga = {q,  k,    v,      o,        lse,         seg,         pair,
                               qoff, blocks, nb, hq, hkv, d, qshift, a->scale, kept, has_kept, ctx->device,
-                              tma ? (const fa_tma_map *)plan_d[0] : NULL};
+                              tma ? (const fa_tma_map *)plan_d[0] : NULL, wg2};
   fa_note_workspace(ctx, st.bytes);
   fa_gpu_trace_mark(&tr, "stage");
 

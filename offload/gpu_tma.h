@@ -53,7 +53,10 @@ int fa_gpu_tma_encode(fa_tma_map *map, const void *base, int f16, int64_t rows, 
  *                     aligned for the swizzle), its bytes completing the
  *                     barrier at bar; issued by one thread;
  *  fa_mbar_try_wait   1 once the barrier's phase of this parity (0, 1, 0, ...)
- *                     completed.
+ *                     completed;
+ *  fa_mbar_arrive     this thread arrives (no transfer): a consumer's
+ *                     release of a buffer (gpu_mma_fwd_team.h's two-warpgroup
+ *                     forward).
  * Bases: with FORKATTN_MMA_EMULATE (host tests) the copy happens at once,
  * from the map fa_tma_emulated_map wrote, into the wgmma layout the
  * cp.async loader writes (so the emulated wgmma reads it alike), and the
@@ -62,6 +65,7 @@ int fa_gpu_tma_encode(fa_tma_map *map, const void *base, int f16, int64_t rows, 
 #ifndef FORKATTN_MMA_EMULATE
 static inline void fa_mbar_init(fa_smem m, int off, int count) { (void)m, (void)off, (void)count, __builtin_trap(); }
 static inline void fa_mbar_expect_tx(fa_smem m, int off, int bytes) { (void)m, (void)off, (void)bytes, __builtin_trap(); }
+static inline void fa_mbar_arrive(fa_smem m, int off) { (void)m, (void)off, __builtin_trap(); }
 static inline void fa_tma_load_3d(fa_smem m, int dst, const fa_tma_map *map, int c0, int c1, int c2, int bar) {
   (void)m, (void)dst, (void)map, (void)c0, (void)c1, (void)c2, (void)bar, __builtin_trap();
 }
@@ -87,6 +91,7 @@ static inline void fa_tma_emulated_map(fa_tma_map *map, const void *base, int64_
 
 static inline void fa_mbar_init(fa_smem m, int off, int count) { (void)m, (void)off, (void)count; }
 static inline void fa_mbar_expect_tx(fa_smem m, int off, int bytes) { (void)m, (void)off, (void)bytes; }
+static inline void fa_mbar_arrive(fa_smem m, int off) { (void)m, (void)off; }
 static inline void fa_tma_load_3d(fa_smem m, int dst, const fa_tma_map *map, int c0, int c1, int c2, int bar) {
   fa_tma_emu e;
   memcpy(&e, map, sizeof e);
@@ -119,6 +124,10 @@ static inline void fa_mbar_expect_tx(fa_smem m, int off, int bytes) {
   __asm__ volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(m.s + 2u * (uint32_t)off),
                    "r"(bytes)
                    : "memory");
+}
+
+static inline void fa_mbar_arrive(fa_smem m, int off) {
+  __asm__ volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(m.s + 2u * (uint32_t)off) : "memory");
 }
 
 static inline void fa_tma_load_3d(fa_smem m, int dst, const fa_tma_map *map, int c0, int c1, int c2, int bar) {

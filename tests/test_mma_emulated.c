@@ -57,16 +57,18 @@ static fa_dev_tensor view(void *data, int dtype, int64_t heads, int64_t d) {
 static uint16_t to16(double x, int f16) { return f16 ? fa_f32_to_f16((float)x) : fa_f32_to_bf16((float)x); }
 static double from16(uint16_t h, int f16) { return f16 ? fa_f16_to_f32(h) : fa_bf16_to_f32(h); }
 
-/* Run one team of the emulated kernel: 128 host threads. */
-#define EMU_TEAM(call)                                                                                          \
+/* Run one team of the emulated kernel: NTH host threads (128, or 256 for the two-warpgroup forward). */
+#define EMU_TEAM_OF(NTH, call)                                                                                  \
   do {                                                                                                          \
+    const int want = (NTH);                                                                                     \
     int nth = 0;                                                                                                \
-    _Pragma("omp parallel num_threads(FA_EMU_THREADS)") {                                                       \
+    _Pragma("omp parallel num_threads(want)") {                                                                  \
       _Pragma("omp single") nth = omp_get_num_threads();                                                        \
       call;                                                                                                     \
     }                                                                                                           \
-    cr_assert_eq(nth, FA_EMU_THREADS, "the emulation needs %d threads, got %d", FA_EMU_THREADS, nth);           \
+    cr_assert_eq(nth, want, "the emulation needs %d threads, got %d", want, nth);                             \
   } while (0)
+#define EMU_TEAM(call) EMU_TEAM_OF(FA_MMA_THREADS, call)
 
 static double rel_err(const uint16_t *got, const double *ref, int64_t n, int f16, int64_t *nonfinite) {
   double e = 0, m = 0;
@@ -144,7 +146,7 @@ static void run_case(const char *name, const emu_case *c) {
   cr_assert(nqb > 0);
   fa_gpu_fwd_args ga = {view(b.q, dt, hq, d), view(b.k, dt, hkv, d), view(b.v, dt, hkv, d), view(b.o, dt, hq, d),
                         b.lse, plan.seg, plan.pair, plan.q_pair_off, qb, nqb, hq, hkv, d, plan.qshift,
-                        (float)scale, {0}, 0, 0, NULL};
+                        (float)scale, {0}, 0, 0, NULL, 0};
   /* K's and V's tiles by (emulated) bulk tensor copies: K whole, V when the tile has 64 keys */
   fa_tma_map maps[2];
   fa_tma_emulated_map(&maps[0], b.k, T, hkv, d, hkv * d, d, FA_WG_BK);
@@ -155,17 +157,32 @@ static void run_case(const char *name, const emu_case *c) {
   uint16_t *o_tma = malloc(sizeof(uint16_t) * (size_t)nq);
   float *lse_tma = malloc(sizeof(float) * (size_t)(T * hq));
   cr_assert(o_tma && lse_tma);
-  for (int pass = 2; pass >= 0; pass--) {
+  /* the two-warpgroup forward: 128-row blocks, bulk copies only */
+  fa_block *qb2;
+  const int64_t nqb2 = fa_plan_blocks(&plan, FA_WG2_ROWS, 0, &qb2);
+  cr_assert(nqb2 > 0);
+  static unsigned short smem2[(FA_WG2_ROWS + 2 * FA_WG2_STAGES * FA_WG_BK) * 128 + 2048];
+  cr_assert_geq(sizeof smem2, FA_WG2_FWD_SMEM(FA_WG_BK, d));
+  for (int pass = 3; pass >= 0; pass--) {
     const int wg = pass > 0;
-    const char *kernel = pass == 2 ? "wgmma forward (bulk copies)" : wg ? "wgmma forward" : "mma forward";
-    ga.tma = pass == 2 ? maps : NULL;
+    const char *kernel = pass == 3   ? "two-warpgroup wgmma forward"
+                         : pass == 2 ? "wgmma forward (bulk copies)"
+                         : wg        ? "wgmma forward"
+                                     : "mma forward";
+    ga.tma = pass >= 2 ? maps : NULL;
     for (int64_t i = 0; i < nq; i++) b.o[i] = 0x7fc1; /* poison: NaN in both dtypes */
     for (int64_t i = 0; i < T * hq; i++) b.lse[i] = NAN;
-    for (int64_t blk = 0; blk < nqb; blk++)
-      for (int64_t h = 0; h < hq; h++) {
-        if (wg) EMU_TEAM(fa_wg_fwd_team((int)d, FA_WG_BK, f16, ga, qb[blk], h, h / group, smem));
-        else EMU_TEAM(fa_mma_fwd_team((int)d, bk, f16, ga, qb[blk], h, h / group, smem));
-      }
+    if (pass == 3) {
+      for (int64_t blk = 0; blk < nqb2; blk++)
+        for (int64_t h = 0; h < hq; h++)
+          EMU_TEAM_OF(FA_WG2_THREADS, fa_wg2_fwd_team((int)d, FA_WG_BK, f16, ga, qb2[blk], h, h / group, smem2));
+    } else {
+      for (int64_t blk = 0; blk < nqb; blk++)
+        for (int64_t h = 0; h < hq; h++) {
+          if (wg) EMU_TEAM(fa_wg_fwd_team((int)d, FA_WG_BK, f16, ga, qb[blk], h, h / group, smem));
+          else EMU_TEAM(fa_mma_fwd_team((int)d, bk, f16, ga, qb[blk], h, h / group, smem));
+        }
+    }
     if (pass == 2) {
       memcpy(o_tma, b.o, sizeof(uint16_t) * (size_t)nq);
       memcpy(lse_tma, b.lse, sizeof(float) * (size_t)(T * hq));
@@ -301,7 +318,7 @@ static void run_case(const char *name, const emu_case *c) {
   free(units);
   free(unit_off);
 done:
-  free(qb), free(o_tma), free(lse_tma);
+  free(qb), free(qb2), free(o_tma), free(lse_tma);
   for (int i = 0; i < 8; i++) free(*b16[i]);
   free(b.rq), free(b.rk), free(b.rv), free(b.rdout), free(b.lse), free(b.dsum);
   free(ro), free(rlse), free(rdq), free(rdk), free(rdv);

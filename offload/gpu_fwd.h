@@ -23,7 +23,7 @@ typedef struct fa_gpu_fwd_args {
   int has_kept;
   int device;
   const struct fa_tma_map *tma; /* device copies of K's and V's tensor maps (gpu_tma.h), or NULL: cp.async */
-  int wg2; /* blocks of FA_WG2_ROWS for the two-warpgroup wgmma kernel (fa_gpu_mma_fwd_wg2) */
+  int wg2; /* blocks of FA_WG2_ROWS for the two-warpgroup wgmma kernel (fa_gpu_mma_fwd_tma) */
 } fa_gpu_fwd_args;
 
 /* Query rows per team of the tensor-core forward (16 per warp, 4 warps). */
@@ -52,12 +52,11 @@ void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g);
  * dO. A shape the driver refuses keeps the cp.async loads. */
 int fa_gpu_mma_tma_pair(struct fa_tma_map *maps, const fa_dev_tensor *a, int64_t a_rows, const fa_dev_tensor *b,
                         int64_t b_rows, int64_t heads, int64_t d, int box_rows, size_t smem, int device);
-/* 1 when a wgmma forward with tensor maps (tma) at head_dim d runs as the
- * two-warpgroup kernel (gpu_mma_fwd_team.h: 128-row blocks) on `device`:
- * its team memory fits and FORKATTN_GPU_WG2 is not 0. */
-int fa_gpu_mma_fwd_wg2(int tma, int64_t d, int device);
-/* fa_gpu_mma_tma_pair for the wgmma forward: K's and V's maps, boxes of its key tiles. */
+/* The wgmma forward's tensor maps of K and V (fa_gpu_mma_tma_pair): for the
+ * two-warpgroup kernel (gpu_mma_fwd_team.h: 128-row blocks, 128-key tiles;
+ * *wg2 = 1) when FORKATTN_GPU_WG2 is not 0 and its team memory fits, else
+ * for the one-warpgroup kernel (64-key tiles). 0: no maps (cp.async loads). */
 int fa_gpu_mma_fwd_tma(struct fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
-                       int64_t v_rows, int64_t hkv, int64_t d, int device);
+                       int64_t v_rows, int64_t hkv, int64_t d, int device, int *wg2);
 
 #endif

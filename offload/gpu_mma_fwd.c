@@ -80,25 +80,24 @@ int fa_gpu_mma_tma_pair(fa_tma_map *maps, const fa_dev_tensor *a, int64_t a_rows
 }
 
 int fa_gpu_mma_fwd_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
-                       int64_t v_rows, int64_t hkv, int64_t d, int device) {
-  return fa_gpu_mma_tma_pair(maps, k, k_rows, v, v_rows, hkv, d, FA_WG_BK, FA_WG_QUERY_SMEM(FA_WG_BK, d, 1), device);
-}
-
-int fa_gpu_mma_fwd_wg2(int tma, int64_t d, int device) {
+                       int64_t v_rows, int64_t hkv, int64_t d, int device, int *wg2) {
   /* FORKATTN_GPU_WG2=0 keeps the one-warpgroup kernel (comparison and diagnosis). */
   const char *env = getenv("FORKATTN_GPU_WG2");
-  return tma && !(env && strcmp(env, "0") == 0) && fa_gpu_wgmma_on(device, FA_WG2_FWD_SMEM(FA_WG_BK, d));
+  *wg2 = !(env && strcmp(env, "0") == 0) &&
+         fa_gpu_mma_tma_pair(maps, k, k_rows, v, v_rows, hkv, d, FA_WG2_BK, FA_WG2_FWD_SMEM(d), device);
+  return *wg2 ||
+         fa_gpu_mma_tma_pair(maps, k, k_rows, v, v_rows, hkv, d, FA_WG_BK, FA_WG_QUERY_SMEM(FA_WG_BK, d, 1), device);
 }
 
 #define FA_WG_FWD(D, F16) FA_MMA_QUERY_TEAMS(fa_wg_fwd_team, blocks, D, FA_WG_BK, F16, FA_WG_QUERY_SMEM(FA_WG_BK, D, 1))
 #define FA_WG2_FWD(D, F16)                                                                                     \
-  FA_MMA_QUERY_TEAMS_OF(fa_wg2_fwd_team, blocks, D, FA_WG_BK, F16, FA_WG2_FWD_SMEM(FA_WG_BK, D), FA_WG2_THREADS)
+  FA_MMA_QUERY_TEAMS_OF(fa_wg2_fwd_team, blocks, D, FA_WG2_BK, F16, FA_WG2_FWD_SMEM(D), FA_WG2_THREADS)
 
 void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g) {
   const fa_gpu_fwd_args args = *g;
   const int nteams = (int)(g->nblocks * g->hq), dev = g->device, f16 = g->q.dtype == FORKATTN_DTYPE_F16;
 #ifdef FORKATTN_HAVE_WGMMA
-  if (g->wg2) { /* fa_gpu_mma_fwd_wg2 chose it, and the blocks are FA_WG2_ROWS */
+  if (g->wg2) { /* fa_gpu_mma_fwd_tma chose it, and the blocks are FA_WG2_ROWS */
     FA_MMA_BY_HEAD_DIM(FA_WG2_FWD, g->d, f16);
     return;
   }

@@ -26,20 +26,21 @@ static inline __attribute__((always_inline)) void fa_mma_qk(fa_f4 *s, const fa_u
 /* Tile j's raw scores s (this warp's 16 rows x BK keys) masked to the keys
  * each row sees (lim0, lim1: fa_mma_row_keys), and this lane's share of the
  * row maxima folded into mx0, mx1. unmasked: every row of the warp sees
- * every key (warp-uniform), so the masks are skipped. vflags: the tile's
- * non-finite V rows (fa_mma_scan_rows_by, zeroed there); a row that sees
- * one is marked bad. Raw scores: the scale (> 0, validated) is applied in
- * the exponent's fma, so it commutes with the max. */
+ * every key (warp-uniform), so the masks are skipped. vlo, vhi: the tile's
+ * non-finite V rows 0-63 and 64-127 (fa_mma_scan_rows_by, zeroed there); a
+ * row that sees one is marked bad. Raw scores: the scale (> 0, validated)
+ * is applied in the exponent's fma, so it commutes with the max. */
 static inline __attribute__((always_inline)) void fa_fwd_tile_max(fa_f4 *s, int BK, int unmasked, int c0, int lim0,
-                                                                   int lim1, unsigned long long vflags, float *mx0,
-                                                                   float *mx1, int *bad0, int *bad1) {
+                                                                   int lim1, unsigned long long vlo,
+                                                                   unsigned long long vhi, float *mx0, float *mx1,
+                                                                   int *bad0, int *bad1) {
   if (unmasked) {
 #pragma unroll
     for (int n = 0; n < BK / 8; n++) {
       *mx0 = fmaxf(*mx0, fmaxf(s[n].x, s[n].y));
       *mx1 = fmaxf(*mx1, fmaxf(s[n].z, s[n].w));
     }
-    if (vflags) *bad0 = *bad1 = 1; /* every row of the warp sees the tile's non-finite V row */
+    if (vlo | vhi) *bad0 = *bad1 = 1; /* every row of the warp sees the tile's non-finite V row */
     return;
   }
 #pragma unroll
@@ -50,12 +51,13 @@ static inline __attribute__((always_inline)) void fa_fwd_tile_max(fa_f4 *s, int 
     *mx0 = fmaxf(*mx0, fmaxf(s[n].x, s[n].y));
     *mx1 = fmaxf(*mx1, fmaxf(s[n].z, s[n].w));
   }
-  if (vflags)
+  if (vlo | vhi)
 #pragma unroll
     for (int n = 0; n < BK / 8; n++) {
-      const int key = n * 8 + c0;
-      *bad0 |= (s[n].x != -INFINITY && (vflags >> key & 1u)) || (s[n].y != -INFINITY && (vflags >> (key + 1) & 1u));
-      *bad1 |= (s[n].z != -INFINITY && (vflags >> key & 1u)) || (s[n].w != -INFINITY && (vflags >> (key + 1) & 1u));
+      const unsigned long long v = n < 8 ? vlo : vhi; /* n is a constant after unrolling */
+      const int key = (n % 8) * 8 + c0;
+      *bad0 |= (s[n].x != -INFINITY && (v >> key & 1u)) || (s[n].y != -INFINITY && (v >> (key + 1) & 1u));
+      *bad1 |= (s[n].z != -INFINITY && (v >> key & 1u)) || (s[n].w != -INFINITY && (v >> (key + 1) & 1u));
     }
 }
 
@@ -224,7 +226,7 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
 
     float mx0 = -INFINITY, mx1 = -INFINITY;
     fa_fwd_tile_max(s, BK, nk == BK && (!w.causal || w.kb + BK - 1 <= qfirst + warp * 16), c0, lim0, lim1, vflags,
-                    &mx0, &mx1, &bad0, &bad1);
+                    0, &mx0, &mx1, &bad0, &bad1);
     /* S of tile j + 1 (after the last tile: tile j's K again, discarded, so
      * no branch splits this block from the softmax it overlaps). wgmma:
      * issued here, waited with P V below. */
@@ -275,50 +277,69 @@ static inline __attribute__((always_inline)) void fa_wg_fwd_team(const int D, co
 }
 
 /* The two-warpgroup wgmma forward (sm_90a, bulk tensor copies required).
- * One team of FA_WG2_THREADS: FA_WG2_ROWS query rows of block blk, warpgroup
- * wg owning rows [64 wg, 64 wg + 64) with its own Q tile; the two share
- * every K/V tile, so each tile is copied once for 128 rows, not 64.
+ * One team of FA_WG2_THREADS: FA_WG2_ROWS query rows of block blk,
+ * warpgroup wg owning rows [64 wg, 64 wg + 64) with its own Q tile; the
+ * two share every K/V tile, so each tile is copied once for 128 rows, and
+ * tiles are FA_WG2_BK keys: twice the one-warpgroup kernel's, halving the
+ * per-tile work (waits, turns, walk, reductions) per key.
  *
- * Tiles stream through FA_WG2_STAGES buffers (K then V of one tile each):
- * thread 0 issues tile j + 2's bulk copies at the end of iteration j, into
- * the buffer of tile j - 2, once both warpgroups released it (mbarrier
- * `empty`, one arrival per warp); a warpgroup waits for a tile on its
- * mbarrier `full`, not on the other warpgroup. In iteration j a warpgroup
- * issues S(j) = Q K(j)^T and O += P(j-1) V(j-1) together, waits for S(j),
- * runs tile j's softmax while P V runs, then waits for it and rescales O:
- * no product group is left pending across the loop's back-edge (v2.16).
- * The two warpgroups take turns issuing their products (named barriers 1
- * and 2), so one's softmax runs while the other's products occupy the
- * tensor cores (FlashAttention-3's ping-pong).
+ * Tiles stream through S = FA_WG2_STAGES(D) buffers (K then V of one tile
+ * each), tile t in buffer t % S, arriving on that buffer's mbarrier `full`.
+ * In iteration j a warpgroup issues S(j) = Q K(j)^T and O += P(j-1) V(j-1)
+ * together, waits for S(j), runs tile j's softmax while P V runs, then
+ * waits for P V, rescales O, and releases tile j - 1's buffer: the second
+ * warpgroup to release it (a counter in team memory) issues tile
+ * j - 1 + S's copies into it, so no thread ever waits for the other
+ * warpgroup to let a copy start. No product group is left pending across
+ * the loop's back-edge (v2.16), and iteration 0 multiplies P(-1) = 0 by
+ * zeros (buffer S - 1's V, "tile -1", released like any tile): a product
+ * or a wait under a branch makes ptxas serialize every wgmma of the kernel
+ * (C7518). With FA_WG2_PINGPONG the two warpgroups take turns issuing
+ * their products (named barriers 1 and 2; FlashAttention-3's ping-pong),
+ * so one's softmax would run under the other's products; off by default:
+ * here the softmax outlasts the other's products, and the turns only added
+ * waits (case 2 forward 2821 vs 2754 us, bench/logs/gpu_ab_wg2_bk128_h200.txt).
  *
  * A tile that hides keys from some of the team's rows (causal, crossing the
  * team's first diagonal) or holds fewer than BK keys (the copy brings the
  * rows after the pair's keys, or zeros past the tensor) is scanned by the
- * whole team (fa_mma_scan_rows_by) before either warpgroup's P V reads it:
- * its non-finite V rows are zeroed and flagged, so 0 * NaN cannot reach a
- * row that does not see them. K rows past a tile's keys are masked. */
+ * whole team (fa_mma_scan_rows_by, 64 rows at a time) before either
+ * warpgroup's P V reads it: its non-finite V rows are zeroed and flagged,
+ * so 0 * NaN cannot reach a row that does not see them. K rows past a
+ * tile's keys are masked. */
 #define FA_WG2_THREADS 256
-#ifndef FA_WG2_STAGES
-#define FA_WG2_STAGES 5
-#endif
+#define FA_WG2_BK 128
 #ifndef FA_WG2_PINGPONG
-#define FA_WG2_PINGPONG 1
+#define FA_WG2_PINGPONG 0
 #endif
-/* Team memory: two 64-row Q tiles, the stages, 8 flag words, the full and
- * empty mbarriers (8 bytes each), room to align the tiles. */
-#define FA_WG2_FWD_SMEM(BK, D)                                                                                     \
-  ((size_t)(FA_WG2_ROWS + 2 * FA_WG2_STAGES * (BK)) * (D) * 2 + 8 * sizeof(unsigned) + 2 * FA_WG2_STAGES * 8 +      \
-   FA_WG_BLOCK_BYTES)
+/* Buffers: as many as fit beside the Q tiles in the H100/H200's 227 KB of team memory. */
+#define FA_WG2_STAGES(D) ((D) == 128 ? 3 : 5)
+/* Team memory: two 64-row Q tiles, the buffers, 8 flag words, a full
+ * mbarrier (8 bytes) and a release counter (4 bytes, padded to 8) per
+ * buffer, room to align the tiles. */
+#define FA_WG2_FWD_SMEM(D)                                                                                         \
+  ((size_t)(FA_WG2_ROWS + 2 * FA_WG2_STAGES(D) * FA_WG2_BK) * (D) * 2 + 8 * sizeof(unsigned) +                       \
+   16 * FA_WG2_STAGES(D) + FA_WG_BLOCK_BYTES)
+
+/* Thread 0 of a warpgroup: tile w's K and V into buffer b (bulk copies, completing on its full barrier). */
+static inline __attribute__((always_inline)) void fa_wg2_copy(fa_smem sm, int dst, int full, const fa_tma_map *tma,
+                                                              int64_t g, fa_tile_walk w, int BK, int D) {
+  fa_mbar_expect_tx(sm, full, 2 * BK * D * 2);
+  fa_tma_tile(sm, dst, tma, (int)g, w.kb, BK, D, full);
+  fa_tma_tile(sm, dst + BK * D, tma + 1, (int)g, w.kb, BK, D, full);
+}
 
 static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, const int BK, const int f16,
                                                                    const fa_gpu_fwd_args ga, fa_block blk,
                                                                    int64_t h, int64_t g, unsigned short *smem) {
+  const int S = FA_WG2_STAGES(D);
   const int tid = ompx_thread_id_x(), wg = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
   smem += fa_wg_align(fa_smem_of(smem));
   const fa_smem sm = fa_smem_of(smem);
   const int qt = wg * FA_MMA_ROWS * D, st0 = FA_WG2_ROWS * D, stage = 2 * BK * D; /* element offsets */
-  unsigned *vbad = (unsigned *)(smem + st0 + FA_WG2_STAGES * stage);
-  const int full = st0 + FA_WG2_STAGES * stage + 16, empty = full + 4 * FA_WG2_STAGES; /* 4 elements a barrier */
+  unsigned *vbad = (unsigned *)(smem + st0 + S * stage);
+  const int full = st0 + S * stage + 16; /* S barriers, 4 elements each, then S counters */
+  int *released = (int *)(smem + full + 4 * S);
   const fa_tma_map *tma = ga.tma;
   const fa_range *seg = ga.seg;
   const fa_pair *pair = ga.pair;
@@ -330,92 +351,83 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
                    qrows < 0 ? 0 : qrows > FA_MMA_ROWS ? FA_MMA_ROWS : qrows, h, wt);
   fa_cp_async_commit();
   fa_tile_walk w = fa_walk_first(ga.qoff, seg, pair, blk, qshift);
-  fa_tile_walk wl = w; /* thread 0: the next tile to copy */
-  int nl = 0;          /* thread 0: tiles copied so far */
-  if (tid == 0) {
-    for (int s = 0; s < FA_WG2_STAGES; s++) fa_mbar_init(sm, full + 4 * s, 1), fa_mbar_init(sm, empty + 4 * s, 8);
-    for (; nl < 2 && wl.pi < wl.pend; nl++) { /* tiles 0 and 1; the loop copies two ahead */
-      fa_mbar_expect_tx(sm, full + 4 * nl, 2 * BK * D * 2);
-      fa_tma_tile(sm, st0 + nl * stage, tma, (int)g, wl.kb, BK, D, full + 4 * nl);
-      fa_tma_tile(sm, st0 + nl * stage + BK * D, tma + 1, (int)g, wl.kb, BK, D, full + 4 * nl);
-      wl = fa_walk_next(wl, BK, seg, pair, blk, qshift);
+  fa_tile_walk wl = w; /* thread 0 of each warpgroup: the next tile to copy (tile j - 1 + S in iteration j) */
+  if (tid == 0)
+    for (int b = 0; b < S; b++) fa_mbar_init(sm, full + 4 * b, 1), released[2 * b] = 0;
+  if (wt == 0) /* tiles 0 .. S - 2 (thread 0 copies them; both walk past them) */
+    for (int b = 0; b < S - 1; b++) {
+      if (tid == 0 && wl.pi < wl.pend) fa_wg2_copy(sm, st0 + b * stage, full + 4 * b, tma, g, wl, BK, D);
+      if (wl.pi < wl.pend) wl = fa_walk_next(wl, BK, seg, pair, blk, qshift);
     }
-  }
-  /* V of buffer S - 1 starts as zeros, "tile -1": iteration 0 multiplies it by
-   * P(-1) = 0, so every iteration issues the same two product groups and waits
-   * for them the same way (a product or a wait under a branch makes ptxas
-   * serialize every wgmma of the kernel, C7518), and releases it like any tile */
-  const int zt = st0 + (FA_WG2_STAGES - 1) * stage + BK * D;
+  const int zt = st0 + (S - 1) * stage + BK * D; /* V of buffer S - 1: zeros, "tile -1" */
   const fa_u4 z4 = {0, 0, 0, 0};
   for (int e = tid * 8; e < BK * D; e += FA_WG2_THREADS * 8) fa_store_u4(smem + zt + e, z4);
   fa_cp_async_wait(0);
   fa_fence_proxy_async(); /* Q and the zeros for the tensor cores' reads */
   ompx_sync_block_acq_rel(); /* ... and the barriers' initialization, for every thread */
 
-  fa_f4 s[FA_MMA_MAX_BK / 8], o[FA_MMA_MAX_D / 8];
-  fa_u4 pa[FA_MMA_MAX_BK / 16]; /* P(j - 1), packed */
+  fa_f4 s[FA_WG2_BK / 8], o[FA_MMA_MAX_D / 8];
+  fa_u4 pa[FA_WG2_BK / 16]; /* P(j - 1), packed */
 #pragma unroll
   for (int n = 0; n < D / 8; n++) o[n] = fa_f4_zero();
 #pragma unroll
   for (int n = 0; n < BK / 16; n++) pa[n] = z4;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
-  const int rw = warp * 16 + fa_acc_row(lane, 0), r0 = wg * FA_MMA_ROWS + rw, c0 = fa_acc_col(lane, 0);
+  const int r0 = wg * FA_MMA_ROWS + warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
   const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
   int bad0 = 0, bad1 = 0;
   const int qfirst = (int)(blk.start + qshift); /* key-frame position of the team's first row */
   const int q_pos0 = qfirst + r0, q_pos1 = q_pos0 + 8, wfirst = qfirst + wg * FA_MMA_ROWS + warp * 16;
   const int turn = 1 + wg, other = 2 - wg; /* named barriers: this warpgroup's turn, the other's */
   if (FA_WG2_PINGPONG && wg == 1) fa_wg_bar_arrive(1, FA_WG2_THREADS); /* warpgroup 0 goes first */
-  int j = 0, kt = st0, vp = zt; /* tile j's K, tile j - 1's V */
+  int j = 0, b = 0, bp = S - 1; /* tile j's buffer, tile j - 1's */
 
   while (w.pi < w.pend) {
-    fa_mbar_wait(sm, full + 4 * (j % FA_WG2_STAGES), (j / FA_WG2_STAGES) & 1);
+    const int kt = st0 + b * stage;
+    fa_mbar_wait(sm, full + 4 * b, (j / S) & 1);
     const int nk = fa_walk_keys(w, BK);
-    unsigned long long vflags = 0; /* bit r: V row r of tile j was non-finite (zeroed) */
-    if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst))
-      vflags = fa_mma_scan_rows_by(smem + kt + BK * D, D, BK, D, f16, vbad, tid, FA_WG2_THREADS);
+    unsigned long long vlo = 0, vhi = 0; /* bit r: V row r (64 + r) of tile j was non-finite (zeroed) */
+    if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst)) {
+      vlo = fa_mma_scan_rows_by(smem + kt + BK * D, D, BK, 0, 64, D, f16, vbad, tid, FA_WG2_THREADS);
+      if (BK > 64) vhi = fa_mma_scan_rows_by(smem + kt + BK * D, D, BK, 64, 64, D, f16, vbad, tid, FA_WG2_THREADS);
+    }
     const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
     const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
 
     if (FA_WG2_PINGPONG) fa_wg_bar_sync(turn, FA_WG2_THREADS);
     fa_wg_acc_abt(s, qt, sm, kt, BK, D, f16);
     fa_wg_commit();
-    fa_wg_acc_ab(o, pa, sm, vp, BK, BK, D, f16);
+    fa_wg_acc_ab(o, pa, sm, st0 + bp * stage + BK * D, BK, BK, D, f16);
     fa_wg_commit();
     if (FA_WG2_PINGPONG) fa_wg_bar_arrive(other, FA_WG2_THREADS);
     fa_wg_wait(1); /* S(j); P(j-1) V(j-1) runs on under the softmax */
     fa_wg_pin(s, BK / 8);
 
     float mx0 = -INFINITY, mx1 = -INFINITY, a0, a1;
-    fa_fwd_tile_max(s, BK, nk == BK && (!w.causal || w.kb + BK - 1 <= wfirst), c0, lim0, lim1, vflags, &mx0, &mx1,
+    fa_fwd_tile_max(s, BK, nk == BK && (!w.causal || w.kb + BK - 1 <= wfirst), c0, lim0, lim1, vlo, vhi, &mx0, &mx1,
                     &bad0, &bad1);
     fa_fwd_tile_exp(s, BK, mx0, mx1, mul, &m0, &m1, &l0, &l1, &a0, &a1);
     fa_wg_wait(0);
     fa_wg_pin(o, D / 8);
     fa_wg_pin_u4(pa, BK / 16);
-    if (lane == 0) fa_mbar_arrive(sm, empty + 4 * ((j + FA_WG2_STAGES - 1) % FA_WG2_STAGES)); /* tile j - 1 */
+    /* tile j - 1's buffer is free for this warpgroup; the second to say so copies tile j - 1 + S into it */
+    if (wt == 0) {
+      if (__atomic_fetch_add(&released[2 * bp], 1, __ATOMIC_ACQ_REL) == 1) {
+        released[2 * bp] = 0; /* its next release comes after this copy lands and is read */
+        if (wl.pi < wl.pend) fa_wg2_copy(sm, st0 + bp * stage, full + 4 * bp, tma, g, wl, BK, D);
+      }
+      if (wl.pi < wl.pend) wl = fa_walk_next(wl, BK, seg, pair, blk, qshift);
+    }
     fa_fwd_rescale(o, D, a0, a1);
     fa_wg_pack(pa, s, BK, f16);
-
-    /* tile j + 2 into the buffer of tile j + 2 - S, once both warpgroups released it
-     * (its u-th use waits for release u - 1; buffer S - 1's first use for tile -1's) */
-    if (tid == 0 && wl.pi < wl.pend) {
-      const int b = nl % FA_WG2_STAGES, dst = st0 + b * stage, c = nl / FA_WG2_STAGES - (b != FA_WG2_STAGES - 1);
-      if (c >= 0) fa_mbar_wait(sm, empty + 4 * b, c & 1);
-      fa_mbar_expect_tx(sm, full + 4 * b, 2 * BK * D * 2);
-      fa_tma_tile(sm, dst, tma, (int)g, wl.kb, BK, D, full + 4 * b);
-      fa_tma_tile(sm, dst + BK * D, tma + 1, (int)g, wl.kb, BK, D, full + 4 * b);
-      wl = fa_walk_next(wl, BK, seg, pair, blk, qshift);
-      nl++;
-    }
     w = fa_walk_next(w, BK, seg, pair, blk, qshift);
-    vp = kt + BK * D;
-    kt = kt + stage == st0 + FA_WG2_STAGES * stage ? st0 : kt + stage;
+    bp = b;
+    b = b == S - 1 ? 0 : b + 1;
     j++;
   }
   /* P V of the last tile (no tile: P(-1) = 0 times the zeros) */
   if (FA_WG2_PINGPONG) fa_wg_bar_sync(turn, FA_WG2_THREADS);
-  fa_wg_acc_ab(o, pa, sm, vp, BK, BK, D, f16);
+  fa_wg_acc_ab(o, pa, sm, st0 + bp * stage + BK * D, BK, BK, D, f16);
   fa_wg_commit();
   if (FA_WG2_PINGPONG && wg == 0) fa_wg_bar_arrive(other, FA_WG2_THREADS);
   fa_wg_wait(0);

@@ -282,22 +282,23 @@ static inline __attribute__((always_inline)) void fa_mma_store_rows(fa_dev_tenso
 }
 
 /* Cooperative scan, by threads [0, nth) of the team (nth 128 or 256, all
- * of it), of rows [0, n) of an n x D b16 tile (n = 16, 32 or 64; pitch P):
- * non-finite elements are zeroed, and bit r of the result says row r had
- * one. flags: nth / 32 words of team memory. Contains team barriers: call
- * from every thread of the team. A masked tile's product multiplies such a
- * row by an exact 0 for the rows or keys that cannot see it; zeroing keeps
- * that 0, and the caller marks NaN the outputs that do see the row. P == D
- * means the tile is in the wgmma layout (the padded layouts have P = D + 8). */
-static inline unsigned long long fa_mma_scan_rows_by(unsigned short *t, int P, int n, int D, int f16,
+ * of it), of rows [r0, r0 + n) of an R-row b16 tile (n = 16, 32 or 64;
+ * pitch P): non-finite elements are zeroed, and bit r of the result says
+ * row r0 + r had one. flags: nth / 32 words of team memory. Contains team
+ * barriers: call from every thread of the team. A masked tile's product
+ * multiplies such a row by an exact 0 for the rows or keys that cannot see
+ * it; zeroing keeps that 0, and the caller marks NaN the outputs that do
+ * see the row. P == D means the tile is in the wgmma layout (the padded
+ * layouts have P = D + 8). */
+static inline unsigned long long fa_mma_scan_rows_by(unsigned short *t, int P, int R, int r0, int n, int D, int f16,
                                                      unsigned *flags, int tid, int nth) {
-  const int tpr = nth / n, r = tid / tpr, part = tid % tpr, span = D / tpr, lane = tid % 32;
+  const int tpr = nth / n, r = r0 + tid / tpr, part = tid % tpr, span = D / tpr, lane = tid % 32;
   const int wg = P == D; /* unpadded: the wgmma layout (fa_wg_elem), whose readers need the proxy fence */
   int bad = 0;
   /* 16-byte chunks (span is a multiple of 8; a chunk stays whole under the swizzle): one load and a few
    * integer tests per 8 elements, where one element at a time cost as much as a tile's products (ncu) */
   for (int c = part * span; c < (part + 1) * span; c += 8) {
-    unsigned short *e = t + (wg ? fa_wg_elem(r, c, n) : r * P + c);
+    unsigned short *e = t + (wg ? fa_wg_elem(r, c, R) : r * P + c);
     const fa_u4 v = fa_load_u4(e);
     const fa_u4 f = {fa_b16x2_finite(v.x, f16), fa_b16x2_finite(v.y, f16), fa_b16x2_finite(v.z, f16),
                      fa_b16x2_finite(v.w, f16)};
@@ -320,7 +321,7 @@ static inline unsigned long long fa_mma_scan_rows_by(unsigned short *t, int P, i
 /* fa_mma_scan_rows_by for a team of FA_MMA_THREADS (4 flag words). */
 static inline unsigned long long fa_mma_scan_rows(unsigned short *t, int P, int n, int D, int f16,
                                                   unsigned *flags, int tid) {
-  return fa_mma_scan_rows_by(t, P, n, D, f16, flags, tid, FA_MMA_THREADS);
+  return fa_mma_scan_rows_by(t, P, n, 0, n, D, f16, flags, tid, FA_MMA_THREADS);
 }
 #pragma omp end declare target
 

@@ -161,21 +161,24 @@ static void run_case(const char *name, const emu_case *c) {
   fa_block *qb2;
   const int64_t nqb2 = fa_plan_blocks(&plan, FA_WG2_ROWS, 0, &qb2);
   cr_assert(nqb2 > 0);
-  static unsigned short smem2[(FA_WG2_ROWS + 2 * FA_WG2_STAGES * FA_WG_BK) * 128 + 2048];
-  cr_assert_geq(sizeof smem2, FA_WG2_FWD_SMEM(FA_WG_BK, d));
+  static unsigned short smem2[(FA_WG2_ROWS + 2 * FA_WG2_STAGES(128) * FA_WG2_BK) * 128 + 2048];
+  cr_assert_geq(sizeof smem2, FA_WG2_FWD_SMEM(d));
+  fa_tma_map maps2[2]; /* its tiles are 128 keys */
+  fa_tma_emulated_map(&maps2[0], b.k, T, hkv, d, hkv * d, d, FA_WG2_BK);
+  fa_tma_emulated_map(&maps2[1], b.v, T, hkv, d, hkv * d, d, FA_WG2_BK);
   for (int pass = 3; pass >= 0; pass--) {
     const int wg = pass > 0;
     const char *kernel = pass == 3   ? "two-warpgroup wgmma forward"
                          : pass == 2 ? "wgmma forward (bulk copies)"
                          : wg        ? "wgmma forward"
                                      : "mma forward";
-    ga.tma = pass >= 2 ? maps : NULL;
+    ga.tma = pass == 3 ? maps2 : pass == 2 ? maps : NULL;
     for (int64_t i = 0; i < nq; i++) b.o[i] = 0x7fc1; /* poison: NaN in both dtypes */
     for (int64_t i = 0; i < T * hq; i++) b.lse[i] = NAN;
     if (pass == 3) {
       for (int64_t blk = 0; blk < nqb2; blk++)
         for (int64_t h = 0; h < hq; h++)
-          EMU_TEAM_OF(FA_WG2_THREADS, fa_wg2_fwd_team((int)d, FA_WG_BK, f16, ga, qb2[blk], h, h / group, smem2));
+          EMU_TEAM_OF(FA_WG2_THREADS, fa_wg2_fwd_team((int)d, FA_WG2_BK, f16, ga, qb2[blk], h, h / group, smem2));
     } else {
       for (int64_t blk = 0; blk < nqb; blk++)
         for (int64_t h = 0; h < hq; h++) {

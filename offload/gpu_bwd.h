@@ -29,6 +29,8 @@ typedef struct fa_gpu_bwd {
   int has_kept;
   int device;
   const struct fa_tma_map *tma; /* device copies of Q's and dO's tensor maps for the wgmma dK/dV, or NULL */
+  const struct fa_tma_map *kv_tma; /* K's and V's for the two-warpgroup dQ (dq_wg2), or NULL */
+  int dq_wg2; /* qblocks are FA_WG2_ROWS rows for the two-warpgroup dQ (fa_gpu_mma_dq_tma) */
 } fa_gpu_bwd;
 
 /* 1 when the tensor-core backward runs this call: the forward's conditions
@@ -39,5 +41,10 @@ void fa_gpu_mma_dkv(const fa_gpu_bwd *b);
 /* fa_gpu_mma_tma_pair (gpu_fwd.h) for the wgmma dK/dV: Q's and dO's maps, boxes of its query tiles. */
 int fa_gpu_mma_dkv_tma(struct fa_tma_map *maps, const fa_dev_tensor *q, int64_t q_rows, const fa_dev_tensor *dout,
                        int64_t dout_rows, int64_t hq, int64_t d, int device);
+/* 1 when the wgmma dQ runs as the two-warpgroup kernel (gpu_mma_bwd_team.h:
+ * 128-row query blocks, 128-key tiles): FORKATTN_GPU_WG2 is not 0, its team
+ * memory fits, and the driver encoded K's and V's maps into maps[0..1]. */
+int fa_gpu_mma_dq_tma(struct fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
+                      int64_t v_rows, int64_t hkv, int64_t d, int device);
 
 #endif

@@ -18,6 +18,8 @@
  * units are summed in order afterwards. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include <omp.h>
 #include <ompx.h>
 
@@ -41,9 +43,25 @@ int fa_gpu_mma_bwd_ok(const fa_attn_bwd *a, forkattn_memory memory) {
 #define FA_WG_DQ(D, F16) \
   FA_MMA_QUERY_TEAMS(fa_wg_dq_team, qblocks, D, FA_WG_DQ_BK, F16, FA_WG_QUERY_SMEM(FA_WG_DQ_BK, D, 2))
 
+#define FA_WG2_DQ(D, F16) \
+  FA_MMA_QUERY_TEAMS_OF(fa_wg2_dq_team, qblocks, D, FA_WG2_BK, F16, FA_WG2_DQ_SMEM(D), FA_WG2_THREADS)
+
+int fa_gpu_mma_dq_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
+                      int64_t v_rows, int64_t hkv, int64_t d, int device) {
+  const char *env = getenv("FORKATTN_GPU_WG2"); /* 0: the one-warpgroup dQ (comparison and diagnosis) */
+  return !(env && strcmp(env, "0") == 0) &&
+         fa_gpu_mma_tma_pair(maps, k, k_rows, v, v_rows, hkv, d, FA_WG2_BK, FA_WG2_DQ_SMEM(d), device);
+}
+
 void fa_gpu_mma_dq(const fa_gpu_bwd *b) {
   const fa_gpu_bwd args = *b;
   const int nteams = (int)(b->nqb * b->hq), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
+#ifdef FORKATTN_HAVE_WGMMA
+  if (b->dq_wg2) { /* fa_gpu_mma_dq_tma chose it, and the query blocks are FA_WG2_ROWS */
+    FA_MMA_BY_HEAD_DIM(FA_WG2_DQ, b->d, f16);
+    return;
+  }
+#endif
   FA_WG_OR_MMA(FA_WG_DQ, FA_MMA_DQ, FA_WG_QUERY_SMEM(FA_WG_DQ_BK, b->d, 2), b->d, f16);
 }
 

@@ -12,6 +12,7 @@
 #include "gpu_mma.h"
 #include "gpu_mma_tiles.h"
 #include "gpu_tma.h"
+#include "gpu_wg2.h"
 #include "gpu_wgmma.h"
 
 #define FA_MMA_BQ 32 /* reader queries per dK/dV tile (16 with V in team memory) */
@@ -21,6 +22,89 @@
 #pragma omp declare target
 
 /* ---- dQ ------------------------------------------------------------------ */
+
+/* D = rowsum(dO * O) of this warp's 16 rows of a 64-row dO tile (team
+ * memory at dot, pitch P; P == D: the wgmma layout) whose first row is row
+ * trow0 of block blk, here instead of in a kernel of its own (a launch
+ * costs tens of microseconds). Lanes 2i and 2i + 1 take the halves of row
+ * i; O's 16-byte chunks are all requested before the first use (loaded one
+ * element at a time, their latency stalled the team: ncu, v1.8). Stored for
+ * the dK/dV pass, which runs after this kernel; returned in dd0, dd1 for
+ * the lane's accumulator rows lane / 4 and + 8. */
+static inline __attribute__((always_inline)) void fa_dq_rowsum(const fa_gpu_bwd b, fa_block blk, int trow0, int64_t h,
+                                                               const unsigned short *dot, int P, int D, int f16,
+                                                               int warp, int lane, float *dd0, float *dd1) {
+  const int rr = warp * 16 + lane / 2, half = (lane & 1) * (D / 2), in = trow0 + rr < blk.len;
+  const unsigned short *orow =
+      (const unsigned short *)b.o.data + (blk.start + (in ? trow0 + rr : 0)) * b.o.rs + h * b.o.hs + half;
+  fa_u4 ov[FA_MMA_MAX_D / 16];
+#pragma unroll
+  for (int i = 0; i < D / 16; i++) ov[i] = fa_load_u4(orow + 8 * i);
+  float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+  for (int i = 0; i < D / 16; i++) {
+    const fa_u4 dv = fa_load_u4(dot + (P == D ? fa_wg_elem(rr, half + 8 * i, FA_MMA_ROWS) : rr * P + half + 8 * i));
+    s0 += fa_dot_b16x2(dv.x, ov[i].x, f16) + fa_dot_b16x2(dv.y, ov[i].y, f16);
+    s1 += fa_dot_b16x2(dv.z, ov[i].z, f16) + fa_dot_b16x2(dv.w, ov[i].w, f16);
+  }
+  float sum = in ? s0 + s1 : 0.0f;
+  sum += fa_mma_shfl_xor(sum, 1);
+  if (!(lane & 1) && in) b.dsum[(blk.start + trow0 + rr) * b.hq + h] = sum;
+  *dd0 = fa_mma_shfl_idx(sum, 2 * (lane / 4)); /* accumulator rows lane / 4 and + 8 */
+  *dd1 = fa_mma_shfl_idx(sum, 2 * (lane / 4) + 16);
+}
+
+/* P = exp2(S - lse) of a warp's 16 rows x BK keys of S in s, where visible;
+ * an exact 0 elsewhere (a select, not a product; vis0 / vis1: bit 2n + i for
+ * column 8n + c0 + i of rows r0, r0 + 8). all: every row of the warp sees
+ * every key (warp-uniform, as in the forward), so the masks are skipped.
+ * kflags: the tile's non-finite K rows (fa_mma_scan_rows_by, zeroed); a row
+ * that sees one is marked bad. */
+static inline __attribute__((always_inline)) void fa_dq_tile_p(fa_f4 *s, int BK, int all, unsigned long long kflags,
+                                                               int c0, int lim0, int lim1, float mul, float lse0,
+                                                               float lse1, unsigned *vis0, unsigned *vis1, int *bad0,
+                                                               int *bad1) {
+  if (all) {
+    *vis0 = *vis1 = ~0u;
+    if (kflags) *bad0 = *bad1 = 1; /* every row of the warp sees the tile's non-finite K row */
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++) {
+      s[n].x = fa_mma_exp2(fmaf(s[n].x, mul, -lse0)), s[n].y = fa_mma_exp2(fmaf(s[n].y, mul, -lse0));
+      s[n].z = fa_mma_exp2(fmaf(s[n].z, mul, -lse1)), s[n].w = fa_mma_exp2(fmaf(s[n].w, mul, -lse1));
+    }
+    return;
+  }
+  unsigned v0 = 0, v1 = 0;
+#pragma unroll
+  for (int n = 0; n < BK / 8; n++) {
+    const int key = n * 8 + c0;
+    const float t0 = fa_mma_score(s[n].x, mul, key, lim0), t1 = fa_mma_score(s[n].y, mul, key + 1, lim0);
+    const float t2 = fa_mma_score(s[n].z, mul, key, lim1), t3 = fa_mma_score(s[n].w, mul, key + 1, lim1);
+    if (kflags) {
+      *bad0 |= (t0 != -INFINITY && (kflags >> key & 1u)) || (t1 != -INFINITY && (kflags >> (key + 1) & 1u));
+      *bad1 |= (t2 != -INFINITY && (kflags >> key & 1u)) || (t3 != -INFINITY && (kflags >> (key + 1) & 1u));
+    }
+    v0 |= (unsigned)(t0 != -INFINITY) << 2 * n | (unsigned)(t1 != -INFINITY) << (2 * n + 1);
+    v1 |= (unsigned)(t2 != -INFINITY) << 2 * n | (unsigned)(t3 != -INFINITY) << (2 * n + 1);
+    s[n].x = t0 == -INFINITY ? 0.0f : fa_mma_exp2(t0 - lse0);
+    s[n].y = t1 == -INFINITY ? 0.0f : fa_mma_exp2(t1 - lse0);
+    s[n].z = t2 == -INFINITY ? 0.0f : fa_mma_exp2(t2 - lse1);
+    s[n].w = t3 == -INFINITY ? 0.0f : fa_mma_exp2(t3 - lse1);
+  }
+  *vis0 = v0, *vis1 = v1;
+}
+
+/* dS = P (dP - D) in s for the fragments [n0, n1) (fa_dq_tile_p's P and vis). */
+static inline __attribute__((always_inline)) void fa_dq_tile_ds(fa_f4 *s, const fa_f4 *dp, int n0, int n1,
+                                                                unsigned vis0, unsigned vis1, float dd0, float dd1) {
+#pragma unroll
+  for (int n = n0; n < n1; n++) {
+    s[n].x = vis0 >> 2 * n & 1u ? s[n].x * (dp[n].x - dd0) : 0.0f;
+    s[n].y = vis0 >> (2 * n + 1) & 1u ? s[n].y * (dp[n].y - dd0) : 0.0f;
+    s[n].z = vis1 >> 2 * n & 1u ? s[n].z * (dp[n].z - dd1) : 0.0f;
+    s[n].w = vis1 >> (2 * n + 1) & 1u ? s[n].w * (dp[n].w - dd1) : 0.0f;
+  }
+}
 
 /* One dQ team: FA_MMA_ROWS query rows of block blk, query head h, KV head g.
  * WG: S, dP and dQ += dS K by wgmma (gpu_wgmma.h; pitch P = D selects its
@@ -57,34 +141,8 @@ static inline __attribute__((always_inline)) void fa_dq_team(const int D, const 
     }
   }
   const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
-  /* D = rowsum(dO * O) of the warp's 16 rows, here instead of in a kernel of
-   * its own (a launch costs tens of microseconds). Lanes 2i and 2i + 1 take
-   * the halves of row i; O's 16-byte chunks are all requested before the
-   * first use (loaded one element at a time, their latency stalled the team:
-   * ncu, v1.8), dO comes from team memory. Stored for the dK/dV pass, which
-   * runs after this kernel. */
   float dd0, dd1;
-  {
-    const int rr = warp * 16 + lane / 2, half = (lane & 1) * (D / 2), in = rr < blk.len;
-    const unsigned short *orow =
-        (const unsigned short *)b.o.data + (blk.start + (in ? rr : 0)) * b.o.rs + h * b.o.hs + half;
-    fa_u4 ov[FA_MMA_MAX_D / 16];
-#pragma unroll
-    for (int i = 0; i < D / 16; i++) ov[i] = fa_load_u4(orow + 8 * i);
-    float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-    for (int i = 0; i < D / 16; i++) {
-      const fa_u4 dv = fa_load_u4(smem + FA_MMA_ROWS * P +
-                                  (WG ? fa_wg_elem(rr, half + 8 * i, FA_MMA_ROWS) : rr * P + half + 8 * i));
-      s0 += fa_dot_b16x2(dv.x, ov[i].x, f16) + fa_dot_b16x2(dv.y, ov[i].y, f16);
-      s1 += fa_dot_b16x2(dv.z, ov[i].z, f16) + fa_dot_b16x2(dv.w, ov[i].w, f16);
-    }
-    float sum = in ? s0 + s1 : 0.0f;
-    sum += fa_mma_shfl_xor(sum, 1);
-    if (!(lane & 1) && in) b.dsum[(blk.start + rr) * b.hq + h] = sum;
-    dd0 = fa_mma_shfl_idx(sum, 2 * (lane / 4)); /* accumulator rows lane / 4 and + 8 */
-    dd1 = fa_mma_shfl_idx(sum, 2 * (lane / 4) + 16);
-  }
+  fa_dq_rowsum(b, blk, 0, h, smem + FA_MMA_ROWS * P, P, D, f16, warp, lane, &dd0, &dd1);
   ompx_sync_block_acq_rel();
 
   const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
@@ -158,34 +216,9 @@ static inline __attribute__((always_inline)) void fa_dq_team(const int D, const 
      * warp sees (warp-uniform, as in the forward) skips the masks. With
      * wgmma, dQ += dS K in KP-key parts: part c's product runs while part
      * c + 1's dS is formed. */
-    const int all = nk == BK && (!w.causal || w.kb + BK - 1 <= qfirst + warp * 16);
-    unsigned vis0 = ~0u, vis1 = ~0u;
-    if (all) {
-      if (kflags) bad0 = bad1 = 1; /* every row of the warp sees the tile's non-finite K row */
-#pragma unroll
-      for (int n = 0; n < BK / 8; n++) {
-        s[n].x = fa_mma_exp2(fmaf(s[n].x, mul, -lse0)), s[n].y = fa_mma_exp2(fmaf(s[n].y, mul, -lse0));
-        s[n].z = fa_mma_exp2(fmaf(s[n].z, mul, -lse1)), s[n].w = fa_mma_exp2(fmaf(s[n].w, mul, -lse1));
-      }
-    } else {
-      vis0 = vis1 = 0;
-#pragma unroll
-      for (int n = 0; n < BK / 8; n++) {
-        const int key = n * 8 + c0;
-        const float t0 = fa_mma_score(s[n].x, mul, key, lim0), t1 = fa_mma_score(s[n].y, mul, key + 1, lim0);
-        const float t2 = fa_mma_score(s[n].z, mul, key, lim1), t3 = fa_mma_score(s[n].w, mul, key + 1, lim1);
-        if (kflags) {
-          bad0 |= (t0 != -INFINITY && (kflags >> key & 1u)) || (t1 != -INFINITY && (kflags >> (key + 1) & 1u));
-          bad1 |= (t2 != -INFINITY && (kflags >> key & 1u)) || (t3 != -INFINITY && (kflags >> (key + 1) & 1u));
-        }
-        vis0 |= (unsigned)(t0 != -INFINITY) << 2 * n | (unsigned)(t1 != -INFINITY) << (2 * n + 1);
-        vis1 |= (unsigned)(t2 != -INFINITY) << 2 * n | (unsigned)(t3 != -INFINITY) << (2 * n + 1);
-        s[n].x = t0 == -INFINITY ? 0.0f : fa_mma_exp2(t0 - lse0);
-        s[n].y = t1 == -INFINITY ? 0.0f : fa_mma_exp2(t1 - lse0);
-        s[n].z = t2 == -INFINITY ? 0.0f : fa_mma_exp2(t2 - lse1);
-        s[n].w = t3 == -INFINITY ? 0.0f : fa_mma_exp2(t3 - lse1);
-      }
-    }
+    unsigned vis0, vis1;
+    fa_dq_tile_p(s, BK, nk == BK && (!w.causal || w.kb + BK - 1 <= qfirst + warp * 16), kflags, c0, lim0, lim1, mul,
+                 lse0, lse1, &vis0, &vis1, &bad0, &bad1);
     if (WG) {
       fa_wg_wait(0);
       fa_wg_pin(dp, BK / 8);
@@ -194,13 +227,7 @@ static inline __attribute__((always_inline)) void fa_dq_team(const int D, const 
     fa_u4 pa[FA_MMA_MAX_BK / 16];
 #pragma unroll
     for (int k0 = 0; k0 < BK; k0 += KP) {
-#pragma unroll
-      for (int n = k0 / 8; n < (k0 + KP) / 8; n++) {
-        s[n].x = vis0 >> 2 * n & 1u ? s[n].x * (dp[n].x - dd0) : 0.0f;
-        s[n].y = vis0 >> (2 * n + 1) & 1u ? s[n].y * (dp[n].y - dd0) : 0.0f;
-        s[n].z = vis1 >> 2 * n & 1u ? s[n].z * (dp[n].z - dd1) : 0.0f;
-        s[n].w = vis1 >> (2 * n + 1) & 1u ? s[n].w * (dp[n].w - dd1) : 0.0f;
-      }
+      fa_dq_tile_ds(s, dp, k0 / 8, (k0 + KP) / 8, vis0, vis1, dd0, dd1);
       if (WG) { /* dQ += dS K, K of [key][dim] read N-major */
         fa_wg_pack(pa + k0 / 16, s + k0 / 8, KP, f16);
         fa_wg_acc_ab(dq, pa + k0 / 16, sm, kt + k0 * 64, KP, BK, D, f16);
@@ -233,6 +260,125 @@ static inline __attribute__((always_inline)) void fa_wg_dq_team(const int D, con
                                                                  const fa_gpu_bwd b, fa_block blk, int64_t h,
                                                                  int64_t g, unsigned short *smem) {
   fa_dq_team(D, BK, f16, 1, b, blk, h, g, smem);
+}
+
+/* The two-warpgroup wgmma dQ (sm_90a, bulk tensor copies required; the
+ * team shape of gpu_wg2.h). One team: FA_WG2_ROWS query rows of block blk,
+ * warpgroup wg owning rows [64 wg, 64 wg + 64) with its own Q and dO
+ * tiles; both read every 128-key K/V tile. A tile is taken in two 64-key
+ * halves (S, dP and their dS of 128 keys at once would not fit the
+ * registers beside dQ's accumulator): S_h and dP_h issued together, P_h
+ * formed while dP_h runs, then dQ += dS_h K_h in 32-key parts, each part's
+ * product running while the next part's dS is formed. Every group is
+ * retired before the next half's products are issued (a wgmma issued while
+ * others that followed non-wgmma writes to its registers are in flight
+ * makes ptxas serialize them) and before the loop's back-edge. A tile that
+ * hides keys from some of the team's rows, or holds fewer than BK keys,
+ * has its non-finite K rows zeroed and flagged by the whole team first
+ * (dS = 0 times such a row would be NaN). */
+#define FA_WG2_DQ_STAGES(D) ((D) == 128 ? 2 : 5)
+/* Team memory: the Q and dO tiles of both warpgroups, the buffers, 8 flag
+ * words, a full mbarrier and a release counter per buffer, alignment room. */
+#define FA_WG2_DQ_SMEM(D)                                                                                          \
+  ((size_t)(2 * FA_WG2_ROWS + 2 * FA_WG2_DQ_STAGES(D) * FA_WG2_BK) * (D) * 2 + 8 * sizeof(unsigned) +                \
+   16 * FA_WG2_DQ_STAGES(D) + FA_WG_BLOCK_BYTES)
+
+static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, const int BK, const int f16,
+                                                                  const fa_gpu_bwd b, fa_block blk, int64_t h,
+                                                                  int64_t g, unsigned short *smem) {
+  const int S = FA_WG2_DQ_STAGES(D), KP = FA_WG_DQ_KP, HK = 64; /* keys a half */
+  const int tid = ompx_thread_id_x(), wg = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
+  smem += fa_wg_align(fa_smem_of(smem));
+  const fa_smem sm = fa_smem_of(smem);
+  /* element offsets: this warpgroup's Q and dO tiles, then the buffers (K, then V BK rows later) */
+  const int qt = wg * FA_MMA_ROWS * D, ot = (2 + wg) * FA_MMA_ROWS * D, st0 = 2 * FA_WG2_ROWS * D, stage = 2 * BK * D;
+  unsigned *kbad = (unsigned *)(smem + st0 + S * stage);
+  const int full = st0 + S * stage + 16; /* S barriers, 4 elements each, then S counters */
+  int *released = (int *)(smem + full + 4 * S);
+  const fa_tma_map *tma = b.kv_tma;
+  const fa_range *seg = b.seg;
+  const fa_pair *pair = b.pair;
+  const int64_t qshift = b.qshift;
+  const float mul = b.scale * FA_LOG2E;
+  const int64_t qrows = blk.len - wg * FA_MMA_ROWS, nq = qrows < 0 ? 0 : qrows > FA_MMA_ROWS ? FA_MMA_ROWS : qrows;
+
+  fa_mma_load_rows(sm, qt, D, FA_MMA_ROWS, D, b.q, blk.start + wg * FA_MMA_ROWS, nq, h, wt);
+  fa_mma_load_rows(sm, ot, D, FA_MMA_ROWS, D, b.dout, blk.start + wg * FA_MMA_ROWS, nq, h, wt);
+  fa_cp_async_commit();
+  fa_tile_walk w = fa_walk_first(b.qoff, seg, pair, blk, qshift);
+  fa_tile_walk wl = w; /* thread 0 of each warpgroup: the next tile to copy (tile j + S after iteration j) */
+  if (tid == 0)
+    for (int i = 0; i < S; i++) fa_mbar_init(sm, full + 4 * i, 1), released[2 * i] = 0;
+  if (wt == 0) /* tiles 0 .. S - 1 (thread 0 copies them; both walk past them) */
+    for (int i = 0; i < S; i++) {
+      if (tid == 0 && wl.pi < wl.pend) fa_wg2_copy(sm, st0 + i * stage, full + 4 * i, tma, g, wl, BK, D);
+      if (wl.pi < wl.pend) wl = fa_walk_next(wl, BK, seg, pair, blk, qshift);
+    }
+  fa_cp_async_wait(0);
+  fa_fence_proxy_async(); /* Q and dO for the tensor cores' reads */
+  ompx_sync_block_acq_rel(); /* ... and the barriers' initialization, for every thread */
+
+  float dd0, dd1;
+  fa_dq_rowsum(b, blk, wg * FA_MMA_ROWS, h, smem + ot, D, D, f16, warp, lane, &dd0, &dd1);
+  const int r0 = wg * FA_MMA_ROWS + warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
+  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
+  const int64_t row0 = blk.start + r0;
+  const int qfirst = (int)(blk.start + qshift); /* key-frame position of the team's first row */
+  const int q_pos0 = qfirst + r0, q_pos1 = q_pos0 + 8, wfirst = qfirst + wg * FA_MMA_ROWS + warp * 16;
+  const float lse0 = ok0 ? b.lse[row0 * b.hq + h] * FA_LOG2E : 0.0f;
+  const float lse1 = ok1 ? b.lse[(row0 + 8) * b.hq + h] * FA_LOG2E : 0.0f;
+  fa_f4 dq[FA_MMA_MAX_D / 8];
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) dq[n] = fa_f4_zero();
+  int bad0 = 0, bad1 = 0, j = 0, bi = 0; /* tile j, in buffer bi */
+
+  while (w.pi < w.pend) {
+    const int kt = st0 + bi * stage, vt = kt + BK * D;
+    fa_mbar_wait(sm, full + 4 * bi, (j / S) & 1);
+    const int nk = fa_walk_keys(w, BK);
+    unsigned long long kf[2] = {0, 0}; /* bit r: K row 64 h + r of tile j was non-finite (zeroed) */
+    if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst)) {
+      kf[0] = fa_mma_scan_rows_by(smem + kt, D, BK, 0, HK, D, f16, kbad, tid, FA_WG2_THREADS);
+      kf[1] = fa_mma_scan_rows_by(smem + kt, D, BK, HK, HK, D, f16, kbad, tid, FA_WG2_THREADS);
+    }
+    const int all = nk == BK && (!w.causal || w.kb + BK - 1 <= wfirst);
+    const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
+    const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
+    fa_u4 pa[FA_WG_DQ_BK / 16];
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+      fa_f4 s[FA_WG_DQ_BK / 8], dp[FA_WG_DQ_BK / 8];
+      fa_wg_acc_abt_of(s, qt, sm, kt + hh * HK * 64, HK, BK, D, f16);
+      fa_wg_commit();
+      fa_wg_acc_abt_of(dp, ot, sm, vt + hh * HK * 64, HK, BK, D, f16);
+      fa_wg_commit();
+      fa_wg_wait(1);
+      fa_wg_pin(s, HK / 8);
+      unsigned vis0, vis1;
+      fa_dq_tile_p(s, HK, all, kf[hh], c0, lim0 - hh * HK, lim1 - hh * HK, mul, lse0, lse1, &vis0, &vis1, &bad0,
+                   &bad1);
+      fa_wg_wait(0);
+      fa_wg_pin(dp, HK / 8);
+#pragma unroll
+      for (int k0 = 0; k0 < HK; k0 += KP) {
+        fa_dq_tile_ds(s, dp, k0 / 8, (k0 + KP) / 8, vis0, vis1, dd0, dd1);
+        fa_wg_pack(pa + k0 / 16, s + k0 / 8, KP, f16);
+        fa_wg_acc_ab(dq, pa + k0 / 16, sm, kt + (hh * HK + k0) * 64, KP, BK, D, f16); /* K read N-major */
+        fa_wg_commit();
+      }
+      fa_wg_wait(0);
+      fa_wg_pin(dq, D / 8);
+      fa_wg_pin_u4(pa, HK / 16);
+    }
+    /* tile j's buffer is free for this warpgroup; the second to say so copies tile j + S into it */
+    if (wt == 0)
+      wl = fa_wg2_release(sm, &released[2 * bi], kt, full + 4 * bi, tma, g, wl, BK, D, seg, pair, blk, qshift);
+    w = fa_walk_next(w, BK, seg, pair, blk, qshift);
+    bi = bi == S - 1 ? 0 : bi + 1;
+    j++;
+  }
+  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
+  fa_mma_store_rows(b.dq, row0, h, dq, D, c0, ok0, ok1, b.scale, b.scale, bad0, bad1);
 }
 
 /* ---- dK/dV --------------------------------------------------------------- */

@@ -11,6 +11,7 @@
 #include "gpu_mma.h"
 #include "gpu_mma_tiles.h"
 #include "gpu_tma.h"
+#include "gpu_wg2.h"
 #include "gpu_wgmma.h"
 
 #pragma omp declare target
@@ -307,8 +308,6 @@ static inline __attribute__((always_inline)) void fa_wg_fwd_team(const int D, co
  * warpgroup's P V reads it: its non-finite V rows are zeroed and flagged,
  * so 0 * NaN cannot reach a row that does not see them. K rows past a
  * tile's keys are masked. */
-#define FA_WG2_THREADS 256
-#define FA_WG2_BK 128
 #ifndef FA_WG2_PINGPONG
 #define FA_WG2_PINGPONG 0
 #endif
@@ -320,14 +319,6 @@ static inline __attribute__((always_inline)) void fa_wg_fwd_team(const int D, co
 #define FA_WG2_FWD_SMEM(D)                                                                                         \
   ((size_t)(FA_WG2_ROWS + 2 * FA_WG2_STAGES(D) * FA_WG2_BK) * (D) * 2 + 8 * sizeof(unsigned) +                       \
    16 * FA_WG2_STAGES(D) + FA_WG_BLOCK_BYTES)
-
-/* Thread 0 of a warpgroup: tile w's K and V into buffer b (bulk copies, completing on its full barrier). */
-static inline __attribute__((always_inline)) void fa_wg2_copy(fa_smem sm, int dst, int full, const fa_tma_map *tma,
-                                                              int64_t g, fa_tile_walk w, int BK, int D) {
-  fa_mbar_expect_tx(sm, full, 2 * BK * D * 2);
-  fa_tma_tile(sm, dst, tma, (int)g, w.kb, BK, D, full);
-  fa_tma_tile(sm, dst + BK * D, tma + 1, (int)g, w.kb, BK, D, full);
-}
 
 static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, const int BK, const int f16,
                                                                    const fa_gpu_fwd_args ga, fa_block blk,
@@ -411,13 +402,9 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
     fa_wg_pin(o, D / 8);
     fa_wg_pin_u4(pa, BK / 16);
     /* tile j - 1's buffer is free for this warpgroup; the second to say so copies tile j - 1 + S into it */
-    if (wt == 0) {
-      if (__atomic_fetch_add(&released[2 * bp], 1, __ATOMIC_ACQ_REL) == 1) {
-        released[2 * bp] = 0; /* its next release comes after this copy lands and is read */
-        if (wl.pi < wl.pend) fa_wg2_copy(sm, st0 + bp * stage, full + 4 * bp, tma, g, wl, BK, D);
-      }
-      if (wl.pi < wl.pend) wl = fa_walk_next(wl, BK, seg, pair, blk, qshift);
-    }
+    if (wt == 0)
+      wl = fa_wg2_release(sm, &released[2 * bp], st0 + bp * stage, full + 4 * bp, tma, g, wl, BK, D, seg, pair, blk,
+                          qshift);
     fa_fwd_rescale(o, D, a0, a1);
     fa_wg_pack(pa, s, BK, f16);
     w = fa_walk_next(w, BK, seg, pair, blk, qshift);

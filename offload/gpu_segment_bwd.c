@@ -276,20 +276,22 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
   fa_gpu_trace tr;
   fa_gpu_trace_begin(&tr);
   const int mma = fa_gpu_mma_bwd_ok(a, memory);
-  const int64_t brows = mma ? FA_MMA_ROWS : FA_GPU_ROWS; /* query and key block rows */
-  int64_t nqb = fa_plan_blocks(p, brows, 0, &qb_h);
+  const int64_t brows = mma ? FA_MMA_ROWS : FA_GPU_ROWS; /* key block rows, and query block rows but for
+                                                            * the two-warpgroup dQ's (below) */
+  int64_t nqb = 0;
   int64_t nkb = fa_plan_blocks(p, brows, 1, &kb_h);
   fa_key_unit *units_h = NULL;
   int64_t *unit_off_h = NULL, nunits = -1;
-  if (nqb >= 0 && nkb >= 0)
+  if (nkb >= 0)
     nunits = fa_plan_key_units(p, kb_h, nkb, fa_gpu_dkv_chunk(p, kb_h, nkb, a->hkv, mma), &units_h, &unit_off_h);
   fa_stage st;
   fa_stage_init(&st, ctx, memory == FORKATTN_MEMORY_HOST);
   fa_gpu_bwd b = {.rows = p->rows, .qshift = p->qshift, .hq = a->hq, .hkv = a->hkv, .d = a->d, .scale = a->scale,
                   .nqb = nqb, .nkb = nkb, .nunits = nunits, .krows = brows, .device = ctx->device};
   int bad = nunits < 0;
-  if (!bad && (nqb * a->hq > INT_MAX || nunits * a->hkv > INT_MAX || nkb * a->hkv * brows > INT_MAX ||
-               p->rows * a->hq / FA_ROWSUM_WARPS >= INT_MAX)) {
+  /* query blocks (built below, of brows or more rows): at most rows / brows + one a segment */
+  if (!bad && ((p->rows / brows + p->nseg + 1) * a->hq > INT_MAX || nunits * a->hkv > INT_MAX ||
+               nkb * a->hkv * brows > INT_MAX || p->rows * a->hq / FA_ROWSUM_WARPS >= INT_MAX)) {
     fa_free(qb_h);
     fa_free(kb_h);
     fa_free(units_h);
@@ -306,13 +308,17 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
           fa_stage_tensor(&st, &a->v, 1, &b.v) || fa_stage_tensor(&st, &a->o, 1, &b.o) ||
           fa_stage_tensor(&st, &a->dout, 1, &b.dout) || fa_stage_tensor(&st, &a->dq, 0, &b.dq) ||
           fa_stage_tensor(&st, &a->dk, 0, &b.dk) || fa_stage_tensor(&st, &a->dv, 0, &b.dv);
-    /* the plan and, for the dK/dV's bulk tensor copies, Q's and dO's tensor maps in one upload;
-     * the maps first, at the block's start (64-byte aligned) */
-    fa_tma_map maps[2];
+    /* the plan and, for bulk tensor copies, the dK/dV's Q and dO maps and the two-warpgroup dQ's K
+     * and V maps in one upload; the maps first, at the block's start (64-byte aligned) */
+    fa_tma_map maps[4];
     const int tma = !bad && mma &&
                     fa_gpu_mma_dkv_tma(maps, &b.q, a->q.rows, &b.dout, a->dout.rows, a->hq, a->d, ctx->device);
+    b.dq_wg2 = !bad && mma && fa_gpu_mma_dq_tma(maps + 2, &b.k, a->k.rows, &b.v, a->v.rows, a->hkv, a->d, ctx->device);
+    if (!bad) nqb = fa_plan_blocks(p, b.dq_wg2 ? FA_WG2_ROWS : brows, 0, &qb_h);
+    bad = bad || nqb < 0;
+    b.nqb = nqb;
     const void *plan_h[9] = {maps, p->seg, p->pair, p->q_pair_off, p->k_pair_idx, qb_h, kb_h, units_h, unit_off_h};
-    const size_t plan_bytes[9] = {tma ? sizeof maps : 0,
+    const size_t plan_bytes[9] = {tma || b.dq_wg2 ? sizeof maps : 0,
                                   sizeof *p->seg * (size_t)p->nseg,      sizeof *p->pair * (size_t)p->npairs,
                                   sizeof(int64_t) * (size_t)(p->nseg + 1), sizeof(int64_t) * (size_t)p->npairs,
                                   sizeof *qb_h * (size_t)nqb,             sizeof *kb_h * (size_t)nkb,
@@ -320,6 +326,7 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
     void *plan_d[9] = {NULL};
     bad = bad || fa_stage_arrays(&st, 9, plan_h, plan_bytes, plan_d);
     b.tma = tma ? (const fa_tma_map *)plan_d[0] : NULL;
+    b.kv_tma = b.dq_wg2 ? (const fa_tma_map *)plan_d[0] + 2 : NULL;
     b.seg = plan_d[1], b.pair = plan_d[2], b.qoff = plan_d[3], b.kidx = plan_d[4];
     b.qblocks = plan_d[5], b.kblocks = plan_d[6], b.units = plan_d[7], b.unit_off = plan_d[8];
     if (!bad && nunits > nkb) { /* split blocks: partial sums, then the reduce kernel */

@@ -139,8 +139,18 @@ static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *acc, int N
 static inline void fa_wg_fence(void) {}
 /* Close the wgmma issued since the last commit into one group. */
 static inline void fa_wg_commit(void) {}
-/* Wait until at most n (0 or 1) of this warpgroup's groups are pending. */
+/* Wait until at most n (0 or 1) of this warpgroup's groups are pending.
+ * The emulation computes a product when it is issued; its wait is a team
+ * barrier, so past it no thread still reads the operands (a buffer a
+ * warpgroup releases after its wait may be refilled at once). */
+#ifdef FORKATTN_MMA_EMULATE
+static inline void fa_wg_wait(int n) {
+  (void)n;
+#pragma omp barrier
+}
+#else
 static inline void fa_wg_wait(int n) { (void)n; }
+#endif
 /* Pin a register array at this point of the program (an empty asm that
  * reads and writes it): keeps the compiler from moving its reads above a
  * wait, or its writes below a fence. */
@@ -292,20 +302,27 @@ static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *c, int N, fa_
 
 #pragma omp declare target
 /* acc (this warp's 16 rows x N) = A B^T over D/16 k-steps: A (64 x D) the
- * FA_MMA_ROWS-row tile at element atile, B (N x D) the N-row tile at
- * element tile, both in the wgmma layout (K-major). A is read from team
- * memory, not registers: ptxas 13.0 reused the registers of a loop-invariant
- * A fragment after its first wgmma (the dQ kernel's dO fragments, SASS of
- * the sm_90a build), so no wgmma here takes A from registers that must
- * outlive it. Issued, not waited. */
-static inline __attribute__((always_inline)) void fa_wg_acc_abt(fa_f4 *acc, int atile, fa_smem sm, int tile, int N,
-                                                                int D, int f16) {
+ * FA_MMA_ROWS-row tile at element atile, B (N x D) N rows at element tile
+ * of a tile of R rows (R = N, or a taller tile whose rows from `tile` on are
+ * taken in parts: its 64-column slabs are R rows apart), both in the wgmma
+ * layout (K-major). A is read from team memory, not registers: ptxas 13.0
+ * reused the registers of a loop-invariant A fragment after its first wgmma
+ * (the dQ kernel's dO fragments, SASS of the sm_90a build), so no wgmma here
+ * takes A from registers that must outlive it. Issued, not waited. */
+static inline __attribute__((always_inline)) void fa_wg_acc_abt_of(fa_f4 *acc, int atile, fa_smem sm, int tile, int N,
+                                                                   int R, int D, int f16) {
   fa_wg_pin(acc, N / 8);
   fa_wg_fence();
 #pragma unroll
   for (int ks = 0; ks < D / 16; ks++)
     fa_wg_mma_ss(acc, N, sm, atile + (ks >> 2) * FA_MMA_ROWS * 64 + (ks & 3) * 16,
-                 tile + (ks >> 2) * N * 64 + (ks & 3) * 16, f16, ks > 0);
+                 tile + (ks >> 2) * R * 64 + (ks & 3) * 16, f16, ks > 0);
+}
+
+/* fa_wg_acc_abt_of for an N-row B tile. */
+static inline __attribute__((always_inline)) void fa_wg_acc_abt(fa_f4 *acc, int atile, fa_smem sm, int tile, int N,
+                                                                int D, int f16) {
+  fa_wg_acc_abt_of(acc, atile, sm, tile, N, N, D, f16);
 }
 
 /* pa = A fragments of the accumulators a (16 rows x K, two n-tiles a

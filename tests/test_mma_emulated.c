@@ -238,17 +238,28 @@ static void run_case(const char *name, const emu_case *c) {
                    view(b.dout, dt, hq, d), view(b.dq, dt, hq, d), view(b.dk, dt, hkv, d),
                    view(b.dv, dt, hkv, d), b.lse, b.dsum, plan.seg, plan.pair, plan.q_pair_off,
                    plan.k_pair_idx, qb, kb, units, unit_off, part_k, part_v, nqb, nkb, nunits, T,
-                   plan.qshift, hq, hkv, d, FA_MMA_ROWS, (float)scale, {0}, 0, 0, NULL};
+                   plan.qshift, hq, hkv, d, FA_MMA_ROWS, (float)scale, {0}, 0, 0, NULL, NULL, 0};
   double edq = 0;
-  for (int wg = 1; wg >= 0; wg--) { /* the wgmma dQ, then the mma.sync one (its D feeds dK/dV) */
-    const char *kernel = wg ? "wgmma dQ" : "mma dQ";
+  static unsigned short smem_dq2[(2 * FA_WG2_ROWS + 2 * FA_WG2_DQ_STAGES(128) * FA_WG2_BK) * 128 + 2048];
+  cr_assert_geq(sizeof smem_dq2, FA_WG2_DQ_SMEM(d));
+  gb.kv_tma = maps2; /* K's and V's 128-key tiles (the two-warpgroup forward's maps) */
+  /* the two-warpgroup dQ (128-row blocks), the wgmma dQ, then the mma.sync one (its D feeds dK/dV) */
+  for (int pass = 2; pass >= 0; pass--) {
+    const int wg = pass > 0;
+    const char *kernel = pass == 2 ? "two-warpgroup wgmma dQ" : wg ? "wgmma dQ" : "mma dQ";
     for (int64_t i = 0; i < T * hq; i++) b.dsum[i] = NAN;
     for (int64_t i = 0; i < nq; i++) b.dq[i] = 0x7fc1;
-    for (int64_t blk = 0; blk < nqb; blk++)
-      for (int64_t h = 0; h < hq; h++) {
-        if (wg) EMU_TEAM(fa_wg_dq_team((int)d, FA_WG_DQ_BK, f16, gb, qb[blk], h, h / group, smem));
-        else EMU_TEAM(fa_mma_dq_team((int)d, bk, f16, gb, qb[blk], h, h / group, smem));
-      }
+    if (pass == 2) {
+      for (int64_t blk = 0; blk < nqb2; blk++)
+        for (int64_t h = 0; h < hq; h++)
+          EMU_TEAM_OF(FA_WG2_THREADS, fa_wg2_dq_team((int)d, FA_WG2_BK, f16, gb, qb2[blk], h, h / group, smem_dq2));
+    } else {
+      for (int64_t blk = 0; blk < nqb; blk++)
+        for (int64_t h = 0; h < hq; h++) {
+          if (wg) EMU_TEAM(fa_wg_dq_team((int)d, FA_WG_DQ_BK, f16, gb, qb[blk], h, h / group, smem));
+          else EMU_TEAM(fa_mma_dq_team((int)d, bk, f16, gb, qb[blk], h, h / group, smem));
+        }
+    }
     for (int64_t r = 0; r < T; r++) /* D against float64 (every row here is a query row) */
       for (int64_t h = 0; h < hq; h++) {
         double s = 0, mag = 0;
@@ -340,6 +351,10 @@ EMU_CASE(prefix_bidir_f16_d64, .P = 45, .N = 2, .lens = {30, 17}, .causal = 0, .
 /* head_dim 128: 32-key tiles and the two-pass dK/dV */
 EMU_CASE(prefix_causal_bf16_d128, .P = 50, .N = 2, .lens = {20, 9}, .causal = 1, .hq = 2, .hkv = 1, .d = 128,
          .nan_v_row = -1)
+/* longer rows: the two-warpgroup kernels' 128-key tiles full and in both
+ * 64-key halves (the cases above fit a tile's first half) */
+EMU_CASE(prefix_causal_long_bf16_d128, .P = 200, .N = 2, .lens = {150, 70}, .causal = 1, .hq = 2, .hkv = 1,
+         .d = 128, .nan_v_row = -1)
 /* a trie: chains, siblings, an empty node */
 EMU_CASE(tree_causal_f16_d64, .nodes = 6, .node_len = {33, 20, 0, 17, 40, 5}, .parents = {-1, 0, 1, 1, 0, 4},
          .causal = 1, .hq = 2, .hkv = 1, .d = 64, .f16 = 1, .nan_v_row = -1)
@@ -351,6 +366,9 @@ EMU_CASE(prefix_causal_nan_v_bf16_d64, .P = 70, .N = 1, .lens = {10}, .causal = 
  * z/w elements, lanes 4-7 of the quad test) */
 EMU_CASE(prefix_causal_nan_v9_bf16_d64, .P = 20, .N = 1, .lens = {10}, .causal = 1, .hq = 2, .hkv = 1, .d = 64,
          .nan_v_row = 9)
+/* a NaN value row in the second half of a 128-key tile (its second flag word) */
+EMU_CASE(prefix_causal_nan_v100_bf16_d64, .P = 150, .N = 1, .lens = {10}, .causal = 1, .hq = 2, .hkv = 1, .d = 64,
+         .nan_v_row = 100)
 /* d = 128 (32-key tiles): keys 0-31 cross the team's first diagonal, yet
  * warps 2 and 3 (rows 32-63) see all of them and take the unmasked path */
 EMU_CASE(prefix_causal_nan_v_f16_d128, .P = 70, .N = 1, .lens = {10}, .causal = 1, .hq = 2, .hkv = 1, .d = 128,

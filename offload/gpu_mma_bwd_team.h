@@ -309,6 +309,7 @@ static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, co
   fa_tile_walk wl = w; /* thread 0 of each warpgroup: the next tile to copy (tile j + S after iteration j) */
   if (tid == 0)
     for (int i = 0; i < S; i++) fa_mbar_init(sm, full + 4 * i, 1), released[2 * i] = 0;
+  ompx_sync_block_acq_rel(); /* the barriers initialized before any use (gpu_tma.h) */
   if (wt == 0) /* tiles 0 .. S - 1 (thread 0 copies them; both walk past them) */
     for (int i = 0; i < S; i++) {
       if (tid == 0 && wl.pi < wl.pend) fa_wg2_copy(sm, st0 + i * stage, full + 4 * i, tma, g, wl, BK, D);
@@ -316,7 +317,7 @@ static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, co
     }
   fa_cp_async_wait(0);
   fa_fence_proxy_async(); /* Q and dO for the tensor cores' reads */
-  ompx_sync_block_acq_rel(); /* ... and the barriers' initialization, for every thread */
+  ompx_sync_block_acq_rel();
 
   float dd0, dd1;
   fa_dq_rowsum(b, blk, wg * FA_MMA_ROWS, h, smem + ot, D, D, f16, warp, lane, &dd0, &dd1);

@@ -345,6 +345,7 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
   fa_tile_walk wl = w; /* thread 0 of each warpgroup: the next tile to copy (tile j - 1 + S in iteration j) */
   if (tid == 0)
     for (int b = 0; b < S; b++) fa_mbar_init(sm, full + 4 * b, 1), released[2 * b] = 0;
+  ompx_sync_block_acq_rel(); /* the barriers initialized before any use (gpu_tma.h) */
   if (wt == 0) /* tiles 0 .. S - 2 (thread 0 copies them; both walk past them) */
     for (int b = 0; b < S - 1; b++) {
       if (tid == 0 && wl.pi < wl.pend) fa_wg2_copy(sm, st0 + b * stage, full + 4 * b, tma, g, wl, BK, D);
@@ -355,7 +356,7 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
   for (int e = tid * 8; e < BK * D; e += FA_WG2_THREADS * 8) fa_store_u4(smem + zt + e, z4);
   fa_cp_async_wait(0);
   fa_fence_proxy_async(); /* Q and the zeros for the tensor cores' reads */
-  ompx_sync_block_acq_rel(); /* ... and the barriers' initialization, for every thread */
+  ompx_sync_block_acq_rel();
 
   fa_f4 s[FA_WG2_BK / 8], o[FA_MMA_MAX_D / 8];
   fa_u4 pa[FA_WG2_BK / 16]; /* P(j - 1), packed */

@@ -306,15 +306,8 @@ static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, co
   fa_mma_load_rows(sm, ot, D, FA_MMA_ROWS, D, b.dout, blk.start + wg * FA_MMA_ROWS, nq, h, wt);
   fa_cp_async_commit();
   fa_tile_walk w = fa_walk_first(b.qoff, seg, pair, blk, qshift);
-  fa_tile_walk wl = w; /* thread 0 of each warpgroup: the next tile to copy (tile j + S after iteration j) */
-  if (tid == 0)
-    for (int i = 0; i < S; i++) fa_mbar_init(sm, full + 4 * i, 1), released[2 * i] = 0;
-  ompx_sync_block_acq_rel(); /* the barriers initialized before any use (gpu_tma.h) */
-  if (wt == 0) /* tiles 0 .. S - 1 (thread 0 copies them; both walk past them) */
-    for (int i = 0; i < S; i++) {
-      if (tid == 0 && wl.pi < wl.pend) fa_wg2_copy(sm, st0 + i * stage, full + 4 * i, tma, g, wl, BK, D);
-      if (wl.pi < wl.pend) wl = fa_walk_next(wl, BK, seg, pair, blk, qshift);
-    }
+  /* tiles 0 .. S - 1; wl: thread 0 of each warpgroup's next tile to copy (tile j + S after iteration j) */
+  fa_tile_walk wl = fa_wg2_ring_start(sm, released, full, st0, stage, S, S, tma, g, w, BK, D, seg, pair, blk, qshift);
   fa_cp_async_wait(0);
   fa_fence_proxy_async(); /* Q and dO for the tensor cores' reads */
   ompx_sync_block_acq_rel();

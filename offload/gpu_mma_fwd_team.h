@@ -342,15 +342,9 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
                    qrows < 0 ? 0 : qrows > FA_MMA_ROWS ? FA_MMA_ROWS : qrows, h, wt);
   fa_cp_async_commit();
   fa_tile_walk w = fa_walk_first(ga.qoff, seg, pair, blk, qshift);
-  fa_tile_walk wl = w; /* thread 0 of each warpgroup: the next tile to copy (tile j - 1 + S in iteration j) */
-  if (tid == 0)
-    for (int b = 0; b < S; b++) fa_mbar_init(sm, full + 4 * b, 1), released[2 * b] = 0;
-  ompx_sync_block_acq_rel(); /* the barriers initialized before any use (gpu_tma.h) */
-  if (wt == 0) /* tiles 0 .. S - 2 (thread 0 copies them; both walk past them) */
-    for (int b = 0; b < S - 1; b++) {
-      if (tid == 0 && wl.pi < wl.pend) fa_wg2_copy(sm, st0 + b * stage, full + 4 * b, tma, g, wl, BK, D);
-      if (wl.pi < wl.pend) wl = fa_walk_next(wl, BK, seg, pair, blk, qshift);
-    }
+  /* tiles 0 .. S - 2 (buffer S - 1 holds "tile -1"); wl: thread 0 of each warpgroup's next tile to copy
+   * (tile j - 1 + S in iteration j) */
+  fa_tile_walk wl = fa_wg2_ring_start(sm, released, full, st0, stage, S, S - 1, tma, g, w, BK, D, seg, pair, blk, qshift);
   const int zt = st0 + (S - 1) * stage + BK * D; /* V of buffer S - 1: zeros, "tile -1" */
   const fa_u4 z4 = {0, 0, 0, 0};
   for (int e = tid * 8; e < BK * D; e += FA_WG2_THREADS * 8) fa_store_u4(smem + zt + e, z4);

@@ -12,6 +12,7 @@
 #ifndef FORKATTN_GPU_WG2_H
 #define FORKATTN_GPU_WG2_H
 #include <stdint.h>
+#include <ompx.h>
 
 #include "gpu_fwd.h"
 #include "gpu_mma.h"
@@ -29,6 +30,31 @@ static inline __attribute__((always_inline)) void fa_wg2_copy(fa_smem sm, int ds
   fa_mbar_expect_tx(sm, full, 2 * BK * D * 2);
   fa_tma_tile(sm, dst, tma, (int)g, w.kb, BK, D, full);
   fa_tma_tile(sm, dst + BK * D, tma + 1, (int)g, w.kb, BK, D, full);
+}
+
+/* The ring's start, by every thread of the team: thread 0 initializes the
+ * S buffers' mbarriers (at full, 4 elements apart) and release counters
+ * (released[2 b]), a team barrier makes them visible before any use, then
+ * thread 0 copies tiles 0 .. n - 1 of walk w into buffers 0 .. n - 1 (st0,
+ * stage elements apart). Returns, to both warpgroups' thread 0, the walk
+ * past those tiles: the next tile to copy. */
+static inline __attribute__((always_inline)) fa_tile_walk fa_wg2_ring_start(fa_smem sm, int *released, int full,
+                                                                            int st0, int stage, int S, int n,
+                                                                            const fa_tma_map *tma, int64_t g,
+                                                                            fa_tile_walk w, int BK, int D,
+                                                                            const fa_range *seg,
+                                                                            const fa_pair *pair, fa_block blk,
+                                                                            int64_t qshift) {
+  const int tid = ompx_thread_id_x();
+  if (tid == 0)
+    for (int b = 0; b < S; b++) fa_mbar_init(sm, full + 4 * b, 1), released[2 * b] = 0;
+  ompx_sync_block_acq_rel(); /* the barriers initialized before any use (gpu_tma.h) */
+  if (tid % 128 == 0)
+    for (int b = 0; b < n; b++) {
+      if (tid == 0 && w.pi < w.pend) fa_wg2_copy(sm, st0 + b * stage, full + 4 * b, tma, g, w, BK, D);
+      if (w.pi < w.pend) w = fa_walk_next(w, BK, seg, pair, blk, qshift);
+    }
+  return w;
 }
 
 /* Thread 0 of each warpgroup, once its products reading the buffer at dst

@@ -135,7 +135,7 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
   /* query blocks: the tensor-core kernels' teams (two warpgroups: 128 rows), or the FP32 kernel's */
   const int64_t nb = bad ? 0 : fa_plan_blocks(p, wg2 ? FA_WG2_ROWS : mma ? FA_MMA_ROWS : FA_GPU_ROWS, 0, &blocks_h);
   if (!bad && (nb < 0 || nb * a->hq > INT_MAX)) {
-    if (nb >= 0) fa_free(blocks_h);
+    fa_free(blocks_h); /* NULL when fa_plan_blocks failed */
     fa_stage_free(&st);
     return nb < 0 ? fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "gpu fwd: cannot allocate blocks")
                   : fa_fail(ctx, FORKATTN_ERR_UNSUPPORTED, "gpu fwd: %lld teams exceed one launch",
@@ -152,7 +152,7 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
   const int64_t *qoff = plan_d[3];
   const fa_block *blocks = plan_d[4];
   if (!bad && a->lse) bad = !(lse = fa_stage_floats(&st, a->lse, (size_t)(rows * hq), 0));
-  if (nb > 0) fa_free(blocks_h);
+  fa_free(blocks_h); /* allocated even for 0 blocks; NULL if never built */
   if (bad) {
     forkattn_status status = fa_stage_status(&st);
     fa_stage_free(&st);

@@ -52,6 +52,9 @@ void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g);
  * dO. A shape the driver refuses keeps the cp.async loads. */
 int fa_gpu_mma_tma_pair(struct fa_tma_map *maps, const fa_dev_tensor *a, int64_t a_rows, const fa_dev_tensor *b,
                         int64_t b_rows, int64_t heads, int64_t d, int box_rows, size_t smem, int device);
+/* 1 unless FORKATTN_GPU_WG2=0 asks for the one-warpgroup wgmma kernels
+ * instead of the two-warpgroup forward and dQ. Host code. */
+int fa_gpu_wg2_on(void);
 /* The wgmma forward's tensor maps of K and V (fa_gpu_mma_tma_pair): for the
  * two-warpgroup kernel (gpu_mma_fwd_team.h: 128-row blocks, 128-key tiles;
  * *wg2 = 1) when FORKATTN_GPU_WG2 is not 0 and its team memory fits, else

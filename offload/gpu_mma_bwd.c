@@ -18,8 +18,6 @@
  * units are summed in order afterwards. */
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 #include <omp.h>
 #include <ompx.h>
 
@@ -48,8 +46,7 @@ int fa_gpu_mma_bwd_ok(const fa_attn_bwd *a, forkattn_memory memory) {
 
 int fa_gpu_mma_dq_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
                       int64_t v_rows, int64_t hkv, int64_t d, int device) {
-  const char *env = getenv("FORKATTN_GPU_WG2"); /* 0: the one-warpgroup dQ (comparison and diagnosis) */
-  return !(env && strcmp(env, "0") == 0) &&
+  return fa_gpu_wg2_on() &&
          fa_gpu_mma_tma_pair(maps, k, k_rows, v, v_rows, hkv, d, FA_WG2_BK, FA_WG2_DQ_SMEM(d), device);
 }
 

@@ -79,11 +79,15 @@ int fa_gpu_mma_tma_pair(fa_tma_map *maps, const fa_dev_tensor *a, int64_t a_rows
          !fa_gpu_tma_encode(&maps[1], b->data, f16, b_rows, heads, d, b->rs, b->hs, box_rows, msg, sizeof msg);
 }
 
+int fa_gpu_wg2_on(void) {
+  /* FORKATTN_GPU_WG2=0 keeps the one-warpgroup kernels (comparison and diagnosis). */
+  const char *env = getenv("FORKATTN_GPU_WG2");
+  return !(env && strcmp(env, "0") == 0);
+}
+
 int fa_gpu_mma_fwd_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
                        int64_t v_rows, int64_t hkv, int64_t d, int device, int *wg2) {
-  /* FORKATTN_GPU_WG2=0 keeps the one-warpgroup kernel (comparison and diagnosis). */
-  const char *env = getenv("FORKATTN_GPU_WG2");
-  *wg2 = !(env && strcmp(env, "0") == 0) &&
+  *wg2 = fa_gpu_wg2_on() &&
          fa_gpu_mma_tma_pair(maps, k, k_rows, v, v_rows, hkv, d, FA_WG2_BK, FA_WG2_FWD_SMEM(d), device);
   return *wg2 ||
          fa_gpu_mma_tma_pair(maps, k, k_rows, v, v_rows, hkv, d, FA_WG_BK, FA_WG_QUERY_SMEM(FA_WG_BK, d, 1), device);

@@ -277,11 +277,10 @@ static inline __attribute__((always_inline)) void fa_wg_dq_team(const int D, con
  * has its non-finite K rows zeroed and flagged by the whole team first
  * (dS = 0 times such a row would be NaN). */
 #define FA_WG2_DQ_STAGES(D) ((D) == 128 ? 2 : 5)
-/* Team memory: the Q and dO tiles of both warpgroups, the buffers, 8 flag
- * words, a full mbarrier and a release counter per buffer, alignment room. */
+/* Team memory: the Q and dO tiles of both warpgroups, the ring (gpu_wg2.h), alignment room. */
 #define FA_WG2_DQ_SMEM(D)                                                                                          \
-  ((size_t)(2 * FA_WG2_ROWS + 2 * FA_WG2_DQ_STAGES(D) * FA_WG2_BK) * (D) * 2 + 8 * sizeof(unsigned) +                \
-   16 * FA_WG2_DQ_STAGES(D) + FA_WG_BLOCK_BYTES)
+  ((size_t)(2 * FA_WG2_ROWS + 2 * FA_WG2_DQ_STAGES(D) * FA_WG2_BK) * (D) * 2 +                                      \
+   FA_WG2_RING_BYTES(FA_WG2_DQ_STAGES(D)) + FA_WG_BLOCK_BYTES)
 
 static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, const int BK, const int f16,
                                                                   const fa_gpu_bwd b, fa_block blk, int64_t h,
@@ -290,11 +289,9 @@ static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, co
   const int tid = ompx_thread_id_x(), wg = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
   smem += fa_wg_align(fa_smem_of(smem));
   const fa_smem sm = fa_smem_of(smem);
-  /* element offsets: this warpgroup's Q and dO tiles, then the buffers (K, then V BK rows later) */
-  const int qt = wg * FA_MMA_ROWS * D, ot = (2 + wg) * FA_MMA_ROWS * D, st0 = 2 * FA_WG2_ROWS * D, stage = 2 * BK * D;
-  unsigned *kbad = (unsigned *)(smem + st0 + S * stage);
-  const int full = st0 + S * stage + 16; /* S barriers, 4 elements each, then S counters */
-  int *released = (int *)(smem + full + 4 * S);
+  /* element offsets of this warpgroup's Q and dO tiles; the ring follows both warpgroups' */
+  const int qt = wg * FA_MMA_ROWS * D, ot = (2 + wg) * FA_MMA_ROWS * D;
+  const fa_wg2_ring rg = fa_wg2_ring_at(smem, 2 * FA_WG2_ROWS * D, 2 * BK * D, S);
   const fa_tma_map *tma = b.kv_tma;
   const fa_range *seg = b.seg;
   const fa_pair *pair = b.pair;
@@ -307,7 +304,7 @@ static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, co
   fa_cp_async_commit();
   fa_tile_walk w = fa_walk_first(b.qoff, seg, pair, blk, qshift);
   /* tiles 0 .. S - 1; wl: thread 0 of each warpgroup's next tile to copy (tile j + S after iteration j) */
-  fa_tile_walk wl = fa_wg2_ring_start(sm, released, full, st0, stage, S, S, tma, g, w, BK, D, seg, pair, blk, qshift);
+  fa_tile_walk wl = fa_wg2_ring_start(sm, rg, S, tma, g, w, BK, D, seg, pair, blk, qshift);
   fa_cp_async_wait(0);
   fa_fence_proxy_async(); /* Q and dO for the tensor cores' reads */
   ompx_sync_block_acq_rel();
@@ -327,14 +324,11 @@ static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, co
   int bad0 = 0, bad1 = 0, j = 0, bi = 0; /* tile j, in buffer bi */
 
   while (w.pi < w.pend) {
-    const int kt = st0 + bi * stage, vt = kt + BK * D;
-    fa_mbar_wait(sm, full + 4 * bi, (j / S) & 1);
+    const int kt = fa_wg2_buf(rg, bi), vt = kt + BK * D;
+    fa_mbar_wait(sm, rg.full + 4 * bi, (j / S) & 1);
     const int nk = fa_walk_keys(w, BK);
     unsigned long long kf[2] = {0, 0}; /* bit r: K row 64 h + r of tile j was non-finite (zeroed) */
-    if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst)) {
-      kf[0] = fa_mma_scan_rows_by(smem + kt, D, BK, 0, HK, D, f16, kbad, tid, FA_WG2_THREADS);
-      kf[1] = fa_mma_scan_rows_by(smem + kt, D, BK, HK, HK, D, f16, kbad, tid, FA_WG2_THREADS);
-    }
+    if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst)) fa_wg2_scan(smem + kt, BK, D, f16, rg, tid, kf);
     const int all = nk == BK && (!w.causal || w.kb + BK - 1 <= wfirst);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
     const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
@@ -365,8 +359,7 @@ static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, co
       fa_wg_pin_u4(pa, HK / 16);
     }
     /* tile j's buffer is free for this warpgroup; the second to say so copies tile j + S into it */
-    if (wt == 0)
-      wl = fa_wg2_release(sm, &released[2 * bi], kt, full + 4 * bi, tma, g, wl, BK, D, seg, pair, blk, qshift);
+    if (wt == 0) wl = fa_wg2_release(sm, rg, bi, tma, g, wl, BK, D, seg, pair, blk, qshift);
     w = fa_walk_next(w, BK, seg, pair, blk, qshift);
     bi = bi == S - 1 ? 0 : bi + 1;
     j++;

@@ -313,12 +313,10 @@ static inline __attribute__((always_inline)) void fa_wg_fwd_team(const int D, co
 #endif
 /* Buffers: as many as fit beside the Q tiles in the H100/H200's 227 KB of team memory. */
 #define FA_WG2_STAGES(D) ((D) == 128 ? 3 : 5)
-/* Team memory: two 64-row Q tiles, the buffers, 8 flag words, a full
- * mbarrier (8 bytes) and a release counter (4 bytes, padded to 8) per
- * buffer, room to align the tiles. */
+/* Team memory: two 64-row Q tiles, the ring (gpu_wg2.h), room to align the tiles. */
 #define FA_WG2_FWD_SMEM(D)                                                                                         \
-  ((size_t)(FA_WG2_ROWS + 2 * FA_WG2_STAGES(D) * FA_WG2_BK) * (D) * 2 + 8 * sizeof(unsigned) +                       \
-   16 * FA_WG2_STAGES(D) + FA_WG_BLOCK_BYTES)
+  ((size_t)(FA_WG2_ROWS + 2 * FA_WG2_STAGES(D) * FA_WG2_BK) * (D) * 2 + FA_WG2_RING_BYTES(FA_WG2_STAGES(D)) +        \
+   FA_WG_BLOCK_BYTES)
 
 static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, const int BK, const int f16,
                                                                    const fa_gpu_fwd_args ga, fa_block blk,
@@ -327,10 +325,8 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
   const int tid = ompx_thread_id_x(), wg = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
   smem += fa_wg_align(fa_smem_of(smem));
   const fa_smem sm = fa_smem_of(smem);
-  const int qt = wg * FA_MMA_ROWS * D, st0 = FA_WG2_ROWS * D, stage = 2 * BK * D; /* element offsets */
-  unsigned *vbad = (unsigned *)(smem + st0 + S * stage);
-  const int full = st0 + S * stage + 16; /* S barriers, 4 elements each, then S counters */
-  int *released = (int *)(smem + full + 4 * S);
+  const int qt = wg * FA_MMA_ROWS * D; /* element offset of this warpgroup's Q tile; the ring follows both */
+  const fa_wg2_ring rg = fa_wg2_ring_at(smem, FA_WG2_ROWS * D, 2 * BK * D, S);
   const fa_tma_map *tma = ga.tma;
   const fa_range *seg = ga.seg;
   const fa_pair *pair = ga.pair;
@@ -344,8 +340,8 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
   fa_tile_walk w = fa_walk_first(ga.qoff, seg, pair, blk, qshift);
   /* tiles 0 .. S - 2 (buffer S - 1 holds "tile -1"); wl: thread 0 of each warpgroup's next tile to copy
    * (tile j - 1 + S in iteration j) */
-  fa_tile_walk wl = fa_wg2_ring_start(sm, released, full, st0, stage, S, S - 1, tma, g, w, BK, D, seg, pair, blk, qshift);
-  const int zt = st0 + (S - 1) * stage + BK * D; /* V of buffer S - 1: zeros, "tile -1" */
+  fa_tile_walk wl = fa_wg2_ring_start(sm, rg, S - 1, tma, g, w, BK, D, seg, pair, blk, qshift);
+  const int zt = fa_wg2_buf(rg, S - 1) + BK * D; /* V of buffer S - 1: zeros, "tile -1" */
   const fa_u4 z4 = {0, 0, 0, 0};
   for (int e = tid * 8; e < BK * D; e += FA_WG2_THREADS * 8) fa_store_u4(smem + zt + e, z4);
   fa_cp_async_wait(0);
@@ -369,37 +365,32 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
   int j = 0, b = 0, bp = S - 1; /* tile j's buffer, tile j - 1's */
 
   while (w.pi < w.pend) {
-    const int kt = st0 + b * stage;
-    fa_mbar_wait(sm, full + 4 * b, (j / S) & 1);
+    const int kt = fa_wg2_buf(rg, b);
+    fa_mbar_wait(sm, rg.full + 4 * b, (j / S) & 1);
     const int nk = fa_walk_keys(w, BK);
-    unsigned long long vlo = 0, vhi = 0; /* bit r: V row r (64 + r) of tile j was non-finite (zeroed) */
-    if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst)) {
-      vlo = fa_mma_scan_rows_by(smem + kt + BK * D, D, BK, 0, 64, D, f16, vbad, tid, FA_WG2_THREADS);
-      if (BK > 64) vhi = fa_mma_scan_rows_by(smem + kt + BK * D, D, BK, 64, 64, D, f16, vbad, tid, FA_WG2_THREADS);
-    }
+    unsigned long long vf[2] = {0, 0}; /* bit r: V row r (64 + r) of tile j was non-finite (zeroed) */
+    if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst)) fa_wg2_scan(smem + kt + BK * D, BK, D, f16, rg, tid, vf);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
     const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
 
     if (FA_WG2_PINGPONG) fa_wg_bar_sync(turn, FA_WG2_THREADS);
     fa_wg_acc_abt(s, qt, sm, kt, BK, D, f16);
     fa_wg_commit();
-    fa_wg_acc_ab(o, pa, sm, st0 + bp * stage + BK * D, BK, BK, D, f16);
+    fa_wg_acc_ab(o, pa, sm, fa_wg2_buf(rg, bp) + BK * D, BK, BK, D, f16);
     fa_wg_commit();
     if (FA_WG2_PINGPONG) fa_wg_bar_arrive(other, FA_WG2_THREADS);
     fa_wg_wait(1); /* S(j); P(j-1) V(j-1) runs on under the softmax */
     fa_wg_pin(s, BK / 8);
 
     float mx0 = -INFINITY, mx1 = -INFINITY, a0, a1;
-    fa_fwd_tile_max(s, BK, nk == BK && (!w.causal || w.kb + BK - 1 <= wfirst), c0, lim0, lim1, vlo, vhi, &mx0, &mx1,
+    fa_fwd_tile_max(s, BK, nk == BK && (!w.causal || w.kb + BK - 1 <= wfirst), c0, lim0, lim1, vf[0], vf[1], &mx0, &mx1,
                     &bad0, &bad1);
     fa_fwd_tile_exp(s, BK, mx0, mx1, mul, &m0, &m1, &l0, &l1, &a0, &a1);
     fa_wg_wait(0);
     fa_wg_pin(o, D / 8);
     fa_wg_pin_u4(pa, BK / 16);
     /* tile j - 1's buffer is free for this warpgroup; the second to say so copies tile j - 1 + S into it */
-    if (wt == 0)
-      wl = fa_wg2_release(sm, &released[2 * bp], st0 + bp * stage, full + 4 * bp, tma, g, wl, BK, D, seg, pair, blk,
-                          qshift);
+    if (wt == 0) wl = fa_wg2_release(sm, rg, bp, tma, g, wl, BK, D, seg, pair, blk, qshift);
     fa_fwd_rescale(o, D, a0, a1);
     fa_wg_pack(pa, s, BK, f16);
     w = fa_walk_next(w, BK, seg, pair, blk, qshift);
@@ -409,7 +400,7 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
   }
   /* P V of the last tile (no tile: P(-1) = 0 times the zeros) */
   if (FA_WG2_PINGPONG) fa_wg_bar_sync(turn, FA_WG2_THREADS);
-  fa_wg_acc_ab(o, pa, sm, st0 + bp * stage + BK * D, BK, BK, D, f16);
+  fa_wg_acc_ab(o, pa, sm, fa_wg2_buf(rg, bp) + BK * D, BK, BK, D, f16);
   fa_wg_commit();
   if (FA_WG2_PINGPONG && wg == 0) fa_wg_bar_arrive(other, FA_WG2_THREADS);
   fa_wg_wait(0);

@@ -22,24 +22,47 @@
 #define FA_WG2_THREADS 256
 #define FA_WG2_BK 128
 
+/* Team memory after a ring of S buffers: 8 flag words (the tiles' scans),
+ * then a full mbarrier (8 bytes) and a release counter (4 bytes, padded to
+ * 8) per buffer. */
+#define FA_WG2_RING_BYTES(S) (8 * sizeof(unsigned) + 16 * (size_t)(S))
+
 #pragma omp declare target
-/* Thread 0 of a warpgroup: K's and V's rows of tile w (KV head g) into the
- * buffer at dst (K, then V BK rows later), completing on the mbarrier at full. */
-static inline __attribute__((always_inline)) void fa_wg2_copy(fa_smem sm, int dst, int full, const fa_tma_map *tma,
+/* A ring of S buffers of `stage` 16-bit elements from element st0 of the
+ * team memory (buffer b: K at buf(b), V BK rows later), and its
+ * bookkeeping (FA_WG2_RING_BYTES): the scans' flag words, buffer b's full
+ * mbarrier at element full + 4 b, its release counter released[2 b]. */
+typedef struct fa_wg2_ring {
+  int st0, stage, S, full;
+  unsigned *flags;
+  int *released;
+} fa_wg2_ring;
+
+static inline fa_wg2_ring fa_wg2_ring_at(unsigned short *smem, int st0, int stage, int S) {
+  const int flags = st0 + S * stage, full = flags + 16; /* 8 words = 16 elements */
+  const fa_wg2_ring r = {st0, stage, S, full, (unsigned *)(smem + flags), (int *)(smem + full + 4 * S)};
+  return r;
+}
+
+/* Element offset of buffer b. */
+static inline int fa_wg2_buf(fa_wg2_ring r, int b) { return r.st0 + b * r.stage; }
+
+/* Thread 0 of a warpgroup: K's and V's rows of tile w (KV head g) into
+ * buffer b (K, then V BK rows later), completing on its full barrier. */
+static inline __attribute__((always_inline)) void fa_wg2_copy(fa_smem sm, fa_wg2_ring r, int b, const fa_tma_map *tma,
                                                               int64_t g, fa_tile_walk w, int BK, int D) {
+  const int dst = fa_wg2_buf(r, b), full = r.full + 4 * b;
   fa_mbar_expect_tx(sm, full, 2 * BK * D * 2);
   fa_tma_tile(sm, dst, tma, (int)g, w.kb, BK, D, full);
   fa_tma_tile(sm, dst + BK * D, tma + 1, (int)g, w.kb, BK, D, full);
 }
 
 /* The ring's start, by every thread of the team: thread 0 initializes the
- * S buffers' mbarriers (at full, 4 elements apart) and release counters
- * (released[2 b]), a team barrier makes them visible before any use, then
- * thread 0 copies tiles 0 .. n - 1 of walk w into buffers 0 .. n - 1 (st0,
- * stage elements apart). Returns, to both warpgroups' thread 0, the walk
+ * buffers' mbarriers and release counters, a team barrier makes them
+ * visible before any use, then thread 0 copies tiles 0 .. n - 1 of walk w
+ * into buffers 0 .. n - 1. Returns, to both warpgroups' thread 0, the walk
  * past those tiles: the next tile to copy. */
-static inline __attribute__((always_inline)) fa_tile_walk fa_wg2_ring_start(fa_smem sm, int *released, int full,
-                                                                            int st0, int stage, int S, int n,
+static inline __attribute__((always_inline)) fa_tile_walk fa_wg2_ring_start(fa_smem sm, fa_wg2_ring r, int n,
                                                                             const fa_tma_map *tma, int64_t g,
                                                                             fa_tile_walk w, int BK, int D,
                                                                             const fa_range *seg,
@@ -47,30 +70,39 @@ static inline __attribute__((always_inline)) fa_tile_walk fa_wg2_ring_start(fa_s
                                                                             int64_t qshift) {
   const int tid = ompx_thread_id_x();
   if (tid == 0)
-    for (int b = 0; b < S; b++) fa_mbar_init(sm, full + 4 * b, 1), released[2 * b] = 0;
+    for (int b = 0; b < r.S; b++) fa_mbar_init(sm, r.full + 4 * b, 1), r.released[2 * b] = 0;
   ompx_sync_block_acq_rel(); /* the barriers initialized before any use (gpu_tma.h) */
   if (tid % 128 == 0)
     for (int b = 0; b < n; b++) {
-      if (tid == 0 && w.pi < w.pend) fa_wg2_copy(sm, st0 + b * stage, full + 4 * b, tma, g, w, BK, D);
+      if (tid == 0 && w.pi < w.pend) fa_wg2_copy(sm, r, b, tma, g, w, BK, D);
       if (w.pi < w.pend) w = fa_walk_next(w, BK, seg, pair, blk, qshift);
     }
   return w;
 }
 
-/* Thread 0 of each warpgroup, once its products reading the buffer at dst
- * (mbarrier full, counter *released) retired: the second of the two to
- * call copies tile wl (if any) into it. Returns the walk one tile on. */
-static inline __attribute__((always_inline)) fa_tile_walk fa_wg2_release(fa_smem sm, int *released, int dst, int full,
+/* Thread 0 of each warpgroup, once its products reading buffer b retired:
+ * the second of the two to call copies tile wl (if any) into it. Returns
+ * the walk one tile on. */
+static inline __attribute__((always_inline)) fa_tile_walk fa_wg2_release(fa_smem sm, fa_wg2_ring r, int b,
                                                                          const fa_tma_map *tma, int64_t g,
                                                                          fa_tile_walk wl, int BK, int D,
                                                                          const fa_range *seg, const fa_pair *pair,
                                                                          fa_block blk, int64_t qshift) {
   if (wl.pi >= wl.pend) return wl;
-  if (__atomic_fetch_add(released, 1, __ATOMIC_ACQ_REL) == 1) {
-    *released = 0; /* its next release comes after this copy lands and is read */
-    fa_wg2_copy(sm, dst, full, tma, g, wl, BK, D);
+  if (__atomic_fetch_add(&r.released[2 * b], 1, __ATOMIC_ACQ_REL) == 1) {
+    r.released[2 * b] = 0; /* its next release comes after this copy lands and is read */
+    fa_wg2_copy(sm, r, b, tma, g, wl, BK, D);
   }
   return fa_walk_next(wl, BK, seg, pair, blk, qshift);
+}
+
+/* The whole team's scan (fa_mma_scan_rows_by) of the BK-row tile at t (64
+ * or 128 rows) in 64-row parts, with the ring's flag words: f[0], f[1] flag
+ * rows 0-63 and 64-127 (0 when absent). Contains team barriers. */
+static inline void fa_wg2_scan(unsigned short *t, int BK, int D, int f16, fa_wg2_ring r, int tid,
+                               unsigned long long f[2]) {
+  f[0] = fa_mma_scan_rows_by(t, D, BK, 0, 64, D, f16, r.flags, tid, FA_WG2_THREADS);
+  f[1] = BK > 64 ? fa_mma_scan_rows_by(t, D, BK, 64, 64, D, f16, r.flags, tid, FA_WG2_THREADS) : 0;
 }
 #pragma omp end declare target
 

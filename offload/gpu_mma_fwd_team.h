@@ -282,7 +282,7 @@ static inline __attribute__((always_inline)) void fa_wg_fwd_team(const int D, co
  * warpgroup wg owning rows [64 wg, 64 wg + 64) with its own Q tile; the
  * two share every K/V tile, so each tile is copied once for 128 rows, and
  * tiles are FA_WG2_BK keys: twice the one-warpgroup kernel's, halving the
- * per-tile work (waits, turns, walk, reductions) per key.
+ * per-tile work (waits, walk, reductions, release) per key.
  *
  * Tiles stream through S = FA_WG2_STAGES(D) buffers (K then V of one tile
  * each), tile t in buffer t % S, arriving on that buffer's mbarrier `full`.
@@ -295,11 +295,11 @@ static inline __attribute__((always_inline)) void fa_wg_fwd_team(const int D, co
  * the loop's back-edge (v2.16), and iteration 0 multiplies P(-1) = 0 by
  * zeros (buffer S - 1's V, "tile -1", released like any tile): a product
  * or a wait under a branch makes ptxas serialize every wgmma of the kernel
- * (C7518). With FA_WG2_PINGPONG the two warpgroups take turns issuing
- * their products (named barriers 1 and 2; FlashAttention-3's ping-pong),
- * so one's softmax would run under the other's products; off by default:
- * here the softmax outlasts the other's products, and the turns only added
- * waits (case 2 forward 2821 vs 2754 us, bench/logs/gpu_ab_wg2_bk128_h200.txt).
+ * (C7518). FlashAttention-3's ping-pong (the warpgroups taking turns to
+ * issue their products, by named barriers) was measured and removed: here
+ * the softmax outlasts the other warpgroup's products, and the turns only
+ * added waits (case 2 forward 2821 vs 2754 us, bench/logs/gpu_ab_wg2_bk128_h200.txt;
+ * the code is in 78a9333).
  *
  * A tile that hides keys from some of the team's rows (causal, crossing the
  * team's first diagonal) or holds fewer than BK keys (the copy brings the
@@ -308,9 +308,6 @@ static inline __attribute__((always_inline)) void fa_wg_fwd_team(const int D, co
  * warpgroup's P V reads it: its non-finite V rows are zeroed and flagged,
  * so 0 * NaN cannot reach a row that does not see them. K rows past a
  * tile's keys are masked. */
-#ifndef FA_WG2_PINGPONG
-#define FA_WG2_PINGPONG 0
-#endif
 /* Buffers: as many as fit beside the Q tiles in the H100/H200's 227 KB of team memory. */
 #define FA_WG2_STAGES(D) ((D) == 128 ? 3 : 5)
 /* Team memory: two 64-row Q tiles, the ring (gpu_wg2.h), room to align the tiles. */
@@ -360,8 +357,6 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
   int bad0 = 0, bad1 = 0;
   const int qfirst = (int)(blk.start + qshift); /* key-frame position of the team's first row */
   const int q_pos0 = qfirst + r0, q_pos1 = q_pos0 + 8, wfirst = qfirst + wg * FA_MMA_ROWS + warp * 16;
-  const int turn = 1 + wg, other = 2 - wg; /* named barriers: this warpgroup's turn, the other's */
-  if (FA_WG2_PINGPONG && wg == 1) fa_wg_bar_arrive(1, FA_WG2_THREADS); /* warpgroup 0 goes first */
   int j = 0, b = 0, bp = S - 1; /* tile j's buffer, tile j - 1's */
 
   while (w.pi < w.pend) {
@@ -373,12 +368,10 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
     const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
     const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
 
-    if (FA_WG2_PINGPONG) fa_wg_bar_sync(turn, FA_WG2_THREADS);
     fa_wg_acc_abt(s, qt, sm, kt, BK, D, f16);
     fa_wg_commit();
     fa_wg_acc_ab(o, pa, sm, fa_wg2_buf(rg, bp) + BK * D, BK, BK, D, f16);
     fa_wg_commit();
-    if (FA_WG2_PINGPONG) fa_wg_bar_arrive(other, FA_WG2_THREADS);
     fa_wg_wait(1); /* S(j); P(j-1) V(j-1) runs on under the softmax */
     fa_wg_pin(s, BK / 8);
 
@@ -399,10 +392,8 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
     j++;
   }
   /* P V of the last tile (no tile: P(-1) = 0 times the zeros) */
-  if (FA_WG2_PINGPONG) fa_wg_bar_sync(turn, FA_WG2_THREADS);
   fa_wg_acc_ab(o, pa, sm, fa_wg2_buf(rg, bp) + BK * D, BK, BK, D, f16);
   fa_wg_commit();
-  if (FA_WG2_PINGPONG && wg == 0) fa_wg_bar_arrive(other, FA_WG2_THREADS);
   fa_wg_wait(0);
   fa_wg_pin(o, D / 8);
   fa_fwd_finish(ga, o, D, blk.start + r0, h, c0, lane, ok0, ok1, m0, m1, l0, l1, bad0, bad1);

@@ -156,13 +156,6 @@ static inline void fa_wg_wait(int n) { (void)n; }
  * wait, or its writes below a fence. */
 static inline __attribute__((always_inline)) void fa_wg_pin(fa_f4 *acc, int n) { (void)acc, (void)n; }
 static inline __attribute__((always_inline)) void fa_wg_pin_u4(fa_u4 *a, int n) { (void)a, (void)n; }
-/* Named barrier `id` (1-7; 0 is the team barrier) of n threads: this
- * warpgroup waits there (sync) or only counts itself in (arrive). The
- * two-warpgroup forward takes turns issuing products with them. The host
- * base does nothing: the emulation runs a team's warpgroups in step, and
- * the turns only order the tensor cores' work, not any data. */
-static inline void fa_wg_bar_sync(int id, int n) { (void)id, (void)n; }
-static inline void fa_wg_bar_arrive(int id, int n) { (void)id, (void)n; }
 #pragma omp end declare target
 
 #ifdef __clang__
@@ -175,11 +168,6 @@ static inline __attribute__((always_inline)) void fa_wg_pin(fa_f4 *acc, int n) {
 static inline __attribute__((always_inline)) void fa_wg_pin_u4(fa_u4 *a, int n) {
 #pragma unroll
   for (int i = 0; i < n; i++) __asm__ volatile("" : "+r"(a[i].x), "+r"(a[i].y), "+r"(a[i].z), "+r"(a[i].w)::"memory");
-}
-
-static inline void fa_wg_bar_sync(int id, int n) { __asm__ volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
-static inline void fa_wg_bar_arrive(int id, int n) {
-  __asm__ volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

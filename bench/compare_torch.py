@@ -14,8 +14,11 @@ head-major [B, H, L, d] copies of the packed [T, H, d] rows that forkattn reads 
 timing; flex_attention's block mask too); forkattn gets the torch tensors' data_ptr() (device
 memory; the library's kernels do not run on PyTorch's stream, so it is synchronized before every
 library call, as in compare_kl.py; its ctypes arguments are built once per case, as a binding would
-cache them). CUDA events around each call, then a synchronize; warm-up, median. TFLOP/s count useful FLOPs (design.md): 4*d*Hq*(visible query-key pairs) forward, 3.5x
-that forward+backward, the same count for every implementation.
+cache them). CUDA events around each call, then a synchronize; warm-up, median. The timed calls
+are spread over --rounds interleaved rounds (forkattn, then each PyTorch implementation, again),
+so that no implementation is timed only right after the float32 reference or only after another's
+runs. TFLOP/s count useful FLOPs (design.md): 4*d*Hq*(visible query-key pairs) forward, 3.5x that
+forward+backward, the same count for every implementation.
 
 Correctness: a float32 reference from the same bf16 inputs, computed by the formulas in chunks of
 query rows. forkattn's outputs are filled with NaN before its checked run and must all be written;
@@ -348,26 +351,42 @@ def torch_impls(spec, t, cuda, dev):
             yield "flex_attention", note, make_flex
 
 
-def timed(fn, a):
-    """Median milliseconds of a.reps calls after a.warmup: CUDA events recorded around the call,
-    then a synchronize (a wall clock on the CPU)."""
-    for _ in range(a.warmup):
+def time_once(fn, cuda):
+    """Milliseconds of one call: CUDA events recorded around it, then a synchronize (a wall clock on
+    the CPU)."""
+    if cuda:
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
         fn()
-    sync(a.cuda)
-    times = []
-    for _ in range(a.reps):
-        if a.cuda:
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            fn()
-            e1.record()
-            torch.cuda.synchronize()
-            times.append(e0.elapsed_time(e1))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        e1.record()
+        torch.cuda.synchronize()
+        return e0.elapsed_time(e1)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def time_rounds(timers, a):
+    """Median milliseconds of each (record, key, fn) in timers, taken in a.rounds interleaved rounds:
+    each round runs every timer in turn (a.warmup calls before its first round's, one before each
+    later round's, untimed), so every implementation meets the GPU in the same states (clocks,
+    temperature, what ran just before) rather than one after the other. a.reps calls in all."""
+    times = [[] for _ in timers]
+    per = max(1, -(-a.reps // a.rounds))
+    for rnd in range(a.rounds):
+        for i, (r, key, fn) in enumerate(timers):
+            if "error" in r:
+                continue
+            try:
+                for _ in range(a.warmup if rnd == 0 else 1):
+                    fn()
+                sync(a.cuda)
+                times[i] += [time_once(fn, a.cuda) for _ in range(min(per, a.reps - len(times[i])))]
+            except Exception as e:
+                r["error"] = describe(e)
+    for (r, key, _), t in zip(timers, times):
+        if "error" not in r and t:
+            r[key] = statistics.median(t)
 
 
 def describe(e):
@@ -384,11 +403,11 @@ def run_forkattn(fa, lay, t, ref, a):
         bwd()
         r["written"] = all(bool(torch.isfinite(t[n]).all()) for n in ("o", "lse", "dq", "dk", "dv"))
         r["err"] = {n: max_err(t[n], ref[n]) for n in OUTS}
-        r["fwd_ms"] = timed(fwd, a)
-        r["fwd_bwd_ms"] = timed(lambda: (fwd(), bwd()), a)
+        timers = [(r, "fwd_ms", fwd), (r, "fwd_bwd_ms", lambda: (fwd(), bwd()))]
     except Exception as e:  # a failed case is recorded and the others still run
         r["error"] = describe(e)
-    return r
+        timers = []
+    return r, timers
 
 
 def run_torch(label, note, make, ref, a):
@@ -400,12 +419,11 @@ def run_torch(label, note, make, ref, a):
         outs = impl.fwd_bwd() if impl.backward else (impl.fwd(),)
         r["err"] = {n: max_err(impl.packed(n, x), ref[n]) for n, x in zip(OUTS, outs)}
         del outs
-        r["fwd_ms"] = timed(impl.fwd, a)
-        if impl.backward:
-            r["fwd_bwd_ms"] = timed(impl.fwd_bwd, a)
+        timers = [(r, "fwd_ms", impl.fwd)] + ([(r, "fwd_bwd_ms", impl.fwd_bwd)] if impl.backward else [])
     except Exception as e:
         r["error"] = describe(e)
-    return r
+        timers = []
+    return r, timers
 
 
 def check(fa, torch_rows, t, lay, ref):
@@ -446,13 +464,18 @@ def run_case(n, a, seed, fa, dev):
         rec["error"] = describe(e)
         print("  error: %s" % rec["error"], flush=True)
         return rec
-    rows = [run_forkattn(fa, lay, t, ref, a)]
-    progress(rows[-1])
+    r, timers = run_forkattn(fa, lay, t, ref, a)
+    rows = [r]
     for label, note, make in torch_impls(spec, t, a.cuda, dev):
-        rows.append(run_torch(label, note, make, ref, a))
-        progress(rows[-1])
-        if a.cuda:
-            torch.cuda.empty_cache()
+        r, more = run_torch(label, note, make, ref, a)
+        rows.append(r)
+        timers += more
+    time_rounds(timers, a)
+    del timers  # the implementations' tensors
+    if a.cuda:
+        torch.cuda.empty_cache()
+    for r in rows:
+        progress(r)
     rates(rows, gflop)
     rec["impls"] = rows
     rec["check"] = check(rows[0], rows[1:], t, lay, ref)
@@ -526,9 +549,10 @@ def notes(cases):
 
 
 def section(meta, cases):
-    head = ("%s, %s, torch %s, commit %s; forkattn %s, %s backend on %s pointers; seed %d; median of %d after %d "
-            "warm-ups." % (meta["date"], meta["device"], meta["torch"], meta["commit"], meta["forkattn"],
-                           meta["backend"], meta["memory"], meta["seed"], meta["reps"], meta["warmup"]))
+    head = ("%s, %s, torch %s, commit %s; forkattn %s, %s backend on %s pointers; seed %d; median of %d calls in %d "
+            "interleaved rounds (%d warm-ups before the first, 1 before each other)." % (
+                meta["date"], meta["device"], meta["torch"], meta["commit"], meta["forkattn"], meta["backend"],
+                meta["memory"], meta["seed"], meta["reps"], meta.get("rounds", 1), meta["warmup"]))
     expl = ("TFLOP/s on useful FLOPs (4·d·Hq·visible pairs forward, 3.5x that forward+backward) for every "
             "implementation; speedup = PyTorch time / forkattn time. Errors: max abs difference from a float32 "
             "reference on the same bf16 inputs; forkattn passes when each is at most 2x PyTorch's bf16 error "
@@ -580,6 +604,7 @@ def main():
     ap.add_argument("--cases", default="1,2,3", help="comma-separated case numbers")
     ap.add_argument("--reps", type=int, default=20, help="timed runs (median)")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved timing rounds the runs are spread over")
     ap.add_argument("--small", action="store_true", help="lengths /4 (about 16x fewer FLOPs)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--seed", type=int, help="default: a fresh one (printed)")
@@ -596,7 +621,8 @@ def main():
     meta = {"date": time.strftime("%Y-%m-%d"), "device": device_name(a.cuda), "torch": torch.__version__,
             "commit": git_commit(a), "command": command_line(), "forkattn": fa.version,
             "backend": "gpu" if a.cuda else "cpu", "memory": "device" if a.cuda else "host",
-            "backend_reason": fa.reason, "seed": seed, "reps": a.reps, "warmup": a.warmup}
+            "backend_reason": fa.reason, "seed": seed, "reps": a.reps, "warmup": a.warmup,
+            "rounds": a.rounds}
     print("seed %d; %s; forkattn %s: %s" % (seed, meta["device"], fa.version, fa.reason), flush=True)
     cases = []
     for n in (int(x) for x in a.cases.split(",")):

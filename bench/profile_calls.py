@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Where a forkattn GPU call's time goes (issue 5): kernels against everything else.
+
+Runs compare_torch.py's cases on device pointers under torch.profiler (CUPTI records every
+kernel of the process, the library's too, and the CUDA driver calls the offload runtime makes),
+after a warm-up, and prints per call: the wall time on the CPU, the summed kernel time, the
+kernels one by one (mean microseconds) and the driver and runtime calls that took the most time.
+Wall time minus kernel time is what the library's host side, the offload runtime's launches and
+synchronizations, and the ctypes call cost; compare_torch's CUDA-event times include all of it.
+
+Usage (on the GPU machine, library built with offload):
+  bash bench/gpu_run.sh python3 bench/profile_calls.py --lib build-gpu/libforkattn.so \
+      [--cases 1,2] [--reps 10] [--trace $OUT/trace.json]
+"""
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import compare_torch as ct  # noqa: E402  (its cases, inputs and ctypes binding)
+
+
+def wall_us(fn, reps):
+    """Median wall microseconds of fn() alone (fn synchronizes torch's stream first, as compare_torch)."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def profiled(fn, reps, trace):
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
+    kernels, api = collections.defaultdict(list), collections.defaultdict(list)
+    for e in prof.events():
+        dev = getattr(e, "device_type", None)
+        if dev is not None and "CUDA" in str(dev):
+            kernels[e.name].append(e.device_time if hasattr(e, "device_time") else e.cuda_time)
+        elif e.name.startswith(("cu", "cuda")):
+            api[e.name].append(e.cpu_time_total)
+    return kernels, api
+
+
+def evented(fn):
+    """One call timed as compare_torch.timed times it: CUDA events on torch's stream around it."""
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    fn()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) * 1e3
+
+
+def report(label, fn, reps, trace):
+    for _ in range(3):
+        fn()
+    wall = wall_us(fn, reps)
+    events = statistics.median(evented(fn) for _ in range(reps))
+    kernels, api = profiled(lambda: evented(fn), reps, trace)
+    ktot = sum(sum(v) for v in kernels.values()) / reps
+    print("%s: wall %.1f us, CUDA events %.1f us, kernels %.1f us per call; wall - kernels %.1f us" %
+          (label, wall, events, ktot, wall - ktot))
+    for name, v in sorted(kernels.items(), key=lambda kv: -sum(kv[1])):
+        print("  kernel %7.1f us x %.1f per call  %s" % (statistics.mean(v), len(v) / reps, name[:90]))
+    for name, v in sorted(api.items(), key=lambda kv: -sum(kv[1]))[:12]:
+        print("  api    %7.1f us x %.1f per call  %s" % (statistics.mean(v), len(v) / reps, name[:90]))
+    sys.stdout.flush()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lib", default="build-gpu/libforkattn.so")
+    ap.add_argument("--cases", default="1,2")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--trace", help="chrome traces to PREFIX.fwdN.json, PREFIX.bwdN.json")
+    a = ap.parse_args()
+    a.cuda, a.small = True, False
+    dev = torch.device("cuda")
+    fa = ct.Forkattn(a.lib, True)
+    print("forkattn %s: %s" % (fa.version, fa.reason))
+    for i, n in enumerate(int(x) for x in a.cases.split(",")):
+        spec = ct.case_spec(n, a, 1234)
+        torch.manual_seed(n)
+        t = ct.inputs(spec, dev)
+        fwd, bwd = fa.prepared(spec.layout, t)
+        print("case %d (%s): %s" % (n, spec.name, spec.desc))
+        report("  forward", fwd, a.reps, a.trace + ".fwd%d.json" % n if a.trace else None)
+        report("  backward", bwd, a.reps, a.trace + ".bwd%d.json" % n if a.trace else None)
+        del t
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

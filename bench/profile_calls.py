@@ -7,6 +7,9 @@ after a warm-up, and prints per call: the wall time on the CPU, the summed kerne
 kernels one by one (mean microseconds) and the driver and runtime calls that took the most time.
 Wall time minus kernel time is what the library's host side, the offload runtime's launches and
 synchronizations, and the ctypes call cost; compare_torch's CUDA-event times include all of it.
+The timeline line splits a call (between the two CUDA events around it, from the profiler's
+trace) into: before its first GPU activity, its kernels, the gaps between its activities, and
+after the last one.
 
 Usage (on the GPU machine, library built with offload):
   bash bench/gpu_run.sh python3 bench/profile_calls.py --lib build-gpu/libforkattn.so \
@@ -14,9 +17,12 @@ Usage (on the GPU machine, library built with offload):
 """
 import argparse
 import collections
+import json
+import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -63,15 +69,44 @@ def evented(fn):
     return e0.elapsed_time(e1) * 1e3
 
 
+def timeline(path):
+    """Median phases of the profiled calls, from a chrome trace of `evented` calls: each call lies
+    between two cudaEventRecord calls on the CPU. Returns {phase: microseconds}: before (first
+    record to the first GPU activity: the synchronize, host staging, copies, the launch), kernels
+    (their summed durations), gaps (between a call's GPU activities), after (the last activity's
+    end to the second record: the wait and the return)."""
+    with open(path) as f:
+        ev = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    rec = sorted(e["ts"] for e in ev if e["name"].startswith("cudaEventRecord"))
+    gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0), e.get("cat")) for e in ev if e.get("cat") in ("kernel", "gpu_memcpy"))
+    phases = collections.defaultdict(list)
+    for t0, t1 in zip(rec[0::2], rec[1::2]):
+        acts = [a for a in gpu if t0 <= a[0] <= t1]
+        if not acts:
+            continue
+        phases["before"].append(acts[0][0] - t0)
+        phases["kernels"].append(sum(a[1] - a[0] for a in acts if a[2] == "kernel"))
+        phases["gaps"].append(sum(max(0.0, b[0] - a[1]) for a, b in zip(acts, acts[1:])))
+        phases["after"].append(t1 - max(a[1] for a in acts))
+    return {k: statistics.median(v) for k, v in phases.items()}
+
+
 def report(label, fn, reps, trace):
     for _ in range(3):
         fn()
     wall = wall_us(fn, reps)
     events = statistics.median(evented(fn) for _ in range(reps))
-    kernels, api = profiled(lambda: evented(fn), reps, trace)
+    path = trace or os.path.join(tempfile.mkdtemp(), "trace.json")
+    kernels, api = profiled(lambda: evented(fn), reps, path)
     ktot = sum(sum(v) for v in kernels.values()) / reps
     print("%s: wall %.1f us, CUDA events %.1f us, kernels %.1f us per call; wall - kernels %.1f us" %
           (label, wall, events, ktot, wall - ktot))
+    ph = timeline(path)
+    print("  timeline (median us): before the first GPU activity %.1f, kernels %.1f, gaps between %.1f, "
+          "after the last %.1f" % tuple(ph.get(k, math.nan) for k in ("before", "kernels", "gaps", "after")))
+    if not trace:
+        os.remove(path)
+        os.rmdir(os.path.dirname(path))
     for name, v in sorted(kernels.items(), key=lambda kv: -sum(kv[1])):
         print("  kernel %7.1f us x %.1f per call  %s" % (statistics.mean(v), len(v) / reps, name[:90]))
     for name, v in sorted(api.items(), key=lambda kv: -sum(kv[1]))[:12]:

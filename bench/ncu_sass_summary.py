@@ -17,6 +17,8 @@ print(f, "samples",tot_s,"instr executed",tot_e)
 st=[h for h in hdr if h.startswith('stall_') and 'Not Issued' not in h]
 agg={h:sum(num(r,h) for r in data) for h in st}
 print(' '.join(f"{k[6:]}:{v/tot_s*100:.1f}%" for k,v in sorted(agg.items(),key=lambda x:-x[1]) if v>0))
+# samples ncu gives no reason column for (seen on the first HGMMA of a group: the warp waiting for the tensor cores)
+print(f"without a listed reason: {(tot_s-sum(agg.values()))/tot_s*100:.1f}%")
 ops=collections.Counter(); opss=collections.Counter()
 for r in data:
     m=re.match(r'\s*(@!?U?P\w+\s+)?([A-Z0-9_]+)',r[1])

@@ -69,6 +69,12 @@ static double from16(uint16_t h, int f16) { return f16 ? fa_f16_to_f32(h) : fa_b
     cr_assert_eq(nth, want, "the emulation needs %d threads, got %d", want, nth);                             \
   } while (0)
 #define EMU_TEAM(call) EMU_TEAM_OF(FA_MMA_THREADS, call)
+/* One emulated team of NTH threads per (query block blk < NB, query head h < NH): a query-side kernel's launch. */
+#define EMU_QUERY_TEAMS(NTH, NB, NH, call)                                                                      \
+  do {                                                                                                          \
+    for (int64_t blk = 0; blk < (NB); blk++)                                                                    \
+      for (int64_t h = 0; h < (NH); h++) EMU_TEAM_OF(NTH, call);                                               \
+  } while (0)
 
 static double rel_err(const uint16_t *got, const double *ref, int64_t n, int f16, int64_t *nonfinite) {
   double e = 0, m = 0;
@@ -175,17 +181,13 @@ static void run_case(const char *name, const emu_case *c) {
     ga.tma = pass == 3 ? maps2 : pass == 2 ? maps : NULL;
     for (int64_t i = 0; i < nq; i++) b.o[i] = 0x7fc1; /* poison: NaN in both dtypes */
     for (int64_t i = 0; i < T * hq; i++) b.lse[i] = NAN;
-    if (pass == 3) {
-      for (int64_t blk = 0; blk < nqb2; blk++)
-        for (int64_t h = 0; h < hq; h++)
-          EMU_TEAM_OF(FA_WG2_THREADS, fa_wg2_fwd_team((int)d, FA_WG2_BK, f16, ga, qb2[blk], h, h / group, smem2));
-    } else {
-      for (int64_t blk = 0; blk < nqb; blk++)
-        for (int64_t h = 0; h < hq; h++) {
-          if (wg) EMU_TEAM(fa_wg_fwd_team((int)d, FA_WG_BK, f16, ga, qb[blk], h, h / group, smem));
-          else EMU_TEAM(fa_mma_fwd_team((int)d, bk, f16, ga, qb[blk], h, h / group, smem));
-        }
-    }
+    if (pass == 3)
+      EMU_QUERY_TEAMS(FA_WG2_THREADS, nqb2, hq,
+                      fa_wg2_fwd_team((int)d, FA_WG2_BK, f16, ga, qb2[blk], h, h / group, smem2));
+    else if (wg)
+      EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, hq, fa_wg_fwd_team((int)d, FA_WG_BK, f16, ga, qb[blk], h, h / group, smem));
+    else
+      EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, hq, fa_mma_fwd_team((int)d, bk, f16, ga, qb[blk], h, h / group, smem));
     if (pass == 2) {
       memcpy(o_tma, b.o, sizeof(uint16_t) * (size_t)nq);
       memcpy(lse_tma, b.lse, sizeof(float) * (size_t)(T * hq));
@@ -249,17 +251,14 @@ static void run_case(const char *name, const emu_case *c) {
     const char *kernel = pass == 2 ? "two-warpgroup wgmma dQ" : wg ? "wgmma dQ" : "mma dQ";
     for (int64_t i = 0; i < T * hq; i++) b.dsum[i] = NAN;
     for (int64_t i = 0; i < nq; i++) b.dq[i] = 0x7fc1;
-    if (pass == 2) {
-      for (int64_t blk = 0; blk < nqb2; blk++)
-        for (int64_t h = 0; h < hq; h++)
-          EMU_TEAM_OF(FA_WG2_THREADS, fa_wg2_dq_team((int)d, FA_WG2_BK, f16, gb, qb2[blk], h, h / group, smem_dq2));
-    } else {
-      for (int64_t blk = 0; blk < nqb; blk++)
-        for (int64_t h = 0; h < hq; h++) {
-          if (wg) EMU_TEAM(fa_wg_dq_team((int)d, FA_WG_DQ_BK, f16, gb, qb[blk], h, h / group, smem));
-          else EMU_TEAM(fa_mma_dq_team((int)d, bk, f16, gb, qb[blk], h, h / group, smem));
-        }
-    }
+    if (pass == 2)
+      EMU_QUERY_TEAMS(FA_WG2_THREADS, nqb2, hq,
+                      fa_wg2_dq_team((int)d, FA_WG2_BK, f16, gb, qb2[blk], h, h / group, smem_dq2));
+    else if (wg)
+      EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, hq,
+                      fa_wg_dq_team((int)d, FA_WG_DQ_BK, f16, gb, qb[blk], h, h / group, smem));
+    else
+      EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, hq, fa_mma_dq_team((int)d, bk, f16, gb, qb[blk], h, h / group, smem));
     for (int64_t r = 0; r < T; r++) /* D against float64 (every row here is a query row) */
       for (int64_t h = 0; h < hq; h++) {
         double s = 0, mag = 0;
@@ -445,8 +444,7 @@ static void kl_case(const char *name, int64_t P, int64_t N, const int64_t *lens,
   b.st = sct, b.ss = scs, b.loss_mul = 1.0f;
   static unsigned short smem[4 * 64 * (128 + 8)];
   const int bk = FA_MMA_BK(d);
-  for (int64_t blk = 0; blk < nqb; blk++)
-    for (int64_t h = 0; h < H; h++) EMU_TEAM(fa_mma_kl_fwd_team((int)d, bk, f16, b, qb[blk], h, smem));
+  EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, H, fa_mma_kl_fwd_team((int)d, bk, f16, b, qb[blk], h, smem));
   double worst = 0;
   double *t = malloc(sizeof(double) * (size_t)T), *sv = malloc(sizeof(double) * (size_t)T);
   const kl_ref_shape shape = {P, N, H, hkv_t, hkv_s, d, T, off, causal, sct, scs};
@@ -579,11 +577,9 @@ static void kl_bwd_case(const char *name, int64_t P, int64_t N, const int64_t *l
   static unsigned short smem[4 * 64 * (128 + 8) + 64];
   cr_assert_geq(sizeof smem, FA_MMA_KL_DQ_SMEM(128, 32));
   cr_assert_geq(sizeof smem, FA_MMA_KL_DK_SMEM(128));
-  for (int64_t blk = 0; blk < nqb; blk++)
-    for (int64_t h = 0; h < H; h++) EMU_TEAM(fa_mma_kl_fwd_team((int)d, bk, f16, b, qb[blk], h, smem));
+  EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, H, fa_mma_kl_fwd_team((int)d, bk, f16, b, qb[blk], h, smem));
   for (int teacher = 0; teacher < 2; teacher++) {
-    for (int64_t blk = 0; blk < nqb; blk++)
-      for (int64_t h = 0; h < H; h++) EMU_TEAM(fa_mma_kl_dq_team((int)d, bk, f16, b, qb[blk], h, teacher, smem));
+    EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, H, fa_mma_kl_dq_team((int)d, bk, f16, b, qb[blk], h, teacher, smem));
     for (int64_t u = 0; u < nunits; u++)
       for (int64_t g = 0; g < hkv; g++) EMU_TEAM(fa_mma_kl_dk_team((int)d, f16, b, u, g, teacher, smem));
     if (part) /* as fa_gpu_kl_dk_reduce: each block's units in order */

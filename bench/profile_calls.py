@@ -23,7 +23,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -32,14 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compare_torch as ct  # noqa: E402  (its cases, inputs and ctypes binding)
 
 
-def wall_us(fn, reps):
-    """Median wall microseconds of fn() alone (fn synchronizes torch's stream first, as compare_torch)."""
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+def median_us(fn, reps, cuda):
+    """Median microseconds of reps calls timed as compare_torch times them: CUDA events on torch's
+    stream around the call (cuda), or the wall clock (fn synchronizes torch's stream first)."""
+    return statistics.median(ct.time_once(fn, cuda) for _ in range(reps)) * 1e3
 
 
 def profiled(fn, reps, trace):
@@ -59,19 +54,9 @@ def profiled(fn, reps, trace):
     return kernels, api
 
 
-def evented(fn):
-    """One call timed as compare_torch.timed times it: CUDA events on torch's stream around it."""
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    fn()
-    e1.record()
-    torch.cuda.synchronize()
-    return e0.elapsed_time(e1) * 1e3
-
-
 def timeline(path):
-    """Median phases of the profiled calls, from a chrome trace of `evented` calls: each call lies
-    between two cudaEventRecord calls on the CPU. Returns {phase: microseconds}: before (first
+    """Median phases of the profiled calls, from a chrome trace of calls timed by CUDA events
+    (compare_torch.time_once): each call lies between two cudaEventRecord calls on the CPU. Returns {phase: microseconds}: before (first
     record to the first GPU activity: the synchronize, host staging, copies, the launch), kernels
     (their summed durations), gaps (between a call's GPU activities), after (the last activity's
     end to the second record: the wait and the return)."""
@@ -94,19 +79,17 @@ def timeline(path):
 def report(label, fn, reps, trace):
     for _ in range(3):
         fn()
-    wall = wall_us(fn, reps)
-    events = statistics.median(evented(fn) for _ in range(reps))
-    path = trace or os.path.join(tempfile.mkdtemp(), "trace.json")
-    kernels, api = profiled(lambda: evented(fn), reps, path)
+    wall = median_us(fn, reps, False)
+    events = median_us(fn, reps, True)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = trace or os.path.join(tmp, "trace.json")
+        kernels, api = profiled(lambda: ct.time_once(fn, True), reps, path)
+        ph = timeline(path)
     ktot = sum(sum(v) for v in kernels.values()) / reps
     print("%s: wall %.1f us, CUDA events %.1f us, kernels %.1f us per call; wall - kernels %.1f us" %
           (label, wall, events, ktot, wall - ktot))
-    ph = timeline(path)
     print("  timeline (median us): before the first GPU activity %.1f, kernels %.1f, gaps between %.1f, "
           "after the last %.1f" % tuple(ph.get(k, math.nan) for k in ("before", "kernels", "gaps", "after")))
-    if not trace:
-        os.remove(path)
-        os.rmdir(os.path.dirname(path))
     for name, v in sorted(kernels.items(), key=lambda kv: -sum(kv[1])):
         print("  kernel %7.1f us x %.1f per call  %s" % (statistics.mean(v), len(v) / reps, name[:90]))
     for name, v in sorted(api.items(), key=lambda kv: -sum(kv[1]))[:12]:

@@ -18,6 +18,8 @@
  * units are summed in order afterwards. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include <omp.h>
 #include <ompx.h>
 
@@ -78,13 +80,33 @@ void fa_gpu_mma_dq(const fa_gpu_bwd *b) {
 #define FA_MMA_DKV(D, F16) FA_MMA_DKV_TEAMS(fa_mma_dkv_team, D, F16, FA_MMA_DKV_SMEM(D))
 #define FA_WG_DKV(D, F16) FA_MMA_DKV_TEAMS(fa_wg_dkv_team, D, F16, FA_WG_DKV_SMEM(D))
 
+#define FA_WG_DKV_QM(D, F16) FA_MMA_DKV_TEAMS(fa_wg_dkv_qm_team, D, F16, FA_WG_DKV_QM_SMEM(D))
+
+/* The query-major wgmma dK/dV at head_dim 128 (at 64 the key-major one was
+ * faster: bench/NOTES-gpu.md, v2.22), unless FORKATTN_GPU_DKV_QM=0 keeps
+ * the key-major one (comparison and diagnosis). */
+static int fa_gpu_dkv_qm_on(int64_t d) {
+  const char *env = getenv("FORKATTN_GPU_DKV_QM");
+  return d == 128 && !(env && strcmp(env, "0") == 0);
+}
+
 int fa_gpu_mma_dkv_tma(fa_tma_map *maps, const fa_dev_tensor *q, int64_t q_rows, const fa_dev_tensor *dout,
                        int64_t dout_rows, int64_t hq, int64_t d, int device) {
+  if (fa_gpu_dkv_qm_on(d))
+    return fa_gpu_mma_tma_pair(maps, q, q_rows, dout, dout_rows, hq, d, FA_WG_DKV_QM_BQ, FA_WG_DKV_QM_SMEM(d),
+                               device);
   return fa_gpu_mma_tma_pair(maps, q, q_rows, dout, dout_rows, hq, d, FA_WG_DKV_BQ(d), FA_WG_DKV_SMEM(d), device);
 }
 
 void fa_gpu_mma_dkv(const fa_gpu_bwd *b) {
   const fa_gpu_bwd args = *b;
   const int nteams = (int)(b->nunits * b->hkv), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
+#ifdef FORKATTN_HAVE_WGMMA
+  if (fa_gpu_dkv_qm_on(b->d) && fa_gpu_wgmma_on(dev, FA_WG_DKV_QM_SMEM(128))) {
+    if (f16) FA_WG_DKV_QM(128, 1);
+    else FA_WG_DKV_QM(128, 0);
+    return;
+  }
+#endif
   FA_WG_OR_MMA(FA_WG_DKV, FA_MMA_DKV, FA_WG_DKV_SMEM(b->d), b->d, f16);
 }

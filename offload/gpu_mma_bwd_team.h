@@ -742,6 +742,220 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, co
   }
   fa_mma_dkv_store(&b, ui, g, dk, dv, D, r0, k_pos0, c0, ok0, ok1, bad0, bad1, lane);
 }
+
+/* The query-major wgmma dK/dV team (FlashAttention-3's layout): the same
+ * unit walk, masks, flags and stores as fa_wg_dkv_team, but 64-query tiles
+ * with the queries as the products' rows: S = Q K^T and dP = dO V^T are
+ * 64 x 64 (N = 64, the tensor cores' full rate, where S^T's N = 32 ran at
+ * two thirds of it, bench/wgmma_rate.c) with each lane's lse and D two
+ * rows' values (the key-major form needs 16 queries' a lane); P and dS go
+ * to team memory as [query][key] tiles, read transposed by dV += P^T dO and
+ * dK += dS^T Q (both operands MN-major). P and dS share one tile (two teams
+ * an SM fit only so): dS is stored once dV's products have read P. Team
+ * memory (FA_WG_DKV_QM_SMEM, elements from a 1024-byte aligned base):
+ * K | V | two (Q, dO) buffers | P/dS | lse, D of each buffer | scan flags |
+ * mbarrier. */
+#define FA_WG_DKV_QM_BQ 64
+#define FA_WG_DKV_QM_SMEM(d)                                                                                    \
+  ((size_t)(6 * FA_MMA_ROWS * (d) + FA_WG_DKV_QM_BQ * 64) * 2 + 4 * FA_WG_DKV_QM_BQ * sizeof(float) +          \
+   4 * sizeof(unsigned) + 16 + FA_WG_BLOCK_BYTES)
+
+/* Tile w's Q and dO rows into the buffer at element `at` and its lse and D
+ * into the floats at `ld`: bulk tensor copies (tma: Q's, dO's maps) of a
+ * full tile that thread 0 issues on the mbarrier at `mbar`, or cp.async
+ * (then zero-filled past the tile's queries); lse and D by cp.async. One
+ * copy group committed. Returns the mbarrier phases used (1 with tma). */
+static inline int fa_wg_dkv_qm_copy(fa_smem m, int at, int ld, int BQ, int D, const fa_gpu_bwd *b,
+                                    const fa_tma_map *tma, int mbar, fa_query_walk w, int64_t h, int tid) {
+  const int bulk = tma && w.qend - w.qb >= BQ;
+  if (tma && tid == 0) {
+    fa_mbar_expect_tx(m, mbar, bulk * 2 * BQ * D * 2); /* 0 bytes: completes at once */
+    if (bulk) {
+      fa_tma_tile(m, at, tma, (int)h, w.qb, BQ, D, mbar);
+      fa_tma_tile(m, at + BQ * D, tma + 1, (int)h, w.qb, BQ, D, mbar);
+    }
+  }
+  if (bulk) fa_mma_load_query_stats(m, ld, BQ, b, w, h, tid);
+  else fa_mma_load_queries(m, at, ld, D, D, BQ, b, w, h, tid);
+  fa_cp_async_commit();
+  return tma != NULL;
+}
+
+/* Issue S = Q K^T and dP = dO V^T (one group, not waited) for tile w in the
+ * buffer at element qt, after zeroing and flagging its non-finite Q/dO rows
+ * (scan, team-uniform) when some key of the block cannot see some query
+ * (fa_mma_scan_rows): returns the flags. */
+static inline __attribute__((always_inline)) unsigned long long
+fa_wg_dkv_qm_scores(fa_f4 *s, fa_f4 *dp, unsigned short *smem, int qt, int ktile, int vtile, unsigned *qbad, int BQ,
+                    int D, int f16, fa_query_walk w, int scan, int kfirst, int klen, int qsh, int tid) {
+  const int ot = qt + BQ * D, masked = scan && w.causal && w.qb + qsh < kfirst + klen - 1;
+  const unsigned long long qflags =
+      masked ? fa_mma_scan_rows(smem + qt, D, BQ, D, f16, qbad, tid) | fa_mma_scan_rows(smem + ot, D, BQ, D, f16, qbad, tid)
+             : 0;
+  /* fa_wg_opaque: each product's descriptors built where it is issued (kept
+   * from the loop's entry, 16 of them spilled to local memory, which the L1
+   * left beside 221 KB of team memory does not hold: ncu) */
+  const fa_smem sm = fa_wg_opaque(fa_smem_of(smem));
+  fa_wg_acc_abt(s, qt, sm, ktile, 64, D, f16);  /* S = Q K^T */
+  fa_wg_acc_abt(dp, ot, sm, vtile, 64, D, f16); /* dP = dO V^T */
+  fa_wg_commit();
+  return qflags;
+}
+
+/* P and dS of one warp's 16 queries x 64 keys in place of S (s) and dP
+ * (dp): l0, l1 the lane's two rows' lse (log2 units), d0, d1 their D.
+ * all (warp-uniform): every query of the warp sees every key; otherwise
+ * query qi sees key column kc when qi < nq and, causal, kc + kq0 <= qi
+ * (kq0: the block's first key minus the tile's first query, key frame). */
+static inline __attribute__((always_inline)) void fa_wg_dkv_qm_grads(fa_f4 *s, fa_f4 *dp, float l0, float l1,
+                                                                      float d0, float d1, float mul, int all,
+                                                                      int qi0, int nq, int causal, int kq0, int c0) {
+  if (all) {
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      s[n].x = fa_mma_exp2(fmaf(s[n].x, mul, -l0)), s[n].y = fa_mma_exp2(fmaf(s[n].y, mul, -l0));
+      s[n].z = fa_mma_exp2(fmaf(s[n].z, mul, -l1)), s[n].w = fa_mma_exp2(fmaf(s[n].w, mul, -l1));
+      dp[n].x = s[n].x * (dp[n].x - d0), dp[n].y = s[n].y * (dp[n].y - d0);
+      dp[n].z = s[n].z * (dp[n].z - d1), dp[n].w = s[n].w * (dp[n].w - d1);
+    }
+  } else {
+    const int qi1 = qi0 + 8;
+    /* keys a row sees: all (non-causal), or columns up to qi - kq0 */
+    const int lim0 = qi0 >= nq ? -1 : causal ? qi0 - kq0 : 64, lim1 = qi1 >= nq ? -1 : causal ? qi1 - kq0 : 64;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      const int kc = n * 8 + c0; /* columns kc, kc + 1; rows qi0 (x, y), qi1 (z, w) */
+      const int v00 = kc <= lim0, v01 = kc + 1 <= lim0, v10 = kc <= lim1, v11 = kc + 1 <= lim1;
+      s[n].x = v00 ? fa_mma_exp2(s[n].x * mul - l0) : 0.0f;
+      s[n].y = v01 ? fa_mma_exp2(s[n].y * mul - l0) : 0.0f;
+      s[n].z = v10 ? fa_mma_exp2(s[n].z * mul - l1) : 0.0f;
+      s[n].w = v11 ? fa_mma_exp2(s[n].w * mul - l1) : 0.0f;
+      dp[n].x = v00 ? s[n].x * (dp[n].x - d0) : 0.0f;
+      dp[n].y = v01 ? s[n].y * (dp[n].y - d0) : 0.0f;
+      dp[n].z = v10 ? s[n].z * (dp[n].z - d1) : 0.0f;
+      dp[n].w = v11 ? s[n].w * (dp[n].w - d1) : 0.0f;
+    }
+  }
+}
+
+/* One warp's 16 x 64 accumulators a, in the input type, into its 16 rows of
+ * the [64][64] wgmma-layout tile at element tile, by four stmatrix: lane L
+ * addresses row L % 8 (+ 8 for matrices 1, 3) of chunk 2i (+ 1 for matrices
+ * 2, 3), swizzled by the row (16 scattered 4-byte stores a lane kept 16
+ * addresses live and spilled). */
+static inline __attribute__((always_inline)) void fa_wg_store_tile(fa_smem sm, int tile, const fa_f4 *a, int warp,
+                                                                    int lane, int f16) {
+  const int j = lane >> 3, row = warp * 16 + (lane & 7) + 8 * (j & 1), t = (j >> 1) ^ (lane & 7);
+  const int base = tile + row * 64;
+#pragma unroll
+  for (int i = 0; i < 4; i++) fa_stmatrix_x4(sm, base + (((2 * i) ^ t) << 3), fa_mma_p_frag(a[2 * i], a[2 * i + 1], f16));
+}
+
+/* A non-finite query row in [lo, nq) of the tile's flags: the key that sees
+ * from query lo on sees it. */
+static inline int fa_wg_flag_from(unsigned long long qflags, int lo, int nq) {
+  return lo < nq && (qflags >> lo) != 0;
+}
+
+static inline __attribute__((always_inline)) void fa_wg_dkv_qm_team(const int D, const int f16, const fa_gpu_bwd b,
+                                                                     int64_t ui, int64_t g, unsigned short *smem) {
+  const int P = D, BQ = FA_WG_DKV_QM_BQ;
+  const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
+  const fa_key_unit u = b.units[ui];
+  const fa_block blk = b.kblocks[u.block];
+  const int64_t group = (int)b.hq / (int)b.hkv, qshift = b.qshift; /* 32-bit: a 64-bit division is a call (C7509) */
+  const float mul = b.scale * FA_LOG2E;
+  smem += fa_wg_align(fa_smem_of(smem));
+  const fa_smem sm = fa_smem_of(smem);
+  const int ktile = 0, vtile = FA_MMA_ROWS * P, qbuf0 = 2 * FA_MMA_ROWS * P, qstep = 2 * BQ * P;
+  const int ptile = qbuf0 + 2 * qstep, ld0 = ptile + BQ * 64; /* per buffer i: [BQ] lse, [BQ] D at ld0 + 4 BQ i */
+  unsigned *qbad = (unsigned *)(smem + ld0 + 8 * BQ);
+  const fa_tma_map *tma = b.tma;
+  const int mbar = ld0 + 8 * BQ + 8;
+  int phase = 0; /* bulk copies issued: the mbarrier's phases */
+  if (tma && tid == 0) fa_mbar_init(sm, mbar, 1);
+
+  fa_mma_load_rows(sm, ktile, P, FA_MMA_ROWS, D, b.k, blk.start, blk.len, g, tid);
+  fa_mma_load_rows(sm, vtile, P, FA_MMA_ROWS, D, b.v, blk.start, blk.len, g, tid);
+  fa_query_walk w = {(int)u.j0, 0, 0, 0, 0, 0};
+  w = fa_qwalk_seek(w, b.seg, b.pair, b.kidx, qshift, u, blk, group);
+  if (w.j <= u.j1) fa_mma_load_queries(sm, qbuf0, ld0, P, D, BQ, &b, w, g * group + w.hh, tid);
+  fa_cp_async_commit();
+  fa_query_walk w1 = fa_qwalk_next(w, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
+  fa_cp_async_wait(0);
+  fa_fence_proxy_async();
+  ompx_sync_block_acq_rel(); /* K, V, tile 0 and the mbarrier's init visible */
+  if (w1.j <= u.j1) phase += fa_wg_dkv_qm_copy(sm, qbuf0 + qstep, ld0 + 4 * BQ, BQ, D, &b, tma, mbar, w1,
+                                              g * group + w1.hh, tid);
+
+  /* lanes' rows: of dK/dV (keys) and of S, dP (queries), the same positions */
+  const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
+  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
+  const int kfirst = (int)blk.start, qsh = (int)qshift;
+  const int k_pos0 = kfirst + r0, k_pos1 = k_pos0 + 8;
+  fa_f4 dk[FA_MMA_MAX_D / 8], dv[FA_MMA_MAX_D / 8];
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) dk[n] = fa_f4_zero(), dv[n] = fa_f4_zero();
+  int bad0 = 0, bad1 = 0;
+  fa_f4 s[8], dp[8]; /* 16 queries x 64 keys: S and dP of tile j, multiplied in iteration j - 1 */
+  unsigned long long qflags = 0; /* tile j's non-finite Q/dO rows */
+  /* no wgmma under a branch: ptxas then serializes every one of the kernel
+   * (C7518, v2.18); a unit without tiles multiplies what the buffer holds */
+  qflags = fa_wg_dkv_qm_scores(s, dp, smem, qbuf0, ktile, vtile, qbad, BQ, D, f16, w, w.j <= u.j1, kfirst,
+                               (int)blk.len, qsh, tid);
+  fa_wg_wait(0);
+  int cb = 0;
+  while (w.j <= u.j1) {
+    fa_wg_pin(s, 8);
+    fa_wg_pin(dp, 8);
+    const int qt = qbuf0 + cb * qstep, ot = qt + BQ * P;
+    const float *ld = (const float *)(smem + ld0 + 4 * BQ * cb);
+    const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
+    const float l0 = ld[r0] * FA_LOG2E, l1 = ld[r0 + 8] * FA_LOG2E, d0 = ld[BQ + r0], d1 = ld[BQ + r0 + 8];
+    const int kq0 = kfirst - (w.qb + qsh);
+    const int all = warp * 16 + 15 < nq && (!w.causal || (int)blk.len - 1 + kq0 <= warp * 16);
+    if (qflags) { /* the keys that see a non-finite row get NaN gradients */
+      bad0 |= fa_wg_flag_from(qflags, fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb + qsh, nq), nq);
+      bad1 |= fa_wg_flag_from(qflags, fa_mma_key_first_query(ok1, w.causal, k_pos1, w.qb + qsh, nq), nq);
+    }
+    fa_wg_dkv_qm_grads(s, dp, l0, l1, d0, d1, mul, all, r0, nq, w.causal, kq0, c0);
+    fa_wg_store_tile(fa_wg_opaque(sm), ptile, s, warp, lane, f16); /* P */
+    fa_fence_proxy_async();
+    ompx_sync_block_acq_rel();
+    fa_wg_acc_atb(dv, fa_wg_opaque(sm), ptile, ot, BQ, BQ, D, f16); /* dV += P^T dO */
+    fa_wg_commit();
+    fa_wg_wait(0);
+    fa_wg_pin(dv, D / 8);
+    ompx_sync_block_acq_rel(); /* every warp's dV products read P */
+    fa_wg_store_tile(fa_wg_opaque(sm), ptile, dp, warp, lane, f16); /* dS */
+    fa_fence_proxy_async();
+    ompx_sync_block_acq_rel();
+    fa_wg_acc_atb(dk, fa_wg_opaque(sm), ptile, qt, BQ, BQ, D, f16); /* dK += dS^T Q */
+    fa_wg_commit();
+    /* While dK's products run: tile j + 2's position, tile j + 1's copies
+     * waited for, its S and dP issued behind dK's (the tensor cores go from
+     * one to the other without this team's wait, barrier and walk between) */
+    const fa_query_walk w2 = fa_qwalk_next(w1, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
+    const int more = w1.j <= u.j1; /* else tile j's rows again, discarded (no wgmma under a branch) */
+    if (more) {
+      fa_cp_async_wait(0);
+      if (tma) fa_mbar_wait(sm, mbar, (phase - 1) & 1);
+      if (!tma || w1.qend - w1.qb < BQ) fa_fence_proxy_async(); /* rows by cp.async, for the tensor cores */
+      ompx_sync_block_acq_rel(); /* tile j + 1 visible */
+    }
+    qflags = fa_wg_dkv_qm_scores(s, dp, smem, more ? qbuf0 + (cb ^ 1) * qstep : qt, ktile, vtile, qbad, BQ, D, f16, w1,
+                                 more, kfirst, (int)blk.len, qsh, tid);
+    fa_wg_wait(0);
+    fa_wg_pin(dk, D / 8);
+    ompx_sync_block_acq_rel(); /* every warp's reads of tile j's buffer and of P/dS done */
+    if (w2.j <= u.j1)
+      phase += fa_wg_dkv_qm_copy(sm, qt, ld0 + 4 * BQ * cb, BQ, D, &b, tma, mbar, w2, g * group + w2.hh, tid);
+    cb ^= 1;
+    w = w1;
+    w1 = w2;
+  }
+  fa_mma_dkv_store(&b, ui, g, dk, dv, D, r0, k_pos0, c0, ok0, ok1, bad0, bad1, lane);
+}
 #pragma omp end declare target
 
 #endif

@@ -65,8 +65,15 @@ static inline int fa_wg_align(fa_smem m) {
  *                apart): V, K, dO or Q read as [k][n];
  *  fa_wg_mma_ss  acc (N 32, 64 or 128) = A B (+ acc when acc_in): A (64 x 16)
  *                the warpgroup's rows at element aoff, B (16 x N) the rows
- *                at off, both K-major (rows are m or n, k along the row).
- * Both in the 128-byte swizzle. */
+ *                at off, both K-major (rows are m or n, k along the row);
+ *  fa_wg_mma_tt  acc (N 64 or 128) += A B: A (64 x 16) and B (16 x N) both
+ *                MN-major (rows are k, 8-row blocks FA_WG_BLOCK_BYTES apart):
+ *                A the single 64-column slab at element aoff (P or dS stored
+ *                [query][key], read as P^T), B at off with its 64-column
+ *                slabs lbo bytes apart (dO or Q read as [query][dim]).
+ * All in the 128-byte swizzle. fa_stmatrix_x4 (stmatrix, sm_90): lane 8i + j
+ * gives the address of row j of 8 x 8 matrix i, whose row r is lanes
+ * 4r..4r+3's register i (x, y, z, w): an accumulator fragment's layout. */
 #ifndef FORKATTN_MMA_EMULATE
 static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *acc, int N, fa_u4 a, fa_smem m, int off, int lbo,
                                                             int f16) {
@@ -78,6 +85,12 @@ static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *acc, int N
   (void)acc, (void)N, (void)m, (void)aoff, (void)off, (void)f16, (void)acc_in;
   __builtin_trap();
 }
+static inline __attribute__((always_inline)) void fa_wg_mma_tt(fa_f4 *acc, int N, fa_smem m, int aoff, int off,
+                                                               int lbo, int f16) {
+  (void)acc, (void)N, (void)m, (void)aoff, (void)off, (void)lbo, (void)f16;
+  __builtin_trap();
+}
+static inline void fa_stmatrix_x4(fa_smem m, int off, fa_u4 v) { (void)m, (void)off, (void)v, __builtin_trap(); }
 #else
 /* The 16-bit element at logical team-memory address la, after the 128-byte swizzle of the
  * absolute address (bits 4-6 ^= bits 7-9). */
@@ -88,9 +101,10 @@ static inline float fa_emu_swz(uintptr_t la, int f16) {
 }
 
 /* One wgmma for this thread's accumulators: A from the warpgroup's published register
- * fragments e->a, or (aoff >= 0) from team memory, K-major, 8-row blocks 1024 bytes apart;
- * B[k][n] at its logical address: K-major rows are n (8-row blocks sbo apart) with k along the
- * row, N-major rows are k (blocks sbo apart) with n along the row in 64-wide slabs lbo apart. */
+ * fragments e->a, or (aoff >= 0) from team memory, K-major (rows m, 8-row blocks 1024 bytes
+ * apart) or, tnsp & 2, M-major (rows k, one 64-wide slab); B[k][n] at its logical address:
+ * K-major rows are n (8-row blocks sbo apart) with k along the row, N-major (tnsp & 1) rows are
+ * k (blocks sbo apart) with n along the row in 64-wide slabs lbo apart. */
 static inline void fa_emu_wgmma(fa_f4 *acc, int N, const fa_emu_lanes *e, fa_smem m, int aoff, int off, int lbo,
                                 int sbo, int tnsp, int f16, int acc_in) {
   const int t = omp_get_thread_num(), L = t & 31, g0 = t & ~127;
@@ -103,14 +117,16 @@ static inline void fa_emu_wgmma(fa_f4 *acc, int N, const fa_emu_lanes *e, fa_sme
       for (int e2 = 0; e2 < 4; e2++) {
         const int row = 16 * ((t - g0) / 32) + L / 4 + 8 * (e2 / 2), n = 8 * i + 2 * (L % 4) + e2 % 2;
         float av;
-        if (aoff >= 0) {
+        if (aoff >= 0 && (tnsp & 2)) {
+          av = fa_emu_swz((uintptr_t)(abase + (k / 8) * FA_WG_BLOCK_BYTES + (k % 8) * 128 + row * 2), f16);
+        } else if (aoff >= 0) {
           av = fa_emu_swz((uintptr_t)(abase + (row / 8) * FA_WG_BLOCK_BYTES + (row % 8) * 128 + k * 2), f16);
         } else { /* warp row/16 of the group, lane 4 (row % 8) + (k % 8) / 2, register (row % 16) / 8 + 2 (k / 8) */
           const fa_u4 ar = e->a[g0 + 32 * (row / 16) + 4 * (row % 8) + (k % 8) / 2];
           const int reg = (row % 16) / 8 + 2 * (k / 8);
           av = fa_emu_half(reg == 0 ? ar.x : reg == 1 ? ar.y : reg == 2 ? ar.z : ar.w, k % 2, f16);
         }
-        const uintptr_t la = tnsp ? (uintptr_t)(base + (k / 8) * sbo + (k % 8) * 128 + (n / 64) * lbo + (n % 64) * 2)
+        const uintptr_t la = (tnsp & 1) ? (uintptr_t)(base + (k / 8) * sbo + (k % 8) * 128 + (n / 64) * lbo + (n % 64) * 2)
                                   : (uintptr_t)(base + (n / 8) * sbo + (n % 8) * 128 + k * 2);
         d[e2] += (double)av * fa_emu_swz(la, f16);
       }
@@ -133,10 +149,34 @@ static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *acc, int N
 #pragma omp barrier
   fa_emu_wgmma(acc, N, NULL, m, aoff, off, 0, FA_WG_BLOCK_BYTES, 0, f16, acc_in);
 }
+
+static inline __attribute__((always_inline)) void fa_wg_mma_tt(fa_f4 *acc, int N, fa_smem m, int aoff, int off,
+                                                               int lbo, int f16) {
+#pragma omp barrier
+  fa_emu_wgmma(acc, N, NULL, m, aoff, off, lbo, FA_WG_BLOCK_BYTES, 3, f16, 1);
+}
+
+static inline void fa_stmatrix_x4(fa_smem m, int off, fa_u4 v) {
+  const int t = omp_get_thread_num(), w0 = t & ~31, L = t & 31, i = L / 8, j = L % 8;
+  fa_emu_lanes *e = fa_emu_next(t);
+  e->addr[t] = m.p + off;
+  e->a[t] = v;
+#pragma omp barrier
+  unsigned short *row = (unsigned short *)(uintptr_t)e->addr[t]; /* row j of matrix i: lanes 4j..4j+3's register i */
+  for (int q = 0; q < 4; q++) {
+    const fa_u4 r = e->a[w0 + 4 * j + q];
+    const uint32_t x = i == 0 ? r.x : i == 1 ? r.y : i == 2 ? r.z : r.w;
+    memcpy(row + 2 * q, &x, 4);
+  }
+}
 #endif
 /* Order this thread's earlier register writes (accumulators, A fragments)
  * before the warpgroup's next wgmma (wgmma.fence). */
 static inline void fa_wg_fence(void) {}
+/* m with its shared-window address hidden from the compiler where it is
+ * called: descriptors and addresses built from it are recomputed there (in
+ * uniform registers), not kept live across a loop from its entry. */
+static inline fa_smem fa_wg_opaque(fa_smem m) { return m; }
 /* Close the wgmma issued since the last commit into one group. */
 static inline void fa_wg_commit(void) {}
 /* Wait until at most n (0 or 1) of this warpgroup's groups are pending.
@@ -234,6 +274,26 @@ static inline void fa_wg_wait(int n) {
                    : "l"(adesc), "l"(desc), "r"(acc_in)                                                            \
                    : "memory")
 
+/* SS with both operands MN-major (imm-trans-a, imm-trans-b 1), accumulating */
+#define FA_WG_TT_N64(TY)                                                                                           \
+  __asm__ volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                    \
+                   "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                     \
+                   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "   \
+                   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"    \
+                   : FA_WG_ACC32                                                                                   \
+                   : "l"(adesc), "l"(desc), "r"(1)                                                                 \
+                   : "memory")
+#define FA_WG_TT_N128(TY)                                                                                          \
+  __asm__ volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                    \
+                   "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                                    \
+                   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "   \
+                   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "    \
+                   "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "    \
+                   "%56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 1, 1;\n}\n"                       \
+                   : FA_WG_ACC64                                                                                   \
+                   : "l"(adesc), "l"(desc), "r"(1)                                                                 \
+                   : "memory")
+
 /* A descriptor of the 128-byte swizzle at element off of m (bits 62-63 = 1).
  * Written as a tile-invariant base plus off / 8 (16-byte units) in the low
  * word, the high word a constant: off is a multiple of 8, the team memory
@@ -263,6 +323,31 @@ static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *c, int N, 
   }
 }
 
+static inline __attribute__((always_inline)) void fa_wg_mma_tt(fa_f4 *c, int N, fa_smem m, int aoff, int off,
+                                                               int lbo, int f16) {
+  /* MN-major: SBO one 8-row block of k; A's LBO (a second 64-wide slab of m) unused */
+  const uint64_t adesc = fa_wg_desc(m, aoff, FA_WG_BLOCK_BYTES, FA_WG_BLOCK_BYTES),
+                 desc = fa_wg_desc(m, off, lbo, FA_WG_BLOCK_BYTES);
+  if (N == 64) {
+    if (f16) FA_WG_TT_N64("f16");
+    else FA_WG_TT_N64("bf16");
+  } else {
+    if (f16) FA_WG_TT_N128("f16");
+    else FA_WG_TT_N128("bf16");
+  }
+}
+
+static inline fa_smem fa_wg_opaque(fa_smem m) {
+  __asm__ volatile("" : "+r"(m.s));
+  return m;
+}
+
+static inline void fa_stmatrix_x4(fa_smem m, int off, fa_u4 v) {
+  __asm__ volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(m.s + 2u * (uint32_t)off),
+                   "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                   : "memory");
+}
+
 static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *c, int N, fa_u4 a, fa_smem m, int off, int lbo,
                                                             int f16) {
   const uint64_t desc = fa_wg_desc(m, off, lbo, FA_WG_BLOCK_BYTES);
@@ -275,6 +360,8 @@ static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *c, int N, fa_
     else FA_WG_N128("bf16");
   }
 }
+#undef FA_WG_TT_N128
+#undef FA_WG_TT_N64
 #undef FA_WG_SS_N128
 #undef FA_WG_SS_N32
 #undef FA_WG_SS_N64
@@ -334,6 +421,19 @@ static inline __attribute__((always_inline)) void fa_wg_acc_ab(fa_f4 *acc, const
 #pragma unroll
   for (int kk = 0; kk < K / 16; kk++)
     fa_wg_mma(acc, D, pa[kk], sm, tile + kk * 1024, R * 128, f16);
+}
+
+/* acc (16 rows x D) += A^T B over K/16 k-steps: A (K x 64) the 64-column
+ * tile at element atile (P or dS as [query][key]: the product reads P^T),
+ * B (K x D) K rows of a tile of R rows at element tile, both in the wgmma
+ * layout read MN-major. Issued, not waited. */
+static inline __attribute__((always_inline)) void fa_wg_acc_atb(fa_f4 *acc, fa_smem sm, int atile, int tile, int K,
+                                                                int R, int D, int f16) {
+  fa_wg_pin(acc, D / 8);
+  fa_wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < K / 16; kk++)
+    fa_wg_mma_tt(acc, D, sm, atile + kk * 1024, tile + kk * 1024, R * 128, f16);
 }
 #pragma omp end declare target
 

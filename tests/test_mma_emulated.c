@@ -278,19 +278,29 @@ static void run_case(const char *name, const emu_case *c) {
   double edk = 0, edv = 0;
   /* the wgmma dK/dV with Q's and dO's full tiles by (emulated) bulk tensor copies, without
    * (which must give the same bits), then the mma.sync one */
-  fa_tma_map qmaps[2];
+  fa_tma_map qmaps[2], qmaps_qm[2];
   fa_tma_emulated_map(&qmaps[0], b.q, T, hq, d, hq * d, d, FA_WG_DKV_BQ(d));
   fa_tma_emulated_map(&qmaps[1], b.dout, T, hq, d, hq * d, d, FA_WG_DKV_BQ(d));
+  fa_tma_emulated_map(&qmaps_qm[0], b.q, T, hq, d, hq * d, d, FA_WG_DKV_QM_BQ);
+  fa_tma_emulated_map(&qmaps_qm[1], b.dout, T, hq, d, hq * d, d, FA_WG_DKV_QM_BQ);
+  static unsigned short smem_qm[(6 * 64 * 128 + 64 * 64 + 1024) + 2048];
+  cr_assert_geq(sizeof smem_qm, FA_WG_DKV_QM_SMEM(d));
   uint16_t *dk_tma = malloc(sizeof(uint16_t) * (size_t)nk), *dv_tma = malloc(sizeof(uint16_t) * (size_t)nk);
   cr_assert(dk_tma && dv_tma);
-  for (int pass = 2; pass >= 0; pass--) {
-    const int wg = pass > 0;
-    const char *kernel = pass == 2 ? "wgmma dK/dV (bulk copies)" : wg ? "wgmma dK/dV" : "mma dK/dV";
-    gb.tma = pass == 2 ? qmaps : NULL;
+  /* passes 4, 3: the query-major wgmma dK/dV with and without bulk copies; 2, 1: the key-major one; 0: mma.sync */
+  for (int pass = 4; pass >= 0; pass--) {
+    const int wg = pass > 0, qm = pass > 2, bulk = pass == 4 || pass == 2;
+    const char *kernel = pass == 4   ? "query-major wgmma dK/dV (bulk copies)"
+                         : pass == 3 ? "query-major wgmma dK/dV"
+                         : pass == 2 ? "wgmma dK/dV (bulk copies)"
+                         : wg        ? "wgmma dK/dV"
+                                     : "mma dK/dV";
+    gb.tma = bulk ? (qm ? qmaps_qm : qmaps) : NULL;
     for (int64_t i = 0; i < nk; i++) b.dk[i] = b.dv[i] = 0x7fc1;
     for (int64_t u = 0; u < nunits; u++) /* head_dim 128: V in team memory */
       for (int64_t g = 0; g < hkv; g++) {
-        if (wg) EMU_TEAM(fa_wg_dkv_team((int)d, f16, gb, u, g, smem));
+        if (qm) EMU_TEAM(fa_wg_dkv_qm_team((int)d, f16, gb, u, g, smem_qm));
+        else if (wg) EMU_TEAM(fa_wg_dkv_team((int)d, f16, gb, u, g, smem));
         else EMU_TEAM(fa_mma_dkv_team((int)d, f16, gb, u, g, smem));
       }
     if (part_k) /* as fa_gpu_dkv_reduce: each block's units in order */
@@ -306,10 +316,10 @@ static void run_case(const char *name, const emu_case *c) {
               const int64_t e = ((kb[blk].start + row) * hkv + g) * d + x;
               b.dk[e] = to16(sk, f16), b.dv[e] = to16(sv, f16);
             }
-    if (pass == 2) {
+    if (bulk) {
       memcpy(dk_tma, b.dk, sizeof(uint16_t) * (size_t)nk);
       memcpy(dv_tma, b.dv, sizeof(uint16_t) * (size_t)nk);
-    } else if (pass == 1) {
+    } else if (wg) {
       int64_t diff = 0;
       for (int64_t i = 0; i < nk; i++) diff += (dk_tma[i] != b.dk[i]) + (dv_tma[i] != b.dv[i]);
       cr_assert_eq(diff, 0, "%s: the dK/dV with bulk copies differs from the cp.async one in %lld elements", name,

@@ -15,7 +15,12 @@
  * S^T = K Q^T, dP^T = V dO^T, P^T and dS^T as above with lse and D per
  * column, dV += P^T dO and dK += dS^T Q (Q and dO through ldmatrix.trans).
  * Q/dO tiles are double-buffered with cp.async. No atomics: each key block's
- * units are summed in order afterwards. */
+ * units are summed in order afterwards.
+ *
+ * sm_90a builds run wgmma teams instead (gpu_mma_bwd_team.h): the dQ as two
+ * warpgroups (fa_wg2_dq_team), the dK/dV at head_dim 128 query-major
+ * (fa_wg_dkv_qm_team: the queries as the products' rows, P and dS through
+ * team memory), at 64 key-major (fa_wg_dkv_team). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -427,6 +427,24 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_rows(float *lq, flo
   }
 }
 
+/* P = exp2(S mul - lse) and dS = P (dP - D) of one accumulator quad in
+ * place (s: x, y, z, w; dp likewise), each element with its own lse (lx..lw,
+ * log2 units) and D (dx..dw); an entry whose v is 0 (not visible) becomes 0
+ * in both, whatever S and dP hold there. */
+static inline __attribute__((always_inline)) void fa_mma_pds_masked(fa_f4 *s, fa_f4 *dp, float mul, float lx,
+                                                                     float ly, float lz, float lw, float dx, float dy,
+                                                                     float dz, float dw, int vx, int vy, int vz,
+                                                                     int vw) {
+  s->x = vx ? fa_mma_exp2(s->x * mul - lx) : 0.0f;
+  s->y = vy ? fa_mma_exp2(s->y * mul - ly) : 0.0f;
+  s->z = vz ? fa_mma_exp2(s->z * mul - lz) : 0.0f;
+  s->w = vw ? fa_mma_exp2(s->w * mul - lw) : 0.0f;
+  dp->x = vx ? s->x * (dp->x - dx) : 0.0f;
+  dp->y = vy ? s->y * (dp->y - dy) : 0.0f;
+  dp->z = vz ? s->z * (dp->z - dz) : 0.0f;
+  dp->w = vw ? s->w * (dp->w - dw) : 0.0f;
+}
+
 /* P^T and dS^T of one warp's 16 keys x BQ queries in place of S^T (s) and
  * dP^T (dp): lq, dd the lane's lse and D (fa_mma_dkv_rows). A tile whose
  * queries all see every key of the warp (all, warp-uniform) skips the
@@ -458,14 +476,7 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_grads(fa_f4 *s, fa_
         *bad1 |= (v10 && (qflags >> qi & 1u)) || (v11 && (qflags >> (qi + 1) & 1u));
       }
       const float l0 = lq[2 * n], l1 = lq[2 * n + 1], d0 = dd[2 * n], d1 = dd[2 * n + 1];
-      s[n].x = v00 ? fa_mma_exp2(s[n].x * mul - l0) : 0.0f;
-      s[n].y = v01 ? fa_mma_exp2(s[n].y * mul - l1) : 0.0f;
-      s[n].z = v10 ? fa_mma_exp2(s[n].z * mul - l0) : 0.0f;
-      s[n].w = v11 ? fa_mma_exp2(s[n].w * mul - l1) : 0.0f;
-      dp[n].x = v00 ? s[n].x * (dp[n].x - d0) : 0.0f;
-      dp[n].y = v01 ? s[n].y * (dp[n].y - d1) : 0.0f;
-      dp[n].z = v10 ? s[n].z * (dp[n].z - d0) : 0.0f;
-      dp[n].w = v11 ? s[n].w * (dp[n].w - d1) : 0.0f;
+      fa_mma_pds_masked(&s[n], &dp[n], mul, l0, l1, l0, l1, d0, d1, d0, d1, v00, v01, v10, v11);
     }
   }
 }
@@ -612,6 +623,23 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
   fa_mma_dkv_store(&b, ui, g, dk, dv, D, r0, k_pos0, c0, ok0, ok1, bad0, bad1, lane);
 }
 
+/* A wgmma dK/dV team's start: its unit's K and V tiles (64 rows, the wgmma
+ * layout, at elements ktile and vtile) and its first query tile (buffer
+ * qbuf0, lse and D at ld0) by cp.async in one committed group; returns the
+ * walk at that tile (w.j > u.j1: the unit has none). */
+static inline __attribute__((always_inline)) fa_query_walk fa_wg_dkv_start(fa_smem sm, int ktile, int vtile, int qbuf0,
+                                                                           int ld0, int D, int BQ, const fa_gpu_bwd *b,
+                                                                           fa_key_unit u, fa_block blk, int64_t g,
+                                                                           int64_t group, int tid) {
+  fa_mma_load_rows(sm, ktile, D, FA_MMA_ROWS, D, b->k, blk.start, blk.len, g, tid);
+  fa_mma_load_rows(sm, vtile, D, FA_MMA_ROWS, D, b->v, blk.start, blk.len, g, tid);
+  fa_query_walk w = {(int)u.j0, 0, 0, 0, 0, 0};
+  w = fa_qwalk_seek(w, b->seg, b->pair, b->kidx, b->qshift, u, blk, group);
+  if (w.j <= u.j1) fa_mma_load_queries(sm, qbuf0, ld0, D, D, BQ, b, w, g * group + w.hh, tid);
+  fa_cp_async_commit();
+  return w;
+}
+
 /* The wgmma dK/dV team (sm_90a builds; host tests under the emulation): the
  * same unit walk, masks, flags and stores as fa_mma_dkv_team, with K's and
  * V's 64-key tiles kept in team memory as the A operands of S^T = K Q^T and
@@ -655,12 +683,7 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, co
   int phase = 0; /* the mbarrier's phase of this iteration's bulk copies */
   if (tma && tid == 0) fa_mbar_init(sm, mbar, 1); /* visible after the first iteration's barrier */
 
-  fa_mma_load_rows(sm, ktile, P, FA_MMA_ROWS, D, b.k, blk.start, blk.len, g, tid);
-  fa_mma_load_rows(sm, vtile, P, FA_MMA_ROWS, D, b.v, blk.start, blk.len, g, tid);
-  fa_query_walk w = {(int)u.j0, 0, 0, 0, 0, 0};
-  w = fa_qwalk_seek(w, b.seg, b.pair, b.kidx, qshift, u, blk, group);
-  if (w.j <= u.j1) fa_mma_load_queries(sm, qbuf0, ld0, P, D, BQ, &b, w, g * group + w.hh, tid);
-  fa_cp_async_commit();
+  fa_query_walk w = fa_wg_dkv_start(sm, ktile, vtile, qbuf0, ld0, D, BQ, &b, u, blk, g, group, tid);
 
   const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
   const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
@@ -825,15 +848,8 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_qm_grads(fa_f4 *s, f
 #pragma unroll
     for (int n = 0; n < 8; n++) {
       const int kc = n * 8 + c0; /* columns kc, kc + 1; rows qi0 (x, y), qi1 (z, w) */
-      const int v00 = kc <= lim0, v01 = kc + 1 <= lim0, v10 = kc <= lim1, v11 = kc + 1 <= lim1;
-      s[n].x = v00 ? fa_mma_exp2(s[n].x * mul - l0) : 0.0f;
-      s[n].y = v01 ? fa_mma_exp2(s[n].y * mul - l0) : 0.0f;
-      s[n].z = v10 ? fa_mma_exp2(s[n].z * mul - l1) : 0.0f;
-      s[n].w = v11 ? fa_mma_exp2(s[n].w * mul - l1) : 0.0f;
-      dp[n].x = v00 ? s[n].x * (dp[n].x - d0) : 0.0f;
-      dp[n].y = v01 ? s[n].y * (dp[n].y - d0) : 0.0f;
-      dp[n].z = v10 ? s[n].z * (dp[n].z - d1) : 0.0f;
-      dp[n].w = v11 ? s[n].w * (dp[n].w - d1) : 0.0f;
+      fa_mma_pds_masked(&s[n], &dp[n], mul, l0, l0, l1, l1, d0, d0, d1, d1, kc <= lim0, kc + 1 <= lim0, kc <= lim1,
+                        kc + 1 <= lim1);
     }
   }
 }
@@ -875,12 +891,7 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_qm_team(const int D,
   int phase = 0; /* bulk copies issued: the mbarrier's phases */
   if (tma && tid == 0) fa_mbar_init(sm, mbar, 1);
 
-  fa_mma_load_rows(sm, ktile, P, FA_MMA_ROWS, D, b.k, blk.start, blk.len, g, tid);
-  fa_mma_load_rows(sm, vtile, P, FA_MMA_ROWS, D, b.v, blk.start, blk.len, g, tid);
-  fa_query_walk w = {(int)u.j0, 0, 0, 0, 0, 0};
-  w = fa_qwalk_seek(w, b.seg, b.pair, b.kidx, qshift, u, blk, group);
-  if (w.j <= u.j1) fa_mma_load_queries(sm, qbuf0, ld0, P, D, BQ, &b, w, g * group + w.hh, tid);
-  fa_cp_async_commit();
+  fa_query_walk w = fa_wg_dkv_start(sm, ktile, vtile, qbuf0, ld0, D, BQ, &b, u, blk, g, group, tid);
   fa_query_walk w1 = fa_qwalk_next(w, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
   fa_cp_async_wait(0);
   fa_fence_proxy_async();

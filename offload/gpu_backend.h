@@ -17,8 +17,9 @@ void fa_gpu_free(int device, void *p);
 int fa_gpu_memcpy(int device, void *dst, int dst_dev, const void *src, int src_dev, size_t bytes);
 
 /* Reader rows per unit when heavily read key blocks are split over the dK/dV
- * teams (fa_plan_key_units, fa_plan_key_chunk) of the FP32 kernels, or with
- * mma the tensor-core ones: INT64_MAX when no block needs it. Shared by the
+ * teams (fa_plan_key_units, fa_plan_key_chunk) of the FP32 kernels (mma 0),
+ * the tensor-core ones (1) or the two-warpgroup dK/dV (2): INT64_MAX when no
+ * block needs it. Shared by the
  * attention and StreamKL dK passes (gpu_segment_bwd.c). */
 int64_t fa_gpu_dkv_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int64_t hkv, int mma);
 

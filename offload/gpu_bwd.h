@@ -23,7 +23,7 @@ typedef struct fa_gpu_bwd {
   const int64_t *unit_off;   /* [nkb+1] units of each key block */
   float *part_k, *part_v;    /* [units, hkv, krows, d] partial sums, or NULL: one unit per block */
   int64_t nqb, nkb, nunits, rows, qshift, hq, hkv, d;
-  int64_t krows; /* rows per query and key block: FA_GPU_ROWS, or FA_MMA_ROWS on tensor cores */
+  int64_t krows; /* rows per key block: FA_GPU_ROWS, FA_MMA_ROWS on tensor cores, FA_WG2_ROWS (dkv_wg2) */
   float scale;
   fa_kept kept; /* device copy, used when has_kept */
   int has_kept;
@@ -31,6 +31,7 @@ typedef struct fa_gpu_bwd {
   const struct fa_tma_map *tma; /* device copies of Q's and dO's tensor maps for the wgmma dK/dV, or NULL */
   const struct fa_tma_map *kv_tma; /* K's and V's for the two-warpgroup dQ (dq_wg2), or NULL */
   int dq_wg2; /* qblocks are FA_WG2_ROWS rows for the two-warpgroup dQ (fa_gpu_mma_dq_tma) */
+  int dkv_wg2; /* kblocks are FA_WG2_ROWS rows for the two-warpgroup dK/dV (fa_gpu_mma_dkv_wg2, tma set) */
 } fa_gpu_bwd;
 
 /* 1 when the tensor-core backward runs this call: the forward's conditions
@@ -41,6 +42,10 @@ void fa_gpu_mma_dkv(const fa_gpu_bwd *b);
 /* fa_gpu_mma_tma_pair (gpu_fwd.h) for the wgmma dK/dV: Q's and dO's maps, boxes of its query tiles. */
 int fa_gpu_mma_dkv_tma(struct fa_tma_map *maps, const fa_dev_tensor *q, int64_t q_rows, const fa_dev_tensor *dout,
                        int64_t dout_rows, int64_t hq, int64_t d, int device);
+/* 1 when the wgmma dK/dV may run as the two-warpgroup kernel (gpu_mma_bwd_team.h:
+ * 128-row key blocks, Q's and dO's tiles by bulk copies): FORKATTN_GPU_WG2 is
+ * not 0 and its team memory fits. It runs when the maps were encoded too. */
+int fa_gpu_mma_dkv_wg2(int64_t d, int device);
 /* 1 when the wgmma dQ runs as the two-warpgroup kernel (gpu_mma_bwd_team.h:
  * 128-row query blocks, 128-key tiles): FORKATTN_GPU_WG2 is not 0, its team
  * memory fits, and the driver encoded K's and V's maps into maps[0..1]. */

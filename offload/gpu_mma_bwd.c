@@ -71,21 +71,25 @@ void fa_gpu_mma_dq(const fa_gpu_bwd *b) {
 
 /* One team per (key unit, KV head); at head_dim 128 V's tile stays in team
  * memory (FA_MMA_DKV_VSM: 16-query tiles, fa_mma_dkv_team). */
-/* TEAM(D, F16, args, unit, KV head, smem) on one team per (key unit, KV head), SMEM bytes of team memory. */
-#define FA_MMA_DKV_TEAMS(TEAM, D, F16, SMEM)                                                                  \
+/* TEAM(D, F16, args, unit, KV head, smem) on one team per (key unit, KV head), THREADS threads, SMEM bytes of
+ * team memory. */
+#define FA_MMA_DKV_TEAMS_OF(TEAM, D, F16, SMEM, THREADS)                                                      \
   do {                                                                                                        \
     const size_t smem = (SMEM);                                                                               \
-    _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args)") \
+    FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(nteams) thread_limit(THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args)) \
     {                                                                                                         \
       unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
       const int team = (int)ompx_block_id_x(), hkv = (int)args.hkv; /* 32-bit: see FA_MMA_QUERY_TEAMS */      \
       TEAM((D), (F16), args, team / hkv, team % hkv, sm);                                                     \
     }                                                                                                         \
   } while (0)
+#define FA_MMA_DKV_TEAMS(TEAM, D, F16, SMEM) FA_MMA_DKV_TEAMS_OF(TEAM, D, F16, SMEM, FA_MMA_THREADS)
 #define FA_MMA_DKV(D, F16) FA_MMA_DKV_TEAMS(fa_mma_dkv_team, D, F16, FA_MMA_DKV_SMEM(D))
 #define FA_WG_DKV(D, F16) FA_MMA_DKV_TEAMS(fa_wg_dkv_team, D, F16, FA_WG_DKV_SMEM(D))
 
 #define FA_WG_DKV_QM(D, F16) FA_MMA_DKV_TEAMS(fa_wg_dkv_qm_team, D, F16, FA_WG_DKV_QM_SMEM(D))
+#define FA_WG2_DKV_QM(D, F16) \
+  FA_MMA_DKV_TEAMS_OF(fa_wg2_dkv_qm_team, D, F16, FA_WG2_DKV_SMEM(D), FA_WG2_THREADS)
 
 /* The query-major wgmma dK/dV at head_dim 128 (at 64 the key-major one was
  * faster: bench/NOTES-gpu.md, v2.22), unless FORKATTN_GPU_DKV_QM=0 keeps
@@ -103,10 +107,22 @@ int fa_gpu_mma_dkv_tma(fa_tma_map *maps, const fa_dev_tensor *q, int64_t q_rows,
   return fa_gpu_mma_tma_pair(maps, q, q_rows, dout, dout_rows, hq, d, FA_WG_DKV_BQ(d), FA_WG_DKV_SMEM(d), device);
 }
 
+int fa_gpu_mma_dkv_wg2(int64_t d, int device) {
+  /* FORKATTN_GPU_DKV_WG2=0 keeps the one-warpgroup query-major kernel (comparison and diagnosis) */
+  const char *env = getenv("FORKATTN_GPU_DKV_WG2");
+  return fa_gpu_dkv_qm_on(d) && fa_gpu_wg2_on() && !(env && strcmp(env, "0") == 0) &&
+         fa_gpu_wgmma_on(device, FA_WG2_DKV_SMEM(d));
+}
+
 void fa_gpu_mma_dkv(const fa_gpu_bwd *b) {
   const fa_gpu_bwd args = *b;
   const int nteams = (int)(b->nunits * b->hkv), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
 #ifdef FORKATTN_HAVE_WGMMA
+  if (b->dkv_wg2) { /* fa_gpu_mma_dkv_wg2 chose it, the key blocks are FA_WG2_ROWS, Q's and dO's maps encoded */
+    if (f16) FA_WG2_DKV_QM(128, 1);
+    else FA_WG2_DKV_QM(128, 0);
+    return;
+  }
   if (fa_gpu_dkv_qm_on(b->d) && fa_gpu_wgmma_on(dev, FA_WG_DKV_QM_SMEM(128))) {
     if (f16) FA_WG_DKV_QM(128, 1);
     else FA_WG_DKV_QM(128, 0);

@@ -481,16 +481,17 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_grads(fa_f4 *s, fa_
   }
 }
 
-/* A dK/dV team's dK (times the scale) and dV of its 16 keys a warp, or its
- * unit's partial sums [units, hkv, 64, d] when the unit's block is split
- * (reduced in unit order by fa_gpu_dkv_reduce). */
+/* A dK/dV team's dK (times the scale) and dV of its 16 keys a warp (r0: the
+ * lane's row in the key block), or its unit's partial sums [units, hkv,
+ * krows, d] when the unit's block is split (reduced in unit order by
+ * fa_gpu_dkv_reduce). */
 static inline __attribute__((always_inline)) void fa_mma_dkv_store(const fa_gpu_bwd *b, int64_t ui, int64_t g,
                                                                     const fa_f4 *dk, const fa_f4 *dv, int D, int r0,
                                                                     int k_pos0, int c0, int ok0, int ok1, int bad0,
                                                                     int bad1, int lane) {
   bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
   const int part = b->part_k != NULL;
-  const int64_t slot = (ui * b->hkv + g) * FA_MMA_ROWS * b->d, row = part ? r0 : k_pos0, head = part ? 0 : g;
+  const int64_t slot = (ui * b->hkv + g) * b->krows * b->d, row = part ? r0 : k_pos0, head = part ? 0 : g;
   const fa_dev_tensor tk = part ? fa_mma_part_view(b->part_k + slot, b->d) : b->dk;
   const fa_dev_tensor tv = part ? fa_mma_part_view(b->part_v + slot, b->d) : b->dv;
   fa_mma_store_rows(tk, row, head, dk, D, c0, ok0, ok1, b->scale, b->scale, bad0, bad1);
@@ -966,6 +967,179 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_qm_team(const int D,
     w1 = w2;
   }
   fa_mma_dkv_store(&b, ui, g, dk, dv, D, r0, k_pos0, c0, ok0, ok1, bad0, bad1, lane);
+}
+
+/* The two-warpgroup query-major dK/dV (sm_90a; Q's and dO's tiles by bulk
+ * copies only): fa_wg_dkv_qm_team's products, masks and flags in a team of
+ * FA_WG2_THREADS per (unit of a key block of FA_WG2_ROWS keys, KV head).
+ * Warpgroup wg owns keys [64 wg, 64 wg + 64) with its own K, V, P and dS
+ * tiles; the (Q, dO) tiles both read come once a team into a ring of
+ * FA_WG2_DKV_STAGES buffers (gpu_wg2.h: the second warpgroup to release a
+ * buffer refills it). Per tile and warpgroup: P and dS stored (stmatrix),
+ * one proxy fence and one barrier of the warpgroup, dV and dK issued
+ * together with the next tile's S and dP behind them, one wait, and a
+ * second barrier of the warpgroup (every warp's products retired before P,
+ * dS and the buffer are rewritten). The one-warpgroup team needs three
+ * fences, four team barriers and two waits a tile: its P and dS share a
+ * tile, so dS waits for dV's products. lse and D come from global memory
+ * into registers a tile ahead (two rows a lane). No team barrier but in
+ * the scans: a tile with queries that some of the block's keys do not see,
+ * or with fewer than 64 queries (its rows past them are the tensor's next
+ * rows, or zeros past its end), has its non-finite Q and dO rows zeroed and
+ * flagged by the whole team first. Team memory (FA_WG2_DKV_SMEM, elements
+ * from a 1024-byte aligned base): K (two 64-row tiles) | V (two) | P, dS of
+ * warpgroup 0, then of 1 | the ring. */
+#define FA_WG2_DKV_STAGES 3
+#define FA_WG2_DKV_SMEM(d)                                                                                      \
+  ((size_t)(4 * FA_MMA_ROWS * (d) + 4 * FA_WG_DKV_QM_BQ * 64 + 2 * FA_WG2_DKV_STAGES * FA_WG_DKV_QM_BQ * (d)) * \
+       2 +                                                                                                      \
+   FA_WG2_RING_BYTES(FA_WG2_DKV_STAGES) + FA_WG_BLOCK_BYTES)
+
+/* Thread 0 of a warpgroup: Q's and dO's rows of query tile w (query head h)
+ * into buffer i of the ring (Q, then dO BQ rows later), completing on its
+ * full barrier. */
+static inline __attribute__((always_inline)) void fa_wg2_query_copy(fa_smem sm, fa_wg2_ring r, int i,
+                                                                    const fa_tma_map *tma, int h, fa_query_walk w,
+                                                                    int BQ, int D) {
+  const int dst = fa_wg2_buf(r, i), full = r.full + 4 * i;
+  fa_mbar_expect_tx(sm, full, 2 * BQ * D * 2);
+  fa_tma_tile(sm, dst, tma, h, w.qb, BQ, D, full);
+  fa_tma_tile(sm, dst + BQ * D, tma + 1, h, w.qb, BQ, D, full);
+}
+
+/* The lane's lse (natural log) and D of tile w's rows r0 and r0 + 8 (query
+ * head h) from global memory: st[0], st[1] lse, st[2], st[3] D. A row past
+ * the tile's queries reads its first (masked where used). */
+static inline __attribute__((always_inline)) void fa_wg2_dkv_stats(float *st, const fa_gpu_bwd *b, fa_query_walk w,
+                                                                   int h, int r0) {
+  const int nq = w.qend - w.qb;
+  const int64_t i0 = (int64_t)(w.qb + (r0 < nq ? r0 : 0)) * b->hq + h;
+  const int64_t i1 = (int64_t)(w.qb + (r0 + 8 < nq ? r0 + 8 : 0)) * b->hq + h;
+  st[0] = b->lse[i0], st[1] = b->lse[i1], st[2] = b->dsum[i0], st[3] = b->dsum[i1];
+}
+
+/* The whole team's scan of tile w's Q and dO rows in the buffer at element
+ * qt when it needs one (above; team-uniform): the non-finite rows among the
+ * tile's queries. */
+static inline unsigned long long fa_wg2_dkv_scan(unsigned short *smem, int qt, int BQ, int D, int f16,
+                                                 fa_wg2_ring rg, fa_query_walk w, fa_block blk, int qsh, int tid) {
+  const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
+  if (nq == BQ && !(w.causal && w.qb + qsh < (int)(blk.start + blk.len) - 1)) return 0;
+  const unsigned long long f = fa_mma_scan_rows_by(smem + qt, D, BQ, 0, BQ, D, f16, rg.flags, tid, FA_WG2_THREADS) |
+                               fa_mma_scan_rows_by(smem + qt + BQ * D, D, BQ, 0, BQ, D, f16, rg.flags, tid,
+                                                   FA_WG2_THREADS);
+  return nq < 64 ? f & ((1ull << nq) - 1) : f;
+}
+
+static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D, const int f16, const fa_gpu_bwd b,
+                                                                      int64_t ui, int64_t g, unsigned short *smem) {
+  const int S = FA_WG2_DKV_STAGES, BQ = FA_WG_DKV_QM_BQ;
+  const int tid = ompx_thread_id_x(), wg = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
+  const fa_key_unit u = b.units[ui];
+  const fa_block blk = b.kblocks[u.block];
+  const int64_t group = (int)b.hq / (int)b.hkv, qshift = b.qshift; /* 32-bit: a 64-bit division is a call (C7509) */
+  const float mul = b.scale * FA_LOG2E;
+  smem += fa_wg_align(fa_smem_of(smem)); /* swizzled tiles start 1024-byte aligned */
+  const fa_smem sm = fa_smem_of(smem);
+  const int ktile = wg * FA_MMA_ROWS * D, vtile = (2 + wg) * FA_MMA_ROWS * D;
+  const int ptile = 4 * FA_MMA_ROWS * D + wg * 2 * BQ * 64, dstile = ptile + BQ * 64;
+  const fa_wg2_ring rg = fa_wg2_ring_at(smem, 4 * FA_MMA_ROWS * D + 4 * BQ * 64, 2 * BQ * D, S);
+  const fa_tma_map *tma = b.tma;
+  const int hg = (int)(g * group), qsh = (int)qshift;
+
+  /* this warpgroup's keys; one with none loads zeros (from the block's first row, which exists) */
+  const int64_t krest = blk.len - wg * FA_MMA_ROWS, nk = krest < 0 ? 0 : krest;
+  const int64_t krow0 = nk ? blk.start + wg * FA_MMA_ROWS : blk.start;
+  fa_mma_load_rows(sm, ktile, D, FA_MMA_ROWS, D, b.k, krow0, nk, g, wt);
+  fa_mma_load_rows(sm, vtile, D, FA_MMA_ROWS, D, b.v, krow0, nk, g, wt);
+  fa_cp_async_commit();
+  fa_query_walk w = {(int)u.j0, 0, 0, 0, 0, 0};
+  w = fa_qwalk_seek(w, b.seg, b.pair, b.kidx, qshift, u, blk, group);
+  fa_wg2_ring_init(sm, rg, tid);
+  /* tiles 0 .. S - 1; wl: thread 0 of each warpgroup's next tile to copy (tile j + S after iteration j) */
+  fa_query_walk wl = w;
+  if (wt == 0)
+    for (int i = 0; i < S && wl.j <= u.j1; i++) {
+      if (tid == 0) fa_wg2_query_copy(sm, rg, i, tma, hg + wl.hh, wl, BQ, D);
+      wl = fa_qwalk_next(wl, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
+    }
+  fa_cp_async_wait(0);
+  fa_fence_proxy_async(); /* K and V for the tensor cores' reads */
+  ompx_sync_block_acq_rel();
+
+  /* lanes' rows: of S, dP (queries) and of this warpgroup's dK/dV (keys) */
+  const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
+  const int kfirst = (int)blk.start + wg * FA_MMA_ROWS; /* this warpgroup's first key (key frame) */
+  const int ok0 = wg * FA_MMA_ROWS + r0 < blk.len, ok1 = wg * FA_MMA_ROWS + r0 + 8 < blk.len;
+  const int k_pos0 = kfirst + r0, k_pos1 = k_pos0 + 8;
+  const int klast = nk > FA_MMA_ROWS ? FA_MMA_ROWS - 1 : (int)nk - 1; /* its last key, of 0 .. 63 */
+  fa_f4 dk[FA_MMA_MAX_D / 8], dv[FA_MMA_MAX_D / 8];
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) dk[n] = fa_f4_zero(), dv[n] = fa_f4_zero();
+  int bad0 = 0, bad1 = 0, j = 0, bi = 0; /* tile j, in buffer bi */
+  fa_f4 s[8], dp[8]; /* 16 queries x 64 keys: S and dP of tile j, multiplied in iteration j - 1 */
+  float st[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* tile j's lse and D (fa_wg2_dkv_stats) */
+  unsigned long long qflags = 0;          /* tile j's non-finite Q/dO rows */
+  if (w.j <= u.j1) {
+    fa_wg2_dkv_stats(st, &b, w, hg + w.hh, r0);
+    fa_mbar_wait(sm, rg.full, 0);
+    qflags = fa_wg2_dkv_scan(smem, fa_wg2_buf(rg, 0), BQ, D, f16, rg, w, blk, qsh, tid);
+  }
+  /* no wgmma under a branch: ptxas then serializes every one of the kernel
+   * (C7518, v2.18); a unit without tiles multiplies what the buffer holds */
+  fa_wg_acc_abt(s, fa_wg2_buf(rg, 0), fa_wg_opaque(sm), ktile, 64, D, f16);               /* S = Q K^T */
+  fa_wg_acc_abt(dp, fa_wg2_buf(rg, 0) + BQ * D, fa_wg_opaque(sm), vtile, 64, D, f16);     /* dP = dO V^T */
+  fa_wg_commit();
+  fa_wg_wait(0);
+  while (w.j <= u.j1) {
+    fa_wg_pin(s, 8);
+    fa_wg_pin(dp, 8);
+    const int qt = fa_wg2_buf(rg, bi), ot = qt + BQ * D;
+    const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
+    const int kq0 = kfirst - (w.qb + qsh);
+    const int all = warp * 16 + 15 < nq && (!w.causal || klast + kq0 <= warp * 16);
+    if (qflags) { /* the keys that see a non-finite row get NaN gradients */
+      bad0 |= fa_wg_flag_from(qflags, fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb + qsh, nq), nq);
+      bad1 |= fa_wg_flag_from(qflags, fa_mma_key_first_query(ok1, w.causal, k_pos1, w.qb + qsh, nq), nq);
+    }
+    fa_wg_dkv_qm_grads(s, dp, st[0] * FA_LOG2E, st[1] * FA_LOG2E, st[2], st[3], mul, all, r0, nq, w.causal, kq0,
+                       c0);
+    fa_wg_store_tile(fa_wg_opaque(sm), ptile, s, warp, lane, f16);   /* P */
+    fa_wg_store_tile(fa_wg_opaque(sm), dstile, dp, warp, lane, f16); /* dS */
+    fa_fence_proxy_async();
+    fa_wg_bar_sync(1 + wg, 128); /* the warpgroup's P and dS for its products */
+    fa_wg_acc_atb(dv, fa_wg_opaque(sm), ptile, ot, BQ, BQ, D, f16);  /* dV += P^T dO */
+    fa_wg_acc_atb(dk, fa_wg_opaque(sm), dstile, qt, BQ, BQ, D, f16); /* dK += dS^T Q */
+    fa_wg_commit();
+    /* While they run: tile j + 1's position, lse and D (global loads, used
+     * next iteration), its buffer waited for and scanned, its S and dP
+     * issued behind dV's and dK's products */
+    const fa_query_walk w1 = fa_qwalk_next(w, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
+    const int more = w1.j <= u.j1, b1 = bi == S - 1 ? 0 : bi + 1;
+    qflags = 0;
+    if (more) {
+      fa_wg2_dkv_stats(st, &b, w1, hg + w1.hh, r0);
+      fa_mbar_wait(sm, rg.full + 4 * b1, ((j + 1) / S) & 1);
+      qflags = fa_wg2_dkv_scan(smem, fa_wg2_buf(rg, b1), BQ, D, f16, rg, w1, blk, qsh, tid);
+    }
+    const int nt = more ? fa_wg2_buf(rg, b1) : qt; /* else tile j's rows again, discarded */
+    fa_wg_acc_abt(s, nt, fa_wg_opaque(sm), ktile, 64, D, f16);           /* S = Q K^T */
+    fa_wg_acc_abt(dp, nt + BQ * D, fa_wg_opaque(sm), vtile, 64, D, f16); /* dP = dO V^T */
+    fa_wg_commit();
+    fa_wg_wait(0);
+    fa_wg_pin(dv, D / 8);
+    fa_wg_pin(dk, D / 8);
+    fa_wg_bar_sync(1 + wg, 128); /* every warp's products retired: P, dS and buffer bi free */
+    /* buffer bi is free for this warpgroup; the second to say so copies tile j + S into it */
+    if (wt == 0 && wl.j <= u.j1) {
+      if (fa_wg2_second(rg, bi)) fa_wg2_query_copy(sm, rg, bi, tma, hg + wl.hh, wl, BQ, D);
+      wl = fa_qwalk_next(wl, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
+    }
+    w = w1;
+    bi = b1;
+    j++;
+  }
+  fa_mma_dkv_store(&b, ui, g, dk, dv, D, wg * FA_MMA_ROWS + r0, k_pos0, c0, ok0, ok1, bad0, bad1, lane);
 }
 #pragma omp end declare target
 

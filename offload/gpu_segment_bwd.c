@@ -257,80 +257,80 @@ static void fa_gpu_dkv_reduce(const fa_gpu_bwd *b, int dev) {
 }
 
 /* dK/dV teams that run at once on an H200 (132 SMs): the FP32 kernel fits 8
- * per SM, the tensor-core kernel 2 (255 registers x 128 threads). Heavily read
- * key blocks (a shared prompt) are cut into units of reader queries
- * (fa_plan_key_chunk) only when one (key block, KV head) team would carry
- * more than a slot's share of the work; on a GPU with fewer SMs the cut is
- * coarser than ideal, never wrong. */
+ * per SM, the tensor-core kernel 2 (255 registers x 128 threads), its
+ * two-warpgroup form 1. Heavily read key blocks (a shared prompt) are cut
+ * into units of reader queries (fa_plan_key_chunk) only when one (key block,
+ * KV head) team would carry more than a slot's share of the work; on a GPU
+ * with fewer SMs the cut is coarser than ideal, never wrong. */
 #define FA_GPU_SMS 132
-#define FA_GPU_DKV_SLOTS (8 * FA_GPU_SMS)
-#define FA_MMA_DKV_SLOTS (2 * FA_GPU_SMS)
 
 int64_t fa_gpu_dkv_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int64_t hkv, int mma) {
-  return fa_plan_key_chunk(p, kb, nkb, hkv, mma ? FA_MMA_DKV_SLOTS : FA_GPU_DKV_SLOTS);
+  return fa_plan_key_chunk(p, kb, nkb, hkv, (mma == 2 ? 1 : mma ? 2 : 8) * FA_GPU_SMS);
 }
 
 forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkattn_memory memory) {
   const fa_plan *p = a->plan;
   fa_block *qb_h = NULL, *kb_h = NULL;
+  fa_key_unit *units_h = NULL;
+  int64_t *unit_off_h = NULL;
   fa_gpu_trace tr;
   fa_gpu_trace_begin(&tr);
   const int mma = fa_gpu_mma_bwd_ok(a, memory);
-  const int64_t brows = mma ? FA_MMA_ROWS : FA_GPU_ROWS; /* key block rows, and query block rows but for
-                                                            * the two-warpgroup dQ's (below) */
-  int64_t nqb = 0;
-  int64_t nkb = fa_plan_blocks(p, brows, 1, &kb_h);
-  fa_key_unit *units_h = NULL;
-  int64_t *unit_off_h = NULL, nunits = -1;
-  if (nkb >= 0)
-    nunits = fa_plan_key_units(p, kb_h, nkb, fa_gpu_dkv_chunk(p, kb_h, nkb, a->hkv, mma), &units_h, &unit_off_h);
   fa_stage st;
   fa_stage_init(&st, ctx, memory == FORKATTN_MEMORY_HOST);
   fa_gpu_bwd b = {.rows = p->rows, .qshift = p->qshift, .hq = a->hq, .hkv = a->hkv, .d = a->d, .scale = a->scale,
-                  .nqb = nqb, .nkb = nkb, .nunits = nunits, .krows = brows, .device = ctx->device};
-  int bad = nunits < 0;
-  /* query blocks (built below, of brows or more rows): at most rows / brows + one a segment */
-  if (!bad && ((p->rows / brows + p->nseg + 1) * a->hq > INT_MAX || nunits * a->hkv > INT_MAX ||
-               nkb * a->hkv * brows > INT_MAX || p->rows * a->hq / FA_ROWSUM_WARPS >= INT_MAX)) {
+                  .device = ctx->device};
+  b.dsum = fa_stage_scratch(&st, sizeof(float) * (size_t)(p->rows * a->hq));
+  b.has_kept = a->kept != NULL;
+  int bad = fa_gpu_stage_kept(&st, a->kept, &b.kept);
+  b.lse = fa_stage_floats(&st, (float *)a->lse, (size_t)(p->rows * a->hq), 1);
+  bad = bad || !b.dsum || !b.lse || fa_stage_tensor(&st, &a->q, 1, &b.q) || fa_stage_tensor(&st, &a->k, 1, &b.k) ||
+        fa_stage_tensor(&st, &a->v, 1, &b.v) || fa_stage_tensor(&st, &a->o, 1, &b.o) ||
+        fa_stage_tensor(&st, &a->dout, 1, &b.dout) || fa_stage_tensor(&st, &a->dq, 0, &b.dq) ||
+        fa_stage_tensor(&st, &a->dk, 0, &b.dk) || fa_stage_tensor(&st, &a->dv, 0, &b.dv);
+  /* The kernels' choice (their maps encoded on the staged tensors), then their blocks: key blocks of
+   * krows rows (the dK/dV teams'), query blocks of the dQ teams' rows. maps: the dK/dV's Q and dO maps,
+   * the two-warpgroup dQ's K and V maps, uploaded with the plan, first (64-byte aligned). */
+  fa_tma_map maps[4];
+  const int tma = !bad && mma &&
+                  fa_gpu_mma_dkv_tma(maps, &b.q, a->q.rows, &b.dout, a->dout.rows, a->hq, a->d, ctx->device);
+  b.dq_wg2 = !bad && mma && fa_gpu_mma_dq_tma(maps + 2, &b.k, a->k.rows, &b.v, a->v.rows, a->hkv, a->d, ctx->device);
+  b.dkv_wg2 = tma && fa_gpu_mma_dkv_wg2(a->d, ctx->device);
+  b.krows = b.dkv_wg2 ? FA_WG2_ROWS : mma ? FA_MMA_ROWS : FA_GPU_ROWS;
+  const int64_t qrows = b.dq_wg2 ? FA_WG2_ROWS : mma ? FA_MMA_ROWS : FA_GPU_ROWS;
+  if (!bad) {
+    b.nkb = fa_plan_blocks(p, b.krows, 1, &kb_h);
+    b.nunits = b.nkb < 0 ? -1
+                         : fa_plan_key_units(p, kb_h, b.nkb,
+                                             fa_gpu_dkv_chunk(p, kb_h, b.nkb, a->hkv, b.dkv_wg2 ? 2 : mma), &units_h,
+                                             &unit_off_h);
+    b.nqb = fa_plan_blocks(p, qrows, 0, &qb_h);
+    bad = b.nkb < 0 || b.nunits < 0 || b.nqb < 0;
+  }
+  if (!bad && (b.nqb * a->hq > INT_MAX || b.nunits * a->hkv > INT_MAX || b.nkb * a->hkv * b.krows > INT_MAX ||
+               p->rows * a->hq / FA_ROWSUM_WARPS >= INT_MAX)) {
     fa_free(qb_h);
     fa_free(kb_h);
     fa_free(units_h);
     fa_free(unit_off_h);
+    fa_stage_free(&st);
     return fa_fail(ctx, FORKATTN_ERR_UNSUPPORTED, "gpu bwd: too many teams for one launch");
   }
   if (!bad) {
-    b.dsum = fa_stage_scratch(&st, sizeof(float) * (size_t)(p->rows * a->hq));
-    b.has_kept = a->kept != NULL;
-    bad = fa_gpu_stage_kept(&st, a->kept, &b.kept);
-    b.lse = fa_stage_floats(&st, (float *)a->lse, (size_t)(p->rows * a->hq), 1);
-    bad = bad || !b.dsum ||
-          !b.lse || fa_stage_tensor(&st, &a->q, 1, &b.q) || fa_stage_tensor(&st, &a->k, 1, &b.k) ||
-          fa_stage_tensor(&st, &a->v, 1, &b.v) || fa_stage_tensor(&st, &a->o, 1, &b.o) ||
-          fa_stage_tensor(&st, &a->dout, 1, &b.dout) || fa_stage_tensor(&st, &a->dq, 0, &b.dq) ||
-          fa_stage_tensor(&st, &a->dk, 0, &b.dk) || fa_stage_tensor(&st, &a->dv, 0, &b.dv);
-    /* the plan and, for bulk tensor copies, the dK/dV's Q and dO maps and the two-warpgroup dQ's K
-     * and V maps in one upload; the maps first, at the block's start (64-byte aligned) */
-    fa_tma_map maps[4];
-    const int tma = !bad && mma &&
-                    fa_gpu_mma_dkv_tma(maps, &b.q, a->q.rows, &b.dout, a->dout.rows, a->hq, a->d, ctx->device);
-    b.dq_wg2 = !bad && mma && fa_gpu_mma_dq_tma(maps + 2, &b.k, a->k.rows, &b.v, a->v.rows, a->hkv, a->d, ctx->device);
-    if (!bad) nqb = fa_plan_blocks(p, b.dq_wg2 ? FA_WG2_ROWS : brows, 0, &qb_h);
-    bad = bad || nqb < 0;
-    b.nqb = nqb;
     const void *plan_h[9] = {maps, p->seg, p->pair, p->q_pair_off, p->k_pair_idx, qb_h, kb_h, units_h, unit_off_h};
     const size_t plan_bytes[9] = {tma || b.dq_wg2 ? sizeof maps : 0,
-                                  sizeof *p->seg * (size_t)p->nseg,      sizeof *p->pair * (size_t)p->npairs,
+                                  sizeof *p->seg * (size_t)p->nseg,       sizeof *p->pair * (size_t)p->npairs,
                                   sizeof(int64_t) * (size_t)(p->nseg + 1), sizeof(int64_t) * (size_t)p->npairs,
-                                  sizeof *qb_h * (size_t)nqb,             sizeof *kb_h * (size_t)nkb,
-                                  sizeof *units_h * (size_t)nunits,       sizeof *unit_off_h * (size_t)(nkb + 1)};
+                                  sizeof *qb_h * (size_t)b.nqb,           sizeof *kb_h * (size_t)b.nkb,
+                                  sizeof *units_h * (size_t)b.nunits,     sizeof *unit_off_h * (size_t)(b.nkb + 1)};
     void *plan_d[9] = {NULL};
-    bad = bad || fa_stage_arrays(&st, 9, plan_h, plan_bytes, plan_d);
+    bad = fa_stage_arrays(&st, 9, plan_h, plan_bytes, plan_d);
     b.tma = tma ? (const fa_tma_map *)plan_d[0] : NULL;
     b.kv_tma = b.dq_wg2 ? (const fa_tma_map *)plan_d[0] + 2 : NULL;
     b.seg = plan_d[1], b.pair = plan_d[2], b.qoff = plan_d[3], b.kidx = plan_d[4];
     b.qblocks = plan_d[5], b.kblocks = plan_d[6], b.units = plan_d[7], b.unit_off = plan_d[8];
-    if (!bad && nunits > nkb) { /* split blocks: partial sums, then the reduce kernel */
-      const size_t part = sizeof(float) * (size_t)(nunits * a->hkv * brows * a->d);
+    if (!bad && b.nunits > b.nkb) { /* split blocks: partial sums, then the reduce kernel */
+      const size_t part = sizeof(float) * (size_t)(b.nunits * a->hkv * b.krows * a->d);
       b.part_k = fa_stage_scratch(&st, part);
       b.part_v = fa_stage_scratch(&st, part);
       bad = !b.part_k || !b.part_v;

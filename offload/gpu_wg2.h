@@ -1,9 +1,10 @@
-/* Teams of two warpgroups (sm_90a): the wgmma forward (gpu_mma_fwd_team.h)
- * and dQ (gpu_mma_bwd_team.h). FA_WG2_THREADS threads, FA_WG2_ROWS query
- * rows a team (64 a warpgroup, each with its own query tiles), and K/V tiles
- * of FA_WG2_BK keys that both warpgroups read, copied once by bulk tensor
- * copies (gpu_tma.h) into a ring of buffers: tile t in buffer t % S, its
- * arrival on that buffer's mbarrier `full`.
+/* Teams of two warpgroups (sm_90a): the wgmma forward (gpu_mma_fwd_team.h),
+ * dQ and dK/dV (gpu_mma_bwd_team.h). FA_WG2_THREADS threads, FA_WG2_ROWS
+ * query rows a team (64 a warpgroup, each with its own query tiles), and
+ * K/V tiles of FA_WG2_BK keys that both warpgroups read, copied once by bulk
+ * tensor copies (gpu_tma.h) into a ring of buffers: tile t in buffer t % S,
+ * its arrival on that buffer's mbarrier `full`. The dK/dV turns it around:
+ * FA_WG2_ROWS keys a team, and the ring carries the query tiles (Q, dO).
  *
  * A buffer is refilled by the second warpgroup to release it (a counter in
  * team memory, one word per buffer): no thread waits for the other
@@ -57,11 +58,27 @@ static inline __attribute__((always_inline)) void fa_wg2_copy(fa_smem sm, fa_wg2
   fa_tma_tile(sm, dst + BK * D, tma + 1, (int)g, w.kb, BK, D, full);
 }
 
-/* The ring's start, by every thread of the team: thread 0 initializes the
- * buffers' mbarriers and release counters, a team barrier makes them
- * visible before any use, then thread 0 copies tiles 0 .. n - 1 of walk w
- * into buffers 0 .. n - 1. Returns, to both warpgroups' thread 0, the walk
- * past those tiles: the next tile to copy. */
+/* By every thread of the team: thread 0 initializes the buffers' mbarriers
+ * and release counters, and a team barrier makes them visible before any
+ * use (gpu_tma.h). */
+static inline __attribute__((always_inline)) void fa_wg2_ring_init(fa_smem sm, fa_wg2_ring r, int tid) {
+  if (tid == 0)
+    for (int b = 0; b < r.S; b++) fa_mbar_init(sm, r.full + 4 * b, 1), r.released[2 * b] = 0;
+  ompx_sync_block_acq_rel();
+}
+
+/* Thread 0 of a warpgroup, its products reading buffer b retired: 1 for
+ * the second of the two warpgroups to release b, which then refills it. */
+static inline __attribute__((always_inline)) int fa_wg2_second(fa_wg2_ring r, int b) {
+  if (__atomic_fetch_add(&r.released[2 * b], 1, __ATOMIC_ACQ_REL) != 1) return 0;
+  r.released[2 * b] = 0; /* its next release comes after this copy lands and is read */
+  return 1;
+}
+
+/* The ring's start, by every thread of the team (fa_wg2_ring_init), then
+ * thread 0 copies tiles 0 .. n - 1 of walk w into buffers 0 .. n - 1.
+ * Returns, to both warpgroups' thread 0, the walk past those tiles: the
+ * next tile to copy. */
 static inline __attribute__((always_inline)) fa_tile_walk fa_wg2_ring_start(fa_smem sm, fa_wg2_ring r, int n,
                                                                             const fa_tma_map *tma, int64_t g,
                                                                             fa_tile_walk w, int BK, int D,
@@ -69,9 +86,7 @@ static inline __attribute__((always_inline)) fa_tile_walk fa_wg2_ring_start(fa_s
                                                                             const fa_pair *pair, fa_block blk,
                                                                             int64_t qshift) {
   const int tid = ompx_thread_id_x();
-  if (tid == 0)
-    for (int b = 0; b < r.S; b++) fa_mbar_init(sm, r.full + 4 * b, 1), r.released[2 * b] = 0;
-  ompx_sync_block_acq_rel(); /* the barriers initialized before any use (gpu_tma.h) */
+  fa_wg2_ring_init(sm, r, tid);
   if (tid % 128 == 0)
     for (int b = 0; b < n; b++) {
       if (tid == 0 && w.pi < w.pend) fa_wg2_copy(sm, r, b, tma, g, w, BK, D);
@@ -89,10 +104,7 @@ static inline __attribute__((always_inline)) fa_tile_walk fa_wg2_release(fa_smem
                                                                          const fa_range *seg, const fa_pair *pair,
                                                                          fa_block blk, int64_t qshift) {
   if (wl.pi >= wl.pend) return wl;
-  if (__atomic_fetch_add(&r.released[2 * b], 1, __ATOMIC_ACQ_REL) == 1) {
-    r.released[2 * b] = 0; /* its next release comes after this copy lands and is read */
-    fa_wg2_copy(sm, r, b, tma, g, wl, BK, D);
-  }
+  if (fa_wg2_second(r, b)) fa_wg2_copy(sm, r, b, tma, g, wl, BK, D);
   return fa_walk_next(wl, BK, seg, pair, blk, qshift);
 }
 

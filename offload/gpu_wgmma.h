@@ -196,6 +196,18 @@ static inline void fa_wg_wait(int n) { (void)n; }
  * wait, or its writes below a fence. */
 static inline __attribute__((always_inline)) void fa_wg_pin(fa_f4 *acc, int n) { (void)acc, (void)n; }
 static inline __attribute__((always_inline)) void fa_wg_pin_u4(fa_u4 *a, int n) { (void)a, (void)n; }
+/* Barrier `id` (1..15; 0 is the team's) of the n threads of one warpgroup
+ * (bar.sync). The emulation meets the whole team: valid where every
+ * warpgroup reaches its barrier at the same points (as the collectives,
+ * gpu_mma.h). */
+#ifdef FORKATTN_MMA_EMULATE
+static inline void fa_wg_bar_sync(int id, int n) {
+  (void)id, (void)n;
+#pragma omp barrier
+}
+#else
+static inline void fa_wg_bar_sync(int id, int n) { (void)id, (void)n; }
+#endif
 #pragma omp end declare target
 
 #ifdef __clang__
@@ -209,6 +221,7 @@ static inline __attribute__((always_inline)) void fa_wg_pin_u4(fa_u4 *a, int n) 
 #pragma unroll
   for (int i = 0; i < n; i++) __asm__ volatile("" : "+r"(a[i].x), "+r"(a[i].y), "+r"(a[i].z), "+r"(a[i].w)::"memory");
 }
+static inline void fa_wg_bar_sync(int id, int n) { __asm__ volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 static inline void fa_wg_fence(void) { __asm__ volatile("wgmma.fence.sync.aligned;" ::: "memory"); }

@@ -240,7 +240,7 @@ static void run_case(const char *name, const emu_case *c) {
                    view(b.dout, dt, hq, d), view(b.dq, dt, hq, d), view(b.dk, dt, hkv, d),
                    view(b.dv, dt, hkv, d), b.lse, b.dsum, plan.seg, plan.pair, plan.q_pair_off,
                    plan.k_pair_idx, qb, kb, units, unit_off, part_k, part_v, nqb, nkb, nunits, T,
-                   plan.qshift, hq, hkv, d, FA_MMA_ROWS, (float)scale, {0}, 0, 0, NULL, NULL, 0};
+                   plan.qshift, hq, hkv, d, FA_MMA_ROWS, (float)scale, {0}, 0, 0, NULL, NULL, 0, 0};
   double edq = 0;
   static unsigned short smem_dq2[(2 * FA_WG2_ROWS + 2 * FA_WG2_DQ_STAGES(128) * FA_WG2_BK) * 128 + 2048];
   cr_assert_geq(sizeof smem_dq2, FA_WG2_DQ_SMEM(d));
@@ -287,39 +287,64 @@ static void run_case(const char *name, const emu_case *c) {
   cr_assert_geq(sizeof smem_qm, FA_WG_DKV_QM_SMEM(d));
   uint16_t *dk_tma = malloc(sizeof(uint16_t) * (size_t)nk), *dv_tma = malloc(sizeof(uint16_t) * (size_t)nk);
   cr_assert(dk_tma && dv_tma);
-  /* passes 4, 3: the query-major wgmma dK/dV with and without bulk copies; 2, 1: the key-major one; 0: mma.sync */
-  for (int pass = 4; pass >= 0; pass--) {
-    const int wg = pass > 0, qm = pass > 2, bulk = pass == 4 || pass == 2;
-    const char *kernel = pass == 4   ? "query-major wgmma dK/dV (bulk copies)"
+  /* the two-warpgroup query-major dK/dV (head_dim 128): 128-row key blocks and their own units (64 reader
+   * rows each, so partial sums of 128 rows and the reduce run too); bulk copies only */
+  fa_block *kb2 = NULL;
+  fa_key_unit *units2 = NULL;
+  int64_t *unit_off2 = NULL, nkb2 = 0, nunits2 = 0;
+  float *part_k2 = NULL, *part_v2 = NULL;
+  static unsigned short smem_dkv2[(4 * 64 * 128 + 4 * 64 * 64 + 6 * 64 * 128) + 2048];
+  if (d == 128) {
+    cr_assert_geq(sizeof smem_dkv2, FA_WG2_DKV_SMEM(d));
+    nkb2 = fa_plan_blocks(&plan, FA_WG2_ROWS, 1, &kb2);
+    nunits2 = fa_plan_key_units(&plan, kb2, nkb2, 64, &units2, &unit_off2);
+    cr_assert(nkb2 > 0 && nunits2 >= nkb2);
+    if (nunits2 > nkb2) {
+      part_k2 = malloc(sizeof(float) * (size_t)(nunits2 * hkv * FA_WG2_ROWS * d));
+      part_v2 = malloc(sizeof(float) * (size_t)(nunits2 * hkv * FA_WG2_ROWS * d));
+    }
+  }
+  /* passes 5: the two-warpgroup query-major dK/dV (d = 128); 4, 3: the query-major wgmma dK/dV with and
+   * without bulk copies; 2, 1: the key-major one; 0: mma.sync */
+  for (int pass = d == 128 ? 5 : 4; pass >= 0; pass--) {
+    const int wg = pass > 0, qm = pass > 2, bulk = pass == 4 || pass == 2, wg2 = pass == 5;
+    const char *kernel = wg2         ? "two-warpgroup query-major wgmma dK/dV"
+                         : pass == 4 ? "query-major wgmma dK/dV (bulk copies)"
                          : pass == 3 ? "query-major wgmma dK/dV"
                          : pass == 2 ? "wgmma dK/dV (bulk copies)"
                          : wg        ? "wgmma dK/dV"
                                      : "mma dK/dV";
-    gb.tma = bulk ? (qm ? qmaps_qm : qmaps) : NULL;
+    fa_gpu_bwd gk = gb;
+    gk.tma = bulk || wg2 ? (qm ? qmaps_qm : qmaps) : NULL;
+    if (wg2) {
+      gk.kblocks = kb2, gk.units = units2, gk.unit_off = unit_off2, gk.part_k = part_k2, gk.part_v = part_v2;
+      gk.nkb = nkb2, gk.nunits = nunits2, gk.krows = FA_WG2_ROWS, gk.dkv_wg2 = 1;
+    }
     for (int64_t i = 0; i < nk; i++) b.dk[i] = b.dv[i] = 0x7fc1;
-    for (int64_t u = 0; u < nunits; u++) /* head_dim 128: V in team memory */
+    for (int64_t u = 0; u < gk.nunits; u++) /* head_dim 128: V in team memory */
       for (int64_t g = 0; g < hkv; g++) {
-        if (qm) EMU_TEAM(fa_wg_dkv_qm_team((int)d, f16, gb, u, g, smem_qm));
-        else if (wg) EMU_TEAM(fa_wg_dkv_team((int)d, f16, gb, u, g, smem));
-        else EMU_TEAM(fa_mma_dkv_team((int)d, f16, gb, u, g, smem));
+        if (wg2) EMU_TEAM_OF(FA_WG2_THREADS, fa_wg2_dkv_qm_team((int)d, f16, gk, u, g, smem_dkv2));
+        else if (qm) EMU_TEAM(fa_wg_dkv_qm_team((int)d, f16, gk, u, g, smem_qm));
+        else if (wg) EMU_TEAM(fa_wg_dkv_team((int)d, f16, gk, u, g, smem));
+        else EMU_TEAM(fa_mma_dkv_team((int)d, f16, gk, u, g, smem));
       }
-    if (part_k) /* as fa_gpu_dkv_reduce: each block's units in order */
-      for (int64_t blk = 0; blk < nkb; blk++)
+    if (gk.part_k) /* as fa_gpu_dkv_reduce: each block's units in order */
+      for (int64_t blk = 0; blk < gk.nkb; blk++)
         for (int64_t g = 0; g < hkv; g++)
-          for (int64_t row = 0; row < kb[blk].len; row++)
+          for (int64_t row = 0; row < gk.kblocks[blk].len; row++)
             for (int64_t x = 0; x < d; x++) {
               float sk = 0, sv = 0;
-              for (int64_t u = unit_off[blk]; u < unit_off[blk + 1]; u++) {
-                sk += part_k[((u * hkv + g) * FA_MMA_ROWS + row) * d + x];
-                sv += part_v[((u * hkv + g) * FA_MMA_ROWS + row) * d + x];
+              for (int64_t u = gk.unit_off[blk]; u < gk.unit_off[blk + 1]; u++) {
+                sk += gk.part_k[((u * hkv + g) * gk.krows + row) * d + x];
+                sv += gk.part_v[((u * hkv + g) * gk.krows + row) * d + x];
               }
-              const int64_t e = ((kb[blk].start + row) * hkv + g) * d + x;
+              const int64_t e = ((gk.kblocks[blk].start + row) * hkv + g) * d + x;
               b.dk[e] = to16(sk, f16), b.dv[e] = to16(sv, f16);
             }
     if (bulk) {
       memcpy(dk_tma, b.dk, sizeof(uint16_t) * (size_t)nk);
       memcpy(dv_tma, b.dv, sizeof(uint16_t) * (size_t)nk);
-    } else if (wg) {
+    } else if (wg && !wg2) {
       int64_t diff = 0;
       for (int64_t i = 0; i < nk; i++) diff += (dk_tma[i] != b.dk[i]) + (dv_tma[i] != b.dv[i]);
       cr_assert_eq(diff, 0, "%s: the dK/dV with bulk copies differs from the cp.async one in %lld elements", name,
@@ -331,6 +356,11 @@ static void run_case(const char *name, const emu_case *c) {
     cr_assert_leq(edk, 1e-2, "%s %s: dk relative error %.3g", name, kernel, edk);
     cr_assert_leq(edv, 1e-2, "%s %s: dv relative error %.3g", name, kernel, edv);
   }
+  free(part_k2);
+  free(part_v2);
+  free(kb2);
+  free(units2);
+  free(unit_off2);
   cr_log_info("%s: units %lld over %lld key blocks; dq %.2g dk %.2g dv %.2g", name, (long long)nunits,
               (long long)nkb, edq, edk, edv);
   free(part_k);
@@ -364,6 +394,12 @@ EMU_CASE(prefix_causal_bf16_d128, .P = 50, .N = 2, .lens = {20, 9}, .causal = 1,
  * 64-key halves (the cases above fit a tile's first half) */
 EMU_CASE(prefix_causal_long_bf16_d128, .P = 200, .N = 2, .lens = {150, 70}, .causal = 1, .hq = 2, .hkv = 1,
          .d = 128, .nan_v_row = -1)
+/* head_dim 128, bidirectional, GQA 4/2: every tile unmasked but the short ones */
+EMU_CASE(prefix_bidir_f16_d128, .P = 140, .N = 3, .lens = {70, 3, 64}, .causal = 0, .hq = 4, .hkv = 2, .d = 128,
+         .f16 = 1, .nan_v_row = -1)
+/* a trie at head_dim 128 */
+EMU_CASE(tree_causal_bf16_d128, .nodes = 6, .node_len = {90, 20, 0, 17, 70, 5}, .parents = {-1, 0, 1, 1, 0, 4},
+         .causal = 1, .hq = 2, .hkv = 1, .d = 128, .nan_v_row = -1)
 /* a trie: chains, siblings, an empty node */
 EMU_CASE(tree_causal_f16_d64, .nodes = 6, .node_len = {33, 20, 0, 17, 40, 5}, .parents = {-1, 0, 1, 1, 0, 4},
          .causal = 1, .hq = 2, .hkv = 1, .d = 64, .f16 = 1, .nan_v_row = -1)

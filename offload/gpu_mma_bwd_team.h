@@ -989,7 +989,12 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_qm_team(const int D,
  * flagged by the whole team first. Team memory (FA_WG2_DKV_SMEM, elements
  * from a 1024-byte aligned base): K (two 64-row tiles) | V (two) | P, dS of
  * warpgroup 0, then of 1 | the ring. */
+#ifndef FA_WG2_DKV_PINGPONG /* 1: the warpgroups take turns issuing their products (named barriers 3, 4) */
+#define FA_WG2_DKV_PINGPONG 1
+#endif
+#ifndef FA_WG2_DKV_STAGES /* a build may set 2 (161 KB) or 4 (225 KB of the H200's 227) */
 #define FA_WG2_DKV_STAGES 3
+#endif
 #define FA_WG2_DKV_SMEM(d)                                                                                      \
   ((size_t)(4 * FA_MMA_ROWS * (d) + 4 * FA_WG_DKV_QM_BQ * 64 + 2 * FA_WG2_DKV_STAGES * FA_WG_DKV_QM_BQ * (d)) * \
        2 +                                                                                                      \
@@ -1031,10 +1036,22 @@ static inline unsigned long long fa_wg2_dkv_scan(unsigned short *smem, int qt, i
   return nq < 64 ? f & ((1ull << nq) - 1) : f;
 }
 
+/* Tile t = w of the two-warpgroup dK/dV, in buffer i: its lse and D into st
+ * (fa_wg2_dkv_stats), its arrival waited for, its scan (fa_wg2_dkv_scan,
+ * the whole team). Returns the scan's flags. */
+static inline __attribute__((always_inline)) unsigned long long
+fa_wg2_dkv_next(float *st, const fa_gpu_bwd *b, fa_query_walk w, int h, int r0, fa_smem sm, unsigned short *smem,
+                fa_wg2_ring rg, int i, int t, int BQ, int D, int f16, fa_block blk, int qsh, int tid) {
+  fa_wg2_dkv_stats(st, b, w, h, r0);
+  fa_mbar_wait(sm, rg.full + 4 * i, (t / rg.S) & 1);
+  return fa_wg2_dkv_scan(smem, fa_wg2_buf(rg, i), BQ, D, f16, rg, w, blk, qsh, tid);
+}
+
 static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D, const int f16, const fa_gpu_bwd b,
                                                                       int64_t ui, int64_t g, unsigned short *smem) {
   const int S = FA_WG2_DKV_STAGES, BQ = FA_WG_DKV_QM_BQ;
-  const int tid = ompx_thread_id_x(), wg = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
+  const int tid = ompx_thread_id_x(), wt = tid % 128, warp = wt / 32, lane = tid % 32;
+  const int wg = (int)fa_mma_shfl_idx((float)(tid / 128), 0); /* warp-uniform to ptxas: tiles' offsets in uniform registers */
   const fa_key_unit u = b.units[ui];
   const fa_block blk = b.kblocks[u.block];
   const int64_t group = (int)b.hq / (int)b.hkv, qshift = b.qshift; /* 32-bit: a 64-bit division is a call (C7509) */
@@ -1081,9 +1098,8 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D
   float st[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* tile j's lse and D (fa_wg2_dkv_stats) */
   unsigned long long qflags = 0;          /* tile j's non-finite Q/dO rows */
   if (w.j <= u.j1) {
-    fa_wg2_dkv_stats(st, &b, w, hg + w.hh, r0);
-    fa_mbar_wait(sm, rg.full, 0);
-    qflags = fa_wg2_dkv_scan(smem, fa_wg2_buf(rg, 0), BQ, D, f16, rg, w, blk, qsh, tid);
+    qflags = fa_wg2_dkv_next(st, &b, w, hg + w.hh, r0, sm, smem, rg, 0, 0, BQ, D, f16, blk, qsh, tid);
+    if (FA_WG2_DKV_PINGPONG && wg == 1) fa_wg_turn_pass(3); /* warpgroup 0 takes the first turn */
   }
   /* no wgmma under a branch: ptxas then serializes every one of the kernel
    * (C7518, v2.18); a unit without tiles multiplies what the buffer holds */
@@ -1108,24 +1124,27 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D
     fa_wg_store_tile(fa_wg_opaque(sm), dstile, dp, warp, lane, f16); /* dS */
     fa_fence_proxy_async();
     fa_wg_bar_sync(1 + wg, 128); /* the warpgroup's P and dS for its products */
+    const fa_query_walk w1 = fa_qwalk_next(w, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
+    const int more = w1.j <= u.j1, b1 = bi == S - 1 ? 0 : bi + 1;
+    if (FA_WG2_DKV_PINGPONG) { /* the scan's team barriers cannot sit inside a turn */
+      qflags = more ? fa_wg2_dkv_next(st, &b, w1, hg + w1.hh, r0, sm, smem, rg, b1, j + 1, BQ, D, f16, blk, qsh, tid)
+                    : 0;
+      fa_wg_turn_wait(3 + wg);
+    }
     fa_wg_acc_atb(dv, fa_wg_opaque(sm), ptile, ot, BQ, BQ, D, f16);  /* dV += P^T dO */
     fa_wg_acc_atb(dk, fa_wg_opaque(sm), dstile, qt, BQ, BQ, D, f16); /* dK += dS^T Q */
     fa_wg_commit();
-    /* While they run: tile j + 1's position, lse and D (global loads, used
-     * next iteration), its buffer waited for and scanned, its S and dP
-     * issued behind dV's and dK's products */
-    const fa_query_walk w1 = fa_qwalk_next(w, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
-    const int more = w1.j <= u.j1, b1 = bi == S - 1 ? 0 : bi + 1;
-    qflags = 0;
-    if (more) {
-      fa_wg2_dkv_stats(st, &b, w1, hg + w1.hh, r0);
-      fa_mbar_wait(sm, rg.full + 4 * b1, ((j + 1) / S) & 1);
-      qflags = fa_wg2_dkv_scan(smem, fa_wg2_buf(rg, b1), BQ, D, f16, rg, w1, blk, qsh, tid);
-    }
+    /* While they run: tile j + 1's lse and D (global loads, used next
+     * iteration), its buffer waited for and scanned, its S and dP issued
+     * behind dV's and dK's products */
+    if (!FA_WG2_DKV_PINGPONG)
+      qflags = more ? fa_wg2_dkv_next(st, &b, w1, hg + w1.hh, r0, sm, smem, rg, b1, j + 1, BQ, D, f16, blk, qsh, tid)
+                    : 0;
     const int nt = more ? fa_wg2_buf(rg, b1) : qt; /* else tile j's rows again, discarded */
     fa_wg_acc_abt(s, nt, fa_wg_opaque(sm), ktile, 64, D, f16);           /* S = Q K^T */
     fa_wg_acc_abt(dp, nt + BQ * D, fa_wg_opaque(sm), vtile, 64, D, f16); /* dP = dO V^T */
     fa_wg_commit();
+    if (FA_WG2_DKV_PINGPONG && (wg == 0 || more)) fa_wg_turn_pass(4 - wg); /* warpgroup 1's last: none to take */
     fa_wg_wait(0);
     fa_wg_pin(dv, D / 8);
     fa_wg_pin(dk, D / 8);

@@ -208,6 +208,12 @@ static inline void fa_wg_bar_sync(int id, int n) {
 #else
 static inline void fa_wg_bar_sync(int id, int n) { (void)id, (void)n; }
 #endif
+/* Turns of a two-warpgroup team (FlashAttention-3's ping-pong): wait at
+ * named barrier `id` (3..15) for the other warpgroup's pass, or pass to it
+ * (arrive without waiting), 256 threads each. They order only the tensor
+ * cores' work, not data, so the emulation (warpgroups in step) skips them. */
+static inline void fa_wg_turn_wait(int id) { (void)id; }
+static inline void fa_wg_turn_pass(int id) { (void)id; }
 #pragma omp end declare target
 
 #ifdef __clang__
@@ -222,6 +228,8 @@ static inline __attribute__((always_inline)) void fa_wg_pin_u4(fa_u4 *a, int n) 
   for (int i = 0; i < n; i++) __asm__ volatile("" : "+r"(a[i].x), "+r"(a[i].y), "+r"(a[i].z), "+r"(a[i].w)::"memory");
 }
 static inline void fa_wg_bar_sync(int id, int n) { __asm__ volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
+static inline void fa_wg_turn_wait(int id) { __asm__ volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
+static inline void fa_wg_turn_pass(int id) { __asm__ volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 static inline void fa_wg_fence(void) { __asm__ volatile("wgmma.fence.sync.aligned;" ::: "memory"); }

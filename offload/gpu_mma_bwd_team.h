@@ -1050,8 +1050,7 @@ fa_wg2_dkv_next(float *st, const fa_gpu_bwd *b, fa_query_walk w, int h, int r0, 
 static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D, const int f16, const fa_gpu_bwd b,
                                                                       int64_t ui, int64_t g, unsigned short *smem) {
   const int S = FA_WG2_DKV_STAGES, BQ = FA_WG_DKV_QM_BQ;
-  const int tid = ompx_thread_id_x(), wt = tid % 128, warp = wt / 32, lane = tid % 32;
-  const int wg = (int)fa_mma_shfl_idx((float)(tid / 128), 0); /* warp-uniform to ptxas: tiles' offsets in uniform registers */
+  const int tid = ompx_thread_id_x(), wg = fa_wg2_index(tid), wt = tid % 128, warp = wt / 32, lane = tid % 32;
   const fa_key_unit u = b.units[ui];
   const fa_block blk = b.kblocks[u.block];
   const int64_t group = (int)b.hq / (int)b.hkv, qshift = b.qshift; /* 32-bit: a 64-bit division is a call (C7509) */

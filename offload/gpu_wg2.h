@@ -29,6 +29,14 @@
 #define FA_WG2_RING_BYTES(S) (8 * sizeof(unsigned) + 16 * (size_t)(S))
 
 #pragma omp declare target
+/* The warpgroup of thread tid (0 or 1), through a shuffle from lane 0:
+ * ptxas then knows it is warp-uniform and keeps the tile offsets derived
+ * from it in uniform registers (built per product from tid / 128 they
+ * cost ~40 R2UR a tile in the dK/dV, and 5 % of its time). The forward and
+ * dQ keep tid / 128: there it saved 7 of ~150 R2UR a tile and made the
+ * forward spill. */
+static inline int fa_wg2_index(int tid) { return (int)fa_mma_shfl_idx((float)(tid / 128), 0); }
+
 /* A ring of S buffers of `stage` 16-bit elements from element st0 of the
  * team memory (buffer b: K at buf(b), V BK rows later), and its
  * bookkeeping (FA_WG2_RING_BYTES): the scans' flag words, buffer b's full

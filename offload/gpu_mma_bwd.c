@@ -19,8 +19,9 @@
  *
  * sm_90a builds run wgmma teams instead (gpu_mma_bwd_team.h): the dQ as two
  * warpgroups (fa_wg2_dq_team), the dK/dV at head_dim 128 query-major
- * (fa_wg_dkv_qm_team: the queries as the products' rows, P and dS through
- * team memory), at 64 key-major (fa_wg_dkv_team). */
+ * (the queries as the products' rows, P and dS through team memory) as two
+ * warpgroups of a 128-key block (fa_wg2_dkv_qm_team; one warpgroup,
+ * fa_wg_dkv_qm_team, without bulk copies), at 64 key-major (fa_wg_dkv_team). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -976,10 +976,12 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_qm_team(const int D,
  * tiles; the (Q, dO) tiles both read come once a team into a ring of
  * FA_WG2_DKV_STAGES buffers (gpu_wg2.h: the second warpgroup to release a
  * buffer refills it). Per tile and warpgroup: P and dS stored (stmatrix),
- * one proxy fence and one barrier of the warpgroup, dV and dK issued
- * together with the next tile's S and dP behind them, one wait, and a
- * second barrier of the warpgroup (every warp's products retired before P,
- * dS and the buffer are rewritten). The one-warpgroup team needs three
+ * one proxy fence and one barrier of the warpgroup, the next tile waited
+ * for and scanned, then in the warpgroup's turn (FlashAttention-3's
+ * ping-pong: one warpgroup's P and dS are formed while the other's products
+ * run) dV and dK issued together with the next tile's S and dP behind
+ * them, one wait, and a second barrier of the warpgroup (every warp's
+ * products retired before P, dS and the buffer are rewritten). The one-warpgroup team needs three
  * fences, four team barriers and two waits a tile: its P and dS share a
  * tile, so dS waits for dV's products. lse and D come from global memory
  * into registers a tile ahead (two rows a lane). No team barrier but in

@@ -981,9 +981,9 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_qm_team(const int D,
  * ping-pong: one warpgroup's P and dS are formed while the other's products
  * run) dV and dK issued together with the next tile's S and dP behind
  * them, one wait, and a second barrier of the warpgroup (every warp's
- * products retired before P, dS and the buffer are rewritten). The one-warpgroup team needs three
- * fences, four team barriers and two waits a tile: its P and dS share a
- * tile, so dS waits for dV's products. lse and D come from global memory
+ * products retired before P, dS and the buffer are rewritten). The
+ * one-warpgroup team needs three fences, four team barriers and two waits a
+ * tile: its P and dS share a tile, so dS waits for dV's products. lse and D come from global memory
  * into registers a tile ahead (two rows a lane). No team barrier but in
  * the scans: a tile with queries that some of the block's keys do not see,
  * or with fewer than 64 queries (its rows past them are the tensor's next
@@ -991,9 +991,6 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_qm_team(const int D,
  * flagged by the whole team first. Team memory (FA_WG2_DKV_SMEM, elements
  * from a 1024-byte aligned base): K (two 64-row tiles) | V (two) | P, dS of
  * warpgroup 0, then of 1 | the ring. */
-#ifndef FA_WG2_DKV_PINGPONG /* 1: the warpgroups take turns issuing their products (named barriers 3, 4) */
-#define FA_WG2_DKV_PINGPONG 1
-#endif
 #ifndef FA_WG2_DKV_STAGES /* a build may set 2 (161 KB) or 4 (225 KB of the H200's 227) */
 #define FA_WG2_DKV_STAGES 3
 #endif
@@ -1001,18 +998,6 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_qm_team(const int D,
   ((size_t)(4 * FA_MMA_ROWS * (d) + 4 * FA_WG_DKV_QM_BQ * 64 + 2 * FA_WG2_DKV_STAGES * FA_WG_DKV_QM_BQ * (d)) * \
        2 +                                                                                                      \
    FA_WG2_RING_BYTES(FA_WG2_DKV_STAGES) + FA_WG_BLOCK_BYTES)
-
-/* Thread 0 of a warpgroup: Q's and dO's rows of query tile w (query head h)
- * into buffer i of the ring (Q, then dO BQ rows later), completing on its
- * full barrier. */
-static inline __attribute__((always_inline)) void fa_wg2_query_copy(fa_smem sm, fa_wg2_ring r, int i,
-                                                                    const fa_tma_map *tma, int h, fa_query_walk w,
-                                                                    int BQ, int D) {
-  const int dst = fa_wg2_buf(r, i), full = r.full + 4 * i;
-  fa_mbar_expect_tx(sm, full, 2 * BQ * D * 2);
-  fa_tma_tile(sm, dst, tma, h, w.qb, BQ, D, full);
-  fa_tma_tile(sm, dst + BQ * D, tma + 1, h, w.qb, BQ, D, full);
-}
 
 /* The lane's lse (natural log) and D of tile w's rows r0 and r0 + 8 (query
  * head h) from global memory: st[0], st[1] lse, st[2], st[3] D. A row past
@@ -1078,7 +1063,7 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D
   fa_query_walk wl = w;
   if (wt == 0)
     for (int i = 0; i < S && wl.j <= u.j1; i++) {
-      if (tid == 0) fa_wg2_query_copy(sm, rg, i, tma, hg + wl.hh, wl, BQ, D);
+      if (tid == 0) fa_wg2_copy(sm, rg, i, tma, hg + wl.hh, wl.qb, BQ, D);
       wl = fa_qwalk_next(wl, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
     }
   fa_cp_async_wait(0);
@@ -1100,7 +1085,7 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D
   unsigned long long qflags = 0;          /* tile j's non-finite Q/dO rows */
   if (w.j <= u.j1) {
     qflags = fa_wg2_dkv_next(st, &b, w, hg + w.hh, r0, sm, smem, rg, 0, 0, BQ, D, f16, blk, qsh, tid);
-    if (FA_WG2_DKV_PINGPONG && wg == 1) fa_wg_turn_pass(3); /* warpgroup 0 takes the first turn */
+    if (wg == 1) fa_wg_turn_pass(3); /* warpgroup 0 takes the first turn */
   }
   /* no wgmma under a branch: ptxas then serializes every one of the kernel
    * (C7518, v2.18); a unit without tiles multiplies what the buffer holds */
@@ -1127,32 +1112,28 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D
     fa_wg_bar_sync(1 + wg, 128); /* the warpgroup's P and dS for its products */
     const fa_query_walk w1 = fa_qwalk_next(w, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
     const int more = w1.j <= u.j1, b1 = bi == S - 1 ? 0 : bi + 1;
-    if (FA_WG2_DKV_PINGPONG) { /* the scan's team barriers cannot sit inside a turn */
-      qflags = more ? fa_wg2_dkv_next(st, &b, w1, hg + w1.hh, r0, sm, smem, rg, b1, j + 1, BQ, D, f16, blk, qsh, tid)
-                    : 0;
-      fa_wg_turn_wait(3 + wg);
-    }
+    /* tile j + 1's lse and D (global loads, used next iteration), its buffer
+     * waited for and scanned, before the turn: the scan's team barriers
+     * cannot sit inside one */
+    qflags = more ? fa_wg2_dkv_next(st, &b, w1, hg + w1.hh, r0, sm, smem, rg, b1, j + 1, BQ, D, f16, blk, qsh, tid)
+                  : 0;
+    fa_wg_turn_wait(3 + wg);
     fa_wg_acc_atb(dv, fa_wg_opaque(sm), ptile, ot, BQ, BQ, D, f16);  /* dV += P^T dO */
     fa_wg_acc_atb(dk, fa_wg_opaque(sm), dstile, qt, BQ, BQ, D, f16); /* dK += dS^T Q */
     fa_wg_commit();
-    /* While they run: tile j + 1's lse and D (global loads, used next
-     * iteration), its buffer waited for and scanned, its S and dP issued
-     * behind dV's and dK's products */
-    if (!FA_WG2_DKV_PINGPONG)
-      qflags = more ? fa_wg2_dkv_next(st, &b, w1, hg + w1.hh, r0, sm, smem, rg, b1, j + 1, BQ, D, f16, blk, qsh, tid)
-                    : 0;
+    /* tile j + 1's S and dP behind dV's and dK's products */
     const int nt = more ? fa_wg2_buf(rg, b1) : qt; /* else tile j's rows again, discarded */
     fa_wg_acc_abt(s, nt, fa_wg_opaque(sm), ktile, 64, D, f16);           /* S = Q K^T */
     fa_wg_acc_abt(dp, nt + BQ * D, fa_wg_opaque(sm), vtile, 64, D, f16); /* dP = dO V^T */
     fa_wg_commit();
-    if (FA_WG2_DKV_PINGPONG && (wg == 0 || more)) fa_wg_turn_pass(4 - wg); /* warpgroup 1's last: none to take */
+    if (wg == 0 || more) fa_wg_turn_pass(4 - wg); /* warpgroup 1's last: none to take */
     fa_wg_wait(0);
     fa_wg_pin(dv, D / 8);
     fa_wg_pin(dk, D / 8);
     fa_wg_bar_sync(1 + wg, 128); /* every warp's products retired: P, dS and buffer bi free */
     /* buffer bi is free for this warpgroup; the second to say so copies tile j + S into it */
     if (wt == 0 && wl.j <= u.j1) {
-      if (fa_wg2_second(rg, bi)) fa_wg2_query_copy(sm, rg, bi, tma, hg + wl.hh, wl, BQ, D);
+      if (fa_wg2_second(rg, bi)) fa_wg2_copy(sm, rg, bi, tma, hg + wl.hh, wl.qb, BQ, D);
       wl = fa_qwalk_next(wl, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
     }
     w = w1;

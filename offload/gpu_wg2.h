@@ -56,14 +56,15 @@ static inline fa_wg2_ring fa_wg2_ring_at(unsigned short *smem, int st0, int stag
 /* Element offset of buffer b. */
 static inline int fa_wg2_buf(fa_wg2_ring r, int b) { return r.st0 + b * r.stage; }
 
-/* Thread 0 of a warpgroup: K's and V's rows of tile w (KV head g) into
- * buffer b (K, then V BK rows later), completing on its full barrier. */
+/* Thread 0 of a warpgroup: rows [row, row + R) of head `head` of the two
+ * tensors of maps tma[0], tma[1] (K and V; the dK/dV's Q and dO) into buffer
+ * b (the second R rows later), completing on its full barrier. */
 static inline __attribute__((always_inline)) void fa_wg2_copy(fa_smem sm, fa_wg2_ring r, int b, const fa_tma_map *tma,
-                                                              int64_t g, fa_tile_walk w, int BK, int D) {
+                                                              int head, int row, int R, int D) {
   const int dst = fa_wg2_buf(r, b), full = r.full + 4 * b;
-  fa_mbar_expect_tx(sm, full, 2 * BK * D * 2);
-  fa_tma_tile(sm, dst, tma, (int)g, w.kb, BK, D, full);
-  fa_tma_tile(sm, dst + BK * D, tma + 1, (int)g, w.kb, BK, D, full);
+  fa_mbar_expect_tx(sm, full, 2 * R * D * 2);
+  fa_tma_tile(sm, dst, tma, head, row, R, D, full);
+  fa_tma_tile(sm, dst + R * D, tma + 1, head, row, R, D, full);
 }
 
 /* By every thread of the team: thread 0 initializes the buffers' mbarriers
@@ -97,7 +98,7 @@ static inline __attribute__((always_inline)) fa_tile_walk fa_wg2_ring_start(fa_s
   fa_wg2_ring_init(sm, r, tid);
   if (tid % 128 == 0)
     for (int b = 0; b < n; b++) {
-      if (tid == 0 && w.pi < w.pend) fa_wg2_copy(sm, r, b, tma, g, w, BK, D);
+      if (tid == 0 && w.pi < w.pend) fa_wg2_copy(sm, r, b, tma, (int)g, w.kb, BK, D);
       if (w.pi < w.pend) w = fa_walk_next(w, BK, seg, pair, blk, qshift);
     }
   return w;
@@ -112,7 +113,7 @@ static inline __attribute__((always_inline)) fa_tile_walk fa_wg2_release(fa_smem
                                                                          const fa_range *seg, const fa_pair *pair,
                                                                          fa_block blk, int64_t qshift) {
   if (wl.pi >= wl.pend) return wl;
-  if (fa_wg2_second(r, b)) fa_wg2_copy(sm, r, b, tma, g, wl, BK, D);
+  if (fa_wg2_second(r, b)) fa_wg2_copy(sm, r, b, tma, (int)g, wl.kb, BK, D);
   return fa_walk_next(wl, BK, seg, pair, blk, qshift);
 }
 

@@ -47,8 +47,8 @@ static inline __attribute__((always_inline)) void acc_abt(fa_f4 *acc, int atile,
   fa_wg_fence();
 #pragma unroll
   for (int ks = 0; ks < 8; ks++)
-    fa_wg_mma_ss(acc, N, sm, atile + (ks >> 2) * FA_MMA_ROWS * 64 + (ks & 3) * 16, tile + (ks >> 2) * N * 64 + (ks & 3) * 16,
-                 0, 1);
+    fa_wg_mma_ss(acc, N, sm, atile + (ks >> 2) * FA_MMA_ROWS * 64 + (ks & 3) * 16, sm,
+                 tile + (ks >> 2) * N * 64 + (ks & 3) * 16, 0, 1);
 }
 
 static inline __attribute__((always_inline)) void run_kind(const int kind, fa_smem sm, int iters, float *sink) {

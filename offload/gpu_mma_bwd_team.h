@@ -1034,6 +1034,17 @@ fa_wg2_dkv_next(float *st, const fa_gpu_bwd *b, fa_query_walk w, int h, int r0, 
   return fa_wg2_dkv_scan(smem, fa_wg2_buf(rg, i), BQ, D, f16, rg, w, blk, qsh, tid);
 }
 
+/* S = Q K^T and dP = dO V^T of the (Q, dO) tile at element qt (issued, not
+ * committed). Each operand is taken through its own view of the team memory
+ * (fa_wg_opaque_at): a product group's descriptors are then one base and
+ * constant k-step offsets, where offsets from the team memory's base cost
+ * ptxas ~8 instructions a product and spilled (v2.30). */
+static inline __attribute__((always_inline)) void fa_wg2_dkv_sdp(fa_f4 *s, fa_f4 *dp, fa_smem sm, int qt, int ktile,
+                                                                  int vtile, int BQ, int D, int f16) {
+  fa_wg_acc_abt_v(s, fa_wg_opaque_at(sm, qt), 0, fa_wg_opaque_at(sm, ktile), 0, 64, 64, D, f16);           /* S */
+  fa_wg_acc_abt_v(dp, fa_wg_opaque_at(sm, qt + BQ * D), 0, fa_wg_opaque_at(sm, vtile), 0, 64, 64, D, f16); /* dP */
+}
+
 static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D, const int f16, const fa_gpu_bwd b,
                                                                       int64_t ui, int64_t g, unsigned short *smem) {
   const int S = FA_WG2_DKV_STAGES, BQ = FA_WG_DKV_QM_BQ;
@@ -1089,8 +1100,7 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D
   }
   /* no wgmma under a branch: ptxas then serializes every one of the kernel
    * (C7518, v2.18); a unit without tiles multiplies what the buffer holds */
-  fa_wg_acc_abt(s, fa_wg2_buf(rg, 0), fa_wg_opaque(sm), ktile, 64, D, f16);               /* S = Q K^T */
-  fa_wg_acc_abt(dp, fa_wg2_buf(rg, 0) + BQ * D, fa_wg_opaque(sm), vtile, 64, D, f16);     /* dP = dO V^T */
+  fa_wg2_dkv_sdp(s, dp, sm, fa_wg2_buf(rg, 0), ktile, vtile, BQ, D, f16);
   fa_wg_commit();
   fa_wg_wait(0);
   while (w.j <= u.j1) {
@@ -1118,13 +1128,12 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D
     qflags = more ? fa_wg2_dkv_next(st, &b, w1, hg + w1.hh, r0, sm, smem, rg, b1, j + 1, BQ, D, f16, blk, qsh, tid)
                   : 0;
     fa_wg_turn_wait(3 + wg);
-    fa_wg_acc_atb(dv, fa_wg_opaque(sm), ptile, ot, BQ, BQ, D, f16);  /* dV += P^T dO */
-    fa_wg_acc_atb(dk, fa_wg_opaque(sm), dstile, qt, BQ, BQ, D, f16); /* dK += dS^T Q */
+    fa_wg_acc_atb_v(dv, fa_wg_opaque_at(sm, ptile), 0, fa_wg_opaque_at(sm, ot), 0, BQ, BQ, D, f16);  /* dV += P^T dO */
+    fa_wg_acc_atb_v(dk, fa_wg_opaque_at(sm, dstile), 0, fa_wg_opaque_at(sm, qt), 0, BQ, BQ, D, f16); /* dK += dS^T Q */
     fa_wg_commit();
     /* tile j + 1's S and dP behind dV's and dK's products */
     const int nt = more ? fa_wg2_buf(rg, b1) : qt; /* else tile j's rows again, discarded */
-    fa_wg_acc_abt(s, nt, fa_wg_opaque(sm), ktile, 64, D, f16);           /* S = Q K^T */
-    fa_wg_acc_abt(dp, nt + BQ * D, fa_wg_opaque(sm), vtile, 64, D, f16); /* dP = dO V^T */
+    fa_wg2_dkv_sdp(s, dp, sm, nt, ktile, vtile, BQ, D, f16);
     fa_wg_commit();
     if (wg == 0 || more) fa_wg_turn_pass(4 - wg); /* warpgroup 1's last: none to take */
     fa_wg_wait(0);

@@ -80,14 +80,14 @@ static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *acc, int N, f
   (void)acc, (void)N, (void)a, (void)m, (void)off, (void)lbo, (void)f16;
   __builtin_trap();
 }
-static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *acc, int N, fa_smem m, int aoff, int off,
-                                                               int f16, int acc_in) {
-  (void)acc, (void)N, (void)m, (void)aoff, (void)off, (void)f16, (void)acc_in;
+static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *acc, int N, fa_smem ma, int aoff, fa_smem m,
+                                                               int off, int f16, int acc_in) {
+  (void)acc, (void)N, (void)ma, (void)aoff, (void)m, (void)off, (void)f16, (void)acc_in;
   __builtin_trap();
 }
-static inline __attribute__((always_inline)) void fa_wg_mma_tt(fa_f4 *acc, int N, fa_smem m, int aoff, int off,
-                                                               int lbo, int f16) {
-  (void)acc, (void)N, (void)m, (void)aoff, (void)off, (void)lbo, (void)f16;
+static inline __attribute__((always_inline)) void fa_wg_mma_tt(fa_f4 *acc, int N, fa_smem ma, int aoff, fa_smem m,
+                                                               int off, int lbo, int f16) {
+  (void)acc, (void)N, (void)ma, (void)aoff, (void)m, (void)off, (void)lbo, (void)f16;
   __builtin_trap();
 }
 static inline void fa_stmatrix_x4(fa_smem m, int off, fa_u4 v) { (void)m, (void)off, (void)v, __builtin_trap(); }
@@ -144,16 +144,21 @@ static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *acc, int N, f
   fa_emu_wgmma(acc, N, e, m, -1, off, lbo, FA_WG_BLOCK_BYTES, 1, f16, 1);
 }
 
-static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *acc, int N, fa_smem m, int aoff, int off,
-                                                               int f16, int acc_in) {
+/* Two operands' views: A's offset taken from its own view ma (the emulation reads both through m). */
+static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *acc, int N, fa_smem ma, int aoff, fa_smem m,
+                                                               int off, int f16, int acc_in) {
+  const fa_smem lo = ma.p < m.p ? ma : m; /* offsets from the lower view: aoff >= 0 means A from team memory */
 #pragma omp barrier
-  fa_emu_wgmma(acc, N, NULL, m, aoff, off, 0, FA_WG_BLOCK_BYTES, 0, f16, acc_in);
+  fa_emu_wgmma(acc, N, NULL, lo, (int)(ma.p - lo.p) + aoff, (int)(m.p - lo.p) + off, 0, FA_WG_BLOCK_BYTES, 0, f16,
+               acc_in);
 }
 
-static inline __attribute__((always_inline)) void fa_wg_mma_tt(fa_f4 *acc, int N, fa_smem m, int aoff, int off,
-                                                               int lbo, int f16) {
+static inline __attribute__((always_inline)) void fa_wg_mma_tt(fa_f4 *acc, int N, fa_smem ma, int aoff, fa_smem m,
+                                                               int off, int lbo, int f16) {
+  const fa_smem lo = ma.p < m.p ? ma : m;
 #pragma omp barrier
-  fa_emu_wgmma(acc, N, NULL, m, aoff, off, lbo, FA_WG_BLOCK_BYTES, 3, f16, 1);
+  fa_emu_wgmma(acc, N, NULL, lo, (int)(ma.p - lo.p) + aoff, (int)(m.p - lo.p) + off, lbo, FA_WG_BLOCK_BYTES, 3, f16,
+               1);
 }
 
 static inline void fa_stmatrix_x4(fa_smem m, int off, fa_u4 v) {
@@ -177,6 +182,14 @@ static inline void fa_wg_fence(void) {}
  * called: descriptors and addresses built from it are recomputed there (in
  * uniform registers), not kept live across a loop from its entry. */
 static inline fa_smem fa_wg_opaque(fa_smem m) { return m; }
+/* The view of m from element off on, its address hidden as fa_wg_opaque
+ * hides m's: a product group's descriptors are built from it once, with
+ * each k-step's offset a constant added to them, and nothing of it can be
+ * hoisted out of a loop (v2.30). */
+static inline fa_smem fa_wg_opaque_at(fa_smem m, int off) {
+  m.p += off, m.s += 2u * (uint32_t)off;
+  return m;
+}
 /* Close the wgmma issued since the last commit into one group. */
 static inline void fa_wg_commit(void) {}
 /* Wait until at most n (0 or 1) of this warpgroup's groups are pending.
@@ -328,10 +341,10 @@ static inline uint64_t fa_wg_desc(fa_smem m, int off, int lbo, int sbo) {
   return (uint64_t)((uint32_t)(sbo >> 4) | 1u << 30) << 32 | lo;
 }
 
-static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *c, int N, fa_smem m, int aoff, int off,
-                                                               int f16, int acc_in) {
+static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *c, int N, fa_smem ma, int aoff, fa_smem m,
+                                                               int off, int f16, int acc_in) {
   /* K-major in the swizzle: LBO unused (16), SBO one 8-row block */
-  const uint64_t adesc = fa_wg_desc(m, aoff, 16, FA_WG_BLOCK_BYTES), desc = fa_wg_desc(m, off, 16, FA_WG_BLOCK_BYTES);
+  const uint64_t adesc = fa_wg_desc(ma, aoff, 16, FA_WG_BLOCK_BYTES), desc = fa_wg_desc(m, off, 16, FA_WG_BLOCK_BYTES);
   if (N == 32) {
     if (f16) FA_WG_SS_N32("f16");
     else FA_WG_SS_N32("bf16");
@@ -344,10 +357,10 @@ static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *c, int N, 
   }
 }
 
-static inline __attribute__((always_inline)) void fa_wg_mma_tt(fa_f4 *c, int N, fa_smem m, int aoff, int off,
-                                                               int lbo, int f16) {
+static inline __attribute__((always_inline)) void fa_wg_mma_tt(fa_f4 *c, int N, fa_smem ma, int aoff, fa_smem m,
+                                                               int off, int lbo, int f16) {
   /* MN-major: SBO one 8-row block of k; A's LBO (a second 64-wide slab of m) unused */
-  const uint64_t adesc = fa_wg_desc(m, aoff, FA_WG_BLOCK_BYTES, FA_WG_BLOCK_BYTES),
+  const uint64_t adesc = fa_wg_desc(ma, aoff, FA_WG_BLOCK_BYTES, FA_WG_BLOCK_BYTES),
                  desc = fa_wg_desc(m, off, lbo, FA_WG_BLOCK_BYTES);
   if (N == 64) {
     if (f16) FA_WG_TT_N64("f16");
@@ -359,6 +372,11 @@ static inline __attribute__((always_inline)) void fa_wg_mma_tt(fa_f4 *c, int N, 
 }
 
 static inline fa_smem fa_wg_opaque(fa_smem m) {
+  __asm__ volatile("" : "+r"(m.s));
+  return m;
+}
+static inline fa_smem fa_wg_opaque_at(fa_smem m, int off) {
+  m.p += off, m.s += 2u * (uint32_t)off;
   __asm__ volatile("" : "+r"(m.s));
   return m;
 }
@@ -398,21 +416,30 @@ static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *c, int N, fa_
 
 #pragma omp declare target
 /* acc (this warp's 16 rows x N) = A B^T over D/16 k-steps: A (64 x D) the
- * FA_MMA_ROWS-row tile at element atile, B (N x D) N rows at element tile
- * of a tile of R rows (R = N, or a taller tile whose rows from `tile` on are
- * taken in parts: its 64-column slabs are R rows apart), both in the wgmma
- * layout (K-major). A is read from team memory, not registers: ptxas 13.0
- * reused the registers of a loop-invariant A fragment after its first wgmma
- * (the dQ kernel's dO fragments, SASS of the sm_90a build), so no wgmma here
- * takes A from registers that must outlive it. Issued, not waited. */
-static inline __attribute__((always_inline)) void fa_wg_acc_abt_of(fa_f4 *acc, int atile, fa_smem sm, int tile, int N,
-                                                                   int R, int D, int f16) {
+ * FA_MMA_ROWS-row tile at element atile of view ma, B (N x D) N rows at
+ * element tile of view mb, of a tile of R rows (R = N, or a taller tile
+ * whose rows from `tile` on are taken in parts: its 64-column slabs are R
+ * rows apart), both in the wgmma layout (K-major). A is read from team
+ * memory, not registers: ptxas 13.0 reused the registers of a loop-invariant
+ * A fragment after its first wgmma (the dQ kernel's dO fragments, SASS of
+ * the sm_90a build), so no wgmma here takes A from registers that must
+ * outlive it. Issued, not waited. Views: the team memory (fa_wg_opaque), or
+ * each operand's own tile (fa_wg_opaque_at, offsets 0), which the
+ * two-warpgroup dK/dV takes (v2.30). */
+static inline __attribute__((always_inline)) void fa_wg_acc_abt_v(fa_f4 *acc, fa_smem ma, int atile, fa_smem mb,
+                                                                  int tile, int N, int R, int D, int f16) {
   fa_wg_pin(acc, N / 8);
   fa_wg_fence();
 #pragma unroll
   for (int ks = 0; ks < D / 16; ks++)
-    fa_wg_mma_ss(acc, N, sm, atile + (ks >> 2) * FA_MMA_ROWS * 64 + (ks & 3) * 16,
+    fa_wg_mma_ss(acc, N, ma, atile + (ks >> 2) * FA_MMA_ROWS * 64 + (ks & 3) * 16, mb,
                  tile + (ks >> 2) * R * 64 + (ks & 3) * 16, f16, ks > 0);
+}
+
+/* fa_wg_acc_abt_v with both operands in the view sm. */
+static inline __attribute__((always_inline)) void fa_wg_acc_abt_of(fa_f4 *acc, int atile, fa_smem sm, int tile, int N,
+                                                                   int R, int D, int f16) {
+  fa_wg_acc_abt_v(acc, sm, atile, sm, tile, N, R, D, f16);
 }
 
 /* fa_wg_acc_abt_of for an N-row B tile. */
@@ -445,16 +472,23 @@ static inline __attribute__((always_inline)) void fa_wg_acc_ab(fa_f4 *acc, const
 }
 
 /* acc (16 rows x D) += A^T B over K/16 k-steps: A (K x 64) the 64-column
- * tile at element atile (P or dS as [query][key]: the product reads P^T),
- * B (K x D) K rows of a tile of R rows at element tile, both in the wgmma
- * layout read MN-major. Issued, not waited. */
-static inline __attribute__((always_inline)) void fa_wg_acc_atb(fa_f4 *acc, fa_smem sm, int atile, int tile, int K,
-                                                                int R, int D, int f16) {
+ * tile at element atile of view ma (P or dS as [query][key]: the product
+ * reads P^T), B (K x D) K rows of a tile of R rows at element tile of view
+ * mb, both in the wgmma layout read MN-major. Issued, not waited. Views as
+ * fa_wg_acc_abt_v's. */
+static inline __attribute__((always_inline)) void fa_wg_acc_atb_v(fa_f4 *acc, fa_smem ma, int atile, fa_smem mb,
+                                                                  int tile, int K, int R, int D, int f16) {
   fa_wg_pin(acc, D / 8);
   fa_wg_fence();
 #pragma unroll
   for (int kk = 0; kk < K / 16; kk++)
-    fa_wg_mma_tt(acc, D, sm, atile + kk * 1024, tile + kk * 1024, R * 128, f16);
+    fa_wg_mma_tt(acc, D, ma, atile + kk * 1024, mb, tile + kk * 1024, R * 128, f16);
+}
+
+/* fa_wg_acc_atb_v with both operands in the view sm. */
+static inline __attribute__((always_inline)) void fa_wg_acc_atb(fa_f4 *acc, fa_smem sm, int atile, int tile, int K,
+                                                                int R, int D, int f16) {
+  fa_wg_acc_atb_v(acc, sm, atile, sm, tile, K, R, D, f16);
 }
 #pragma omp end declare target
 

@@ -64,13 +64,17 @@ static inline int fa_wg_align(fa_smem m) {
  *                blocks FA_WG_BLOCK_BYTES apart, 64-column slabs lbo bytes
  *                apart): V, K, dO or Q read as [k][n];
  *  fa_wg_mma_ss  acc (N 32, 64 or 128) = A B (+ acc when acc_in): A (64 x 16)
- *                the warpgroup's rows at element aoff, B (16 x N) the rows
- *                at off, both K-major (rows are m or n, k along the row);
+ *                the warpgroup's rows at element aoff of view ma, B (16 x N)
+ *                the rows at element off of view m, both K-major (rows are
+ *                m or n, k along the row);
  *  fa_wg_mma_tt  acc (N 64 or 128) += A B: A (64 x 16) and B (16 x N) both
  *                MN-major (rows are k, 8-row blocks FA_WG_BLOCK_BYTES apart):
- *                A the single 64-column slab at element aoff (P or dS stored
- *                [query][key], read as P^T), B at off with its 64-column
- *                slabs lbo bytes apart (dO or Q read as [query][dim]).
+ *                A the single 64-column slab at element aoff of view ma (P or
+ *                dS stored [query][key], read as P^T), B at element off of
+ *                view m with its 64-column slabs lbo bytes apart (dO or Q
+ *                read as [query][dim]).
+ * A view is the team memory or a part of it (fa_wg_opaque_at); the forms
+ * with two take one for each operand.
  * All in the 128-byte swizzle. fa_stmatrix_x4 (stmatrix, sm_90): lane 8i + j
  * gives the address of row j of 8 x 8 matrix i, whose row r is lanes
  * 4r..4r+3's register i (x, y, z, w): an accumulator fragment's layout. */
@@ -144,10 +148,11 @@ static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *acc, int N, f
   fa_emu_wgmma(acc, N, e, m, -1, off, lbo, FA_WG_BLOCK_BYTES, 1, f16, 1);
 }
 
-/* Two operands' views: A's offset taken from its own view ma (the emulation reads both through m). */
+/* The emulation reads both operands from the lower of the two views (a
+ * negative A offset would mean A from registers to fa_emu_wgmma). */
 static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *acc, int N, fa_smem ma, int aoff, fa_smem m,
                                                                int off, int f16, int acc_in) {
-  const fa_smem lo = ma.p < m.p ? ma : m; /* offsets from the lower view: aoff >= 0 means A from team memory */
+  const fa_smem lo = ma.p < m.p ? ma : m;
 #pragma omp barrier
   fa_emu_wgmma(acc, N, NULL, lo, (int)(ma.p - lo.p) + aoff, (int)(m.p - lo.p) + off, 0, FA_WG_BLOCK_BYTES, 0, f16,
                acc_in);

@@ -15,5 +15,17 @@ if [ -f "$root/.gpu/extra.tar.xz" ] && [ ! -f "$extra/.ok" ]; then
   done
   touch "$extra/.ok"
 fi
+# The program's build folder (its own, or the one above for tests/) after the caller's entries,
+# which still win (a variant library under test): the binaries' RUNPATH names the folder they
+# were linked in, which a build folder copied to this machine is not.
+prog=$(command -v "$1" || true)
+if [ -n "$prog" ]; then
+  for d in "$(dirname "$prog")" "$(dirname "$(dirname "$prog")")"; do
+    if [ -f "$d/libforkattn.so.0" ]; then
+      LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$(cd "$d" && pwd)"
+      break
+    fi
+  done
+fi
 export LD_LIBRARY_PATH="$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 exec bash "$root/.gpu/run" "$@"

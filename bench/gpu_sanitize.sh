@@ -18,9 +18,10 @@
 set -uo pipefail
 b=${1:-build-gpu}
 sel=${2:-cuda}
-# The build's library after any the caller puts first (a variant under test): the binaries'
-# RUNPATH names the folder they were linked in, which a build folder copied to this machine is not.
-export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$(cd "$b" && pwd)"
+# The build's library after any the caller puts first: the program gpu_run.sh starts here is
+# compute-sanitizer, so it cannot find the build folder from it (libforkattn_cli_dl.so needs it).
+LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$(cd "$b" && pwd)"
+export LD_LIBRARY_PATH
 final=${OUT:-gpu-logs}
 mkdir -p "$final"
 cs=$(command -v compute-sanitizer || find / -xdev -name compute-sanitizer -type f -perm -u+x 2>/dev/null | head -1)

@@ -6,9 +6,6 @@
 # FORKATTN_SKIP_SANITIZER=1 leaves out the compute-sanitizer runs.
 set -uo pipefail
 b=${1:-build-gpu}
-# The build's library after any the caller puts first (a variant under test): the binaries'
-# RUNPATH names the folder they were linked in, which a build folder copied to this machine is not.
-export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$(cd "$b" && pwd)"
 final=${OUT:-gpu-logs}
 out=$(mktemp -d)  # every log here; the summaries and one tarball go to $final at the end
 mkdir -p "$final"

@@ -7,9 +7,6 @@
 set -uo pipefail
 b=$1
 shift
-# The build's library after any the caller puts first (a variant under test): the binaries'
-# RUNPATH names the folder they were linked in, which a build folder copied to this machine is not.
-export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$(cd "$b" && pwd)"
 final=${OUT:-gpu-logs}
 mkdir -p "$final"
 export OMP_TARGET_OFFLOAD=mandatory FORKATTN_BACKEND=gpu

@@ -75,14 +75,18 @@ static inline __attribute__((always_inline)) void fa_dq_tile_p(fa_f4 *s, int BK,
     return;
   }
   unsigned v0 = 0, v1 = 0;
+  /* keys relative to the lane's first column c0: the comparisons and bit
+   * tests take constants, and no per-key value stays live across the walk */
+  const int e0 = lim0 - c0, e1 = lim1 - c0;
+  const unsigned long long kf = kflags >> c0;
 #pragma unroll
   for (int n = 0; n < BK / 8; n++) {
-    const int key = n * 8 + c0;
-    const float t0 = fa_mma_score(s[n].x, mul, key, lim0), t1 = fa_mma_score(s[n].y, mul, key + 1, lim0);
-    const float t2 = fa_mma_score(s[n].z, mul, key, lim1), t3 = fa_mma_score(s[n].w, mul, key + 1, lim1);
+    const int key = n * 8; /* relative to c0 */
+    const float t0 = fa_mma_score(s[n].x, mul, key, e0), t1 = fa_mma_score(s[n].y, mul, key + 1, e0);
+    const float t2 = fa_mma_score(s[n].z, mul, key, e1), t3 = fa_mma_score(s[n].w, mul, key + 1, e1);
     if (kflags) {
-      *bad0 |= (t0 != -INFINITY && (kflags >> key & 1u)) || (t1 != -INFINITY && (kflags >> (key + 1) & 1u));
-      *bad1 |= (t2 != -INFINITY && (kflags >> key & 1u)) || (t3 != -INFINITY && (kflags >> (key + 1) & 1u));
+      *bad0 |= (t0 != -INFINITY && (kf >> key & 1u)) || (t1 != -INFINITY && (kf >> (key + 1) & 1u));
+      *bad1 |= (t2 != -INFINITY && (kf >> key & 1u)) || (t3 != -INFINITY && (kf >> (key + 1) & 1u));
     }
     v0 |= (unsigned)(t0 != -INFINITY) << 2 * n | (unsigned)(t1 != -INFINITY) << (2 * n + 1);
     v1 |= (unsigned)(t2 != -INFINITY) << 2 * n | (unsigned)(t3 != -INFINITY) << (2 * n + 1);
@@ -466,14 +470,18 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_grads(fa_f4 *s, fa_
       dp[n].z = s[n].z * (dp[n].z - d0), dp[n].w = s[n].w * (dp[n].w - d1);
     }
   } else {
+    /* queries relative to the lane's first column c0: the comparisons and
+     * bit tests take constants (as in fa_dq_tile_p) */
+    const int e0 = lo0 - c0, e1 = lo1 - c0, en = nq - c0;
+    const unsigned long long qf = qflags >> c0;
 #pragma unroll
     for (int n = 0; n < BQ / 8; n++) {
-      const int qi = n * 8 + c0; /* columns qi, qi + 1; rows k_pos0 (x, y), k_pos1 (z, w) */
-      const int v00 = qi >= lo0 && qi < nq, v01 = qi + 1 >= lo0 && qi + 1 < nq;
-      const int v10 = qi >= lo1 && qi < nq, v11 = qi + 1 >= lo1 && qi + 1 < nq;
+      const int qi = n * 8; /* columns c0 + qi, + 1; rows k_pos0 (x, y), k_pos1 (z, w) */
+      const int v00 = qi >= e0 && qi < en, v01 = qi + 1 >= e0 && qi + 1 < en;
+      const int v10 = qi >= e1 && qi < en, v11 = qi + 1 >= e1 && qi + 1 < en;
       if (qflags) {
-        *bad0 |= (v00 && (qflags >> qi & 1u)) || (v01 && (qflags >> (qi + 1) & 1u));
-        *bad1 |= (v10 && (qflags >> qi & 1u)) || (v11 && (qflags >> (qi + 1) & 1u));
+        *bad0 |= (v00 && (qf >> qi & 1u)) || (v01 && (qf >> (qi + 1) & 1u));
+        *bad1 |= (v10 && (qf >> qi & 1u)) || (v11 && (qf >> (qi + 1) & 1u));
       }
       const float l0 = lq[2 * n], l1 = lq[2 * n + 1], d0 = dd[2 * n], d1 = dd[2 * n + 1];
       fa_mma_pds_masked(&s[n], &dp[n], mul, l0, l1, l0, l1, d0, d1, d0, d1, v00, v01, v10, v11);
@@ -846,11 +854,13 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_qm_grads(fa_f4 *s, f
     const int qi1 = qi0 + 8;
     /* keys a row sees: all (non-causal), or columns up to qi - kq0 */
     const int lim0 = qi0 >= nq ? -1 : causal ? qi0 - kq0 : 64, lim1 = qi1 >= nq ? -1 : causal ? qi1 - kq0 : 64;
+    /* relative to the lane's first column c0: the comparisons take
+     * constants, and no per-column value stays live across the walk */
+    const int e0 = lim0 - c0, e1 = lim1 - c0;
 #pragma unroll
-    for (int n = 0; n < 8; n++) {
-      const int kc = n * 8 + c0; /* columns kc, kc + 1; rows qi0 (x, y), qi1 (z, w) */
-      fa_mma_pds_masked(&s[n], &dp[n], mul, l0, l0, l1, l1, d0, d0, d1, d1, kc <= lim0, kc + 1 <= lim0, kc <= lim1,
-                        kc + 1 <= lim1);
+    for (int n = 0; n < 8; n++) { /* columns n * 8 + c0 (+ 1); rows qi0 (x, y), qi1 (z, w) */
+      fa_mma_pds_masked(&s[n], &dp[n], mul, l0, l0, l1, l1, d0, d0, d1, d1, n * 8 <= e0, n * 8 + 1 <= e0, n * 8 <= e1,
+                        n * 8 + 1 <= e1);
     }
   }
 }

@@ -24,6 +24,22 @@ static inline __attribute__((always_inline)) void fa_mma_qk(fa_f4 *s, const fa_u
   fa_mma_acc_abt(s, qf, sm, kt, P, BK, D, f16, lane);
 }
 
+/* The maximum of this lane's BK / 4 scores of one of its two rows (hi: the
+ * row 8 down, elements z, w) as a pairwise tree: log2(BK / 4) dependent
+ * steps instead of BK / 4, the row maxima being on the softmax's latency
+ * path (bench/NOTES-gpu.md, v2.31). fmaxf is exact and skips NaN, so the
+ * order does not change the result. BK / 8: a power of two, at most 16. */
+static inline __attribute__((always_inline)) float fa_fwd_lane_max(const fa_f4 *s, int BK, int hi) {
+  float t[FA_WG2_BK / 8];
+#pragma unroll
+  for (int n = 0; n < BK / 8; n++) t[n] = hi ? fmaxf(s[n].z, s[n].w) : fmaxf(s[n].x, s[n].y);
+#pragma unroll
+  for (int w = BK / 16; w > 0; w /= 2)
+#pragma unroll
+    for (int i = 0; i < w; i++) t[i] = fmaxf(t[i], t[i + w]);
+  return t[0];
+}
+
 /* Tile j's raw scores s (this warp's 16 rows x BK keys) masked to the keys
  * each row sees (lim0, lim1: fa_mma_row_keys), and this lane's share of the
  * row maxima folded into mx0, mx1. unmasked: every row of the warp sees
@@ -36,30 +52,31 @@ static inline __attribute__((always_inline)) void fa_fwd_tile_max(fa_f4 *s, int 
                                                                    unsigned long long vhi, float *mx0, float *mx1,
                                                                    int *bad0, int *bad1) {
   if (unmasked) {
-#pragma unroll
-    for (int n = 0; n < BK / 8; n++) {
-      *mx0 = fmaxf(*mx0, fmaxf(s[n].x, s[n].y));
-      *mx1 = fmaxf(*mx1, fmaxf(s[n].z, s[n].w));
-    }
+    *mx0 = fmaxf(*mx0, fa_fwd_lane_max(s, BK, 0));
+    *mx1 = fmaxf(*mx1, fa_fwd_lane_max(s, BK, 1));
     if (vlo | vhi) *bad0 = *bad1 = 1; /* every row of the warp sees the tile's non-finite V row */
     return;
   }
+  /* keys relative to the lane's first column: the comparisons and bit tests
+   * below take constants, so no per-key value is kept live across the walk */
+  const int e0 = lim0 - c0, e1 = lim1 - c0;
 #pragma unroll
   for (int n = 0; n < BK / 8; n++) {
-    const int key = n * 8 + c0;
-    s[n].x = fa_mma_mask(s[n].x, key, lim0), s[n].y = fa_mma_mask(s[n].y, key + 1, lim0);
-    s[n].z = fa_mma_mask(s[n].z, key, lim1), s[n].w = fa_mma_mask(s[n].w, key + 1, lim1);
-    *mx0 = fmaxf(*mx0, fmaxf(s[n].x, s[n].y));
-    *mx1 = fmaxf(*mx1, fmaxf(s[n].z, s[n].w));
+    s[n].x = fa_mma_mask(s[n].x, n * 8, e0), s[n].y = fa_mma_mask(s[n].y, n * 8 + 1, e0);
+    s[n].z = fa_mma_mask(s[n].z, n * 8, e1), s[n].w = fa_mma_mask(s[n].w, n * 8 + 1, e1);
   }
-  if (vlo | vhi)
+  *mx0 = fmaxf(*mx0, fa_fwd_lane_max(s, BK, 0));
+  *mx1 = fmaxf(*mx1, fa_fwd_lane_max(s, BK, 1));
+  if (vlo | vhi) {
+    const unsigned long long v0 = vlo >> c0, v1 = vhi >> c0;
 #pragma unroll
     for (int n = 0; n < BK / 8; n++) {
-      const unsigned long long v = n < 8 ? vlo : vhi; /* n is a constant after unrolling */
-      const int key = (n % 8) * 8 + c0;
+      const unsigned long long v = n < 8 ? v0 : v1; /* n is a constant after unrolling */
+      const int key = (n % 8) * 8;
       *bad0 |= (s[n].x != -INFINITY && (v >> key & 1u)) || (s[n].y != -INFINITY && (v >> (key + 1) & 1u));
       *bad1 |= (s[n].z != -INFINITY && (v >> key & 1u)) || (s[n].w != -INFINITY && (v >> (key + 1) & 1u));
     }
+  }
 }
 
 /* The online-softmax step of a tile after fa_fwd_tile_max: the row maxima

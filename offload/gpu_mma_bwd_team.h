@@ -358,9 +358,16 @@ static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, co
         fa_wg_acc_ab(dq, pa + k0 / 16, sm, kt + (hh * HK + k0) * 64, KP, BK, D, f16); /* K read N-major */
         fa_wg_commit();
       }
-      fa_wg_wait(0);
-      fa_wg_pin(dq, D / 8);
-      fa_wg_pin_u4(pa, HK / 16);
+      /* The first half's dS K runs on under the second half's S and dP (its
+       * wait(1) retires it, the groups retiring in order); only the second
+       * half's is waited for here, none being left pending across the
+       * loop's back-edge (v2.16). hh is a constant after unrolling, so no
+       * wait sits under a branch (C7518). */
+      if (hh == 1) {
+        fa_wg_wait(0);
+        fa_wg_pin(dq, D / 8);
+        fa_wg_pin_u4(pa, HK / 16);
+      }
     }
     /* tile j's buffer is free for this warpgroup; the second to say so copies tile j + S into it */
     if (wt == 0) wl = fa_wg2_release(sm, rg, bi, tma, g, wl, BK, D, seg, pair, blk, qshift);

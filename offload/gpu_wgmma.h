@@ -149,21 +149,26 @@ static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *acc, int N, f
 }
 
 /* The emulation reads both operands from the lower of the two views (a
- * negative A offset would mean A from registers to fa_emu_wgmma). */
+ * negative A offset would mean A from registers to fa_emu_wgmma): that
+ * view, with *aoff and *off made relative to it. */
+static inline fa_smem fa_emu_lower_view(fa_smem ma, int *aoff, fa_smem m, int *off) {
+  const fa_smem lo = ma.p < m.p ? ma : m;
+  *aoff += (int)(ma.p - lo.p), *off += (int)(m.p - lo.p);
+  return lo;
+}
+
 static inline __attribute__((always_inline)) void fa_wg_mma_ss(fa_f4 *acc, int N, fa_smem ma, int aoff, fa_smem m,
                                                                int off, int f16, int acc_in) {
-  const fa_smem lo = ma.p < m.p ? ma : m;
+  const fa_smem lo = fa_emu_lower_view(ma, &aoff, m, &off);
 #pragma omp barrier
-  fa_emu_wgmma(acc, N, NULL, lo, (int)(ma.p - lo.p) + aoff, (int)(m.p - lo.p) + off, 0, FA_WG_BLOCK_BYTES, 0, f16,
-               acc_in);
+  fa_emu_wgmma(acc, N, NULL, lo, aoff, off, 0, FA_WG_BLOCK_BYTES, 0, f16, acc_in);
 }
 
 static inline __attribute__((always_inline)) void fa_wg_mma_tt(fa_f4 *acc, int N, fa_smem ma, int aoff, fa_smem m,
                                                                int off, int lbo, int f16) {
-  const fa_smem lo = ma.p < m.p ? ma : m;
+  const fa_smem lo = fa_emu_lower_view(ma, &aoff, m, &off);
 #pragma omp barrier
-  fa_emu_wgmma(acc, N, NULL, lo, (int)(ma.p - lo.p) + aoff, (int)(m.p - lo.p) + off, lbo, FA_WG_BLOCK_BYTES, 3, f16,
-               1);
+  fa_emu_wgmma(acc, N, NULL, lo, aoff, off, lbo, FA_WG_BLOCK_BYTES, 3, f16, 1);
 }
 
 static inline void fa_stmatrix_x4(fa_smem m, int off, fa_u4 v) {

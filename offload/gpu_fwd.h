@@ -36,7 +36,7 @@ typedef struct fa_gpu_fwd_args {
 /* 1 when the tensor-core forward runs this call: FORKATTN_GPU_MMA is not 0
  * in the environment, q, k, v all bf16 or
  * all f16, head_dim 64 or 128, no kept set, 16-byte aligned rows in device
- * memory (host tensors are staged dense). */
+ * memory (host tensors are staged dense), o as fa_gpu_mma_out_ok (gpu_mma_tiles.h) asks. */
 int fa_gpu_mma_fwd_ok(const fa_attn_fwd *a, forkattn_memory memory);
 /* The shared rule: tensors t[0..n) all bf16 or all f16 (the dtype of t[0])
  * and, in device memory, 16-byte aligned rows; head_dim d; no kept set; the

@@ -38,8 +38,8 @@
 
 int fa_gpu_mma_bwd_ok(const fa_attn_bwd *a, forkattn_memory memory) {
   /* o too: the dQ teams read it in 16-byte chunks for D */
-  const forkattn_tensor *t[5] = {&a->q, &a->k, &a->v, &a->dout, &a->o};
-  return fa_gpu_mma_ok(t, 5, a->d, a->kept != NULL, a->plan, memory);
+  const forkattn_tensor *t[5] = {&a->q, &a->k, &a->v, &a->dout, &a->o}, *out[3] = {&a->dq, &a->dk, &a->dv};
+  return fa_gpu_mma_ok(t, 5, a->d, a->kept != NULL, a->plan, memory) && fa_gpu_mma_out_ok(out, 3, memory);
 }
 
 
@@ -63,7 +63,7 @@ void fa_gpu_mma_dq(const fa_gpu_bwd *b) {
   const int nteams = (int)(b->nqb * b->hq), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
 #ifdef FORKATTN_HAVE_WGMMA
   if (b->dq_wg2) { /* fa_gpu_mma_dq_tma chose it, and the query blocks are FA_WG2_ROWS */
-    FA_MMA_BY_HEAD_DIM(FA_WG2_DQ, b->d, f16);
+    FA_TL_LAUNCH(dev, "wg2_dq", FA_MMA_BY_HEAD_DIM(FA_WG2_DQ, b->d, f16));
     return;
   }
 #endif
@@ -120,8 +120,7 @@ void fa_gpu_mma_dkv(const fa_gpu_bwd *b) {
   const int nteams = (int)(b->nunits * b->hkv), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
 #ifdef FORKATTN_HAVE_WGMMA
   if (b->dkv_wg2) { /* fa_gpu_mma_dkv_wg2 chose it, the key blocks are FA_WG2_ROWS, Q's and dO's maps encoded */
-    if (f16) FA_WG2_DKV_QM(128, 1);
-    else FA_WG2_DKV_QM(128, 0);
+    FA_TL_LAUNCH(dev, "wg2_dkv", if (f16) FA_WG2_DKV_QM(128, 1); else FA_WG2_DKV_QM(128, 0));
     return;
   }
   if (fa_gpu_dkv_qm_on(b->d) && fa_gpu_wgmma_on(dev, FA_WG_DKV_QM_SMEM(128))) {

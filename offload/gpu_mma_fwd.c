@@ -48,8 +48,8 @@ int fa_gpu_mma_ok(const forkattn_tensor *const *t, int n, int64_t d, int has_kep
 }
 
 int fa_gpu_mma_fwd_ok(const fa_attn_fwd *a, forkattn_memory memory) {
-  const forkattn_tensor *t[3] = {&a->q, &a->k, &a->v};
-  return fa_gpu_mma_ok(t, 3, a->d, a->kept != NULL, a->plan, memory);
+  const forkattn_tensor *t[3] = {&a->q, &a->k, &a->v}, *out[1] = {&a->o};
+  return fa_gpu_mma_ok(t, 3, a->d, a->kept != NULL, a->plan, memory) && fa_gpu_mma_out_ok(out, 1, memory);
 }
 
 
@@ -102,7 +102,7 @@ void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g) {
   const int nteams = (int)(g->nblocks * g->hq), dev = g->device, f16 = g->q.dtype == FORKATTN_DTYPE_F16;
 #ifdef FORKATTN_HAVE_WGMMA
   if (g->wg2) { /* fa_gpu_mma_fwd_tma chose it, and the blocks are FA_WG2_ROWS */
-    FA_MMA_BY_HEAD_DIM(FA_WG2_FWD, g->d, f16);
+    FA_TL_LAUNCH(dev, "wg2_fwd", FA_MMA_BY_HEAD_DIM(FA_WG2_FWD, g->d, f16));
     return;
   }
 #endif

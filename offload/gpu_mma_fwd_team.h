@@ -10,6 +10,7 @@
 #include "gpu_fwd.h"
 #include "gpu_mma.h"
 #include "gpu_mma_tiles.h"
+#include "gpu_timeline.h"
 #include "gpu_tma.h"
 #include "gpu_wg2.h"
 #include "gpu_wgmma.h"
@@ -347,6 +348,9 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
   const int64_t qshift = ga.qshift;
   const float mul = ga.scale * FA_LOG2E;
   const int64_t qrows = blk.len - wg * FA_MMA_ROWS; /* this warpgroup's rows of the block (may be <= 0) */
+  FA_TL_DECL;
+  FA_TL((int)ompx_block_id_x(), tid, FA_TL_START);
+  FA_TL((int)ompx_block_id_x(), tid, FA_TL_BEGIN);
 
   fa_mma_load_rows(sm, qt, D, FA_MMA_ROWS, D, ga.q, blk.start + wg * FA_MMA_ROWS,
                    qrows < 0 ? 0 : qrows > FA_MMA_ROWS ? FA_MMA_ROWS : qrows, h, wt);
@@ -361,6 +365,7 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
   fa_cp_async_wait(0);
   fa_fence_proxy_async(); /* Q and the zeros for the tensor cores' reads */
   ompx_sync_block_acq_rel();
+  FA_TL((int)ompx_block_id_x(), tid, FA_TL_READY);
 
   fa_f4 s[FA_WG2_BK / 8], o[FA_MMA_MAX_D / 8];
   fa_u4 pa[FA_WG2_BK / 16]; /* P(j - 1), packed */
@@ -378,7 +383,9 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
 
   while (w.pi < w.pend) {
     const int kt = fa_wg2_buf(rg, b);
+    FA_TL((int)ompx_block_id_x(), tid, FA_TL_TILE);
     fa_mbar_wait(sm, rg.full + 4 * b, (j / S) & 1);
+    FA_TL((int)ompx_block_id_x(), tid, FA_TL_ARRIVED);
     const int nk = fa_walk_keys(w, BK);
     unsigned long long vf[2] = {0, 0}; /* bit r: V row r (64 + r) of tile j was non-finite (zeroed) */
     if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst)) fa_wg2_scan(smem + kt + BK * D, BK, D, f16, rg, tid, vf);
@@ -387,10 +394,13 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
 
     fa_wg_acc_abt(s, qt, sm, kt, BK, D, f16);
     fa_wg_commit();
+    FA_TL((int)ompx_block_id_x(), tid, FA_TL_ISSUED_S);
     fa_wg_acc_ab(o, pa, sm, fa_wg2_buf(rg, bp) + BK * D, BK, BK, D, f16);
     fa_wg_commit();
+    FA_TL((int)ompx_block_id_x(), tid, FA_TL_ISSUED);
     fa_wg_wait(1); /* S(j); P(j-1) V(j-1) runs on under the softmax */
     fa_wg_pin(s, BK / 8);
+    FA_TL((int)ompx_block_id_x(), tid, FA_TL_S);
 
     float mx0 = -INFINITY, mx1 = -INFINITY, a0, a1;
     fa_fwd_tile_max(s, BK, nk == BK && (!w.causal || w.kb + BK - 1 <= wfirst), c0, lim0, lim1, vf[0], vf[1], &mx0, &mx1,
@@ -399,6 +409,7 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
     fa_wg_wait(0);
     fa_wg_pin(o, D / 8);
     fa_wg_pin_u4(pa, BK / 16);
+    FA_TL((int)ompx_block_id_x(), tid, FA_TL_PV);
     /* tile j - 1's buffer is free for this warpgroup; the second to say so copies tile j - 1 + S into it */
     if (wt == 0) wl = fa_wg2_release(sm, rg, bp, tma, g, wl, BK, D, seg, pair, blk, qshift);
     fa_fwd_rescale(o, D, a0, a1);
@@ -407,13 +418,17 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
     bp = b;
     b = b == S - 1 ? 0 : b + 1;
     j++;
+    FA_TL((int)ompx_block_id_x(), tid, FA_TL_NEXT);
   }
   /* P V of the last tile (no tile: P(-1) = 0 times the zeros) */
   fa_wg_acc_ab(o, pa, sm, fa_wg2_buf(rg, bp) + BK * D, BK, BK, D, f16);
   fa_wg_commit();
   fa_wg_wait(0);
   fa_wg_pin(o, D / 8);
+  FA_TL((int)ompx_block_id_x(), tid, FA_TL_PV);
   fa_fwd_finish(ga, o, D, blk.start + r0, h, c0, lane, ok0, ok1, m0, m1, l0, l1, bad0, bad1);
+  FA_TL((int)ompx_block_id_x(), tid, FA_TL_FINISH);
+  FA_TL((int)ompx_block_id_x(), tid, FA_TL_END);
 }
 #pragma omp end declare target
 

@@ -17,7 +17,8 @@ int fa_gpu_mma_kl_ok(const fa_kl_call *c, forkattn_memory memory) {
 }
 
 int fa_gpu_mma_kl_bwd_ok(const fa_kl_call *c, forkattn_memory memory) {
-  return c->hkv_t == c->hkv_s && fa_gpu_mma_kl_ok(c, memory);
+  const forkattn_tensor *out[4] = {&c->dqs, &c->dks, &c->dqt, &c->dkt};
+  return c->hkv_t == c->hkv_s && fa_gpu_mma_kl_ok(c, memory) && fa_gpu_mma_out_ok(out, 4, memory);
 }
 
 /* One team per (64-row query block, query head); two buffers of both sides' K tiles. */

@@ -262,23 +262,51 @@ static inline fa_dev_tensor fa_mma_part_view(float *slot, int64_t d) {
 /* A warp's 16 x D accumulator rows to t: the lane's rows `row` (x, y) and
  * row + 8 (z, w), head `head`, columns from c0; each row times its factor
  * (m0, m1), NaN where flagged (bad0, bad1), nothing for a row outside its
- * block (ok0, ok1). */
+ * block (ok0, ok1). A lane's two columns go out as one store: an f32 pair,
+ * or a b16 pair packed by the hardware conversion (round to nearest even,
+ * as fa_store). One element at a time, with fa_store's dtype test and
+ * software rounding, the forward's epilogue took ~9300 cycles a team
+ * (in-kernel timeline, bench/NOTES-gpu.md v2.37). Needs t's data 8-byte
+ * (f32) or 4-byte (b16) aligned and even strides: fa_gpu_mma_out_ok. */
+typedef struct fa_f2 {
+  float x, y;
+} __attribute__((aligned(8))) fa_f2;
+
 static inline __attribute__((always_inline)) void fa_mma_store_rows(fa_dev_tensor t, int64_t row, int64_t head,
                                                                     const fa_f4 *acc, int D, int c0, int ok0,
                                                                     int ok1, float m0, float m1, int bad0,
                                                                     int bad1) {
+  const int64_t e0 = row * t.rs + head * t.hs + c0, e1 = e0 + 8 * t.rs;
+  const float s0 = bad0 ? NAN : m0, s1 = bad1 ? NAN : m1; /* NaN times anything is NaN */
+  if (t.dtype == FORKATTN_DTYPE_F32) {
+    fa_f2 *p0 = (fa_f2 *)((float *)t.data + e0), *p1 = (fa_f2 *)((float *)t.data + e1);
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) {
+      const fa_f2 v0 = {s0 * acc[n].x, s0 * acc[n].y}, v1 = {s1 * acc[n].z, s1 * acc[n].w};
+      if (ok0) p0[n * 4] = v0;
+      if (ok1) p1[n * 4] = v1;
+    }
+    return;
+  }
+  const int f16 = t.dtype == FORKATTN_DTYPE_F16;
+  uint32_t *p0 = (uint32_t *)((uint16_t *)t.data + e0), *p1 = (uint32_t *)((uint16_t *)t.data + e1);
 #pragma unroll
   for (int n = 0; n < D / 8; n++) {
-    const int64_t c = n * 8 + c0, e0 = row * t.rs + head * t.hs + c, e1 = e0 + 8 * t.rs;
-    if (ok0) {
-      fa_store(t.data, t.dtype, e0, bad0 ? NAN : m0 * acc[n].x);
-      fa_store(t.data, t.dtype, e0 + 1, bad0 ? NAN : m0 * acc[n].y);
-    }
-    if (ok1) {
-      fa_store(t.data, t.dtype, e1, bad1 ? NAN : m1 * acc[n].z);
-      fa_store(t.data, t.dtype, e1 + 1, bad1 ? NAN : m1 * acc[n].w);
-    }
+    if (ok0) p0[n * 4] = fa_mma_pack(s0 * acc[n].x, s0 * acc[n].y, f16);
+    if (ok1) p1[n * 4] = fa_mma_pack(s1 * acc[n].z, s1 * acc[n].w, f16);
   }
+}
+
+/* 1 when a tensor-core call's outputs t[0..n) suit fa_mma_store_rows: in
+ * device memory (host tensors are staged dense), 4-byte aligned data and
+ * even strides (b16 pairs; the f32 partial sums are the library's own).
+ * A tensor without data (an output the call does not write) passes. */
+static inline int fa_gpu_mma_out_ok(const forkattn_tensor *const *t, int n, forkattn_memory memory) {
+  for (int i = 0; i < n; i++)
+    if (memory != FORKATTN_MEMORY_HOST && t[i]->data &&
+        ((uintptr_t)t[i]->data % 4 || t[i]->row_stride % 2 || t[i]->head_stride % 2))
+      return 0;
+  return 1;
 }
 
 /* Cooperative scan, by threads [0, nth) of the team (nth 128 or 256, all

@@ -543,6 +543,73 @@ Test(mma_emulated, b16x2_finite_zeroes_exactly_the_non_finite_halves) {
   }
 }
 
+/* fa_mma_store_rows stores a lane's two columns as one f32 or b16 pair: the
+ * same bits as fa_store one element at a time (round to nearest even; NaN
+ * where flagged), every element of the lane's two rows written, nothing else
+ * touched (the buffer is poisoned), rows outside the block (ok = 0) left alone.
+ * Values include overflow to infinity, f16 subnormals and NaN inputs. */
+Test(mma_emulated, store_rows_pairs_match_elementwise_stores) {
+  tc_rng rng = tc_rng_for("mma_emulated.store_rows");
+  const int dtypes[3] = {FORKATTN_DTYPE_F32, FORKATTN_DTYPE_BF16, FORKATTN_DTYPE_F16};
+  for (int trial = 0; trial < 240; trial++) {
+    const int dt = dtypes[trial % 3], D = trial % 2 ? 128 : 64, es = dt == FORKATTN_DTYPE_F32 ? 4 : 2;
+    const int heads = 3, head = (int)tc_randint(&rng, 0, heads - 1), row = (int)tc_randint(&rng, 0, 5);
+    const int64_t hs = D + 2 * tc_randint(&rng, 0, 3), rs = heads * hs + 2 * tc_randint(&rng, 0, 3);
+    const int64_t n = (row + 9) * rs;
+    const int c0 = 2 * (int)tc_randint(&rng, 0, 3), ok0 = trial % 7 != 3, ok1 = trial % 5 != 2;
+    const int bad0 = trial % 11 == 4, bad1 = trial % 13 == 6;
+    const float m0 = (float)tc_uniform(&rng, -2, 2), m1 = (float)tc_uniform(&rng, -2, 2);
+    fa_f4 acc[16];
+    float *v = (float *)acc;
+    for (int i = 0; i < D / 2; i++) {
+      const int kind = (int)tc_randint(&rng, 0, 9);
+      v[i] = kind == 0   ? (float)tc_uniform(&rng, -1e-6, 1e-6)        /* f16 subnormals */
+             : kind == 1 ? (float)tc_uniform(&rng, 6e4, 3.4e38) /* f16 (and some bf16) overflow */
+             : kind == 2 ? NAN
+                         : (float)tc_uniform(&rng, -100, 100);
+    }
+    unsigned char *got = malloc((size_t)n * es), *want = malloc((size_t)n * es);
+    memset(got, 0xa5, (size_t)n * es);
+    memset(want, 0xa5, (size_t)n * es);
+    const fa_dev_tensor t = {got, dt, rs, hs};
+    fa_mma_store_rows(t, row, head, acc, D, c0, ok0, ok1, m0, m1, bad0, bad1);
+    for (int nn = 0; nn < D / 8; nn++)
+      for (int k = 0; k < 4; k++) {
+        const int r = k < 2 ? row : row + 8, ok = k < 2 ? ok0 : ok1, bad = k < 2 ? bad0 : bad1;
+        const float x = (k < 2 ? m0 : m1) * (&acc[nn].x)[k];
+        if (ok) fa_store(want, dt, r * rs + head * hs + nn * 8 + c0 + k % 2, bad ? NAN : x);
+      }
+    for (int64_t i = 0; i < n; i++) {
+      const float g = fa_load(got, dt, i), w = fa_load(want, dt, i);
+      if (isnan(w)) cr_assert(isnan(g), "trial %d (dtype %d, D %d): element %lld %g, want NaN", trial, dt, D,
+                              (long long)i, (double)g);
+      else cr_assert(memcmp(got + i * es, want + i * es, (size_t)es) == 0,
+                     "trial %d (dtype %d, D %d): element %lld %g, want %g", trial, dt, D, (long long)i, (double)g,
+                     (double)w);
+    }
+    free(got);
+    free(want);
+  }
+}
+
+/* Tensor-core outputs in device memory need 4-byte data and even strides
+ * (fa_mma_store_rows' pairs); host tensors are staged dense. */
+Test(mma_emulated, outputs_need_paired_alignment) {
+  static uint16_t buf[64];
+  forkattn_tensor a = {buf, FORKATTN_DTYPE_BF16, 4, 2, 8, 16, 8}, b = a;
+  const forkattn_tensor *t[2] = {&a, &b};
+  cr_assert(fa_gpu_mma_out_ok(t, 2, FORKATTN_MEMORY_DEVICE));
+  b.data = buf + 1;
+  cr_assert(!fa_gpu_mma_out_ok(t, 2, FORKATTN_MEMORY_DEVICE), "2-byte aligned data");
+  cr_assert(fa_gpu_mma_out_ok(t, 2, FORKATTN_MEMORY_HOST), "host tensors are staged");
+  b.data = buf, b.row_stride = 17;
+  cr_assert(!fa_gpu_mma_out_ok(t, 2, FORKATTN_MEMORY_DEVICE), "odd row stride");
+  b.row_stride = 16, b.head_stride = 9;
+  cr_assert(!fa_gpu_mma_out_ok(t, 2, FORKATTN_MEMORY_DEVICE), "odd head stride");
+  b.data = NULL;
+  cr_assert(fa_gpu_mma_out_ok(t, 2, FORKATTN_MEMORY_DEVICE), "an output the call does not write");
+}
+
 Test(mma_emulated, plans_beyond_32_bit_positions_are_refused) {
   fa_plan p;
   int64_t off[2] = {0, 100};

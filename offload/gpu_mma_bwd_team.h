@@ -32,27 +32,49 @@
  * element at a time, their latency stalled the team: ncu, v1.8). Stored for
  * the dK/dV pass, which runs after this kernel; returned in dd0, dd1 for
  * the lane's accumulator rows lane / 4 and + 8. */
-static inline __attribute__((always_inline)) void fa_dq_rowsum(const fa_gpu_bwd b, fa_block blk, int trow0, int64_t h,
-                                                               const unsigned short *dot, int P, int D, int f16,
-                                                               int warp, int lane, float *dd0, float *dd1) {
+typedef struct fa_dq_orow {
+  fa_u4 v[FA_MMA_MAX_D / 16];
+} fa_dq_orow;
+
+/* fa_dq_rowsum's loads of O (half a row a lane), apart so that a team can
+ * issue them before it waits for its own copies: their latency then
+ * overlaps the copies' instead of following it (in-kernel timeline: ~4700
+ * cycles from the two-warpgroup dQ's prologue barrier to its first tile). */
+static inline __attribute__((always_inline)) fa_dq_orow fa_dq_rowsum_load(const fa_gpu_bwd b, fa_block blk, int trow0,
+                                                                         int64_t h, int D, int warp, int lane) {
   const int rr = warp * 16 + lane / 2, half = (lane & 1) * (D / 2), in = trow0 + rr < blk.len;
   const unsigned short *orow =
       (const unsigned short *)b.o.data + (blk.start + (in ? trow0 + rr : 0)) * b.o.rs + h * b.o.hs + half;
-  fa_u4 ov[FA_MMA_MAX_D / 16];
+  fa_dq_orow o;
 #pragma unroll
-  for (int i = 0; i < D / 16; i++) ov[i] = fa_load_u4(orow + 8 * i);
+  for (int i = 0; i < D / 16; i++) o.v[i] = fa_load_u4(orow + 8 * i);
+  return o;
+}
+
+static inline __attribute__((always_inline)) void fa_dq_rowsum_of(const fa_gpu_bwd b, fa_block blk, int trow0,
+                                                                  int64_t h, const fa_dq_orow *ov,
+                                                                  const unsigned short *dot, int P, int D, int f16,
+                                                                  int warp, int lane, float *dd0, float *dd1) {
+  const int rr = warp * 16 + lane / 2, half = (lane & 1) * (D / 2), in = trow0 + rr < blk.len;
   float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
   for (int i = 0; i < D / 16; i++) {
     const fa_u4 dv = fa_load_u4(dot + (P == D ? fa_wg_elem(rr, half + 8 * i, FA_MMA_ROWS) : rr * P + half + 8 * i));
-    s0 += fa_dot_b16x2(dv.x, ov[i].x, f16) + fa_dot_b16x2(dv.y, ov[i].y, f16);
-    s1 += fa_dot_b16x2(dv.z, ov[i].z, f16) + fa_dot_b16x2(dv.w, ov[i].w, f16);
+    s0 += fa_dot_b16x2(dv.x, ov->v[i].x, f16) + fa_dot_b16x2(dv.y, ov->v[i].y, f16);
+    s1 += fa_dot_b16x2(dv.z, ov->v[i].z, f16) + fa_dot_b16x2(dv.w, ov->v[i].w, f16);
   }
   float sum = in ? s0 + s1 : 0.0f;
   sum += fa_mma_shfl_xor(sum, 1);
   if (!(lane & 1) && in) b.dsum[(blk.start + trow0 + rr) * b.hq + h] = sum;
   *dd0 = fa_mma_shfl_idx(sum, 2 * (lane / 4)); /* accumulator rows lane / 4 and + 8 */
   *dd1 = fa_mma_shfl_idx(sum, 2 * (lane / 4) + 16);
+}
+
+static inline __attribute__((always_inline)) void fa_dq_rowsum(const fa_gpu_bwd b, fa_block blk, int trow0, int64_t h,
+                                                               const unsigned short *dot, int P, int D, int f16,
+                                                               int warp, int lane, float *dd0, float *dd1) {
+  const fa_dq_orow ov = fa_dq_rowsum_load(b, blk, trow0, h, D, warp, lane);
+  fa_dq_rowsum_of(b, blk, trow0, h, &ov, dot, P, D, f16, warp, lane, dd0, dd1);
 }
 
 /* P = exp2(S - lse) of a warp's 16 rows x BK keys of S in s, where visible;
@@ -313,20 +335,22 @@ static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, co
   fa_tile_walk w = fa_walk_first(b.qoff, seg, pair, blk, qshift);
   /* tiles 0 .. S - 1; wl: thread 0 of each warpgroup's next tile to copy (tile j + S after iteration j) */
   fa_tile_walk wl = fa_wg2_ring_start(sm, rg, S, tma, g, w, BK, D, seg, pair, blk, qshift);
+  /* O's rows for D and the rows' lse: loads in flight while the copies land */
+  const fa_dq_orow ov = fa_dq_rowsum_load(b, blk, wg * FA_MMA_ROWS, h, D, warp, lane);
+  const int r0 = wg * FA_MMA_ROWS + warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
+  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
+  const int64_t row0 = blk.start + r0;
+  const float lse0 = ok0 ? b.lse[row0 * b.hq + h] * FA_LOG2E : 0.0f;
+  const float lse1 = ok1 ? b.lse[(row0 + 8) * b.hq + h] * FA_LOG2E : 0.0f;
   fa_cp_async_wait(0);
   fa_fence_proxy_async(); /* Q and dO for the tensor cores' reads */
   ompx_sync_block_acq_rel();
   FA_TL((int)ompx_block_id_x(), tid, FA_TL_READY);
 
   float dd0, dd1;
-  fa_dq_rowsum(b, blk, wg * FA_MMA_ROWS, h, smem + ot, D, D, f16, warp, lane, &dd0, &dd1);
-  const int r0 = wg * FA_MMA_ROWS + warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
-  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
-  const int64_t row0 = blk.start + r0;
+  fa_dq_rowsum_of(b, blk, wg * FA_MMA_ROWS, h, &ov, smem + ot, D, D, f16, warp, lane, &dd0, &dd1);
   const int qfirst = (int)(blk.start + qshift); /* key-frame position of the team's first row */
   const int q_pos0 = qfirst + r0, q_pos1 = q_pos0 + 8, wfirst = qfirst + wg * FA_MMA_ROWS + warp * 16;
-  const float lse0 = ok0 ? b.lse[row0 * b.hq + h] * FA_LOG2E : 0.0f;
-  const float lse1 = ok1 ? b.lse[(row0 + 8) * b.hq + h] * FA_LOG2E : 0.0f;
   fa_f4 dq[FA_MMA_MAX_D / 8];
 #pragma unroll
   for (int n = 0; n < D / 8; n++) dq[n] = fa_f4_zero();
@@ -388,7 +412,9 @@ static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, co
   }
   FA_TL((int)ompx_block_id_x(), tid, FA_TL_FINISH);
   bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
-  fa_mma_store_rows(b.dq, row0, h, dq, D, c0, ok0, ok1, b.scale, b.scale, bad0, bad1);
+  /* dQ through this warpgroup's Q tile: its last reader, S of the last tile, has retired */
+  fa_wg_store_rows_staged(b.dq, blk.start + wg * FA_MMA_ROWS, nq, h, dq, D, smem + qt, wt, b.scale, b.scale, bad0, bad1,
+                          1 + wg);
   FA_TL((int)ompx_block_id_x(), tid, FA_TL_END);
 }
 
@@ -1151,9 +1177,11 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D
     }
     fa_wg_dkv_qm_grads(s, dp, st[0] * FA_LOG2E, st[1] * FA_LOG2E, st[2], st[3], mul, all, r0, nq, w.causal, kq0,
                        c0);
+    FA_TL((int)ompx_block_id_x(), tid, FA_TL_COMPUTED);
     fa_wg_store_tile(fa_wg_opaque(sm), ptile, s, warp, lane, f16);   /* P */
     fa_wg_store_tile(fa_wg_opaque(sm), dstile, dp, warp, lane, f16); /* dS */
     fa_fence_proxy_async();
+    FA_TL((int)ompx_block_id_x(), tid, FA_TL_STORED);
     fa_wg_bar_sync(1 + wg, 128); /* the warpgroup's P and dS for its products */
     FA_TL((int)ompx_block_id_x(), tid, FA_TL_GRADS);
     const fa_query_walk w1 = fa_qwalk_next(w, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);

@@ -112,23 +112,35 @@ static inline __attribute__((always_inline)) void fa_fwd_rescale(fa_f4 *o, int D
     for (int n = 0; n < D / 8; n++) o[n].x *= a0, o[n].y *= a0, o[n].z *= a1, o[n].w *= a1;
 }
 
+/* The end of a lane's two rows (row0, row0 + 8): their sums over the quad,
+ * lse written (by the lanes of column 0), and O's factors: 1 / l (0 for an
+ * empty row) in i[0], i[1], the flags OR-ed over the quad in bad[0], bad[1]. */
+static inline __attribute__((always_inline)) void fa_fwd_finish_rows(const fa_gpu_fwd_args ga, int64_t row0,
+                                                                      int64_t h, int c0, int lane, int ok0, int ok1,
+                                                                      float m0, float m1, float l0, float l1,
+                                                                      float i[2], int bad[2]) {
+  l0 += fa_mma_shfl_xor(l0, 1);
+  l0 += fa_mma_shfl_xor(l0, 2);
+  l1 += fa_mma_shfl_xor(l1, 1);
+  l1 += fa_mma_shfl_xor(l1, 2);
+  bad[0] = fa_mma_quad_any(bad[0], lane), bad[1] = fa_mma_quad_any(bad[1], lane);
+  i[0] = l0 > 0.0f ? fa_mma_rcp(l0) : 0.0f, i[1] = l1 > 0.0f ? fa_mma_rcp(l1) : 0.0f;
+  if (ga.lse && c0 == 0) {
+    if (ok0) ga.lse[row0 * ga.hq + h] = l0 > 0.0f ? (m0 + log2f(l0)) * FA_LN2 : -INFINITY;
+    if (ok1) ga.lse[(row0 + 8) * ga.hq + h] = l1 > 0.0f ? (m1 + log2f(l1)) * FA_LN2 : -INFINITY;
+  }
+}
+
 /* A warp's output rows row0 and row0 + 8 (ok0, ok1: inside the block):
  * O / l (NaN where bad) and lse = (m + log2 l) ln 2. */
 static inline __attribute__((always_inline)) void fa_fwd_finish(const fa_gpu_fwd_args ga, const fa_f4 *o, int D,
                                                                  int64_t row0, int64_t h, int c0, int lane, int ok0,
                                                                  int ok1, float m0, float m1, float l0, float l1,
                                                                  int bad0, int bad1) {
-  l0 += fa_mma_shfl_xor(l0, 1);
-  l0 += fa_mma_shfl_xor(l0, 2);
-  l1 += fa_mma_shfl_xor(l1, 1);
-  l1 += fa_mma_shfl_xor(l1, 2);
-  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
-  const float i0 = l0 > 0.0f ? fa_mma_rcp(l0) : 0.0f, i1 = l1 > 0.0f ? fa_mma_rcp(l1) : 0.0f;
-  fa_mma_store_rows(ga.o, row0, h, o, D, c0, ok0, ok1, i0, i1, bad0, bad1);
-  if (ga.lse && c0 == 0) {
-    if (ok0) ga.lse[row0 * ga.hq + h] = l0 > 0.0f ? (m0 + log2f(l0)) * FA_LN2 : -INFINITY;
-    if (ok1) ga.lse[(row0 + 8) * ga.hq + h] = l1 > 0.0f ? (m1 + log2f(l1)) * FA_LN2 : -INFINITY;
-  }
+  float i[2];
+  int bad[2] = {bad0, bad1};
+  fa_fwd_finish_rows(ga, row0, h, c0, lane, ok0, ok1, m0, m1, l0, l1, i, bad);
+  fa_mma_store_rows(ga.o, row0, h, o, D, c0, ok0, ok1, i[0], i[1], bad[0], bad[1]);
 }
 
 /* One team: FA_MMA_ROWS query rows of block blk, query head h, KV head g.
@@ -405,13 +417,16 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
     float mx0 = -INFINITY, mx1 = -INFINITY, a0, a1;
     fa_fwd_tile_max(s, BK, nk == BK && (!w.causal || w.kb + BK - 1 <= wfirst), c0, lim0, lim1, vf[0], vf[1], &mx0, &mx1,
                     &bad0, &bad1);
+    FA_TL((int)ompx_block_id_x(), tid, FA_TL_MAX);
     fa_fwd_tile_exp(s, BK, mx0, mx1, mul, &m0, &m1, &l0, &l1, &a0, &a1);
+    FA_TL((int)ompx_block_id_x(), tid, FA_TL_EXP);
     fa_wg_wait(0);
     fa_wg_pin(o, D / 8);
     fa_wg_pin_u4(pa, BK / 16);
     FA_TL((int)ompx_block_id_x(), tid, FA_TL_PV);
     /* tile j - 1's buffer is free for this warpgroup; the second to say so copies tile j - 1 + S into it */
     if (wt == 0) wl = fa_wg2_release(sm, rg, bp, tma, g, wl, BK, D, seg, pair, blk, qshift);
+    FA_TL((int)ompx_block_id_x(), tid, FA_TL_RELEASED);
     fa_fwd_rescale(o, D, a0, a1);
     fa_wg_pack(pa, s, BK, f16);
     w = fa_walk_next(w, BK, seg, pair, blk, qshift);
@@ -426,7 +441,12 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
   fa_wg_wait(0);
   fa_wg_pin(o, D / 8);
   FA_TL((int)ompx_block_id_x(), tid, FA_TL_PV);
-  fa_fwd_finish(ga, o, D, blk.start + r0, h, c0, lane, ok0, ok1, m0, m1, l0, l1, bad0, bad1);
+  float inv[2];
+  int bad[2] = {bad0, bad1};
+  fa_fwd_finish_rows(ga, blk.start + r0, h, c0, lane, ok0, ok1, m0, m1, l0, l1, inv, bad);
+  /* O through this warpgroup's Q tile: its last reader, S of the last tile, has retired */
+  fa_wg_store_rows_staged(ga.o, blk.start + wg * FA_MMA_ROWS, qrows, h, o, D, smem + qt, wt, inv[0], inv[1], bad[0],
+                          bad[1], 1 + wg);
   FA_TL((int)ompx_block_id_x(), tid, FA_TL_FINISH);
   FA_TL((int)ompx_block_id_x(), tid, FA_TL_END);
 }

@@ -267,7 +267,8 @@ static inline fa_dev_tensor fa_mma_part_view(float *slot, int64_t d) {
  * as fa_store). One element at a time, with fa_store's dtype test and
  * software rounding, the forward's epilogue took ~9300 cycles a team
  * (in-kernel timeline, bench/NOTES-gpu.md v2.37). Needs t's data 8-byte
- * (f32) or 4-byte (b16) aligned and even strides: fa_gpu_mma_out_ok. */
+ * (f32) or 4-byte (b16) aligned and even strides (fa_gpu_mma_out_ok asks
+ * more). */
 typedef struct fa_f2 {
   float x, y;
 } __attribute__((aligned(8))) fa_f2;
@@ -297,14 +298,15 @@ static inline __attribute__((always_inline)) void fa_mma_store_rows(fa_dev_tenso
   }
 }
 
-/* 1 when a tensor-core call's outputs t[0..n) suit fa_mma_store_rows: in
- * device memory (host tensors are staged dense), 4-byte aligned data and
- * even strides (b16 pairs; the f32 partial sums are the library's own).
+/* 1 when a tensor-core call's outputs t[0..n) suit its stores: in device
+ * memory (host tensors are staged dense), 16-byte rows like the inputs'
+ * (aligned data, strides of 8 elements), for fa_mma_store_rows' pairs and
+ * the two-warpgroup kernels' 16-byte chunks (fa_wg_store_rows_staged).
  * A tensor without data (an output the call does not write) passes. */
 static inline int fa_gpu_mma_out_ok(const forkattn_tensor *const *t, int n, forkattn_memory memory) {
   for (int i = 0; i < n; i++)
     if (memory != FORKATTN_MEMORY_HOST && t[i]->data &&
-        ((uintptr_t)t[i]->data % 4 || t[i]->row_stride % 2 || t[i]->head_stride % 2))
+        ((uintptr_t)t[i]->data % 16 || t[i]->row_stride % 8 || t[i]->head_stride % 8))
       return 0;
   return 1;
 }

@@ -1,6 +1,6 @@
 /* In-kernel timeline (diagnosis only; build with -DFORKATTN_GPU_TIMELINE=ON).
  *
- * The warps a kernel names record events, each an event id and the SM's
+ * Every warp of a team records events, each an event id and the SM's
  * cycle counter (%clock64), into a device buffer; the first and last event
  * of a team carry the card's nanosecond timer (%globaltimer) and the SM id
  * instead, so teams on different SMs can be placed on one time axis. The
@@ -10,7 +10,7 @@
  *
  * A mark is a clock read, an address and a store, with no branch: a
  * divergent branch near wgmma makes ptxas serialize every product of the
- * kernel (C7518), so warps that do not record write to a spill slot. In a
+ * kernel (C7518), so teams past FA_TL_TEAMS write to a spill slot. In a
  * build without the option every mark is empty and the kernels' code is
  * unchanged. */
 #ifndef FA_GPU_TIMELINE_H
@@ -21,8 +21,8 @@
 
 #ifdef FA_GPU_TIMELINE
 
-#define FA_TL_TEAMS 8192 /* teams that record; later teams write to the spill slot */
-#define FA_TL_WARPS 2    /* recording warps a team: the first of each warpgroup */
+#define FA_TL_TEAMS 6144 /* teams that record; later teams write to the spill slot */
+#define FA_TL_WARPS 8    /* recording warps a team: all of a two-warpgroup team */
 #define FA_TL_CAP 512    /* events a warp; later events overwrite the last one */
 #define FA_TL_WORDS ((size_t)(FA_TL_TEAMS + 1) * FA_TL_WARPS * FA_TL_CAP)
 
@@ -42,7 +42,12 @@ enum {
   FA_TL_GRADS = 12,   /* dK/dV: the tile's P and dS stored for the products */
   FA_TL_NEXTQ = 13,   /* dK/dV: the next tile's statistics read, its copies waited for */
   FA_TL_TURN = 14,    /* dK/dV: this warpgroup's turn to issue products */
-  FA_TL_ISSUED_S = 15 /* forward: S's products issued (P V's follow) */
+  FA_TL_ISSUED_S = 15, /* forward: S's products issued (P V's follow) */
+  FA_TL_MAX = 16,      /* forward: the tile's row maxima */
+  FA_TL_EXP = 17,      /* forward: the tile's exponentials and sums */
+  FA_TL_RELEASED = 18, /* forward: the previous tile's buffer released */
+  FA_TL_COMPUTED = 19, /* dK/dV: P and dS formed in registers */
+  FA_TL_STORED = 20    /* dK/dV: P and dS stored to team memory and fenced */
 };
 
 #pragma omp declare target
@@ -73,8 +78,7 @@ static inline unsigned long long fa_tl_clock(int global) {
 #pragma omp declare target
 /* Record event ev as the n-th of this warp (thread tid of team `team`). */
 static inline __attribute__((always_inline)) void fa_tl_mark(int team, int tid, int *n, int ev) {
-  const int rec = tid % 128 < 32 && team < FA_TL_TEAMS; /* warp 0 of a warpgroup */
-  const unsigned slot = rec ? (unsigned)team * FA_TL_WARPS + (unsigned)tid / 128 : FA_TL_TEAMS * FA_TL_WARPS;
+  const unsigned slot = team < FA_TL_TEAMS ? (unsigned)team * FA_TL_WARPS + (unsigned)tid / 32 : FA_TL_TEAMS * FA_TL_WARPS;
   const unsigned i = *n < FA_TL_CAP ? (unsigned)*n : FA_TL_CAP - 1;
   const unsigned long long t = fa_tl_clock(ev == FA_TL_START || ev == FA_TL_END);
   fa_tl_buf[slot * FA_TL_CAP + i] = (unsigned long long)ev << 56 | t;

@@ -19,6 +19,7 @@
 #include "gpu_mma.h"
 #include "gpu_mma_tiles.h"
 #include "gpu_tma.h"
+#include "gpu_wgmma.h"
 
 #define FA_WG2_THREADS 256
 #define FA_WG2_BK 128
@@ -124,6 +125,41 @@ static inline void fa_wg2_scan(unsigned short *t, int BK, int D, int f16, fa_wg2
                                unsigned long long f[2]) {
   f[0] = fa_mma_scan_rows_by(t, D, BK, 0, 64, D, f16, r.flags, tid, FA_WG2_THREADS);
   f[1] = BK > 64 ? fa_mma_scan_rows_by(t, D, BK, 64, 64, D, f16, r.flags, tid, FA_WG2_THREADS) : 0;
+}
+/* A warpgroup's 64 output rows (each warp's 16-row accumulator fragments,
+ * times m0 / m1, NaN where flagged) to rows [row0, row0 + nrows) of t (b16,
+ * head `head`; nrows may exceed 64 or be <= 0), through 64 x D b16 of free
+ * team memory at `stage` (the warpgroup's own query tile after its last
+ * product: 1024-byte aligned). The fragments go in as b16 pairs, 16-byte
+ * chunk c of row r at c ^ r % 8 (the eight rows of a store instruction hit
+ * distinct banks); then each thread copies 16-byte chunks, consecutive
+ * threads along a row, so a warp's store covers whole lines. A fragment's
+ * own stores (fa_mma_store_rows) touch eight lines with 16 bytes each: in
+ * the forward's epilogue ~4000 cycles a team (in-kernel timeline). t needs
+ * 16-byte rows (fa_gpu_mma_out_ok). Named barrier `bar` of the warpgroup's
+ * 128 threads between the halves; every thread of it calls this. */
+static inline __attribute__((always_inline)) void fa_wg_store_rows_staged(fa_dev_tensor t, int64_t row0,
+                                                                          int64_t nrows, int64_t head,
+                                                                          const fa_f4 *acc, int D,
+                                                                          unsigned short *stage, int wt, float m0,
+                                                                          float m1, int bad0, int bad1, int bar) {
+  const int r = (wt / 32) * 16 + fa_acc_row(wt % 32, 0), q = fa_acc_col(wt % 32, 0) / 2, f16 = t.dtype == FORKATTN_DTYPE_F16;
+  const float s0 = bad0 ? NAN : m0, s1 = bad1 ? NAN : m1; /* NaN times anything is NaN */
+  uint32_t *w0 = (uint32_t *)stage + r * (D / 2) + q, *w1 = w0 + 8 * (D / 2); /* rows r and r + 8: same r % 8 */
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) {
+    const int c = (n ^ (r & 7)) * 4;
+    w0[c] = fa_mma_pack(s0 * acc[n].x, s0 * acc[n].y, f16);
+    w1[c] = fa_mma_pack(s1 * acc[n].z, s1 * acc[n].w, f16);
+  }
+  fa_wg_bar_sync(bar, 128);
+  const int cpr = D / 8; /* 16-byte chunks a row */
+  unsigned short *out = (unsigned short *)t.data + row0 * t.rs + head * t.hs;
+#pragma unroll
+  for (int i = 0; i < 64 * (D / 8) / 128; i++) {
+    const int c = wt + 128 * i, row = c / cpr, cc = c % cpr;
+    if (row < nrows) fa_store_u4(out + row * t.rs + cc * 8, fa_load_u4(stage + row * D + ((cc ^ (row & 7)) * 8)));
+  }
 }
 #pragma omp end declare target
 

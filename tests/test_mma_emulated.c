@@ -592,20 +592,20 @@ Test(mma_emulated, store_rows_pairs_match_elementwise_stores) {
   }
 }
 
-/* Tensor-core outputs in device memory need 4-byte data and even strides
- * (fa_mma_store_rows' pairs); host tensors are staged dense. */
-Test(mma_emulated, outputs_need_paired_alignment) {
-  static uint16_t buf[64];
-  forkattn_tensor a = {buf, FORKATTN_DTYPE_BF16, 4, 2, 8, 16, 8}, b = a;
+/* Tensor-core outputs in device memory need 16-byte rows, like the inputs
+ * (fa_wg_store_rows_staged's chunks); host tensors are staged dense. */
+Test(mma_emulated, outputs_need_16_byte_rows) {
+  static _Alignas(16) uint16_t buf[256];
+  forkattn_tensor a = {buf, FORKATTN_DTYPE_BF16, 4, 2, 8, 64, 16}, b = a;
   const forkattn_tensor *t[2] = {&a, &b};
   cr_assert(fa_gpu_mma_out_ok(t, 2, FORKATTN_MEMORY_DEVICE));
-  b.data = buf + 1;
-  cr_assert(!fa_gpu_mma_out_ok(t, 2, FORKATTN_MEMORY_DEVICE), "2-byte aligned data");
+  b.data = buf + 2;
+  cr_assert(!fa_gpu_mma_out_ok(t, 2, FORKATTN_MEMORY_DEVICE), "4-byte aligned data");
   cr_assert(fa_gpu_mma_out_ok(t, 2, FORKATTN_MEMORY_HOST), "host tensors are staged");
-  b.data = buf, b.row_stride = 17;
-  cr_assert(!fa_gpu_mma_out_ok(t, 2, FORKATTN_MEMORY_DEVICE), "odd row stride");
-  b.row_stride = 16, b.head_stride = 9;
-  cr_assert(!fa_gpu_mma_out_ok(t, 2, FORKATTN_MEMORY_DEVICE), "odd head stride");
+  b.data = buf, b.row_stride = 60;
+  cr_assert(!fa_gpu_mma_out_ok(t, 2, FORKATTN_MEMORY_DEVICE), "row stride not a multiple of 8");
+  b.row_stride = 64, b.head_stride = 20;
+  cr_assert(!fa_gpu_mma_out_ok(t, 2, FORKATTN_MEMORY_DEVICE), "head stride not a multiple of 8");
   b.data = NULL;
   cr_assert(fa_gpu_mma_out_ok(t, 2, FORKATTN_MEMORY_DEVICE), "an output the call does not write");
 }

@@ -316,12 +316,12 @@ static inline __attribute__((always_inline)) void fa_wg_fwd_team(const int D, co
  *
  * Tiles stream through S = FA_WG2_STAGES(D) buffers (K then V of one tile
  * each), tile t in buffer t % S, arriving on that buffer's mbarrier `full`.
- * In iteration j a warpgroup issues S(j) = Q K(j)^T and O += P(j-1) V(j-1)
- * together, waits for S(j), runs tile j's softmax while P V runs, then
- * waits for P V, rescales O, and releases tile j - 1's buffer: the second
- * warpgroup to release it (a counter in team memory) issues tile
- * j - 1 + S's copies into it, so no thread ever waits for the other
- * warpgroup to let a copy start. No product group is left pending across
+ * In iteration j a warpgroup releases tile j - 2's buffer (the second
+ * warpgroup to release it, by a counter in team memory, issues tile
+ * j - 2 + S's copies into it, so no thread ever waits for the other
+ * warpgroup to let a copy start), issues S(j) = Q K(j)^T and
+ * O += P(j-1) V(j-1) together, waits for S(j), runs tile j's softmax while
+ * P V runs, then waits for P V and rescales O. No product group is left pending across
  * the loop's back-edge (v2.16), and iteration 0 multiplies P(-1) = 0 by
  * zeros (buffer S - 1's V, "tile -1", released like any tile): a product
  * or a wait under a branch makes ptxas serialize every wgmma of the kernel
@@ -391,13 +391,18 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
   int bad0 = 0, bad1 = 0;
   const int qfirst = (int)(blk.start + qshift); /* key-frame position of the team's first row */
   const int q_pos0 = qfirst + r0, q_pos1 = q_pos0 + 8, wfirst = qfirst + wg * FA_MMA_ROWS + warp * 16;
-  int j = 0, b = 0, bp = S - 1; /* tile j's buffer, tile j - 1's */
+  int j = 0, b = 0, bp = S - 1, bpp = S - 1; /* tile j's buffer, tile j - 1's, tile j - 2's */
 
   while (w.pi < w.pend) {
     const int kt = fa_wg2_buf(rg, b);
     FA_TL((int)ompx_block_id_x(), tid, FA_TL_TILE);
     fa_mbar_wait(sm, rg.full + 4 * b, (j / S) & 1);
     FA_TL((int)ompx_block_id_x(), tid, FA_TL_ARRIVED);
+    /* tile j - 2's buffer (its P V waited for in iteration j - 1) is free for this warpgroup; the second to
+     * say so copies tile j - 2 + S into it. Here warp 0's release work (~500 cycles, which the other warps
+     * waited for at the products' issue when it followed P V's wait) falls in the time the products wait
+     * for the other warpgroup's anyway (in-kernel timeline) */
+    if (wt == 0 && j > 0) wl = fa_wg2_release(sm, rg, bpp, tma, g, wl, BK, D, seg, pair, blk, qshift);
     const int nk = fa_walk_keys(w, BK);
     unsigned long long vf[2] = {0, 0}; /* bit r: V row r (64 + r) of tile j was non-finite (zeroed) */
     if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst)) fa_wg2_scan(smem + kt + BK * D, BK, D, f16, rg, tid, vf);
@@ -424,12 +429,10 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
     fa_wg_pin(o, D / 8);
     fa_wg_pin_u4(pa, BK / 16);
     FA_TL((int)ompx_block_id_x(), tid, FA_TL_PV);
-    /* tile j - 1's buffer is free for this warpgroup; the second to say so copies tile j - 1 + S into it */
-    if (wt == 0) wl = fa_wg2_release(sm, rg, bp, tma, g, wl, BK, D, seg, pair, blk, qshift);
-    FA_TL((int)ompx_block_id_x(), tid, FA_TL_RELEASED);
     fa_fwd_rescale(o, D, a0, a1);
     fa_wg_pack(pa, s, BK, f16);
     w = fa_walk_next(w, BK, seg, pair, blk, qshift);
+    bpp = bp;
     bp = b;
     b = b == S - 1 ? 0 : b + 1;
     j++;

@@ -78,7 +78,8 @@ static inline unsigned long long fa_tl_clock(int global) {
 #pragma omp declare target
 /* Record event ev as the n-th of this warp (thread tid of team `team`). */
 static inline __attribute__((always_inline)) void fa_tl_mark(int team, int tid, int *n, int ev) {
-  const unsigned slot = team < FA_TL_TEAMS ? (unsigned)team * FA_TL_WARPS + (unsigned)tid / 32 : FA_TL_TEAMS * FA_TL_WARPS;
+  const unsigned slot =
+      team < FA_TL_TEAMS ? (unsigned)team * FA_TL_WARPS + (unsigned)tid / 32 : FA_TL_TEAMS * FA_TL_WARPS;
   const unsigned i = *n < FA_TL_CAP ? (unsigned)*n : FA_TL_CAP - 1;
   const unsigned long long t = fa_tl_clock(ev == FA_TL_START || ev == FA_TL_END);
   fa_tl_buf[slot * FA_TL_CAP + i] = (unsigned long long)ev << 56 | t;

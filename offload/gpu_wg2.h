@@ -126,6 +126,7 @@ static inline void fa_wg2_scan(unsigned short *t, int BK, int D, int f16, fa_wg2
   f[0] = fa_mma_scan_rows_by(t, D, BK, 0, 64, D, f16, r.flags, tid, FA_WG2_THREADS);
   f[1] = BK > 64 ? fa_mma_scan_rows_by(t, D, BK, 64, 64, D, f16, r.flags, tid, FA_WG2_THREADS) : 0;
 }
+
 /* A warpgroup's 64 output rows (each warp's 16-row accumulator fragments,
  * times m0 / m1, NaN where flagged) to rows [row0, row0 + nrows) of t (b16,
  * head `head`; nrows may exceed 64 or be <= 0), through 64 x D b16 of free
@@ -143,7 +144,8 @@ static inline __attribute__((always_inline)) void fa_wg_store_rows_staged(fa_dev
                                                                           const fa_f4 *acc, int D,
                                                                           unsigned short *stage, int wt, float m0,
                                                                           float m1, int bad0, int bad1, int bar) {
-  const int r = (wt / 32) * 16 + fa_acc_row(wt % 32, 0), q = fa_acc_col(wt % 32, 0) / 2, f16 = t.dtype == FORKATTN_DTYPE_F16;
+  const int r = (wt / 32) * 16 + fa_acc_row(wt % 32, 0), q = fa_acc_col(wt % 32, 0) / 2;
+  const int f16 = t.dtype == FORKATTN_DTYPE_F16;
   const float s0 = bad0 ? NAN : m0, s1 = bad1 ? NAN : m1; /* NaN times anything is NaN */
   uint32_t *w0 = (uint32_t *)stage + r * (D / 2) + q, *w1 = w0 + 8 * (D / 2); /* rows r and r + 8: same r % 8 */
 #pragma unroll

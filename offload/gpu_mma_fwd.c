@@ -39,10 +39,7 @@ int fa_gpu_mma_ok(const forkattn_tensor *const *t, int n, int64_t d, int has_kep
   const int dt = (int)t[0]->dtype;
   if (has_kept || (dt != FORKATTN_DTYPE_BF16 && dt != FORKATTN_DTYPE_F16) || (d != 64 && d != 128)) return 0;
   for (int i = 0; i < n; i++) {
-    if ((int)t[i]->dtype != dt) return 0;
-    if (memory != FORKATTN_MEMORY_HOST && /* host tensors are staged dense, omp_target_alloc-aligned */
-        ((uintptr_t)t[i]->data % 16 || t[i]->row_stride % 8 || t[i]->head_stride % 8))
-      return 0;
+    if ((int)t[i]->dtype != dt || !fa_gpu_mma_rows16(t[i], memory)) return 0;
   }
   return 1;
 }

@@ -298,16 +298,20 @@ static inline __attribute__((always_inline)) void fa_mma_store_rows(fa_dev_tenso
   }
 }
 
-/* 1 when a tensor-core call's outputs t[0..n) suit its stores: in device
- * memory (host tensors are staged dense), 16-byte rows like the inputs'
- * (aligned data, strides of 8 elements), for fa_mma_store_rows' pairs and
- * the two-warpgroup kernels' 16-byte chunks (fa_wg_store_rows_staged).
+/* 1 when t has 16-byte rows for the tensor-core kernels' 16-byte loads and
+ * stores: data 16-byte aligned and both strides multiples of 8 elements, or
+ * host memory (host tensors are staged dense, omp_target_alloc-aligned). */
+static inline int fa_gpu_mma_rows16(const forkattn_tensor *t, forkattn_memory memory) {
+  return memory == FORKATTN_MEMORY_HOST || !((uintptr_t)t->data % 16 || t->row_stride % 8 || t->head_stride % 8);
+}
+
+/* 1 when a tensor-core call's outputs t[0..n) suit its stores
+ * (fa_mma_store_rows' pairs, the two-warpgroup kernels' 16-byte chunks in
+ * fa_wg_store_rows_staged): 16-byte rows, like the inputs (fa_gpu_mma_ok).
  * A tensor without data (an output the call does not write) passes. */
 static inline int fa_gpu_mma_out_ok(const forkattn_tensor *const *t, int n, forkattn_memory memory) {
   for (int i = 0; i < n; i++)
-    if (memory != FORKATTN_MEMORY_HOST && t[i]->data &&
-        ((uintptr_t)t[i]->data % 16 || t[i]->row_stride % 8 || t[i]->head_stride % 8))
-      return 0;
+    if (t[i]->data && !fa_gpu_mma_rows16(t[i], memory)) return 0;
   return 1;
 }
 

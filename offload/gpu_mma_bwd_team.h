@@ -326,8 +326,8 @@ static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, co
   const float mul = b.scale * FA_LOG2E;
   const int64_t qrows = blk.len - wg * FA_MMA_ROWS, nq = qrows < 0 ? 0 : qrows > FA_MMA_ROWS ? FA_MMA_ROWS : qrows;
   FA_TL_DECL;
-  FA_TL((int)ompx_block_id_x(), tid, FA_TL_START);
-  FA_TL((int)ompx_block_id_x(), tid, FA_TL_BEGIN);
+  FA_TL(FA_TL_START);
+  FA_TL(FA_TL_BEGIN);
 
   fa_mma_load_rows(sm, qt, D, FA_MMA_ROWS, D, b.q, blk.start + wg * FA_MMA_ROWS, nq, h, wt);
   fa_mma_load_rows(sm, ot, D, FA_MMA_ROWS, D, b.dout, blk.start + wg * FA_MMA_ROWS, nq, h, wt);
@@ -345,7 +345,7 @@ static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, co
   fa_cp_async_wait(0);
   fa_fence_proxy_async(); /* Q and dO for the tensor cores' reads */
   ompx_sync_block_acq_rel();
-  FA_TL((int)ompx_block_id_x(), tid, FA_TL_READY);
+  FA_TL(FA_TL_READY);
 
   float dd0, dd1;
   fa_dq_rowsum_of(b, blk, wg * FA_MMA_ROWS, h, &ov, smem + ot, D, D, f16, warp, lane, &dd0, &dd1);
@@ -358,9 +358,9 @@ static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, co
 
   while (w.pi < w.pend) {
     const int kt = fa_wg2_buf(rg, bi), vt = kt + BK * D;
-    FA_TL((int)ompx_block_id_x(), tid, FA_TL_TILE);
+    FA_TL(FA_TL_TILE);
     fa_mbar_wait(sm, rg.full + 4 * bi, (j / S) & 1);
-    FA_TL((int)ompx_block_id_x(), tid, FA_TL_ARRIVED);
+    FA_TL(FA_TL_ARRIVED);
     const int nk = fa_walk_keys(w, BK);
     unsigned long long kf[2] = {0, 0}; /* bit r: K row 64 h + r of tile j was non-finite (zeroed) */
     if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst)) fa_wg2_scan(smem + kt, BK, D, f16, rg, tid, kf);
@@ -375,16 +375,16 @@ static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, co
       fa_wg_commit();
       fa_wg_acc_abt_of(dp, ot, sm, vt + hh * HK * 64, HK, BK, D, f16);
       fa_wg_commit();
-      FA_TL((int)ompx_block_id_x(), tid, FA_TL_ISSUED);
+      FA_TL(FA_TL_ISSUED);
       fa_wg_wait(1);
       fa_wg_pin(s, HK / 8);
-      FA_TL((int)ompx_block_id_x(), tid, FA_TL_S);
+      FA_TL(FA_TL_S);
       unsigned vis0, vis1;
       fa_dq_tile_p(s, HK, all, kf[hh], c0, lim0 - hh * HK, lim1 - hh * HK, mul, lse0, lse1, &vis0, &vis1, &bad0,
                    &bad1);
       fa_wg_wait(0);
       fa_wg_pin(dp, HK / 8);
-      FA_TL((int)ompx_block_id_x(), tid, FA_TL_PV);
+      FA_TL(FA_TL_PV);
 #pragma unroll
       for (int k0 = 0; k0 < HK; k0 += KP) {
         fa_dq_tile_ds(s, dp, k0 / 8, (k0 + KP) / 8, vis0, vis1, dd0, dd1);
@@ -408,14 +408,14 @@ static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, co
     w = fa_walk_next(w, BK, seg, pair, blk, qshift);
     bi = bi == S - 1 ? 0 : bi + 1;
     j++;
-    FA_TL((int)ompx_block_id_x(), tid, FA_TL_NEXT);
+    FA_TL(FA_TL_NEXT);
   }
-  FA_TL((int)ompx_block_id_x(), tid, FA_TL_FINISH);
+  FA_TL(FA_TL_FINISH);
   bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
   /* dQ through this warpgroup's Q tile: its last reader, S of the last tile, has retired */
   fa_wg_store_rows_staged(b.dq, blk.start + wg * FA_MMA_ROWS, nq, h, dq, D, smem + qt, wt, b.scale, b.scale, bad0, bad1,
                           1 + wg);
-  FA_TL((int)ompx_block_id_x(), tid, FA_TL_END);
+  FA_TL(FA_TL_END);
 }
 
 /* ---- dK/dV --------------------------------------------------------------- */
@@ -1117,8 +1117,8 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D
   const fa_tma_map *tma = b.tma;
   const int hg = (int)(g * group), qsh = (int)qshift;
   FA_TL_DECL;
-  FA_TL((int)ompx_block_id_x(), tid, FA_TL_START);
-  FA_TL((int)ompx_block_id_x(), tid, FA_TL_BEGIN);
+  FA_TL(FA_TL_START);
+  FA_TL(FA_TL_BEGIN);
 
   /* this warpgroup's keys; one with none loads zeros (from the block's first row, which exists) */
   const int64_t krest = blk.len - wg * FA_MMA_ROWS, nk = krest < 0 ? 0 : krest;
@@ -1139,7 +1139,7 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D
   fa_cp_async_wait(0);
   fa_fence_proxy_async(); /* K and V for the tensor cores' reads */
   ompx_sync_block_acq_rel();
-  FA_TL((int)ompx_block_id_x(), tid, FA_TL_READY);
+  FA_TL(FA_TL_READY);
 
   /* lanes' rows: of S, dP (queries) and of this warpgroup's dK/dV (keys) */
   const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
@@ -1166,7 +1166,7 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D
   while (w.j <= u.j1) {
     fa_wg_pin(s, 8);
     fa_wg_pin(dp, 8);
-    FA_TL((int)ompx_block_id_x(), tid, FA_TL_TILE);
+    FA_TL(FA_TL_TILE);
     const int qt = fa_wg2_buf(rg, bi), ot = qt + BQ * D;
     const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
     const int kq0 = kfirst - (w.qb + qsh);
@@ -1177,13 +1177,13 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D
     }
     fa_wg_dkv_qm_grads(s, dp, st[0] * FA_LOG2E, st[1] * FA_LOG2E, st[2], st[3], mul, all, r0, nq, w.causal, kq0,
                        c0);
-    FA_TL((int)ompx_block_id_x(), tid, FA_TL_COMPUTED);
+    FA_TL(FA_TL_COMPUTED);
     fa_wg_store_tile(fa_wg_opaque(sm), ptile, s, warp, lane, f16);   /* P */
     fa_wg_store_tile(fa_wg_opaque(sm), dstile, dp, warp, lane, f16); /* dS */
     fa_fence_proxy_async();
-    FA_TL((int)ompx_block_id_x(), tid, FA_TL_STORED);
+    FA_TL(FA_TL_STORED);
     fa_wg_bar_sync(1 + wg, 128); /* the warpgroup's P and dS for its products */
-    FA_TL((int)ompx_block_id_x(), tid, FA_TL_GRADS);
+    FA_TL(FA_TL_GRADS);
     const fa_query_walk w1 = fa_qwalk_next(w, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
     const int more = w1.j <= u.j1, b1 = bi == S - 1 ? 0 : bi + 1;
     /* tile j + 1's lse and D (global loads, used next iteration), its buffer
@@ -1191,9 +1191,9 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D
      * cannot sit inside one */
     qflags = more ? fa_wg2_dkv_next(st, &b, w1, hg + w1.hh, r0, sm, smem, rg, b1, j + 1, BQ, D, f16, blk, qsh, tid)
                   : 0;
-    FA_TL((int)ompx_block_id_x(), tid, FA_TL_NEXTQ);
+    FA_TL(FA_TL_NEXTQ);
     fa_wg_turn_wait(3 + wg);
-    FA_TL((int)ompx_block_id_x(), tid, FA_TL_TURN);
+    FA_TL(FA_TL_TURN);
     fa_wg_acc_atb_v(dv, fa_wg_opaque_at(sm, ptile), 0, fa_wg_opaque_at(sm, ot), 0, BQ, BQ, D, f16);  /* dV += P^T dO */
     fa_wg_acc_atb_v(dk, fa_wg_opaque_at(sm, dstile), 0, fa_wg_opaque_at(sm, qt), 0, BQ, BQ, D, f16); /* dK += dS^T Q */
     fa_wg_commit();
@@ -1202,11 +1202,11 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D
     fa_wg2_dkv_sdp(s, dp, sm, nt, ktile, vtile, BQ, D, f16);
     fa_wg_commit();
     if (wg == 0 || more) fa_wg_turn_pass(4 - wg); /* warpgroup 1's last: none to take */
-    FA_TL((int)ompx_block_id_x(), tid, FA_TL_ISSUED);
+    FA_TL(FA_TL_ISSUED);
     fa_wg_wait(0);
     fa_wg_pin(dv, D / 8);
     fa_wg_pin(dk, D / 8);
-    FA_TL((int)ompx_block_id_x(), tid, FA_TL_PV);
+    FA_TL(FA_TL_PV);
     fa_wg_bar_sync(1 + wg, 128); /* every warp's products retired: P, dS and buffer bi free */
     /* buffer bi is free for this warpgroup; the second to say so copies tile j + S into it */
     if (wt == 0 && wl.j <= u.j1) {
@@ -1216,11 +1216,11 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D
     w = w1;
     bi = b1;
     j++;
-    FA_TL((int)ompx_block_id_x(), tid, FA_TL_NEXT);
+    FA_TL(FA_TL_NEXT);
   }
-  FA_TL((int)ompx_block_id_x(), tid, FA_TL_FINISH);
+  FA_TL(FA_TL_FINISH);
   fa_mma_dkv_store(&b, ui, g, dk, dv, D, wg * FA_MMA_ROWS + r0, k_pos0, c0, ok0, ok1, bad0, bad1, lane);
-  FA_TL((int)ompx_block_id_x(), tid, FA_TL_END);
+  FA_TL(FA_TL_END);
 }
 #pragma omp end declare target
 

@@ -361,8 +361,8 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
   const float mul = ga.scale * FA_LOG2E;
   const int64_t qrows = blk.len - wg * FA_MMA_ROWS; /* this warpgroup's rows of the block (may be <= 0) */
   FA_TL_DECL;
-  FA_TL((int)ompx_block_id_x(), tid, FA_TL_START);
-  FA_TL((int)ompx_block_id_x(), tid, FA_TL_BEGIN);
+  FA_TL(FA_TL_START);
+  FA_TL(FA_TL_BEGIN);
 
   fa_mma_load_rows(sm, qt, D, FA_MMA_ROWS, D, ga.q, blk.start + wg * FA_MMA_ROWS,
                    qrows < 0 ? 0 : qrows > FA_MMA_ROWS ? FA_MMA_ROWS : qrows, h, wt);
@@ -377,7 +377,7 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
   fa_cp_async_wait(0);
   fa_fence_proxy_async(); /* Q and the zeros for the tensor cores' reads */
   ompx_sync_block_acq_rel();
-  FA_TL((int)ompx_block_id_x(), tid, FA_TL_READY);
+  FA_TL(FA_TL_READY);
 
   fa_f4 s[FA_WG2_BK / 8], o[FA_MMA_MAX_D / 8];
   fa_u4 pa[FA_WG2_BK / 16]; /* P(j - 1), packed */
@@ -395,9 +395,9 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
 
   while (w.pi < w.pend) {
     const int kt = fa_wg2_buf(rg, b);
-    FA_TL((int)ompx_block_id_x(), tid, FA_TL_TILE);
+    FA_TL(FA_TL_TILE);
     fa_mbar_wait(sm, rg.full + 4 * b, (j / S) & 1);
-    FA_TL((int)ompx_block_id_x(), tid, FA_TL_ARRIVED);
+    FA_TL(FA_TL_ARRIVED);
     /* tile j - 2's buffer (its P V waited for in iteration j - 1) is free for this warpgroup; the second to
      * say so copies tile j - 2 + S into it. Here warp 0's release work (~500 cycles, which the other warps
      * waited for at the products' issue when it followed P V's wait) falls in the time the products wait
@@ -411,24 +411,24 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
 
     fa_wg_acc_abt(s, qt, sm, kt, BK, D, f16);
     fa_wg_commit();
-    FA_TL((int)ompx_block_id_x(), tid, FA_TL_ISSUED_S);
+    FA_TL(FA_TL_ISSUED_S);
     fa_wg_acc_ab(o, pa, sm, fa_wg2_buf(rg, bp) + BK * D, BK, BK, D, f16);
     fa_wg_commit();
-    FA_TL((int)ompx_block_id_x(), tid, FA_TL_ISSUED);
+    FA_TL(FA_TL_ISSUED);
     fa_wg_wait(1); /* S(j); P(j-1) V(j-1) runs on under the softmax */
     fa_wg_pin(s, BK / 8);
-    FA_TL((int)ompx_block_id_x(), tid, FA_TL_S);
+    FA_TL(FA_TL_S);
 
     float mx0 = -INFINITY, mx1 = -INFINITY, a0, a1;
     fa_fwd_tile_max(s, BK, nk == BK && (!w.causal || w.kb + BK - 1 <= wfirst), c0, lim0, lim1, vf[0], vf[1], &mx0, &mx1,
                     &bad0, &bad1);
-    FA_TL((int)ompx_block_id_x(), tid, FA_TL_MAX);
+    FA_TL(FA_TL_MAX);
     fa_fwd_tile_exp(s, BK, mx0, mx1, mul, &m0, &m1, &l0, &l1, &a0, &a1);
-    FA_TL((int)ompx_block_id_x(), tid, FA_TL_EXP);
+    FA_TL(FA_TL_EXP);
     fa_wg_wait(0);
     fa_wg_pin(o, D / 8);
     fa_wg_pin_u4(pa, BK / 16);
-    FA_TL((int)ompx_block_id_x(), tid, FA_TL_PV);
+    FA_TL(FA_TL_PV);
     fa_fwd_rescale(o, D, a0, a1);
     fa_wg_pack(pa, s, BK, f16);
     w = fa_walk_next(w, BK, seg, pair, blk, qshift);
@@ -436,22 +436,22 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
     bp = b;
     b = b == S - 1 ? 0 : b + 1;
     j++;
-    FA_TL((int)ompx_block_id_x(), tid, FA_TL_NEXT);
+    FA_TL(FA_TL_NEXT);
   }
   /* P V of the last tile (no tile: P(-1) = 0 times the zeros) */
   fa_wg_acc_ab(o, pa, sm, fa_wg2_buf(rg, bp) + BK * D, BK, BK, D, f16);
   fa_wg_commit();
   fa_wg_wait(0);
   fa_wg_pin(o, D / 8);
-  FA_TL((int)ompx_block_id_x(), tid, FA_TL_PV);
+  FA_TL(FA_TL_PV);
   float inv[2];
   int bad[2] = {bad0, bad1};
   fa_fwd_finish_rows(ga, blk.start + r0, h, c0, lane, ok0, ok1, m0, m1, l0, l1, inv, bad);
   /* O through this warpgroup's Q tile: its last reader, S of the last tile, has retired */
   fa_wg_store_rows_staged(ga.o, blk.start + wg * FA_MMA_ROWS, qrows, h, o, D, smem + qt, wt, inv[0], inv[1], bad[0],
                           bad[1], 1 + wg);
-  FA_TL((int)ompx_block_id_x(), tid, FA_TL_FINISH);
-  FA_TL((int)ompx_block_id_x(), tid, FA_TL_END);
+  FA_TL(FA_TL_FINISH);
+  FA_TL(FA_TL_END);
 }
 #pragma omp end declare target
 

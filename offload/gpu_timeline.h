@@ -18,6 +18,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <ompx.h>
 
 #ifdef FA_GPU_TIMELINE
 
@@ -76,8 +77,9 @@ static inline unsigned long long fa_tl_clock(int global) {
 #pragma omp end declare variant
 
 #pragma omp declare target
-/* Record event ev as the n-th of this warp (thread tid of team `team`). */
-static inline __attribute__((always_inline)) void fa_tl_mark(int team, int tid, int *n, int ev) {
+/* Record event ev as the n-th of the calling thread's warp. */
+static inline __attribute__((always_inline)) void fa_tl_mark(int *n, int ev) {
+  const int team = (int)ompx_block_id_x(), tid = (int)ompx_thread_id_x();
   const unsigned slot =
       team < FA_TL_TEAMS ? (unsigned)team * FA_TL_WARPS + (unsigned)tid / 32 : FA_TL_TEAMS * FA_TL_WARPS;
   const unsigned i = *n < FA_TL_CAP ? (unsigned)*n : FA_TL_CAP - 1;
@@ -88,7 +90,7 @@ static inline __attribute__((always_inline)) void fa_tl_mark(int team, int tid, 
 #pragma omp end declare target
 
 #define FA_TL_DECL int fa_tl_n_ = 0
-#define FA_TL(team, tid, ev) fa_tl_mark((team), (tid), &fa_tl_n_, (ev))
+#define FA_TL(ev) fa_tl_mark(&fa_tl_n_, (ev))
 
 /* Host, around a launch of kernel `name`: on its call number
  * FORKATTN_GPU_TIMELINE_CALL (default 5) _begin clears the buffer and _end
@@ -105,7 +107,7 @@ void fa_gpu_timeline_end(int device, const char *name);
 
 #else
 #define FA_TL_DECL ((void)0)
-#define FA_TL(team, tid, ev) ((void)0)
+#define FA_TL(ev) ((void)0)
 #define FA_TL_LAUNCH(device, name, launch) launch
 #endif
 

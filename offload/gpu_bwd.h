@@ -37,8 +37,9 @@ typedef struct fa_gpu_bwd {
 /* 1 when the tensor-core backward runs this call: the forward's conditions
  * (fa_gpu_mma_fwd_ok) for q, k, v, and dout of the same dtype and alignment. */
 int fa_gpu_mma_bwd_ok(const fa_attn_bwd *a, forkattn_memory memory);
-void fa_gpu_mma_dq(const fa_gpu_bwd *b);
-void fa_gpu_mma_dkv(const fa_gpu_bwd *b);
+/* The tensor-core dQ and dK/dV of b; argp: b's device copy (fa_stage_array), which the kernels read. */
+void fa_gpu_mma_dq(const fa_gpu_bwd *b, const fa_gpu_bwd *argp);
+void fa_gpu_mma_dkv(const fa_gpu_bwd *b, const fa_gpu_bwd *argp);
 /* fa_gpu_mma_tma_pair (gpu_fwd.h) for the wgmma dK/dV: Q's and dO's maps, boxes of its query tiles. */
 int fa_gpu_mma_dkv_tma(struct fa_tma_map *maps, const fa_dev_tensor *q, int64_t q_rows, const fa_dev_tensor *dout,
                        int64_t dout_rows, int64_t hq, int64_t d, int device);

@@ -43,7 +43,8 @@ int fa_gpu_mma_fwd_ok(const fa_attn_fwd *a, forkattn_memory memory);
  * plan's rows (with qshift) and pairs below FA_MMA_MAX_POS (32-bit walks). */
 int fa_gpu_mma_ok(const forkattn_tensor *const *t, int n, int64_t d, int has_kept, const fa_plan *plan,
                   forkattn_memory memory);
-void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g);
+/* The tensor-core forward of g; argp: g's device copy (fa_stage_array), which the kernels read. */
+void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g, const fa_gpu_fwd_args *argp);
 /* 1 when a tensor-core launch of a call that passes fa_gpu_mma_ok takes its
  * wgmma kernel (team memory `smem`) with bulk tensor copies (sm_90a build,
  * device team memory, FORKATTN_GPU_TMA not 0) and the driver encoded the

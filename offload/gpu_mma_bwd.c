@@ -58,8 +58,7 @@ int fa_gpu_mma_dq_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, 
          fa_gpu_mma_tma_pair(maps, k, k_rows, v, v_rows, hkv, d, FA_WG2_BK, FA_WG2_DQ_SMEM(d), device);
 }
 
-void fa_gpu_mma_dq(const fa_gpu_bwd *b) {
-  const fa_gpu_bwd args = *b;
+void fa_gpu_mma_dq(const fa_gpu_bwd *b, const fa_gpu_bwd *argp) {
   const int nteams = (int)(b->nqb * b->hq), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
 #ifdef FORKATTN_HAVE_WGMMA
   if (b->dq_wg2) { /* fa_gpu_mma_dq_tma chose it, and the query blocks are FA_WG2_ROWS */
@@ -73,12 +72,13 @@ void fa_gpu_mma_dq(const fa_gpu_bwd *b) {
 /* One team per (key unit, KV head); at head_dim 128 V's tile stays in team
  * memory (FA_MMA_DKV_VSM: 16-query tiles, fa_mma_dkv_team). */
 /* TEAM(D, F16, args, unit, KV head, smem) on one team per (key unit, KV head), THREADS threads, SMEM bytes of
- * team memory. */
+ * team memory; `argp` as FA_MMA_QUERY_TEAMS_OF takes it. */
 #define FA_MMA_DKV_TEAMS_OF(TEAM, D, F16, SMEM, THREADS)                                                      \
   do {                                                                                                        \
     const size_t smem = (SMEM);                                                                               \
-    FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(nteams) thread_limit(THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args)) \
+    FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(nteams) thread_limit(THREADS) ompx_dyn_cgroup_mem(smem) device(dev) is_device_ptr(argp)) \
     {                                                                                                         \
+      const __typeof__(*argp) args = *argp;                                                                   \
       unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
       const int team = (int)ompx_block_id_x(), hkv = (int)args.hkv; /* 32-bit: see FA_MMA_QUERY_TEAMS */      \
       TEAM((D), (F16), args, team / hkv, team % hkv, sm);                                                     \
@@ -115,8 +115,7 @@ int fa_gpu_mma_dkv_wg2(int64_t d, int device) {
          fa_gpu_wgmma_on(device, FA_WG2_DKV_SMEM(d));
 }
 
-void fa_gpu_mma_dkv(const fa_gpu_bwd *b) {
-  const fa_gpu_bwd args = *b;
+void fa_gpu_mma_dkv(const fa_gpu_bwd *b, const fa_gpu_bwd *argp) {
   const int nteams = (int)(b->nunits * b->hkv), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
 #ifdef FORKATTN_HAVE_WGMMA
   if (b->dkv_wg2) { /* fa_gpu_mma_dkv_wg2 chose it, the key blocks are FA_WG2_ROWS, Q's and dO's maps encoded */

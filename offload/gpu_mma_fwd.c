@@ -94,8 +94,7 @@ int fa_gpu_mma_fwd_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows,
 #define FA_WG2_FWD(D, F16)                                                                                     \
   FA_MMA_QUERY_TEAMS_OF(fa_wg2_fwd_team, blocks, D, FA_WG2_BK, F16, FA_WG2_FWD_SMEM(D), FA_WG2_THREADS)
 
-void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g) {
-  const fa_gpu_fwd_args args = *g;
+void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g, const fa_gpu_fwd_args *argp) {
   const int nteams = (int)(g->nblocks * g->hq), dev = g->device, f16 = g->q.dtype == FORKATTN_DTYPE_F16;
 #ifdef FORKATTN_HAVE_WGMMA
   if (g->wg2) { /* fa_gpu_mma_fwd_tma chose it, and the blocks are FA_WG2_ROWS */

@@ -366,14 +366,19 @@ static inline unsigned long long fa_mma_scan_rows(unsigned short *t, int P, int 
 
 /* Launch TEAM(D, BK, F16, args, block, h, g, smem) on one team per (query
  * block of args.BLOCKS, query head), THREADS threads (a constant: the
- * kernel's launch bound) and SMEM bytes of team memory. Needs `args` (by
- * value), `nteams` and `dev` in scope. FA_MMA_QUERY_TEAMS: FA_MMA_THREADS. */
+ * kernel's launch bound) and SMEM bytes of team memory. Needs `argp` (a
+ * device copy of the call's arguments, staged with the plan so that its
+ * copy rides on the launch: gpu_launch_copy.h; the kernels read their
+ * arguments from device memory either way, firstprivate's copy costing the
+ * runtime one more), `nteams` and `dev` in scope. FA_MMA_QUERY_TEAMS:
+ * FA_MMA_THREADS. */
 #define FA_MMA_PRAGMA(x) _Pragma(#x)
 #define FA_MMA_QUERY_TEAMS_OF(TEAM, BLOCKS, D, BK, F16, SMEM, THREADS)                                          \
   do {                                                                                                        \
     const size_t smem = (SMEM);                                                                               \
-    FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(nteams) thread_limit(THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args)) \
+    FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(nteams) thread_limit(THREADS) ompx_dyn_cgroup_mem(smem) device(dev) is_device_ptr(argp)) \
     {                                                                                                         \
+      const __typeof__(*argp) args = *argp;                                                                   \
       unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
       /* 32-bit: a 64-bit division is a subroutine call, which makes ptxas serialize wgmma */                 \
       const int team = (int)ompx_block_id_x(), hq = (int)args.hq, h = team % hq;                              \

@@ -17,7 +17,15 @@ typedef struct fa_pool_block {
 struct fa_gpu_pool { /* typedef in context_internal.h */
   int n;
   fa_pool_block b[FA_POOL_MAX];
+  void *pinned; /* page-locked host buffer (fa_gpu_pool_pinned) */
+  size_t pinned_bytes;
+  int pinned_used;
 };
+
+/* LLVM's offload runtime's page-locked host allocator (weak: other OpenMP
+ * runtimes, such as GCC's for the host-only tests, lack it). */
+void *llvm_omp_target_alloc_host(size_t size, int device_num) __attribute__((weak));
+void llvm_omp_target_free_host(void *ptr, int device_num) __attribute__((weak));
 
 static void fa_pool_drop(forkattn_ctx *ctx, int i) {
   fa_gpu_pool *pool = ctx->gpu_pool;
@@ -75,8 +83,28 @@ void fa_gpu_pool_put(forkattn_ctx *ctx, void *p) {
     }
 }
 
+void *fa_gpu_pool_pinned(forkattn_ctx *ctx, size_t bytes) {
+  if (!llvm_omp_target_alloc_host || !llvm_omp_target_free_host) return NULL;
+  if (!ctx->gpu_pool && !(ctx->gpu_pool = fa_calloc(1, sizeof *ctx->gpu_pool))) return NULL;
+  fa_gpu_pool *pool = ctx->gpu_pool;
+  if (pool->pinned_used) return NULL;
+  if (pool->pinned_bytes < bytes) {
+    if (pool->pinned) llvm_omp_target_free_host(pool->pinned, ctx->device);
+    pool->pinned = llvm_omp_target_alloc_host(bytes, ctx->device);
+    pool->pinned_bytes = pool->pinned ? bytes : 0;
+    if (!pool->pinned) return NULL;
+  }
+  pool->pinned_used = 1;
+  return pool->pinned;
+}
+
+void fa_gpu_pool_unpin(forkattn_ctx *ctx) {
+  if (ctx->gpu_pool) ctx->gpu_pool->pinned_used = 0;
+}
+
 void fa_gpu_pool_destroy(forkattn_ctx *ctx) {
   if (!ctx->gpu_pool) return;
+  if (ctx->gpu_pool->pinned) llvm_omp_target_free_host(ctx->gpu_pool->pinned, ctx->device);
   while (ctx->gpu_pool->n) fa_pool_drop(ctx, 0);
   fa_free(ctx->gpu_pool);
   ctx->gpu_pool = NULL;

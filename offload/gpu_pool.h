@@ -17,7 +17,16 @@
 void *fa_gpu_pool_get(forkattn_ctx *ctx, size_t bytes);
 /* Give back a block from fa_gpu_pool_get (NULL is ignored). */
 void fa_gpu_pool_put(forkattn_ctx *ctx, void *p);
-/* Free every block (all must have been given back). */
+/* The context's page-locked host buffer of at least `bytes`, for the plan
+ * copies a call's launch carries (gpu_stage.c): from page-locked memory the
+ * driver's asynchronous copy is a DMA queued behind the launch, where from
+ * ordinary memory it first copies into a staging buffer and waits. NULL
+ * when it is taken (until fa_gpu_pool_unpin) or the runtime has no
+ * page-locked allocator: the caller packs into ordinary memory. */
+void *fa_gpu_pool_pinned(forkattn_ctx *ctx, size_t bytes);
+/* Give the page-locked buffer back (its copies have completed). */
+void fa_gpu_pool_unpin(forkattn_ctx *ctx);
+/* Free every block and the page-locked buffer (all must have been given back). */
 void fa_gpu_pool_destroy(forkattn_ctx *ctx);
 
 #endif

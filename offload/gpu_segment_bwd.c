@@ -288,6 +288,7 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
         fa_stage_tensor(&st, &a->v, 1, &b.v) || fa_stage_tensor(&st, &a->o, 1, &b.o) ||
         fa_stage_tensor(&st, &a->dout, 1, &b.dout) || fa_stage_tensor(&st, &a->dq, 0, &b.dq) ||
         fa_stage_tensor(&st, &a->dk, 0, &b.dk) || fa_stage_tensor(&st, &a->dv, 0, &b.dv);
+  fa_gpu_trace_mark(&tr, "views");
   /* The kernels' choice (their maps encoded on the staged tensors), then their blocks: key blocks of
    * krows rows (the dK/dV teams'), query blocks of the dQ teams' rows. maps: the dK/dV's Q and dO maps,
    * the two-warpgroup dQ's K and V maps, uploaded with the plan, first (64-byte aligned). */
@@ -298,6 +299,7 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
   b.dkv_wg2 = tma && fa_gpu_mma_dkv_wg2(a->d, ctx->device);
   b.krows = b.dkv_wg2 ? FA_WG2_ROWS : mma ? FA_MMA_ROWS : FA_GPU_ROWS;
   const int64_t qrows = b.dq_wg2 ? FA_WG2_ROWS : mma ? FA_MMA_ROWS : FA_GPU_ROWS;
+  fa_gpu_trace_mark(&tr, "maps");
   if (!bad) {
     b.nkb = fa_plan_blocks(p, b.krows, 1, &kb_h);
     b.nunits = b.nkb < 0 ? -1
@@ -316,6 +318,7 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
     fa_stage_free(&st);
     return fa_fail(ctx, FORKATTN_ERR_UNSUPPORTED, "gpu bwd: too many teams for one launch");
   }
+  fa_gpu_trace_mark(&tr, "blocks");
   if (!bad) {
     const void *plan_h[9] = {maps, p->seg, p->pair, p->q_pair_off, p->k_pair_idx, qb_h, kb_h, units_h, unit_off_h};
     const size_t plan_bytes[9] = {tma || b.dq_wg2 ? sizeof maps : 0,
@@ -336,6 +339,9 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
       bad = !b.part_k || !b.part_v;
     }
   }
+  /* the tensor-core kernels read their arguments from a device copy that rides with the plan */
+  const fa_gpu_bwd *b_dev = !bad && mma ? fa_stage_array(&st, &b, sizeof b) : NULL;
+  bad = bad || (mma && !b_dev);
   fa_free(qb_h);
   fa_free(kb_h);
   fa_free(units_h);
@@ -347,15 +353,15 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
                    status == FORKATTN_ERR_DEVICE ? "copy" : "allocation");
   }
   fa_note_workspace(ctx, st.bytes);
-  fa_gpu_trace_mark(&tr, "stage");
+  fa_gpu_trace_mark(&tr, "upload");
   if (!mma) { /* the tensor-core dQ kernel computes D itself */
     fa_gpu_rowsum(&b, ctx->device);
     fa_gpu_trace_mark(&tr, "rowsum");
   }
   if (mma) {
-    fa_gpu_mma_dq(&b);
+    fa_gpu_mma_dq(&b, b_dev);
     fa_gpu_trace_mark(&tr, "mma_dq");
-    fa_gpu_mma_dkv(&b);
+    fa_gpu_mma_dkv(&b, b_dev);
     fa_gpu_trace_mark(&tr, "mma_dkv");
   } else {
     fa_gpu_dq(&b, ctx->device);

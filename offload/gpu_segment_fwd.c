@@ -127,11 +127,13 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
   int bad = fa_gpu_stage_kept(&st, a->kept, &kept) || fa_stage_tensor(&st, &a->q, 1, &q) ||
             fa_stage_tensor(&st, &a->k, 1, &k) || fa_stage_tensor(&st, &a->v, 1, &v) ||
             fa_stage_tensor(&st, &a->o, 0, &o);
+  fa_gpu_trace_mark(&tr, "views");
   /* the plan and, for bulk tensor copies, K's and V's tensor maps in one upload; the maps first,
    * at the block's start (64-byte aligned) */
   fa_tma_map maps[2];
   int wg2 = 0;
   const int tma = !bad && mma && fa_gpu_mma_fwd_tma(maps, &k, a->k.rows, &v, a->v.rows, hkv, d, ctx->device, &wg2);
+  fa_gpu_trace_mark(&tr, "maps");
   /* query blocks: the tensor-core kernels' teams (two warpgroups: 128 rows), or the FP32 kernel's */
   const int64_t nb = bad ? 0 : fa_plan_blocks(p, wg2 ? FA_WG2_ROWS : mma ? FA_MMA_ROWS : FA_GPU_ROWS, 0, &blocks_h);
   if (!bad && (nb < 0 || nb * a->hq > INT_MAX)) {
@@ -141,6 +143,7 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
                   : fa_fail(ctx, FORKATTN_ERR_UNSUPPORTED, "gpu fwd: %lld teams exceed one launch",
                             (long long)(nb * a->hq));
   }
+  fa_gpu_trace_mark(&tr, "blocks");
   const void *plan_h[5] = {maps, p->seg, p->pair, p->q_pair_off, blocks_h};
   const size_t plan_bytes[5] = {tma ? sizeof maps : 0, sizeof *p->seg * (size_t)p->nseg,
                                 sizeof *p->pair * (size_t)p->npairs, sizeof(int64_t) * (size_t)(p->nseg + 1),
@@ -163,10 +166,17 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
   const fa_gpu_fwd_args ga = {q,  k,    v,      o,        lse,         seg,         pair,
                               qoff, blocks, nb, hq, hkv, d, qshift, a->scale, kept, has_kept, ctx->device,
                               tma ? (const fa_tma_map *)plan_d[0] : NULL, wg2};
+  /* the tensor-core kernels read their arguments from a device copy that rides with the plan */
+  const fa_gpu_fwd_args *ga_dev = mma ? fa_stage_array(&st, &ga, sizeof ga) : NULL;
+  if (mma && !ga_dev) {
+    forkattn_status status = fa_stage_status(&st);
+    fa_stage_free(&st);
+    return fa_fail(ctx, status, "gpu fwd: device %s failed", status == FORKATTN_ERR_DEVICE ? "copy" : "allocation");
+  }
   fa_note_workspace(ctx, st.bytes);
-  fa_gpu_trace_mark(&tr, "stage");
+  fa_gpu_trace_mark(&tr, "upload");
 
-  if (mma) fa_gpu_mma_fwd(&ga);
+  if (mma) fa_gpu_mma_fwd(&ga, ga_dev);
   else fa_gpu_fp32_fwd(&ga);
   fa_gpu_trace_mark(&tr, mma ? "mma_fwd" : "fp32_fwd");
 

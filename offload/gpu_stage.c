@@ -1,6 +1,7 @@
 /* Staging of host tensors to dense device buffers and back. */
 #include "alloc.h"
 #include "dtype_convert.h"
+#include "gpu_launch_copy.h"
 #include "gpu_pool.h"
 #include "gpu_stage.h"
 
@@ -55,22 +56,46 @@ void *fa_stage_array(fa_stage *s, const void *host, size_t bytes) {
   return fa_stage_arrays(s, 1, &host, &bytes, &d) ? NULL : d;
 }
 
+/* Host memory for a packed copy a launch carries: a slice of the context's page-locked buffer
+ * (taken on the stage's first copy, FA_STAGE_CARRY_MAX bytes), else ordinary memory; *pinned says which. */
+static char *fa_stage_pack_buffer(fa_stage *s, size_t bytes, int *pinned) {
+  if (!s->pinned && s->pinned_at == 0) {
+    s->pinned = fa_gpu_pool_pinned(s->ctx, FA_STAGE_CARRY_MAX);
+    if (!s->pinned) s->pinned_at = FA_STAGE_CARRY_MAX; /* taken or unavailable: not asked again */
+  }
+  *pinned = s->pinned && bytes <= FA_STAGE_CARRY_MAX - s->pinned_at;
+  if (*pinned) {
+    char *p = s->pinned + s->pinned_at;
+    s->pinned_at += (bytes + 63) & ~(size_t)63;
+    memset(p, 0, bytes);
+    return p;
+  }
+  return fa_calloc(1, bytes ? bytes : 1);
+}
+
 int fa_stage_arrays(fa_stage *s, int n, const void *const *host, const size_t *bytes, void **dev) {
   size_t total = 0;
   for (int i = 0; i < n; i++) total += (bytes[i] + 15) & ~(size_t)15;
   char *d = fa_stage_scratch(s, total);
   if (!d) return -1;
-  if (n == 1) return fa_put(s, d, host[0], bytes[0]) ? -1 : (dev[0] = d, 0);
-  char *pack = fa_calloc(1, total ? total : 1); /* one host-to-device copy instead of n */
-  if (!pack) return -1;
+  const int carry = total <= FA_STAGE_CARRY_MAX && s->ncarried < FA_STAGE_MAX;
+  if (n == 1 && !carry) return fa_put(s, d, host[0], bytes[0]) ? -1 : (dev[0] = d, 0);
+  int pinned = 0;
+  char *pack = carry ? fa_stage_pack_buffer(s, total, &pinned) : fa_calloc(1, total ? total : 1);
+  if (!pack) return -1; /* one host-to-device copy instead of n */
   size_t at = 0;
   for (int i = 0; i < n; i++) {
     if (bytes[i]) memcpy(pack + at, host[i], bytes[i]);
     dev[i] = d + at;
     at += (bytes[i] + 15) & ~(size_t)15;
   }
+  if (carry && fa_gpu_launch_copy(d, pack, total)) { /* the launch's stream copies it: no wait of its own */
+    s->in_pinned[s->ncarried] = (unsigned char)pinned;
+    s->carried[s->ncarried++] = pack;
+    return 0;
+  }
   const int rc = fa_put(s, d, pack, total);
-  fa_free(pack);
+  if (!pinned) fa_free(pack);
   return rc;
 }
 
@@ -133,6 +158,13 @@ int fa_stage_floats_back(fa_stage *s, float *host, const float *dev, size_t n) {
 }
 
 void fa_stage_free(fa_stage *s) {
+  fa_gpu_launch_copies_drop((const void *const *)s->carried, s->ncarried); /* none, once a kernel launched */
+  for (int i = 0; i < s->ncarried; i++)
+    if (!s->in_pinned[i]) fa_free(s->carried[i]);
+  s->ncarried = 0;
+  if (s->pinned) fa_gpu_pool_unpin(s->ctx);
+  s->pinned = NULL;
+  s->pinned_at = 0;
   for (int i = 0; i < s->n; i++) fa_gpu_pool_put(s->ctx, s->dev[i]);
   s->n = 0;
 }

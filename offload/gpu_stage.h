@@ -18,6 +18,8 @@ typedef struct fa_dev_tensor {
 } fa_dev_tensor;
 
 #define FA_STAGE_MAX 32
+/* Largest plan copy that rides on a launch; larger ones are synchronous. */
+#define FA_STAGE_CARRY_MAX ((size_t)256 * 1024)
 
 typedef struct fa_stage {
   forkattn_ctx *ctx; /* device scratch comes from its pool (gpu_pool.h) */
@@ -25,6 +27,11 @@ typedef struct fa_stage {
   int host; /* tensors live in host memory */
   int n;
   void *dev[FA_STAGE_MAX];
+  int ncarried;
+  void *carried[FA_STAGE_MAX]; /* packed host copies a launch will carry (gpu_launch_copy.h) */
+  unsigned char in_pinned[FA_STAGE_MAX]; /* carried[i] lies in the page-locked buffer, else fa_calloc'ed */
+  char *pinned;     /* the context's page-locked buffer while this stage holds it, or NULL */
+  size_t pinned_at; /* bytes of it taken */
   size_t bytes;    /* device scratch allocated, for forkattn_ctx_peak_workspace() */
   int copy_failed; /* a host<->device copy failed (as opposed to an allocation) */
 } fa_stage;
@@ -37,7 +44,11 @@ int fa_stage_tensor_back(fa_stage *s, const forkattn_tensor *t, const fa_dev_ten
 /* Device copy of a host array (always staged: plan arrays). */
 void *fa_stage_array(fa_stage *s, const void *host, size_t bytes);
 /* Device copies of n host arrays in one device block and one copy: dev[i]
- * receives array i's copy (16-byte aligned). 0 or -1. */
+ * receives array i's copy (16-byte aligned). Up to FA_STAGE_CARRY_MAX bytes
+ * the copy rides on the call's next kernel launch (gpu_launch_copy.h), from a
+ * packed host copy the stage holds: the device arrays are in place only once
+ * a kernel of the call has been launched, and only kernels may read them;
+ * the host arrays may change or be freed as soon as this returns. 0 or -1. */
 int fa_stage_arrays(fa_stage *s, int n, const void *const *host, const size_t *bytes, void **dev);
 /* Device view of a float array of the caller's memory (lse); copy uploads. */
 float *fa_stage_floats(fa_stage *s, float *p, size_t n, int copy);

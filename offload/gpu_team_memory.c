@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gpu_launch_copy.h"
 #include "gpu_team_memory.h"
 
 #define FA_TM_DEVICES 64
@@ -37,11 +38,15 @@ static void *fa_tm_cuda; /* for fa_tm_install_once */
 static atomic_int fa_tm_state[FA_TM_DEVICES];
 static size_t fa_tm_bytes[FA_TM_DEVICES];
 
-/* cuLaunchKernel as the runtime calls it: a launch asking for more than the
- * default first raises its kernel's limit (per call: the driver keeps the
- * value per function, and setting it costs far less than a launch). */
+/* cuLaunchKernel as the runtime calls it: the copies this thread queued for
+ * its next launch go first on the launch's stream (gpu_launch_copy.h); a
+ * launch asking for more than the default team memory first raises its
+ * kernel's limit (per call: the driver keeps the value per function, and
+ * setting it costs far less than a launch). */
 static int fa_tm_forward(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                          unsigned smem, void *stream, void **params, void **extra) {
+  const int rc = fa_gpu_launch_copies_issue(stream);
+  if (rc) return rc;
   if (smem > FA_GPU_TEAM_MEMORY_DEFAULT) fa_tm_set(f, FA_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, (int)smem);
   return fa_tm_launch(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra);
 }
@@ -94,6 +99,7 @@ static void fa_tm_install_once(void) {
   fa_tm_scan s = {(uintptr_t)fa_tm_launch, (uintptr_t)fa_tm_forward, 0};
   dl_iterate_phdr(fa_tm_patch, &s);
   fa_tm_installed = s.replaced > 0;
+  if (fa_tm_installed) fa_gpu_launch_copy_init(dlsym(fa_tm_cuda, "cuMemcpyHtoDAsync_v2"));
 }
 
 /* A launch with FA_TM_CHECK_BYTES of team memory: every word written by one

@@ -1,14 +1,19 @@
 /* The GPU backend's host-side bookkeeping, run on the host: the context's
  * device-block cache (offload/gpu_pool.c) and the one-copy staging of plan
- * arrays (offload/gpu_stage.c), with the OpenMP initial device standing in for
- * the GPU (omp_target_alloc and omp_target_memcpy work there too). The GPU
- * suite runs the same code against the real device. */
+ * arrays (offload/gpu_stage.c) and the copies a launch carries
+ * (offload/gpu_launch_copy.c, with a stand-in for the driver's asynchronous
+ * copy), with the OpenMP initial device standing in for the GPU
+ * (omp_target_alloc and omp_target_memcpy work there too). The GPU suite runs
+ * the same code against the real device. */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <criterion/criterion.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "context_internal.h"
+#include "gpu_launch_copy.h"
 #include "gpu_pool.h"
 #include "gpu_stage.h"
 #include "test_common.h"
@@ -104,5 +109,158 @@ Test(gpu_stage, plan_arrays_go_up_in_one_block_aligned_and_intact) {
   fa_stage_init(&st2, &c, 0);
   cr_assert_eq(fa_stage_scratch(&st2, 100), block, "the next call's scratch reuses the returned block");
   fa_stage_free(&st2);
+  fa_gpu_pool_destroy(&c);
+}
+
+/* The driver's cuMemcpyHtoDAsync as the launch forwarder would call it: the
+ * initial device's memory is host memory, so a memcpy; it records each call's
+ * stream, and fails with fake_fail (a CUDA error code) when set. */
+static int fake_calls, fake_fail;
+static void *fake_stream;
+static int fake_htod(unsigned long long dst, const void *src, size_t bytes, void *stream) {
+  fake_calls++;
+  fake_stream = stream;
+  if (fake_fail) return fake_fail;
+  memcpy((void *)(uintptr_t)dst, src, bytes);
+  return 0;
+}
+
+static void carry_on(void) {
+  fake_calls = fake_fail = 0;
+  fake_stream = NULL;
+  fa_gpu_launch_copy_init((void *)(uintptr_t)fake_htod);
+}
+
+/* Stage 3 int64 arrays of fresh random values; the host arrays are then overwritten, as a caller may
+ * free or reuse them once staging returned. want receives the values staged. */
+static void stage_random(fa_stage *st, tc_rng *rng, int64_t want[3][4], void *dev[3]) {
+  int64_t h[3][4];
+  for (int i = 0; i < 3; i++)
+    for (int j = 0; j < 4; j++) want[i][j] = h[i][j] = (int64_t)tc_uniform(rng, -1e12, 1e12);
+  const void *host[3] = {h[0], h[1], h[2]};
+  const size_t bytes[3] = {sizeof h[0], sizeof h[1], sizeof h[2]};
+  cr_assert_eq(fa_stage_arrays(st, 3, host, bytes, dev), 0);
+  memset(h, 0x5a, sizeof h);
+}
+
+Test(gpu_launch_copy, plan_arrays_ride_on_the_next_launch_on_its_stream) {
+  carry_on();
+  forkattn_ctx c = host_ctx();
+  tc_rng rng = tc_rng_for("gpu_launch_copy/ride");
+  fa_stage st;
+  fa_stage_init(&st, &c, 0);
+  int64_t want[3][4];
+  void *dev[3];
+  char *block = fa_stage_scratch(&st, 4096); /* poison where the plan will land, then give it back */
+  memset(block, 0xee, 4096);
+  fa_stage_free(&st);
+  fa_stage_init(&st, &c, 0);
+  stage_random(&st, &rng, want, dev);
+  cr_assert_eq(fake_calls, 0, "nothing copied before the launch");
+  cr_assert_eq(*(unsigned char *)dev[0], 0xee, "the device block is untouched before the launch");
+  int stream_tag;
+  cr_assert_eq(fa_gpu_launch_copies_issue(&stream_tag), 0);
+  cr_assert_eq(fake_calls, 1, "one copy for the packed arrays");
+  cr_assert_eq(fake_stream, (void *)&stream_tag, "issued on the launch's stream");
+  for (int i = 0; i < 3; i++) cr_assert(memcmp(dev[i], want[i], sizeof want[i]) == 0, "array %d intact", i);
+  cr_assert_eq(fa_gpu_launch_copies_issue(&stream_tag), 0);
+  cr_assert_eq(fake_calls, 1, "a second launch carries nothing");
+  fa_stage_free(&st);
+  fa_gpu_pool_destroy(&c);
+}
+
+Test(gpu_launch_copy, a_call_that_launched_nothing_drops_only_its_own_copies) {
+  carry_on();
+  forkattn_ctx c = host_ctx();
+  tc_rng rng = tc_rng_for("gpu_launch_copy/drop");
+  fa_stage outer, inner;
+  int64_t want_outer[3][4], want_inner[3][4];
+  void *dev_outer[3], *dev_inner[3];
+  fa_stage_init(&outer, &c, 0);
+  stage_random(&outer, &rng, want_outer, dev_outer);
+  fa_stage_init(&inner, &c, 0); /* a nested call that stages and returns without a launch */
+  stage_random(&inner, &rng, want_inner, dev_inner);
+  fa_stage_free(&inner);
+  cr_assert_eq(fa_gpu_launch_copies_issue(NULL), 0);
+  cr_assert_eq(fake_calls, 1, "the inner call's copy was dropped, the outer one's kept");
+  for (int i = 0; i < 3; i++) cr_assert(memcmp(dev_outer[i], want_outer[i], sizeof want_outer[i]) == 0);
+  fa_stage_free(&outer);
+  fa_stage_init(&outer, &c, 0);
+  stage_random(&outer, &rng, want_outer, dev_outer);
+  fa_stage_free(&outer);
+  cr_assert_eq(fa_gpu_launch_copies_issue(NULL), 0);
+  cr_assert_eq(fake_calls, 1, "an ended call's copy never reaches a later launch");
+  fa_gpu_pool_destroy(&c);
+}
+
+Test(gpu_launch_copy, a_full_queue_or_a_large_plan_copies_at_once) {
+  carry_on();
+  forkattn_ctx c = host_ctx();
+  tc_rng rng = tc_rng_for("gpu_launch_copy/full");
+  fa_stage st;
+  fa_stage_init(&st, &c, 0);
+  int64_t want[FA_LAUNCH_COPIES + 1][3][4];
+  void *dev[FA_LAUNCH_COPIES + 1][3];
+  for (int k = 0; k <= FA_LAUNCH_COPIES; k++) stage_random(&st, &rng, want[k], dev[k]);
+  for (int i = 0; i < 3; i++) /* the one past the queue went up synchronously */
+    cr_assert(memcmp(dev[FA_LAUNCH_COPIES][i], want[FA_LAUNCH_COPIES][i], sizeof want[0][i]) == 0);
+  cr_assert_eq(fa_gpu_launch_copies_issue(NULL), 0);
+  cr_assert_eq(fake_calls, FA_LAUNCH_COPIES);
+  for (int k = 0; k < FA_LAUNCH_COPIES; k++)
+    for (int i = 0; i < 3; i++) cr_assert(memcmp(dev[k][i], want[k][i], sizeof want[k][i]) == 0, "copy %d", k);
+  const size_t big = FA_STAGE_CARRY_MAX + 16;
+  unsigned char *h = malloc(big);
+  cr_assert_not_null(h);
+  for (size_t i = 0; i < big; i++) h[i] = (unsigned char)tc_uniform(&rng, 0, 256);
+  void *d = fa_stage_array(&st, h, big);
+  cr_assert_not_null(d);
+  cr_assert(memcmp(d, h, big) == 0, "a plan past FA_STAGE_CARRY_MAX is in place on return");
+  cr_assert_eq(fake_calls, FA_LAUNCH_COPIES, "and was not queued");
+  free(h);
+  fa_stage_free(&st);
+  fa_gpu_pool_destroy(&c);
+}
+
+Test(gpu_launch_copy, a_failed_copy_fails_the_launch_and_empties_the_queue) {
+  carry_on();
+  forkattn_ctx c = host_ctx();
+  tc_rng rng = tc_rng_for("gpu_launch_copy/fail");
+  fa_stage st;
+  fa_stage_init(&st, &c, 0);
+  int64_t want[2][3][4];
+  void *dev[2][3];
+  stage_random(&st, &rng, want[0], dev[0]);
+  stage_random(&st, &rng, want[1], dev[1]);
+  fake_fail = 700; /* CUDA_ERROR_ILLEGAL_ADDRESS */
+  cr_assert_eq(fa_gpu_launch_copies_issue(NULL), 700, "the launch reports the copy's error");
+  cr_assert_eq(fake_calls, 1, "no copy after the failed one");
+  fake_fail = 0;
+  cr_assert_eq(fa_gpu_launch_copies_issue(NULL), 0);
+  cr_assert_eq(fake_calls, 1, "the queue was emptied");
+  fa_stage_free(&st);
+  fa_gpu_pool_destroy(&c);
+}
+
+Test(gpu_launch_copy, off_without_the_driver_or_when_asked) {
+  forkattn_ctx c = host_ctx();
+  tc_rng rng = tc_rng_for("gpu_launch_copy/off");
+  for (int mode = 0; mode < 2; mode++) {
+    fake_calls = 0;
+    if (mode == 0) fa_gpu_launch_copy_init(NULL); /* no forwarder: the runtime's table was not found */
+    else {
+      setenv("FORKATTN_GPU_LAUNCH_COPY", "0", 1);
+      fa_gpu_launch_copy_init((void *)(uintptr_t)fake_htod);
+      unsetenv("FORKATTN_GPU_LAUNCH_COPY");
+    }
+    fa_stage st;
+    fa_stage_init(&st, &c, 0);
+    int64_t want[3][4];
+    void *dev[3];
+    stage_random(&st, &rng, want, dev);
+    for (int i = 0; i < 3; i++) cr_assert(memcmp(dev[i], want[i], sizeof want[i]) == 0, "mode %d: in place", mode);
+    cr_assert_eq(fa_gpu_launch_copies_issue(NULL), 0);
+    cr_assert_eq(fake_calls, 0, "mode %d: nothing queued", mode);
+    fa_stage_free(&st);
+  }
   fa_gpu_pool_destroy(&c);
 }

@@ -1,0 +1,42 @@
+/* Host-to-device copies that ride on the next kernel launch.
+ *
+ * A call's plan (segments, pairs, blocks, tensor maps) used to reach the
+ * device through omp_target_memcpy: one synchronous copy, whose wait costs
+ * about as much as a whole empty launch (bench/launch_cost.c). Instead the
+ * stage queues the copy here, and the cuLaunchKernel forwarder of
+ * gpu_team_memory.c issues it with cuMemcpyHtoDAsync on the launch's own
+ * stream just before the kernel: stream order puts the data in place before
+ * the kernel starts, and the launch's synchronization covers the copy.
+ *
+ * The queue is per thread: the offload runtime launches a synchronous
+ * target region from the thread that encounters it, so the next launch on
+ * this thread is the calling library function's own. The host bytes must
+ * stay valid and unchanged until that launch returns (gpu_stage.c holds a
+ * packed copy until the call ends). Copies still queued when a call ends
+ * (it launched nothing) are dropped: no kernel reads them.
+ * FORKATTN_GPU_LAUNCH_COPY=0 keeps the synchronous copies. */
+#ifndef FORKATTN_GPU_LAUNCH_COPY_H
+#define FORKATTN_GPU_LAUNCH_COPY_H
+#include <stddef.h>
+
+/* Copies one launch may carry; a further one is refused (copied at once). */
+#define FA_LAUNCH_COPIES 8
+
+/* Once, from the forwarder's installation: the driver's cuMemcpyHtoDAsync
+ * (NULL: queuing stays off). */
+void fa_gpu_launch_copy_init(void *cu_memcpy_htod_async);
+
+/* Queue bytes from host to dev for this thread's next launch: 1 queued,
+ * 0 refused (off, or the queue is full): the caller copies itself. */
+int fa_gpu_launch_copy(void *dev, const void *host, size_t bytes);
+
+/* From the forwarder, before the kernel: issue this thread's queued copies
+ * on `stream` and empty the queue. 0, or the driver's error of the first
+ * copy that failed (the launch then reports it instead of starting). */
+int fa_gpu_launch_copies_issue(void *stream);
+
+/* Drop the queued copies whose host bytes are among hosts[0..n) (an ended
+ * call's that no launch took; another call's stay queued). */
+void fa_gpu_launch_copies_drop(const void *const *hosts, int n);
+
+#endif

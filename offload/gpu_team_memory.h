@@ -8,8 +8,10 @@
  * replaces its cuLaunchKernel entry with a forwarder that first raises the
  * launched kernel's limit to the bytes it asks for, then checks the result
  * with a kernel that fills and reads back more than 48 KB of team memory.
- * Nothing else changes: a table it cannot find, or a failed check, leaves
- * the 48 KB limit, and the kernels keep their 48 KB shapes.
+ * The forwarder also issues the copies the calling thread queued for its
+ * next launch (gpu_launch_copy.h) on the launch's stream, before the kernel.
+ * A table it cannot find leaves the 48 KB limit (the kernels keep their
+ * 48 KB shapes) and the copies synchronous; a failed check, the limit.
  * FORKATTN_GPU_TEAM_MEMORY=runtime leaves the runtime alone. */
 #ifndef FORKATTN_GPU_TEAM_MEMORY_H
 #define FORKATTN_GPU_TEAM_MEMORY_H

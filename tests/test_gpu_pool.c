@@ -131,6 +131,25 @@ static void carry_on(void) {
   fa_gpu_launch_copy_init((void *)(uintptr_t)fake_htod);
 }
 
+/* A stand-in context and a stage on it, copies carried by the fake driver. */
+typedef struct carry_case {
+  forkattn_ctx c;
+  fa_stage st;
+  tc_rng rng;
+} carry_case;
+
+static void carry_case_init(carry_case *k, const char *name) {
+  carry_on();
+  k->c = host_ctx();
+  k->rng = tc_rng_for(name);
+  fa_stage_init(&k->st, &k->c, 0);
+}
+
+static void carry_case_end(carry_case *k) {
+  fa_stage_free(&k->st);
+  fa_gpu_pool_destroy(&k->c);
+}
+
 /* Stage 3 int64 arrays of fresh random values; the host arrays are then overwritten, as a caller may
  * free or reuse them once staging returned. want receives the values staged. */
 static void stage_random(fa_stage *st, tc_rng *rng, int64_t want[3][4], void *dev[3]) {
@@ -143,30 +162,31 @@ static void stage_random(fa_stage *st, tc_rng *rng, int64_t want[3][4], void *de
   memset(h, 0x5a, sizeof h);
 }
 
+/* The 3 arrays stage_random staged hold want's values on the device. */
+static void assert_in_place(void *const dev[3], int64_t want[3][4], const char *what) {
+  for (int i = 0; i < 3; i++) cr_assert(memcmp(dev[i], want[i], sizeof want[i]) == 0, "%s: array %d intact", what, i);
+}
+
 Test(gpu_launch_copy, plan_arrays_ride_on_the_next_launch_on_its_stream) {
-  carry_on();
-  forkattn_ctx c = host_ctx();
-  tc_rng rng = tc_rng_for("gpu_launch_copy/ride");
-  fa_stage st;
-  fa_stage_init(&st, &c, 0);
+  carry_case k;
+  carry_case_init(&k, "gpu_launch_copy/ride");
+  char *block = fa_stage_scratch(&k.st, 4096); /* poison where the plan will land, then give it back */
+  memset(block, 0xee, 4096);
+  fa_stage_free(&k.st);
+  fa_stage_init(&k.st, &k.c, 0);
   int64_t want[3][4];
   void *dev[3];
-  char *block = fa_stage_scratch(&st, 4096); /* poison where the plan will land, then give it back */
-  memset(block, 0xee, 4096);
-  fa_stage_free(&st);
-  fa_stage_init(&st, &c, 0);
-  stage_random(&st, &rng, want, dev);
+  stage_random(&k.st, &k.rng, want, dev);
   cr_assert_eq(fake_calls, 0, "nothing copied before the launch");
   cr_assert_eq(*(unsigned char *)dev[0], 0xee, "the device block is untouched before the launch");
   int stream_tag;
   cr_assert_eq(fa_gpu_launch_copies_issue(&stream_tag), 0);
   cr_assert_eq(fake_calls, 1, "one copy for the packed arrays");
   cr_assert_eq(fake_stream, (void *)&stream_tag, "issued on the launch's stream");
-  for (int i = 0; i < 3; i++) cr_assert(memcmp(dev[i], want[i], sizeof want[i]) == 0, "array %d intact", i);
+  assert_in_place(dev, want, "after the launch");
   cr_assert_eq(fa_gpu_launch_copies_issue(&stream_tag), 0);
   cr_assert_eq(fake_calls, 1, "a second launch carries nothing");
-  fa_stage_free(&st);
-  fa_gpu_pool_destroy(&c);
+  carry_case_end(&k);
 }
 
 Test(gpu_launch_copy, a_call_that_launched_nothing_drops_only_its_own_copies) {
@@ -183,7 +203,7 @@ Test(gpu_launch_copy, a_call_that_launched_nothing_drops_only_its_own_copies) {
   fa_stage_free(&inner);
   cr_assert_eq(fa_gpu_launch_copies_issue(NULL), 0);
   cr_assert_eq(fake_calls, 1, "the inner call's copy was dropped, the outer one's kept");
-  for (int i = 0; i < 3; i++) cr_assert(memcmp(dev_outer[i], want_outer[i], sizeof want_outer[i]) == 0);
+  assert_in_place(dev_outer, want_outer, "the outer call's");
   fa_stage_free(&outer);
   fa_stage_init(&outer, &c, 0);
   stage_random(&outer, &rng, want_outer, dev_outer);
@@ -194,51 +214,41 @@ Test(gpu_launch_copy, a_call_that_launched_nothing_drops_only_its_own_copies) {
 }
 
 Test(gpu_launch_copy, a_full_queue_or_a_large_plan_copies_at_once) {
-  carry_on();
-  forkattn_ctx c = host_ctx();
-  tc_rng rng = tc_rng_for("gpu_launch_copy/full");
-  fa_stage st;
-  fa_stage_init(&st, &c, 0);
+  carry_case k;
+  carry_case_init(&k, "gpu_launch_copy/full");
   int64_t want[FA_LAUNCH_COPIES + 1][3][4];
   void *dev[FA_LAUNCH_COPIES + 1][3];
-  for (int k = 0; k <= FA_LAUNCH_COPIES; k++) stage_random(&st, &rng, want[k], dev[k]);
-  for (int i = 0; i < 3; i++) /* the one past the queue went up synchronously */
-    cr_assert(memcmp(dev[FA_LAUNCH_COPIES][i], want[FA_LAUNCH_COPIES][i], sizeof want[0][i]) == 0);
+  for (int i = 0; i <= FA_LAUNCH_COPIES; i++) stage_random(&k.st, &k.rng, want[i], dev[i]);
+  assert_in_place(dev[FA_LAUNCH_COPIES], want[FA_LAUNCH_COPIES], "past the queue, copied at once");
   cr_assert_eq(fa_gpu_launch_copies_issue(NULL), 0);
   cr_assert_eq(fake_calls, FA_LAUNCH_COPIES);
-  for (int k = 0; k < FA_LAUNCH_COPIES; k++)
-    for (int i = 0; i < 3; i++) cr_assert(memcmp(dev[k][i], want[k][i], sizeof want[k][i]) == 0, "copy %d", k);
+  for (int i = 0; i < FA_LAUNCH_COPIES; i++) assert_in_place(dev[i], want[i], "a queued copy");
   const size_t big = FA_STAGE_CARRY_MAX + 16;
   unsigned char *h = malloc(big);
   cr_assert_not_null(h);
-  for (size_t i = 0; i < big; i++) h[i] = (unsigned char)tc_uniform(&rng, 0, 256);
-  void *d = fa_stage_array(&st, h, big);
+  for (size_t i = 0; i < big; i++) h[i] = (unsigned char)tc_uniform(&k.rng, 0, 256);
+  void *d = fa_stage_array(&k.st, h, big);
   cr_assert_not_null(d);
   cr_assert(memcmp(d, h, big) == 0, "a plan past FA_STAGE_CARRY_MAX is in place on return");
   cr_assert_eq(fake_calls, FA_LAUNCH_COPIES, "and was not queued");
   free(h);
-  fa_stage_free(&st);
-  fa_gpu_pool_destroy(&c);
+  carry_case_end(&k);
 }
 
 Test(gpu_launch_copy, a_failed_copy_fails_the_launch_and_empties_the_queue) {
-  carry_on();
-  forkattn_ctx c = host_ctx();
-  tc_rng rng = tc_rng_for("gpu_launch_copy/fail");
-  fa_stage st;
-  fa_stage_init(&st, &c, 0);
+  carry_case k;
+  carry_case_init(&k, "gpu_launch_copy/fail");
   int64_t want[2][3][4];
   void *dev[2][3];
-  stage_random(&st, &rng, want[0], dev[0]);
-  stage_random(&st, &rng, want[1], dev[1]);
+  stage_random(&k.st, &k.rng, want[0], dev[0]);
+  stage_random(&k.st, &k.rng, want[1], dev[1]);
   fake_fail = 700; /* CUDA_ERROR_ILLEGAL_ADDRESS */
   cr_assert_eq(fa_gpu_launch_copies_issue(NULL), 700, "the launch reports the copy's error");
   cr_assert_eq(fake_calls, 1, "no copy after the failed one");
   fake_fail = 0;
   cr_assert_eq(fa_gpu_launch_copies_issue(NULL), 0);
   cr_assert_eq(fake_calls, 1, "the queue was emptied");
-  fa_stage_free(&st);
-  fa_gpu_pool_destroy(&c);
+  carry_case_end(&k);
 }
 
 Test(gpu_launch_copy, off_without_the_driver_or_when_asked) {
@@ -257,7 +267,7 @@ Test(gpu_launch_copy, off_without_the_driver_or_when_asked) {
     int64_t want[3][4];
     void *dev[3];
     stage_random(&st, &rng, want, dev);
-    for (int i = 0; i < 3; i++) cr_assert(memcmp(dev[i], want[i], sizeof want[i]) == 0, "mode %d: in place", mode);
+    assert_in_place(dev, want, mode == 0 ? "no forwarder" : "FORKATTN_GPU_LAUNCH_COPY=0");
     cr_assert_eq(fa_gpu_launch_copies_issue(NULL), 0);
     cr_assert_eq(fake_calls, 0, "mode %d: nothing queued", mode);
     fa_stage_free(&st);

@@ -29,8 +29,9 @@ cs=$(command -v compute-sanitizer || find / -xdev -name compute-sanitizer -type 
 export FORKATTN_LIBRARY=$PWD/$b/libforkattn.so PYTHONPATH=$PWD/python PYTHONDONTWRITEBYTECODE=1
 export OMP_TARGET_OFFLOAD=mandatory FORKATTN_TEST_INDUCTOR=0
 files="python/tests/test_cuda.py python/tests/test_distill.py python/tests/test_dlm_cache.py"
-if [ -n "${FORKATTN_SANITIZE_CASES:-}" ]; then # check-batch files, every case
-  cat $FORKATTN_SANITIZE_CASES | grep -v '^#' > /tmp/forkattn-sanitize.txt
+if [ -n "${FORKATTN_SANITIZE_CASES:-}" ]; then # check-batch files (space-separated), every case
+  read -r -a case_files <<< "$FORKATTN_SANITIZE_CASES"
+  grep -hv '^#' "${case_files[@]}" > /tmp/forkattn-sanitize.txt
 else
   { grep -v '^#' tests/check/adversarial.txt | awk 'NF && ++n % 5 == 1'; grep -v '^#' tests/check/mma.txt; } \
     > /tmp/forkattn-sanitize.txt

@@ -22,8 +22,10 @@ void fa_gpu_launch_copy_init(void *cu_memcpy_htod_async) {
   fa_lc_copy = e && !strcmp(e, "0") ? NULL : (fa_cu_htod_async)(uintptr_t)cu_memcpy_htod_async;
 }
 
+int fa_gpu_launch_copy_room(void) { return fa_lc_copy && fa_lc_n < FA_LAUNCH_COPIES; }
+
 int fa_gpu_launch_copy(void *dev, const void *host, size_t bytes) {
-  if (!fa_lc_copy || fa_lc_n == FA_LAUNCH_COPIES) return 0;
+  if (!fa_gpu_launch_copy_room()) return 0;
   fa_lc_queue[fa_lc_n++] = (fa_launch_copy_item){dev, host, bytes};
   return 1;
 }

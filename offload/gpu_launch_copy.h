@@ -26,6 +26,9 @@
  * (NULL: queuing stays off). */
 void fa_gpu_launch_copy_init(void *cu_memcpy_htod_async);
 
+/* 1 when fa_gpu_launch_copy would queue a copy now (on, queue not full). */
+int fa_gpu_launch_copy_room(void);
+
 /* Queue bytes from host to dev for this thread's next launch: 1 queued,
  * 0 refused (off, or the queue is full): the caller copies itself. */
 int fa_gpu_launch_copy(void *dev, const void *host, size_t bytes);

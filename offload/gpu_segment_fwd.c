@@ -156,22 +156,17 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
   const fa_block *blocks = plan_d[4];
   if (!bad && a->lse) bad = !(lse = fa_stage_floats(&st, a->lse, (size_t)(rows * hq), 0));
   fa_free(blocks_h); /* allocated even for 0 blocks; NULL if never built */
+  const fa_gpu_fwd_args ga = {q,  k,    v,      o,        lse,         seg,         pair,
+                              qoff, blocks, nb, hq, hkv, d, qshift, a->scale, kept, has_kept, ctx->device,
+                              tma ? (const fa_tma_map *)plan_d[0] : NULL, wg2};
+  /* the tensor-core kernels read their arguments from a device copy that rides with the plan */
+  const fa_gpu_fwd_args *ga_dev = !bad && mma ? fa_stage_array(&st, &ga, sizeof ga) : NULL;
+  bad = bad || (mma && !ga_dev);
   if (bad) {
     forkattn_status status = fa_stage_status(&st);
     fa_stage_free(&st);
     return fa_fail(ctx, status, "gpu fwd: device %s failed",
                    status == FORKATTN_ERR_DEVICE ? "copy" : "allocation");
-  }
-
-  const fa_gpu_fwd_args ga = {q,  k,    v,      o,        lse,         seg,         pair,
-                              qoff, blocks, nb, hq, hkv, d, qshift, a->scale, kept, has_kept, ctx->device,
-                              tma ? (const fa_tma_map *)plan_d[0] : NULL, wg2};
-  /* the tensor-core kernels read their arguments from a device copy that rides with the plan */
-  const fa_gpu_fwd_args *ga_dev = mma ? fa_stage_array(&st, &ga, sizeof ga) : NULL;
-  if (mma && !ga_dev) {
-    forkattn_status status = fa_stage_status(&st);
-    fa_stage_free(&st);
-    return fa_fail(ctx, status, "gpu fwd: device %s failed", status == FORKATTN_ERR_DEVICE ? "copy" : "allocation");
   }
   fa_note_workspace(ctx, st.bytes);
   fa_gpu_trace_mark(&tr, "upload");

@@ -78,7 +78,8 @@ int fa_stage_arrays(fa_stage *s, int n, const void *const *host, const size_t *b
   for (int i = 0; i < n; i++) total += (bytes[i] + 15) & ~(size_t)15;
   char *d = fa_stage_scratch(s, total);
   if (!d) return -1;
-  const int carry = total <= FA_STAGE_CARRY_MAX && s->ncarried < FA_STAGE_MAX;
+  /* carried by the next launch when it will take the copy; otherwise copied now, as without the queue */
+  const int carry = total <= FA_STAGE_CARRY_MAX && s->ncarried < FA_STAGE_MAX && fa_gpu_launch_copy_room();
   if (n == 1 && !carry) return fa_put(s, d, host[0], bytes[0]) ? -1 : (dev[0] = d, 0);
   int pinned = 0;
   char *pack = carry ? fa_stage_pack_buffer(s, total, &pinned) : fa_calloc(1, total ? total : 1);

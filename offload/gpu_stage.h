@@ -44,9 +44,10 @@ int fa_stage_tensor_back(fa_stage *s, const forkattn_tensor *t, const fa_dev_ten
 /* Device copy of a host array (always staged: plan arrays). */
 void *fa_stage_array(fa_stage *s, const void *host, size_t bytes);
 /* Device copies of n host arrays in one device block and one copy: dev[i]
- * receives array i's copy (16-byte aligned). Up to FA_STAGE_CARRY_MAX bytes
- * the copy rides on the call's next kernel launch (gpu_launch_copy.h), from a
- * packed host copy the stage holds: the device arrays are in place only once
+ * receives array i's copy (16-byte aligned). Up to FA_STAGE_CARRY_MAX bytes,
+ * when the launch queue has room (gpu_launch_copy.h; else the copy is made at
+ * once), the copy rides on the call's next kernel launch from a packed host
+ * copy the stage holds: the device arrays are in place only once
  * a kernel of the call has been launched, and only kernels may read them;
  * the host arrays may change or be freed as soon as this returns. 0 or -1. */
 int fa_stage_arrays(fa_stage *s, int n, const void *const *host, const size_t *bytes, void **dev);

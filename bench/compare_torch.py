@@ -12,9 +12,11 @@ Cases (bf16 inputs, f32 lse, forkattn outputs in bf16, d = 128, softmax scale 1/
 Each is timed forward and forward+backward (gradients of sum(o * dout), dout random). PyTorch gets
 head-major [B, H, L, d] copies of the packed [T, H, d] rows that forkattn reads (made before
 timing; flex_attention's block mask too); forkattn gets the torch tensors' data_ptr() (device
-memory; the library's kernels do not run on PyTorch's stream, so it is synchronized before every
-library call, as in compare_kl.py; its ctypes arguments are built once per case, as a binding would
-cache them). CUDA events around each call, then a synchronize; warm-up, median. The timed calls
+memory; its ctypes arguments are built once per case, as a binding would cache them). forkattn is
+timed two ways (--calls both, the default): its context queued on PyTorch's current stream
+(forkattn_ctx_set_stream; calls return without waiting, as PyTorch's do; the first row, which
+speedups are relative to), and with synchronous calls, PyTorch's stream synchronized before each
+(as compare_kl.py does). CUDA events around each call, then a synchronize; warm-up, median. The timed calls
 are spread over --rounds interleaved rounds (forkattn, then each PyTorch implementation, again),
 so that no implementation is timed only right after the float32 reference or only after another's
 runs. TFLOP/s count useful FLOPs (design.md): 4*d*Hq*(visible query-key pairs) forward, 3.5x that
@@ -84,6 +86,7 @@ def load(path):
         getattr(lib, name).restype = C.c_char_p
         getattr(lib, name).argtypes = [C.c_void_p]
     lib.forkattn_ctx_create_error.restype = C.c_char_p
+    lib.forkattn_ctx_set_stream.argtypes = [C.c_void_p, C.c_void_p]
     lib.forkattn_version_string.restype = C.c_char_p
     for kind in ("prefix", "tree"):
         # ctx, layout, q, k, v, o, lse, scale, memory / ctx, layout, q, k, v, o, dout, lse, dq, dk, dv, scale, memory
@@ -108,10 +111,14 @@ def int64_array(values):
 
 
 class Forkattn:
-    """A forkattn context: the GPU backend on device pointers, or the CPU backend on host pointers."""
+    """A forkattn context: the GPU backend on device pointers, or the CPU backend on host pointers. With
+    stream, its calls are queued on PyTorch's current CUDA stream (forkattn_ctx_set_stream) and return
+    without waiting; without, each call waits for its kernels and PyTorch's stream is synchronized
+    before it."""
 
-    def __init__(self, path, cuda):
-        self.lib, self.cuda = load(path), cuda
+    def __init__(self, path, cuda, stream=False):
+        self.lib, self.cuda, self.stream = load(path), cuda, stream
+        self.name = "forkattn, on torch's stream" if stream else "forkattn"
         self.memory = DEVICE if cuda else HOST
         self.ctx = C.c_void_p()
         opt = CtxOpt(BACKEND_GPU if cuda else BACKEND_CPU, 0, 0, 0, 0)
@@ -119,6 +126,8 @@ class Forkattn:
             sys.exit("no forkattn context: %s" % self.lib.forkattn_ctx_create_error().decode())
         self.version = self.lib.forkattn_version_string().decode()
         self.reason = self.lib.forkattn_ctx_backend_reason(self.ctx).decode()
+        if stream and self.lib.forkattn_ctx_set_stream(self.ctx, torch.cuda.current_stream().cuda_stream):
+            sys.exit("forkattn_ctx_set_stream: %s" % self.lib.forkattn_ctx_last_error(self.ctx).decode())
 
     def _prepare(self, which, lay, *args):
         """The call as a closure whose ctypes arguments are built once, as a binding would cache
@@ -128,7 +137,8 @@ class Forkattn:
         fn, full = getattr(self.lib, name), (self.ctx, C.byref(lay.c)) + args + (self.memory,)
 
         def call():
-            sync(self.cuda)
+            if not self.stream:
+                sync(self.cuda)
             rc = fn(*full)
             if rc:
                 raise LibraryError("%s: status %d: %s" % (name, rc, self.lib.forkattn_ctx_last_error(self.ctx).decode()))
@@ -394,7 +404,7 @@ def describe(e):
 
 
 def run_forkattn(fa, lay, t, ref, a):
-    r = {"name": "forkattn"}
+    r = {"name": fa.name}
     try:
         for n in ("o", "lse", "dq", "dk", "dv"):
             t[n].fill_(math.nan)
@@ -464,12 +474,16 @@ def run_case(n, a, seed, fa, dev):
         rec["error"] = describe(e)
         print("  error: %s" % rec["error"], flush=True)
         return rec
-    r, timers = run_forkattn(fa, lay, t, ref, a)
-    rows = [r]
+    fa_rows, torch_rows, timers = [], [], []
+    for f in fa:
+        r, more = run_forkattn(f, lay, t, ref, a)
+        fa_rows.append(r)
+        timers += more
     for label, note, make in torch_impls(spec, t, a.cuda, dev):
         r, more = run_torch(label, note, make, ref, a)
-        rows.append(r)
+        torch_rows.append(r)
         timers += more
+    rows = fa_rows + torch_rows
     time_rounds(timers, a)
     del timers  # the implementations' tensors
     if a.cuda:
@@ -478,14 +492,18 @@ def run_case(n, a, seed, fa, dev):
         progress(r)
     rates(rows, gflop)
     rec["impls"] = rows
-    rec["check"] = check(rows[0], rows[1:], t, lay, ref)
-    print("  check %s: %s" % ("PASS" if rec["check"]["pass"] else "FAIL", rec["check"]["why"]), flush=True)
+    for r in fa_rows:
+        r["check"] = check(r, torch_rows, t, lay, ref)
+        print("  check %s %s: %s" % (r["name"], "PASS" if r["check"]["pass"] else "FAIL", r["check"]["why"]),
+              flush=True)
+    rec["check"] = fa_rows[0]["check"]
+    rec["check"]["pass"] = all(r["check"]["pass"] for r in fa_rows)
     return rec
 
 
 def rates(rows, gflop):
     """TFLOP/s on useful FLOPs (3.5x the forward's for forward+backward) and, for PyTorch's rows,
-    forkattn's speedup: their time over forkattn's (rows[0])."""
+    forkattn's speedup: their time over forkattn's first row (rows[0])."""
     for r in rows:
         for k, mult in (("fwd", 1), ("fwd_bwd", 3.5)):
             if k + "_ms" in r:
@@ -516,8 +534,8 @@ def table(cases):
         if "error" in c:
             lines.append("| %s | — | | | | | | | error: %s |" % (label, cell(c["error"])))
         for r in c["impls"]:
-            if r is c["impls"][0]:
-                status = "PASS" if c["check"]["pass"] else "FAIL"
+            if "check" in r:
+                status = "PASS" if r["check"]["pass"] else "FAIL"
             else:
                 status = r["note"]
             if "error" in r:
@@ -543,8 +561,10 @@ def notes(cases):
         for r in c["impls"]:
             if "block_mask_ms" in r:
                 lines.append("  %s block mask built in %.1f ms (not timed)." % (r["name"], r["block_mask_ms"]))
-        if "check" in c:
-            lines.append("  Check %s: %s." % ("PASS" if c["check"]["pass"] else "FAIL", c["check"]["why"]))
+        for r in c["impls"]:
+            if "check" in r:
+                lines.append("  Check of %s %s: %s." % (r["name"], "PASS" if r["check"]["pass"] else "FAIL",
+                                                        r["check"]["why"]))
     return lines
 
 
@@ -554,7 +574,7 @@ def section(meta, cases):
                 meta["date"], meta["device"], meta["torch"], meta["commit"], meta["forkattn"], meta["backend"],
                 meta["memory"], meta["seed"], meta["reps"], meta.get("rounds", 1), meta["warmup"]))
     expl = ("TFLOP/s on useful FLOPs (4·d·Hq·visible pairs forward, 3.5x that forward+backward) for every "
-            "implementation; speedup = PyTorch time / forkattn time. Errors: max abs difference from a float32 "
+            "implementation; speedup = the row's time / the first forkattn row's time. Errors: max abs difference from a float32 "
             "reference on the same bf16 inputs; forkattn passes when each is at most 2x PyTorch's bf16 error "
             "+ %g and it wrote every output (NaN-poisoned before)." % ABS_TOL)
     return "\n".join(["## Side by side with PyTorch (bench/compare_torch.py)", "", head, "",
@@ -611,19 +631,22 @@ def main():
     ap.add_argument("--json", help="write every number here")
     ap.add_argument("--results", default=os.path.join(REPO, "bench", "RESULTS.md"), help="'' for none")
     ap.add_argument("--commit", help="build's commit (default: git rev-parse --short HEAD)")
+    ap.add_argument("--calls", choices=("stream", "sync", "both"), default="both",
+                    help="forkattn's calls queued on torch's stream, synchronous, or both side by side (cuda)")
     a = ap.parse_args()
     a.cuda = a.device == "cuda"
     dev = torch.device(a.device)
     if a.cuda:
         torch.backends.cuda.matmul.allow_tf32 = False  # a float32 reference, not TF32
     seed = a.seed if a.seed is not None else int.from_bytes(os.urandom(4), "little")
-    fa = Forkattn(a.lib, a.cuda)
+    modes = [m for m in (True, False) if a.cuda and a.calls in ("both", "stream" if m else "sync")] or [False]
+    fa = [Forkattn(a.lib, a.cuda, m) for m in modes]
     meta = {"date": time.strftime("%Y-%m-%d"), "device": device_name(a.cuda), "torch": torch.__version__,
-            "commit": git_commit(a), "command": command_line(), "forkattn": fa.version,
+            "commit": git_commit(a), "command": command_line(), "forkattn": fa[0].version,
             "backend": "gpu" if a.cuda else "cpu", "memory": "device" if a.cuda else "host",
-            "backend_reason": fa.reason, "seed": seed, "reps": a.reps, "warmup": a.warmup,
+            "backend_reason": fa[0].reason, "seed": seed, "reps": a.reps, "warmup": a.warmup,
             "rounds": a.rounds}
-    print("seed %d; %s; forkattn %s: %s" % (seed, meta["device"], fa.version, fa.reason), flush=True)
+    print("seed %d; %s; forkattn %s: %s" % (seed, meta["device"], fa[0].version, fa[0].reason), flush=True)
     cases = []
     for n in (int(x) for x in a.cases.split(",")):
         cases.append(run_case(n, a, seed, fa, dev))

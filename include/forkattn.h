@@ -201,6 +201,62 @@ FORKATTN_API const char *forkattn_ctx_last_error(const forkattn_ctx *ctx);
 FORKATTN_API size_t forkattn_ctx_peak_workspace(const forkattn_ctx *ctx);
 /**@}*/
 
+/** @name Streams (GPU backend)
+ *  By default a GPU call returns once its results are in place, and it is not
+ *  ordered with the caller's own CUDA work (synchronize before the call). A
+ *  context given a CUDA stream orders its calls on that stream instead, and
+ *  its attention calls on device memory return as soon as their kernels are
+ *  queued, as a CUDA library's calls do. */
+/**@{*/
+/**
+ * Order this context's GPU calls on a CUDA stream.
+ *
+ * From now on a forward or backward attention call (prefix or tree) on
+ * device memory (FORKATTN_MEMORY_DEVICE) that runs the tensor-core kernels
+ * (bf16 or f16, head_dim 64 or 128, no kept-set mask) queues its kernels,
+ * and the copy of its plan, on @p stream and returns without waiting. Its
+ * outputs are ready when the stream reaches that point (read them on the
+ * stream, or after forkattn_ctx_synchronize()); its device inputs must stay
+ * unchanged until then. The host arrays of its arguments (layouts, tensor
+ * descriptors) may be reused as soon as it returns.
+ *
+ * Every other call on the context (host memory, f32, the FP32 kernels,
+ * StreamKL, forkattn_memcpy(), forkattn_device_free(), the KV cache, ...)
+ * first waits for the stream, then runs as it does without one: it sees the
+ * queued calls' results and returns with its own in place. Bad arguments are
+ * still reported by the call that got them; a fault of a queued kernel is
+ * reported (FORKATTN_ERR_DEVICE) by the next call that waits for the stream.
+ * The context's scratch memory is reused in stream order: use a context
+ * from one stream, and one thread, at a time.
+ *
+ * @param ctx a GPU context
+ * @param stream a CUstream (cudaStream_t) of the device's primary context,
+ *        cast to a pointer: the CUDA runtime's streams and PyTorch's
+ *        (`torch.cuda.current_stream().cuda_stream`) are; NULL is CUDA's
+ *        legacy default stream. A stream set before is waited for first.
+ * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT (ctx NULL, not a live
+ *         stream, or a stream of another CUDA context);
+ *         FORKATTN_ERR_BACKEND_UNAVAILABLE (a CPU context);
+ *         FORKATTN_ERR_UNSUPPORTED (this offload runtime's launches cannot be
+ *         routed to a stream); FORKATTN_ERR_DEVICE (waiting for the previous
+ *         stream failed). forkattn_ctx_last_error() says why.
+ */
+FORKATTN_API forkattn_status forkattn_ctx_set_stream(forkattn_ctx *ctx, void *stream);
+/** Wait for the context's stream, then make its calls synchronous again
+ *  (the default). A context without a stream is left as it is.
+ *  @param ctx the context
+ *  @return FORKATTN_OK, FORKATTN_ERR_INVALID_ARGUMENT (ctx NULL) or
+ *          FORKATTN_ERR_DEVICE (as forkattn_ctx_synchronize()); the stream is
+ *          cleared either way */
+FORKATTN_API forkattn_status forkattn_ctx_clear_stream(forkattn_ctx *ctx);
+/** Wait until everything queued on the context's stream has finished (at
+ *  once for a context without a stream).
+ *  @param ctx the context
+ *  @return FORKATTN_OK, FORKATTN_ERR_INVALID_ARGUMENT (ctx NULL) or
+ *          FORKATTN_ERR_DEVICE (a queued kernel failed, or the wait did) */
+FORKATTN_API forkattn_status forkattn_ctx_synchronize(forkattn_ctx *ctx);
+/**@}*/
+
 /** @name Device memory (GPU backend; CPU contexts return FORKATTN_ERR_BACKEND_UNAVAILABLE) */
 /**@{*/
 /** Allocate device memory on the context's device.

@@ -13,6 +13,7 @@
 #ifdef FORKATTN_HAVE_OFFLOAD
 #include "gpu_backend.h"
 #include "gpu_pool.h"
+#include "gpu_stream.h"
 #endif
 
 forkattn_status fa_fail(forkattn_ctx *ctx, forkattn_status status, const char *fmt, ...) {
@@ -142,7 +143,10 @@ forkattn_status forkattn_ctx_create(forkattn_ctx **ctx, const forkattn_ctx_optio
 
 void forkattn_ctx_destroy(forkattn_ctx *ctx) {
 #ifdef FORKATTN_HAVE_OFFLOAD
-  if (ctx) fa_gpu_pool_destroy(ctx);
+  if (ctx) {
+    forkattn_ctx_clear_stream(ctx); /* its queued kernels may read the pool's blocks */
+    fa_gpu_pool_destroy(ctx);
+  }
 #endif
   fa_free(ctx);
 }
@@ -159,4 +163,51 @@ int forkattn_ctx_threads(const forkattn_ctx *ctx) { return ctx ? ctx->threads : 
 
 const char *forkattn_ctx_last_error(const forkattn_ctx *ctx) {
   return ctx ? ctx->last_error : "no context";
+}
+
+forkattn_status fa_ctx_wait_stream(forkattn_ctx *ctx, const char *what) {
+#ifdef FORKATTN_HAVE_OFFLOAD
+  return fa_gpu_stream_enter(ctx, 0, what);
+#else
+  (void)ctx, (void)what;
+  return FORKATTN_OK;
+#endif
+}
+
+forkattn_status forkattn_ctx_set_stream(forkattn_ctx *ctx, void *stream) {
+  if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
+  fa_clear_error(ctx);
+  if (ctx->backend != FORKATTN_BACKEND_GPU)
+    return fa_fail(ctx, FORKATTN_ERR_BACKEND_UNAVAILABLE, "ctx_set_stream: a CPU context has no stream (%s)",
+                   ctx->reason);
+#ifdef FORKATTN_HAVE_OFFLOAD
+  char why[FA_MSG_LEN / 2];
+  int invalid = 0;
+  if (fa_gpu_stream_check(ctx->device, stream, &invalid, why, sizeof why))
+    return fa_fail(ctx, invalid ? FORKATTN_ERR_INVALID_ARGUMENT : FORKATTN_ERR_UNSUPPORTED, "ctx_set_stream: %s",
+                   why);
+  const forkattn_status st = fa_ctx_wait_stream(ctx, "ctx_set_stream");
+  if (st) return st;
+  ctx->stream = stream;
+  ctx->stream_set = 1;
+  return FORKATTN_OK;
+#else
+  (void)stream;
+  return fa_fail(ctx, FORKATTN_ERR_BACKEND_UNAVAILABLE, "ctx_set_stream: this build has no GPU offload");
+#endif
+}
+
+forkattn_status forkattn_ctx_synchronize(forkattn_ctx *ctx) {
+  if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
+  fa_clear_error(ctx);
+  return fa_ctx_wait_stream(ctx, "ctx_synchronize");
+}
+
+forkattn_status forkattn_ctx_clear_stream(forkattn_ctx *ctx) {
+  if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
+  fa_clear_error(ctx);
+  const forkattn_status st = fa_ctx_wait_stream(ctx, "ctx_clear_stream");
+  ctx->stream_set = 0;
+  ctx->stream = NULL;
+  return st;
 }

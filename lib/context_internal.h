@@ -16,6 +16,8 @@ struct forkattn_ctx {
   char reason[FA_MSG_LEN];     /* why this backend */
   char last_error[FA_MSG_LEN]; /* message of the last failed call */
   struct fa_gpu_pool *gpu_pool; /* GPU backend's cached device blocks (offload/gpu_pool.h) */
+  int stream_set;               /* calls are ordered on `stream` (forkattn_ctx_set_stream) */
+  void *stream;                 /* the caller's CUDA stream (offload/gpu_stream.h) */
 };
 
 /* Record a failure on ctx (may be NULL) and return status, printf-style. */
@@ -27,6 +29,11 @@ forkattn_status fa_fail(forkattn_ctx *ctx, forkattn_status status, const char *f
 
 /* Record that a call used `bytes` of scratch memory. */
 void fa_note_workspace(forkattn_ctx *ctx, size_t bytes);
+
+/* Before device work that cannot be ordered on the context's stream (copies,
+ * frees, synchronous kernels): wait for the stream. OK at once without one;
+ * FORKATTN_ERR_DEVICE (recorded as `what`'s failure) when the wait failed. */
+forkattn_status fa_ctx_wait_stream(forkattn_ctx *ctx, const char *what);
 
 /* Clear the last error at the start of a call. */
 void fa_clear_error(forkattn_ctx *ctx);

@@ -31,6 +31,7 @@ forkattn_status forkattn_device_free(forkattn_ctx *ctx, void *ptr) {
   forkattn_status st = fa_need_gpu(ctx, "device_free");
   if (st) return st;
 #ifdef FORKATTN_HAVE_OFFLOAD
+  if (ptr && (st = fa_ctx_wait_stream(ctx, "device_free"))) return st; /* queued kernels may still read it */
   if (ptr) fa_gpu_free(ctx->device, ptr);
 #else
   (void)ptr;
@@ -54,6 +55,7 @@ forkattn_status forkattn_memcpy(forkattn_ctx *ctx, void *dst, forkattn_memory ds
   forkattn_status st = fa_need_gpu(ctx, "memcpy");
   if (st) return st;
 #ifdef FORKATTN_HAVE_OFFLOAD
+  if (bytes && (st = fa_ctx_wait_stream(ctx, "memcpy"))) return st;
   if (fa_gpu_memcpy(ctx->device, dst, dev_dst, src, dev_src, bytes))
     return fa_fail(ctx, FORKATTN_ERR_DEVICE, "memcpy: device copy of %zu bytes failed", bytes);
 #endif

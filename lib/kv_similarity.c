@@ -127,7 +127,7 @@ forkattn_status forkattn_kv_similarity(forkattn_ctx *ctx, const forkattn_tensor 
   if (!sum) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "kv_similarity: cannot allocate %zu bytes", bytes);
 #ifdef FORKATTN_HAVE_OFFLOAD
   if (memory == FORKATTN_MEMORY_DEVICE)
-    st = fa_gpu_kv_similarity(ctx, a, b, sum);
+    st = (st = fa_ctx_wait_stream(ctx, "kv_similarity")) ? st : fa_gpu_kv_similarity(ctx, a, b, sum);
   else
 #endif
     st = fa_cpu_kv_similarity(ctx, a, b, sum);

@@ -32,6 +32,11 @@ static forkattn_status fa_tensor_zero(forkattn_ctx *ctx, const forkattn_tensor *
   void *zero = memory == FORKATTN_MEMORY_DEVICE ? fa_calloc(1, bytes) : NULL;
   if (memory == FORKATTN_MEMORY_DEVICE && !zero)
     return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "prefix_cached_bwd: cannot allocate a zero row");
+  forkattn_status st = memory == FORKATTN_MEMORY_DEVICE ? fa_ctx_wait_stream(ctx, "prefix_cached_bwd") : FORKATTN_OK;
+  if (st) {
+    fa_free(zero);
+    return st;
+  }
   int failed = 0;
   for (int64_t r = 0; r < t->rows && !failed; r++)
     for (int64_t h = 0; h < t->heads && !failed; h++) {

@@ -95,7 +95,9 @@ static forkattn_status fa_kl_run(forkattn_ctx *ctx, const fa_layout_ops *ops, co
   c->kept = kept ? &km : NULL;
 #ifdef FORKATTN_HAVE_OFFLOAD
   if (ctx->backend == FORKATTN_BACKEND_GPU)
-    st = backward ? fa_gpu_kl_bwd(ctx, c, memory) : fa_gpu_kl_fwd(ctx, c, memory);
+    st = (st = fa_ctx_wait_stream(ctx, backward ? "streamkl_bwd" : "streamkl_fwd")) ? st
+         : backward ? fa_gpu_kl_bwd(ctx, c, memory)
+                    : fa_gpu_kl_fwd(ctx, c, memory);
   else
 #endif
     st = backward ? fa_cpu_kl_bwd(ctx, c) : fa_cpu_kl_fwd(ctx, c);

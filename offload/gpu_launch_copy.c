@@ -16,6 +16,8 @@ typedef struct fa_launch_copy_item {
 static fa_cu_htod_async fa_lc_copy; /* set once, before any call can queue */
 static _Thread_local fa_launch_copy_item fa_lc_queue[FA_LAUNCH_COPIES];
 static _Thread_local int fa_lc_n;
+static _Thread_local void *fa_lc_route; /* valid while fa_lc_routed */
+static _Thread_local int fa_lc_routed;
 
 void fa_gpu_launch_copy_init(void *cu_memcpy_htod_async) {
   const char *e = getenv("FORKATTN_GPU_LAUNCH_COPY");
@@ -39,6 +41,17 @@ int fa_gpu_launch_copies_issue(void *stream) {
   fa_lc_n = 0;
   return rc;
 }
+
+void fa_gpu_launch_route(void *stream) {
+  fa_lc_route = stream;
+  fa_lc_routed = 1;
+}
+
+void fa_gpu_launch_unroute(void) { fa_lc_routed = 0; }
+
+int fa_gpu_launch_routed(void) { return fa_lc_routed; }
+
+void *fa_gpu_launch_stream(void *runtime_stream) { return fa_lc_routed ? fa_lc_route : runtime_stream; }
 
 void fa_gpu_launch_copies_drop(const void *const *hosts, int n) {
   int kept = 0;

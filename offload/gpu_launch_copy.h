@@ -38,6 +38,15 @@ int fa_gpu_launch_copy(void *dev, const void *host, size_t bytes);
  * copy that failed (the launch then reports it instead of starting). */
 int fa_gpu_launch_copies_issue(void *stream);
 
+/* Route this thread's launches, and the copies they carry, to `stream` (a
+ * caller's CUDA stream, gpu_stream.h) until fa_gpu_launch_unroute. */
+void fa_gpu_launch_route(void *stream);
+void fa_gpu_launch_unroute(void);
+/* 1 while this thread's launches are routed. */
+int fa_gpu_launch_routed(void);
+/* From the forwarder: the stream a launch the runtime put on `runtime_stream` goes to. */
+void *fa_gpu_launch_stream(void *runtime_stream);
+
 /* Drop the queued copies whose host bytes are among hosts[0..n) (an ended
  * call's that no launch took; another call's stay queued). */
 void fa_gpu_launch_copies_drop(const void *const *hosts, int n);

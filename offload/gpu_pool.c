@@ -5,6 +5,7 @@
 #include "alloc.h"
 #include "context_internal.h"
 #include "gpu_pool.h"
+#include "gpu_stream.h"
 
 #define FA_POOL_MAX 64 /* blocks; one call stages at most FA_STAGE_MAX */
 
@@ -33,10 +34,12 @@ static void fa_pool_drop(forkattn_ctx *ctx, int i) {
   pool->b[i] = pool->b[--pool->n];
 }
 
-/* Free the unused blocks (all of them, or the largest only). */
+/* Free the unused blocks (all of them, or the largest only). Unused is not idle while the
+ * context's stream may still run kernels that read them: those finish first. */
 static int fa_pool_trim(forkattn_ctx *ctx, int all) {
   fa_gpu_pool *pool = ctx->gpu_pool;
   int freed = 0;
+  if (ctx->stream_set && fa_gpu_stream_sync(ctx->device, ctx->stream)) return 0;
   for (;;) {
     int pick = -1;
     for (int i = 0; i < pool->n; i++)

@@ -15,6 +15,7 @@
 #include "gpu_backend.h"
 #include "gpu_bwd.h"
 #include "gpu_stage.h"
+#include "gpu_stream.h"
 #include "gpu_trace.h"
 #include "gpu_tiles.h"
 #include "gpu_tma.h"
@@ -228,16 +229,16 @@ static void fa_gpu_dkv(const fa_gpu_bwd *b, int dev) {
 /* dK, dV of split key blocks: the sum of their units' partials, in unit
  * order (deterministic). One team per (key block, KV head, row), threads
  * over the columns: coalesced, and no 64-bit division per element. */
-static void fa_gpu_dkv_reduce(const fa_gpu_bwd *b, int dev) {
-  const fa_dev_tensor dk = b->dk, dv = b->dv;
-  const float *part_k = b->part_k, *part_v = b->part_v;
-  const fa_block *blocks = b->kblocks;
-  const int64_t *unit_off = b->unit_off;
-  const int64_t hkv = b->hkv, d = b->d, kr = b->krows;
-  const int nteams = (int)(b->nkb * hkv * kr); /* <= the dK/dV launch's teams x rows */
-#pragma omp target teams ompx_bare num_teams(nteams) thread_limit(FA_GPU_THREADS) device(dev) \
-    firstprivate(dk, dv) is_device_ptr(part_k, part_v, blocks, unit_off)
+static void fa_gpu_dkv_reduce(const fa_gpu_bwd *b, const fa_gpu_bwd *argp) {
+  const int nteams = (int)(b->nkb * b->hkv * b->krows), dev = b->device; /* <= the dK/dV launch's teams x rows */
+  /* arguments from the staged copy (nothing the runtime copies: it may run on the caller's stream) */
+#pragma omp target teams ompx_bare num_teams(nteams) thread_limit(FA_GPU_THREADS) device(dev) is_device_ptr(argp)
   {
+    const fa_dev_tensor dk = argp->dk, dv = argp->dv;
+    const float *part_k = argp->part_k, *part_v = argp->part_v;
+    const fa_block *blocks = argp->kblocks;
+    const int64_t *unit_off = argp->unit_off;
+    const int64_t hkv = argp->hkv, d = argp->d, kr = argp->krows;
     const int64_t team = ompx_block_id_x(), row = team % kr, g = team / kr % hkv, kb = team / (kr * hkv);
     const fa_block blk = blocks[kb];
     if (row < blk.len) {
@@ -268,14 +269,13 @@ int64_t fa_gpu_dkv_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int6
   return fa_plan_key_chunk(p, kb, nkb, hkv, (mma == 2 ? 1 : mma ? 2 : 8) * FA_GPU_SMS);
 }
 
-forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkattn_memory memory) {
+static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const fa_attn_bwd *a, forkattn_memory memory, int mma) {
   const fa_plan *p = a->plan;
   fa_block *qb_h = NULL, *kb_h = NULL;
   fa_key_unit *units_h = NULL;
   int64_t *unit_off_h = NULL;
   fa_gpu_trace tr;
   fa_gpu_trace_begin(&tr);
-  const int mma = fa_gpu_mma_bwd_ok(a, memory);
   fa_stage st;
   fa_stage_init(&st, ctx, memory == FORKATTN_MEMORY_HOST);
   fa_gpu_bwd b = {.rows = p->rows, .qshift = p->qshift, .hq = a->hq, .hkv = a->hkv, .d = a->d, .scale = a->scale,
@@ -339,9 +339,9 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
       bad = !b.part_k || !b.part_v;
     }
   }
-  /* the tensor-core kernels read their arguments from a device copy that rides with the plan */
-  const fa_gpu_bwd *b_dev = !bad && mma ? fa_stage_array(&st, &b, sizeof b) : NULL;
-  bad = bad || (mma && !b_dev);
+  /* the tensor-core kernels and the reduce read their arguments from a device copy that rides with the plan */
+  const fa_gpu_bwd *b_dev = !bad ? fa_stage_array(&st, &b, sizeof b) : NULL;
+  bad = bad || !b_dev;
   fa_free(qb_h);
   fa_free(kb_h);
   fa_free(units_h);
@@ -369,7 +369,7 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
     fa_gpu_dkv(&b, ctx->device);
     fa_gpu_trace_mark(&tr, "fp32_dkv");
   }
-  if (b.part_k) fa_gpu_dkv_reduce(&b, ctx->device);
+  if (b.part_k) fa_gpu_dkv_reduce(&b, b_dev);
   fa_gpu_trace_mark(&tr, "reduce");
   int rc = fa_stage_tensor_back(&st, &a->dq, &b.dq) || fa_stage_tensor_back(&st, &a->dk, &b.dk) ||
            fa_stage_tensor_back(&st, &a->dv, &b.dv);
@@ -377,4 +377,14 @@ forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
   fa_gpu_trace_mark(&tr, "back");
   fa_gpu_trace_end(&tr, "attn_bwd");
   return rc ? fa_fail(ctx, FORKATTN_ERR_DEVICE, "gpu bwd: copying gradients back failed") : FORKATTN_OK;
+}
+
+forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkattn_memory memory) {
+  const int mma = fa_gpu_mma_bwd_ok(a, memory);
+  /* on the context's stream only the tensor-core kernels and the reduce, on device memory (see the forward) */
+  forkattn_status st = fa_gpu_stream_enter(ctx, mma && memory == FORKATTN_MEMORY_DEVICE, "gpu bwd");
+  if (st) return st;
+  st = fa_gpu_attn_bwd_run(ctx, a, memory, mma);
+  fa_gpu_stream_leave();
+  return st;
 }

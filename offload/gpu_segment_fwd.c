@@ -20,6 +20,7 @@
 #include "gpu_fwd.h"
 #include "gpu_tma.h"
 #include "gpu_stage.h"
+#include "gpu_stream.h"
 #include "gpu_tiles.h"
 #include "gpu_trace.h"
 #include "online_softmax.h"
@@ -111,12 +112,11 @@ static void fa_gpu_fp32_fwd(const fa_gpu_fwd_args *ga) {
   }
 }
 
-forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkattn_memory memory) {
+static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const fa_attn_fwd *a, forkattn_memory memory, int mma) {
   const fa_plan *p = a->plan;
   fa_block *blocks_h = NULL;
   fa_gpu_trace tr;
   fa_gpu_trace_begin(&tr);
-  const int mma = fa_gpu_mma_fwd_ok(a, memory);
   fa_stage st;
   fa_stage_init(&st, ctx, memory == FORKATTN_MEMORY_HOST);
   fa_dev_tensor q, k, v, o;
@@ -181,4 +181,14 @@ forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
   fa_gpu_trace_mark(&tr, "back");
   fa_gpu_trace_end(&tr, "attn_fwd");
   return rc ? fa_fail(ctx, FORKATTN_ERR_DEVICE, "gpu fwd: copying results back failed") : FORKATTN_OK;
+}
+
+forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkattn_memory memory) {
+  const int mma = fa_gpu_mma_fwd_ok(a, memory);
+  /* on the context's stream only the tensor-core kernel, on device memory: it reads nothing the runtime copies */
+  forkattn_status st = fa_gpu_stream_enter(ctx, mma && memory == FORKATTN_MEMORY_DEVICE, "gpu fwd");
+  if (st) return st;
+  st = fa_gpu_attn_fwd_run(ctx, a, memory, mma);
+  fa_gpu_stream_leave();
+  return st;
 }

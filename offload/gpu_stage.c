@@ -4,6 +4,7 @@
 #include "gpu_launch_copy.h"
 #include "gpu_pool.h"
 #include "gpu_stage.h"
+#include "gpu_stream.h"
 
 #include <omp.h>
 #include <stdlib.h>
@@ -57,8 +58,11 @@ void *fa_stage_array(fa_stage *s, const void *host, size_t bytes) {
 }
 
 /* Host memory for a packed copy a launch carries: a slice of the context's page-locked buffer
- * (taken on the stage's first copy, FA_STAGE_CARRY_MAX bytes), else ordinary memory; *pinned says which. */
+ * (taken on the stage's first copy, FA_STAGE_CARRY_MAX bytes), else ordinary memory; *pinned says which.
+ * A routed call packs into ordinary memory: the driver has read it when the launch returns, where the
+ * page-locked buffer would be read when the stream gets there, after the next call rewrote it. */
 static char *fa_stage_pack_buffer(fa_stage *s, size_t bytes, int *pinned) {
+  if (fa_gpu_launch_routed()) s->pinned_at = FA_STAGE_CARRY_MAX;
   if (!s->pinned && s->pinned_at == 0) {
     s->pinned = fa_gpu_pool_pinned(s->ctx, FA_STAGE_CARRY_MAX);
     if (!s->pinned) s->pinned_at = FA_STAGE_CARRY_MAX; /* taken or unavailable: not asked again */
@@ -80,6 +84,11 @@ int fa_stage_arrays(fa_stage *s, int n, const void *const *host, const size_t *b
   if (!d) return -1;
   /* carried by the next launch when it will take the copy; otherwise copied now, as without the queue */
   const int carry = total <= FA_STAGE_CARRY_MAX && s->ncarried < FA_STAGE_MAX && fa_gpu_launch_copy_room();
+  /* A routed call's block may still be read by the stream's earlier kernels: a copy made now waits for them. */
+  if (!carry && fa_gpu_launch_routed() && fa_gpu_stream_sync(s->device, s->ctx->stream)) {
+    s->copy_failed = 1;
+    return -1;
+  }
   if (n == 1 && !carry) return fa_put(s, d, host[0], bytes[0]) ? -1 : (dev[0] = d, 0);
   int pinned = 0;
   char *pack = carry ? fa_stage_pack_buffer(s, total, &pinned) : fa_calloc(1, total ? total : 1);

@@ -38,13 +38,15 @@ static void *fa_tm_cuda; /* for fa_tm_install_once */
 static atomic_int fa_tm_state[FA_TM_DEVICES];
 static size_t fa_tm_bytes[FA_TM_DEVICES];
 
-/* cuLaunchKernel as the runtime calls it: the copies this thread queued for
+/* cuLaunchKernel as the runtime calls it: on the caller's stream while this
+ * thread's launches are routed (gpu_stream.h), else the runtime's; the copies this thread queued for
  * its next launch go first on the launch's stream (gpu_launch_copy.h); a
  * launch asking for more than the default team memory first raises its
  * kernel's limit (per call: the driver keeps the value per function, and
  * setting it costs far less than a launch). */
 static int fa_tm_forward(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                          unsigned smem, void *stream, void **params, void **extra) {
+  stream = fa_gpu_launch_stream(stream);
   const int rc = fa_gpu_launch_copies_issue(stream);
   if (rc) return rc;
   if (smem > FA_GPU_TEAM_MEMORY_DEFAULT) fa_tm_set(f, FA_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, (int)smem);
@@ -152,6 +154,8 @@ size_t fa_gpu_team_memory_init(int device) {
   atomic_store(&fa_tm_state[device], 2);
   return bytes;
 }
+
+int fa_gpu_launch_forwarded(void) { return fa_tm_installed; }
 
 size_t fa_gpu_team_memory(int device) {
   if (device < 0 || device >= FA_TM_DEVICES || atomic_load(&fa_tm_state[device]) != 2)

@@ -29,4 +29,8 @@ size_t fa_gpu_team_memory_init(int device);
  * before it ran, or for a device it did not run on). */
 size_t fa_gpu_team_memory(int device);
 
+/* 1 once the forwarder sits in the runtime's table (launches can carry
+ * copies and be routed to a caller's stream). */
+int fa_gpu_launch_forwarded(void);
+
 #endif

@@ -16,6 +16,7 @@
 #include "gpu_launch_copy.h"
 #include "gpu_pool.h"
 #include "gpu_stage.h"
+#include "gpu_stream.h"
 #include "test_common.h"
 
 /* gpu_stage.c's kept-mask staging refers to these (lib/kept_set.c, which would
@@ -29,6 +30,18 @@ int64_t fa_kept_block_bytes(const fa_kept *k) {
   (void)k;
   cr_assert_fail("not used by these tests");
   return 0;
+}
+
+/* The driver's wait for a caller's stream (gpu_stream.c), stood in: counts, remembers the stream, fails on
+ * demand. The calls that must wait for it (a routed call's copy made at once, trimming the pool) call it. */
+static int sync_calls, sync_fail;
+static void *sync_stream;
+static int fake_calls; /* the stand-in driver copy's calls, below */
+int fa_gpu_stream_sync(int device, void *stream) {
+  (void)device;
+  sync_calls++;
+  sync_stream = stream;
+  return sync_fail;
 }
 
 static forkattn_ctx host_ctx(void) {
@@ -115,7 +128,7 @@ Test(gpu_stage, plan_arrays_go_up_in_one_block_aligned_and_intact) {
 /* The driver's cuMemcpyHtoDAsync as the launch forwarder would call it: the
  * initial device's memory is host memory, so a memcpy; it records each call's
  * stream, and fails with fake_fail (a CUDA error code) when set. */
-static int fake_calls, fake_fail;
+static int fake_fail;
 static void *fake_stream;
 static int fake_htod(unsigned long long dst, const void *src, size_t bytes, void *stream) {
   fake_calls++;
@@ -273,4 +286,84 @@ Test(gpu_launch_copy, off_without_the_driver_or_when_asked) {
     fa_stage_free(&st);
   }
   fa_gpu_pool_destroy(&c);
+}
+
+/* A context given a stream (forkattn_ctx_set_stream): its routed calls' launches, and the copies they
+ * carry, go to that stream; a copy that cannot ride waits for the stream first, since the stream's
+ * earlier kernels may still read the pool block it lands in; trimming the pool waits too. */
+Test(gpu_stream, routed_launches_and_their_copies_go_to_the_callers_stream) {
+  carry_case k;
+  carry_case_init(&k, "gpu_stream/route");
+  int runtime_stream, caller_stream;
+  cr_assert_eq(fa_gpu_launch_stream(&runtime_stream), (void *)&runtime_stream, "not routed: the runtime's");
+  fa_gpu_launch_route(&caller_stream);
+  cr_assert(fa_gpu_launch_routed());
+  int64_t want[3][4];
+  void *dev[3];
+  stage_random(&k.st, &k.rng, want, dev);
+  cr_assert_null(k.st.pinned, "a routed call never takes the page-locked buffer (the next call rewrites it)");
+  cr_assert_eq(k.st.ncarried, 1);
+  cr_assert_eq(k.st.in_pinned[0], 0, "its pack is ordinary memory, read by the driver before the launch returns");
+  cr_assert_eq(fa_gpu_launch_copies_issue(fa_gpu_launch_stream(&runtime_stream)), 0); /* as the forwarder does */
+  cr_assert_eq(fake_stream, (void *)&caller_stream, "the carried copy went to the caller's stream");
+  assert_in_place(dev, want, "after the routed launch");
+  cr_assert_eq(sync_calls, 0, "a carried copy never waits");
+  fa_gpu_launch_unroute();
+  cr_assert_not(fa_gpu_launch_routed());
+  cr_assert_eq(fa_gpu_launch_stream(&runtime_stream), (void *)&runtime_stream, "unrouted: the runtime's again");
+  carry_case_end(&k);
+}
+
+Test(gpu_stream, a_routed_copy_made_at_once_waits_for_the_stream) {
+  for (int fail = 0; fail < 2; fail++) {
+    carry_case k;
+    carry_case_init(&k, fail ? "gpu_stream/wait_fails" : "gpu_stream/wait");
+    int caller_stream;
+    k.c.stream_set = 1, k.c.stream = &caller_stream;
+    sync_calls = 0, sync_stream = NULL, sync_fail = fail ? 700 : 0;
+    fa_gpu_launch_route(&caller_stream);
+    int64_t want[FA_LAUNCH_COPIES + 1][3][4];
+    void *dev[FA_LAUNCH_COPIES + 1][3];
+    for (int i = 0; i < FA_LAUNCH_COPIES; i++) stage_random(&k.st, &k.rng, want[i], dev[i]);
+    cr_assert_eq(sync_calls, 0, "the queued copies do not wait");
+    int64_t h[4] = {1, 2, 3, 4};
+    const void *host[1] = {h};
+    const size_t bytes[1] = {sizeof h};
+    void *d[1] = {NULL};
+    const int rc = fa_stage_arrays(&k.st, 1, host, bytes, d); /* the queue is full: copied at once */
+    cr_assert_eq(sync_calls, 1, "the copy made at once waited for the stream first");
+    cr_assert_eq(sync_stream, (void *)&caller_stream, "for the context's stream");
+    if (fail) {
+      cr_assert_eq(rc, -1, "a failed wait fails the staging");
+      cr_assert_eq(fa_stage_status(&k.st), FORKATTN_ERR_DEVICE, "as a device error");
+    } else {
+      cr_assert_eq(rc, 0);
+      cr_assert(memcmp(d[0], h, sizeof h) == 0, "then copied");
+    }
+    fa_gpu_launch_copies_issue(NULL);
+    fa_gpu_launch_unroute();
+    sync_fail = 0;
+    carry_case_end(&k);
+  }
+}
+
+Test(gpu_stream, trimming_the_pool_waits_for_the_stream) {
+  for (int fail = 0; fail < 2; fail++) {
+    forkattn_ctx c = host_ctx();
+    int caller_stream;
+    void *blocks[64];
+    for (int i = 0; i < 64; i++) cr_assert_not_null(blocks[i] = fa_gpu_pool_get(&c, 1000));
+    for (int i = 0; i < 64; i++) fa_gpu_pool_put(&c, blocks[i]);
+    c.stream_set = 1, c.stream = &caller_stream; /* the returned blocks may still be read by queued kernels */
+    sync_calls = 0, sync_fail = fail ? 700 : 0;
+    void *big = fa_gpu_pool_get(&c, 1 << 20); /* fits none of the 64: the pool is full, one must go */
+    cr_assert_eq(sync_calls, 1, "the trim waited for the stream before freeing a block");
+    cr_assert_eq(sync_stream, (void *)&caller_stream);
+    if (fail) cr_assert_null(big, "a failed wait frees nothing: the allocation fails");
+    else cr_assert_not_null(big);
+    fa_gpu_pool_put(&c, big);
+    sync_fail = 0;
+    c.stream_set = 0;
+    fa_gpu_pool_destroy(&c);
+  }
 }

@@ -44,6 +44,7 @@ STATUS_NAMES = {
     6: "internal error",
 }
 OK, ERR_INVALID_ARGUMENT = 0, 1
+UNSUPPORTED, BACKEND_UNAVAILABLE = 3, 4
 BACKENDS = {"auto": 0, "cpu": 1, "gpu": 2}
 BACKEND_NAMES = {0: "auto", 1: "cpu", 2: "gpu"}
 DTYPE_F32, DTYPE_BF16, DTYPE_F16 = 0, 1, 2
@@ -226,6 +227,9 @@ _SIGNATURES = {
     "forkattn_ctx_threads": (c_int, [c_void_p]),
     "forkattn_ctx_last_error": (c_char_p, [c_void_p]),
     "forkattn_ctx_peak_workspace": (c_size_t, [c_void_p]),
+    "forkattn_ctx_set_stream": (c_int, [c_void_p, c_void_p]),
+    "forkattn_ctx_synchronize": (c_int, [c_void_p]),
+    "forkattn_ctx_clear_stream": (c_int, [c_void_p]),
     "forkattn_prefix_fwd": (
         c_int,
         [c_void_p, POINTER(PrefixLayout), _T, _T, _T, _T, c_void_p, c_float, c_int],
@@ -608,6 +612,8 @@ class Context:
         self.requested_backend = backend
         self.device = int(device)
         self._owner = threading.get_ident()
+        self._stream = None  # the CUDA stream handle the calls are ordered on (set_stream), or None
+        self._no_stream = None  # why set_stream is refused here, once known (follow_stream)
 
     # -- properties
     @property
@@ -637,6 +643,56 @@ class Context:
     def peak_workspace(self):
         """Largest scratch memory (bytes) one call of this context allocated so far."""
         return int(self._lib.forkattn_ctx_peak_workspace(self.handle))
+
+    # -- CUDA streams (GPU contexts; C: forkattn_ctx_set_stream)
+    @property
+    def stream(self):
+        """The CUDA stream handle (an int; 0 is the legacy default stream) this context's calls are
+        ordered on, or None (synchronous calls, the default)."""
+        return self._stream
+
+    def set_stream(self, stream):
+        """Order this context's calls on a CUDA stream: a handle (``torch.cuda.Stream.cuda_stream``,
+        0 for the legacy default stream) or a ``torch.cuda.Stream``. Tensor-core attention calls on
+        CUDA tensors are then queued on it and return at once; every other call waits for it first.
+        Raises ForkattnError (UNSUPPORTED: this runtime cannot route launches; INVALID_ARGUMENT:
+        not a stream of the device's primary context)."""
+        handle = int(getattr(stream, "cuda_stream", stream) or 0)
+        fn = getattr(self._lib, "forkattn_ctx_set_stream", None)
+        if fn is None:
+            raise _make_error(UNSUPPORTED, "forkattn: %s has no forkattn_ctx_set_stream" % self._lib._name)
+        self.check(fn(self.handle, c_void_p(handle)))
+        self._stream = handle
+
+    def follow_stream(self, stream):
+        """set_stream(stream) unless already on it; False (and nothing set) where this context or
+        library cannot take a stream: the caller then synchronizes the stream itself."""
+        handle = int(getattr(stream, "cuda_stream", stream) or 0)
+        if self._stream == handle:
+            return True
+        if self._no_stream is not None:
+            return False
+        try:
+            self.set_stream(handle)
+            return True
+        except ForkattnError as e:
+            if e.status not in (UNSUPPORTED, BACKEND_UNAVAILABLE):
+                raise
+            self._no_stream = str(e)
+            return False
+
+    def synchronize(self):
+        """Wait for everything queued on the context's stream (at once without one)."""
+        fn = getattr(self._lib, "forkattn_ctx_synchronize", None)
+        if fn is not None:
+            self.check(fn(self.handle))
+
+    def clear_stream(self):
+        """Wait for the context's stream, then make its calls synchronous again."""
+        fn = getattr(self._lib, "forkattn_ctx_clear_stream", None)
+        self._stream = None
+        if fn is not None:
+            self.check(fn(self.handle))
 
     def check(self, status):
         """Raise the ForkattnError of a non-zero status, with this context's last error."""

@@ -362,7 +362,7 @@ def _kl_fwd_impl(q_t, k_t, q_s, k_s, prompt_lens, response_lens, group_sizes, no
     stats = torch.empty((T, H, KL_STATS), dtype=torch.float32, device=dev)
     outside = torch.empty((T, H), dtype=torch.float32, device=dev)
     keep = [_desc(x) for x in (q_t, k_t, q_s, k_s)]
-    ctx, mem = _ctx_for(q_t)  # after every copy above: synchronizes the CUDA stream
+    ctx, mem = _ctx_for(q_t)  # after every copy above: the call is ordered after them
     _lib.kl_fwd(ctx, spec, *[d for _, d in keep], kept, opt, _ptr(kl), _ptr(stats), _ptr(outside), mem)
     return kl, stats, outside
 

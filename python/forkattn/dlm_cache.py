@@ -256,7 +256,7 @@ def _cached_fwd_impl(q, k, v, prompt_lens, response_lens, scale, causal, block_s
     P, R = _one_group(prompt_lens, response_lens)
     out, lse = _new_outputs(q)
     keep, ds = _descs(q, k, v, out)
-    ctx, mem = _ctx_for(q)  # after every copy: synchronizes the CUDA stream
+    ctx, mem = _ctx_for(q)  # after every copy: the call is ordered after them
     _lib.prefix_cached_fwd(ctx, P, R, bool(causal), *ds, lse.data_ptr() or None, float(scale), mem,
                            int(block_size) or None)
     return out, lse

@@ -16,6 +16,7 @@ The public functions use the custom ops when available (``USE_CUSTOM_OPS``).
 from __future__ import annotations
 
 import math
+import os
 from typing import Tuple
 
 import torch
@@ -77,12 +78,19 @@ def _desc(x):
 
 
 def _ctx_for(x):
-    """(context, memory kind) for a call on tensors like ``x``; synchronizes PyTorch's CUDA
-    stream first (the library runs on its own stream)."""
+    """(context, memory kind) for a call on tensors like ``x``, in PyTorch's stream order: a GPU
+    context follows PyTorch's current stream (forkattn_ctx_set_stream), so its tensor-core calls
+    are queued there and return at once, and its other calls wait for the stream; where the
+    library cannot take a stream, or FORKATTN_TORCH_STREAM=0, the stream is synchronized here and
+    the call runs on the library's own stream."""
     if x.is_cuda:
         dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
         ctx = _lib.current_context(dev)
-        torch.cuda.current_stream(x.device).synchronize()
+        stream = torch.cuda.current_stream(x.device)
+        if os.environ.get("FORKATTN_TORCH_STREAM") == "0" or not ctx.follow_stream(stream):
+            if ctx.stream is not None:
+                ctx.clear_stream()
+            stream.synchronize()
         return ctx, _lib.MEMORY_DEVICE
     return _lib.current_context(), _lib.MEMORY_HOST
 
@@ -129,7 +137,7 @@ def _check_bwd(dout, out, lse, q):
 def _descs(q, *ts):
     """Descriptors of q and the other [rows, heads, d] tensors (cast to q's dtype, copied when
     the C library cannot take their strides). Returns (tensors kept alive, descriptors).
-    Any copy is queued on PyTorch's stream: call _ctx_for() (which synchronizes) afterwards."""
+    Any copy is queued on PyTorch's stream: call _ctx_for() (which orders the call after it) afterwards."""
     keep, ds = [], []
     for t in (q,) + ts:
         t, d = _desc(t.to(q.dtype) if t.dtype != q.dtype else t)
@@ -145,7 +153,7 @@ def _prefix_fwd_impl(q, k, v, prompt_lens, response_lens, group_sizes, scale, ca
         raise ValueError("forkattn: q has %d rows, the (empty) layout needs 0" % q.shape[0])
     out, lse = _new_outputs(q)
     keep, ds = _descs(q, k, v, out)
-    ctx, mem = _ctx_for(q)  # after every copy above: synchronizes the CUDA stream
+    ctx, mem = _ctx_for(q)  # after every copy above: the call is ordered after them
     _lib.prefix_fwd(ctx, P, S, R, bool(causal), *ds, lse.data_ptr() or None, float(scale), mem)
     return out, lse
 

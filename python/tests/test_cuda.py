@@ -130,3 +130,32 @@ def test_cuda_second_device_gets_its_own_context():
     with pytest.raises(ValueError, match="cannot take CUDA tensors"):
         with forkattn.use_context(forkattn.current_context(0)):
             forkattn.prefix_attention(q1, k.to("cuda:1"), v.to("cuda:1"), lay)
+
+
+def test_cuda_calls_follow_torchs_stream(monkeypatch):
+    """A GPU context follows PyTorch's current stream (forkattn_ctx_set_stream): the bf16 tensor-core
+    calls are queued on it and return at once. Their results are bitwise those of synchronous calls
+    (FORKATTN_TORCH_STREAM=0), on the default stream and on a side stream."""
+    lay = forkattn.SharedPrefixLayout.from_lengths([256], [[128, 64, 200]])
+    q, k, v, do = make_qkv(lay.num_rows, HQ, HKV, 128, torch.bfloat16, seed=31)
+    ctx = forkattn.current_context(0)
+
+    def run():
+        qc, kc, vc = (t.cuda().requires_grad_() for t in (q, k, v))
+        out = forkattn.prefix_attention(qc, kc, vc, lay)
+        (out * do.cuda()).sum().backward()
+        return [x.detach().cpu() for x in (out, qc.grad, kc.grad, vc.grad)]
+
+    monkeypatch.setenv("FORKATTN_TORCH_STREAM", "0")
+    want = run()
+    assert ctx.stream is None, "FORKATTN_TORCH_STREAM=0: synchronous calls"
+    monkeypatch.delenv("FORKATTN_TORCH_STREAM")
+    got = run()
+    assert ctx.stream == torch.cuda.current_stream().cuda_stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        got_side = run()
+        assert ctx.stream == side.cuda_stream
+    for w, g, s in zip(want, got, got_side):
+        assert torch.equal(w, g) and torch.equal(w, s)
+        assert torch.isfinite(w.float()).all()

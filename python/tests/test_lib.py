@@ -48,6 +48,21 @@ def test_context_properties_and_reason():
         forkattn.Context(backend="tpu")
 
 
+def test_a_cpu_context_takes_no_stream():
+    ctx = forkattn.Context(backend="cpu", threads=1)
+    if ctx.backend != "cpu":
+        pytest.skip("FORKATTN_BACKEND overrides the backend: %s" % ctx.backend)
+    assert ctx.stream is None
+    with pytest.raises(forkattn.ForkattnError, match="CPU context has no stream") as e:
+        ctx.set_stream(0)
+    assert e.value.status == _lib.BACKEND_UNAVAILABLE
+    assert ctx.follow_stream(0) is False, "the caller synchronizes instead"
+    assert ctx.follow_stream(0) is False and ctx.stream is None
+    ctx.synchronize()  # nothing queued
+    ctx.clear_stream()
+    ctx.close()
+
+
 def test_backend_name_and_default_context_per_thread():
     name = forkattn.backend()
     assert name in ("cpu", "gpu")

@@ -1,0 +1,123 @@
+/* A caller's CUDA stream for a context's calls (gpu_stream.h), through the
+ * CUDA driver the offload runtime already loaded (dlopen with RTLD_NOLOAD:
+ * no new dependency). */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "gpu_launch_copy.h"
+#include "gpu_stream.h"
+#include "gpu_team_memory.h"
+
+#define FA_CUDA_ERROR_NOT_READY 600
+/* CUDA's default-stream handles: 0 and CU_STREAM_LEGACY (the legacy stream), CU_STREAM_PER_THREAD */
+#define FA_CU_STREAM_SPECIAL(s) ((uintptr_t)(s) <= 2)
+
+typedef int (*fa_cu_device_get)(int *dev, int ordinal);
+typedef int (*fa_cu_primary_retain)(void **ctx, int dev);
+typedef int (*fa_cu_primary_release)(int dev);
+typedef int (*fa_cu_ctx_push)(void *ctx);
+typedef int (*fa_cu_ctx_pop)(void **ctx);
+typedef int (*fa_cu_stream)(void *stream);
+typedef int (*fa_cu_stream_ctx)(void *stream, void **ctx);
+
+static struct {
+  fa_cu_device_get device_get;
+  fa_cu_primary_retain retain;
+  fa_cu_primary_release release;
+  fa_cu_ctx_push push;
+  fa_cu_ctx_pop pop;
+  fa_cu_stream query, sync;
+  fa_cu_stream_ctx stream_ctx;
+} fa_cu;
+static pthread_once_t fa_cu_once = PTHREAD_ONCE_INIT;
+#define FA_STREAM_DEVICES 64
+static _Atomic(void *) fa_cu_pctx[FA_STREAM_DEVICES]; /* retained once per device, kept for the process */
+
+static void fa_cu_load(void) {
+  void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (!cuda) return;
+  fa_cu.device_get = (fa_cu_device_get)dlsym(cuda, "cuDeviceGet");
+  fa_cu.retain = (fa_cu_primary_retain)dlsym(cuda, "cuDevicePrimaryCtxRetain");
+  fa_cu.release = (fa_cu_primary_release)dlsym(cuda, "cuDevicePrimaryCtxRelease_v2");
+  fa_cu.push = (fa_cu_ctx_push)dlsym(cuda, "cuCtxPushCurrent_v2");
+  fa_cu.pop = (fa_cu_ctx_pop)dlsym(cuda, "cuCtxPopCurrent_v2");
+  fa_cu.query = (fa_cu_stream)dlsym(cuda, "cuStreamQuery");
+  fa_cu.sync = (fa_cu_stream)dlsym(cuda, "cuStreamSynchronize");
+  fa_cu.stream_ctx = (fa_cu_stream_ctx)dlsym(cuda, "cuStreamGetCtx");
+  dlclose(cuda); /* the runtime keeps the driver loaded */
+}
+
+/* The device's primary context (the runtime's), retained once for the process: -1 without a driver. */
+static int fa_cu_primary(int device, void **pctx) {
+  pthread_once(&fa_cu_once, fa_cu_load);
+  if (device < 0 || device >= FA_STREAM_DEVICES || !fa_cu.device_get || !fa_cu.retain || !fa_cu.release ||
+      !fa_cu.push || !fa_cu.pop || !fa_cu.query || !fa_cu.sync || !fa_cu.stream_ctx)
+    return -1;
+  if ((*pctx = atomic_load(&fa_cu_pctx[device]))) return 0;
+  int dev = 0;
+  void *mine = NULL, *none = NULL;
+  if (fa_cu.device_get(&dev, device) || fa_cu.retain(&mine, dev)) return -1;
+  if (!atomic_compare_exchange_strong(&fa_cu_pctx[device], &none, mine)) fa_cu.release(dev); /* another thread's */
+  *pctx = atomic_load(&fa_cu_pctx[device]);
+  return 0;
+}
+
+/* f(stream) with the device's primary context current (a default-stream handle means that context's). */
+static int fa_cu_on_stream(int device, fa_cu_stream f, void *stream) {
+  void *pctx = NULL, *was = NULL;
+  if (fa_cu_primary(device, &pctx)) return -1;
+  if (fa_cu.push(pctx)) return -1;
+  const int rc = f(stream);
+  fa_cu.pop(&was);
+  return rc;
+}
+
+int fa_gpu_stream_check(int device, void *stream, int *invalid, char *why, size_t len) {
+  void *pctx = NULL, *sctx = NULL;
+  *invalid = 0;
+  if (!fa_gpu_launch_forwarded()) {
+    snprintf(why, len, "this offload runtime's launches cannot be routed (no cuLaunchKernel forwarder: "
+                       "FORKATTN_GPU_TEAM_MEMORY=runtime, or the runtime's driver table was not found)");
+    return -1;
+  }
+  if (fa_cu_primary(device, &pctx)) {
+    snprintf(why, len, "the CUDA driver's stream functions are unavailable");
+    return -1;
+  }
+  *invalid = 1;
+  const int q = fa_cu_on_stream(device, fa_cu.query, stream);
+  if (q && q != FA_CUDA_ERROR_NOT_READY) {
+    snprintf(why, len, "%p is not a live CUDA stream (cuStreamQuery: error %d)", stream, q);
+    return -1;
+  }
+  if (!FA_CU_STREAM_SPECIAL(stream) && (fa_cu.stream_ctx(stream, &sctx) || sctx != pctx)) {
+    snprintf(why, len, "stream %p belongs to another CUDA context than device %d's primary context, "
+                       "which the offload runtime launches in", stream, device);
+    return -1;
+  }
+  *invalid = 0;
+  return 0;
+}
+
+int fa_gpu_stream_sync(int device, void *stream) {
+  void *pctx = NULL;
+  return fa_cu_primary(device, &pctx) ? -1 : fa_cu_on_stream(device, fa_cu.sync, stream);
+}
+
+forkattn_status fa_gpu_stream_enter(forkattn_ctx *ctx, int routable, const char *what) {
+  if (!ctx->stream_set) return FORKATTN_OK;
+  if (routable) {
+    fa_gpu_launch_route(ctx->stream);
+    return FORKATTN_OK;
+  }
+  const int rc = fa_gpu_stream_sync(ctx->device, ctx->stream);
+  return rc ? fa_fail(ctx, FORKATTN_ERR_DEVICE, "%s: waiting for the context's stream failed (CUDA error %d, "
+                                                "an earlier call's kernel or the caller's own work)",
+                      what, rc)
+            : FORKATTN_OK;
+}
+
+void fa_gpu_stream_leave(void) { fa_gpu_launch_unroute(); }

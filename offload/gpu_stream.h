@@ -1,0 +1,44 @@
+/* Calls ordered on a caller's CUDA stream (forkattn_ctx_set_stream).
+ *
+ * The offload runtime launches each target region on a stream of its own
+ * and waits for it. With a stream set, the tensor-core attention calls on
+ * device memory route their launches, and the plan copies those carry
+ * (gpu_launch_copy.h), onto the caller's stream instead: the cuLaunchKernel
+ * forwarder (gpu_team_memory.c) swaps the stream, the runtime then waits on
+ * its own stream, which holds nothing, and the call returns while its
+ * kernels are queued. Everything else a context does on the device (host
+ * memory, the FP32 kernels, StreamKL, copies, frees, trimming the pool)
+ * first waits for the caller's stream and then runs synchronously as
+ * before, so its work stays in the stream's order.
+ *
+ * Routed kernels may not read anything the runtime copies for them
+ * (firstprivate structs): the runtime frees that memory when its own stream
+ * is done, before a routed kernel runs. They take their arguments from a
+ * copy staged with the plan (is_device_ptr), and the plan's host pack is
+ * pageable memory (the driver stages it before cuMemcpyHtoDAsync returns),
+ * never the context's page-locked buffer the next call would overwrite. */
+#ifndef FORKATTN_GPU_STREAM_H
+#define FORKATTN_GPU_STREAM_H
+#include <stddef.h>
+
+#include "context_internal.h"
+
+/* 0 when launches can be routed to `stream` on OpenMP device `device` (the
+ * forwarder is installed, the handle is a live stream of the device's
+ * primary context, or one of CUDA's default-stream handles); else -1 and
+ * *why says why, *invalid 1 for a bad handle (0: routing unavailable). */
+int fa_gpu_stream_check(int device, void *stream, int *invalid, char *why, size_t len);
+
+/* Wait for everything queued on `stream` of `device`: 0, or the driver's
+ * error (an earlier routed kernel's fault shows here). */
+int fa_gpu_stream_sync(int device, void *stream);
+
+/* At a call's start: route this thread's launches to ctx's stream when the
+ * call can (`routable`: device memory, tensor-core kernels only), else wait
+ * for ctx's stream. A call without a stream set does nothing. OK, or
+ * FORKATTN_ERR_DEVICE (recorded on ctx) when the wait failed. */
+forkattn_status fa_gpu_stream_enter(forkattn_ctx *ctx, int routable, const char *what);
+/* At the call's end: stop routing. */
+void fa_gpu_stream_leave(void);
+
+#endif

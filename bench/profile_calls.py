@@ -103,10 +103,12 @@ def main():
     ap.add_argument("--cases", default="1,2")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--trace", help="chrome traces to PREFIX.fwdN.json, PREFIX.bwdN.json")
+    ap.add_argument("--stream", action="store_true",
+                    help="calls queued on torch's stream (forkattn_ctx_set_stream), as compare_torch's first row")
     a = ap.parse_args()
     a.cuda, a.small = True, False
     dev = torch.device("cuda")
-    fa = ct.Forkattn(a.lib, True)
+    fa = ct.Forkattn(a.lib, True, a.stream)
     print("forkattn %s: %s" % (fa.version, fa.reason))
     for i, n in enumerate(int(x) for x in a.cases.split(",")):
         spec = ct.case_spec(n, a, 1234)
@@ -116,6 +118,7 @@ def main():
         print("case %d (%s): %s" % (n, spec.name, spec.desc))
         report("  forward", fwd, a.reps, a.trace + ".fwd%d.json" % n if a.trace else None)
         report("  backward", bwd, a.reps, a.trace + ".bwd%d.json" % n if a.trace else None)
+        report("  forward+backward", lambda: (fwd(), bwd()), a.reps, a.trace + ".both%d.json" % n if a.trace else None)
         del t
         torch.cuda.empty_cache()
 

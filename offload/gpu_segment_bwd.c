@@ -269,7 +269,8 @@ int64_t fa_gpu_dkv_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int6
   return fa_plan_key_chunk(p, kb, nkb, hkv, (mma == 2 ? 1 : mma ? 2 : 8) * FA_GPU_SMS);
 }
 
-static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const fa_attn_bwd *a, forkattn_memory memory, int mma) {
+static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, forkattn_memory memory, int mma) {
+  const fa_attn_bwd *a = args;
   const fa_plan *p = a->plan;
   fa_block *qb_h = NULL, *kb_h = NULL;
   fa_key_unit *units_h = NULL;
@@ -380,11 +381,6 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const fa_attn_bwd 
 }
 
 forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkattn_memory memory) {
-  const int mma = fa_gpu_mma_bwd_ok(a, memory);
-  /* on the context's stream only the tensor-core kernels and the reduce, on device memory (see the forward) */
-  forkattn_status st = fa_gpu_stream_enter(ctx, mma && memory == FORKATTN_MEMORY_DEVICE, "gpu bwd");
-  if (st) return st;
-  st = fa_gpu_attn_bwd_run(ctx, a, memory, mma);
-  fa_gpu_stream_leave();
-  return st;
+  /* the tensor-core kernels and the reduce take their arguments from the staged copy: routable */
+  return fa_gpu_stream_run(ctx, fa_gpu_attn_bwd_run, a, memory, fa_gpu_mma_bwd_ok(a, memory), "gpu bwd");
 }

@@ -112,7 +112,8 @@ static void fa_gpu_fp32_fwd(const fa_gpu_fwd_args *ga) {
   }
 }
 
-static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const fa_attn_fwd *a, forkattn_memory memory, int mma) {
+static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, forkattn_memory memory, int mma) {
+  const fa_attn_fwd *a = args;
   const fa_plan *p = a->plan;
   fa_block *blocks_h = NULL;
   fa_gpu_trace tr;
@@ -184,11 +185,5 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const fa_attn_fwd 
 }
 
 forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkattn_memory memory) {
-  const int mma = fa_gpu_mma_fwd_ok(a, memory);
-  /* on the context's stream only the tensor-core kernel, on device memory: it reads nothing the runtime copies */
-  forkattn_status st = fa_gpu_stream_enter(ctx, mma && memory == FORKATTN_MEMORY_DEVICE, "gpu fwd");
-  if (st) return st;
-  st = fa_gpu_attn_fwd_run(ctx, a, memory, mma);
-  fa_gpu_stream_leave();
-  return st;
+  return fa_gpu_stream_run(ctx, fa_gpu_attn_fwd_run, a, memory, fa_gpu_mma_fwd_ok(a, memory), "gpu fwd");
 }

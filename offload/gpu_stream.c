@@ -121,3 +121,12 @@ forkattn_status fa_gpu_stream_enter(forkattn_ctx *ctx, int routable, const char 
 }
 
 void fa_gpu_stream_leave(void) { fa_gpu_launch_unroute(); }
+
+forkattn_status fa_gpu_stream_run(forkattn_ctx *ctx, fa_gpu_stream_call run, const void *args, forkattn_memory memory,
+                                  int mma, const char *what) {
+  forkattn_status st = fa_gpu_stream_enter(ctx, mma && memory == FORKATTN_MEMORY_DEVICE, what);
+  if (st) return st;
+  st = run(ctx, args, memory, mma);
+  fa_gpu_stream_leave();
+  return st;
+}

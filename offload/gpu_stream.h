@@ -41,4 +41,10 @@ forkattn_status fa_gpu_stream_enter(forkattn_ctx *ctx, int routable, const char 
 /* At the call's end: stop routing. */
 void fa_gpu_stream_leave(void);
 
+/* run(ctx, args, memory, mma) between fa_gpu_stream_enter and _leave, routed when the call runs the
+ * tensor-core kernels (mma) on device memory: those read nothing the runtime copies for them. */
+typedef forkattn_status (*fa_gpu_stream_call)(forkattn_ctx *ctx, const void *args, forkattn_memory memory, int mma);
+forkattn_status fa_gpu_stream_run(forkattn_ctx *ctx, fa_gpu_stream_call run, const void *args, forkattn_memory memory,
+                                  int mma, const char *what);
+
 #endif

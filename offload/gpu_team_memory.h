@@ -9,7 +9,8 @@
  * launched kernel's limit to the bytes it asks for, then checks the result
  * with a kernel that fills and reads back more than 48 KB of team memory.
  * The forwarder also issues the copies the calling thread queued for its
- * next launch (gpu_launch_copy.h) on the launch's stream, before the kernel.
+ * next launch (gpu_launch_copy.h) on the launch's stream, before the kernel,
+ * and moves a routed call's launches to the caller's stream (gpu_stream.h).
  * A table it cannot find leaves the 48 KB limit (the kernels keep their
  * 48 KB shapes) and the copies synchronous; a failed check, the limit.
  * FORKATTN_GPU_TEAM_MEMORY=runtime leaves the runtime alone. */

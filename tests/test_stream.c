@@ -221,74 +221,80 @@ static forkattn_ctx *gpu_ctx_with_mma(const char *name) {
   return ctx;
 }
 
-Test(stream, queued_calls_match_synchronous_calls_bitwise) {
-  forkattn_ctx *sync_ctx = gpu_ctx_with_mma("stream/queued"), *ctx = tc_gpu_ctx_or_skip("stream/queued");
+/* Two GPU contexts on the same inputs: one with synchronous calls (the reference), one to queue on a
+ * stream. */
+typedef struct duo {
+  forkattn_ctx *sync_ctx, *ctx;
   lay a, b;
-  make_lays(&a, &b);
   problem ps, pq;
-  problem_init(&ps, sync_ctx, a.T, "stream/queued");
-  problem_init(&pq, ctx, a.T, "stream/queued"); /* the same seed: the same inputs */
+} duo;
+
+static void duo_init(duo *d, const char *name) {
+  d->sync_ctx = gpu_ctx_with_mma(name);
+  d->ctx = tc_gpu_ctx_or_skip(name);
+  make_lays(&d->a, &d->b);
+  problem_init(&d->ps, d->sync_ctx, d->a.T, name);
+  problem_init(&d->pq, d->ctx, d->a.T, name); /* the same seed: the same inputs */
+}
+
+static void duo_free(duo *d) {
+  problem_free(&d->pq);
+  problem_free(&d->ps);
+  forkattn_ctx_destroy(d->ctx);
+  forkattn_ctx_destroy(d->sync_ctx);
+}
+
+/* Output set i of layout L: the synchronous context's all written, the other's bitwise the same. */
+static void assert_same(duo *d, int i, const lay *L, const char *what) {
+  size_t n1, n2;
+  unsigned char *want = read_outs(&d->ps, &d->ps.set[i], L, &n1), *got = read_outs(&d->pq, &d->pq.set[i], L, &n2);
+  assert_written(want, L, L == &d->a ? "synchronous results, layout A" : "synchronous results, layout B");
+  cr_assert(n1 == n2 && memcmp(want, got, n1) == 0, "set %d: %s", i, what);
+  free(want);
+  free(got);
+}
+
+Test(stream, queued_calls_match_synchronous_calls_bitwise) {
+  duo d;
+  duo_init(&d, "stream/queued");
   void *stream = new_stream(NULL);
-  cr_assert_eq(forkattn_ctx_set_stream(ctx, stream), FORKATTN_OK, "%s", forkattn_ctx_last_error(ctx));
-  queue_prologue(&pq, &a);
+  cr_assert_eq(forkattn_ctx_set_stream(d.ctx, stream), FORKATTN_OK, "%s", forkattn_ctx_last_error(d.ctx));
+  queue_prologue(&d.pq, &d.a);
   const double t0 = tc_now();
   for (int i = 0; i < SETS; i++) { /* alternating layouts: each call's plan differs from the last one's */
-    fwd(&pq, i % 2 ? &b : &a, &pq.set[i]);
-    bwd(&pq, i % 2 ? &b : &a, &pq.set[i]);
+    fwd(&d.pq, i % 2 ? &d.b : &d.a, &d.pq.set[i]);
+    bwd(&d.pq, i % 2 ? &d.b : &d.a, &d.pq.set[i]);
   }
   const double queued = tc_now() - t0;
   for (int i = 0; i < SETS; i++) {
-    fwd(&ps, i % 2 ? &b : &a, &ps.set[i]);
-    bwd(&ps, i % 2 ? &b : &a, &ps.set[i]);
+    fwd(&d.ps, i % 2 ? &d.b : &d.a, &d.ps.set[i]);
+    bwd(&d.ps, i % 2 ? &d.b : &d.a, &d.ps.set[i]);
   }
   /* the last set first, without forkattn_ctx_synchronize: the copy itself waits for the stream */
-  for (int i = SETS - 1; i >= 0; i--) {
-    size_t n1, n2;
-    unsigned char *want = read_outs(&ps, &ps.set[i], i % 2 ? &b : &a, &n1);
-    unsigned char *got = read_outs(&pq, &pq.set[i], i % 2 ? &b : &a, &n2);
-    assert_written(want, i % 2 ? &b : &a, i % 2 ? "synchronous results, layout B" : "synchronous results, layout A");
-    cr_assert(n1 == n2 && memcmp(want, got, n1) == 0, "set %d: queued results differ from synchronous ones", i);
-    free(want);
-    free(got);
-  }
+  for (int i = SETS - 1; i >= 0; i--) assert_same(&d, i, i % 2 ? &d.b : &d.a, "queued results differ from synchronous ones");
   cr_log_info("stream/queued: %d forward+backward calls queued in %.3f ms of host time", SETS, queued * 1e3);
-  cr_assert_eq(forkattn_ctx_synchronize(ctx), FORKATTN_OK);
-  cr_assert_eq(forkattn_ctx_clear_stream(ctx), FORKATTN_OK);
-  problem_free(&pq);
-  problem_free(&ps);
+  cr_assert_eq(forkattn_ctx_synchronize(d.ctx), FORKATTN_OK);
+  cr_assert_eq(forkattn_ctx_clear_stream(d.ctx), FORKATTN_OK);
   destroy_stream(stream);
-  forkattn_ctx_destroy(ctx);
-  forkattn_ctx_destroy(sync_ctx);
+  duo_free(&d);
 }
 
 /* A call that cannot be queued (here the FP32 backward, FORKATTN_GPU_MMA=0) waits for the queued forward
  * whose o and lse it reads; on CUDA's legacy default stream (NULL). */
 Test(stream, a_synchronous_call_waits_for_the_queued_work_it_reads) {
-  forkattn_ctx *sync_ctx = gpu_ctx_with_mma("stream/wait"), *ctx = tc_gpu_ctx_or_skip("stream/wait");
-  lay a, b;
-  make_lays(&a, &b);
-  problem ps, pq;
-  problem_init(&ps, sync_ctx, a.T, "stream/wait");
-  problem_init(&pq, ctx, a.T, "stream/wait");
-  cr_assert_eq(forkattn_ctx_set_stream(ctx, NULL), FORKATTN_OK, "%s", forkattn_ctx_last_error(ctx));
-  queue_prologue(&pq, &a);
-  fwd(&pq, &a, &pq.set[0]);
-  fwd(&ps, &a, &ps.set[0]);
+  duo d;
+  duo_init(&d, "stream/wait");
+  cr_assert_eq(forkattn_ctx_set_stream(d.ctx, NULL), FORKATTN_OK, "%s", forkattn_ctx_last_error(d.ctx));
+  queue_prologue(&d.pq, &d.a);
+  fwd(&d.pq, &d.a, &d.pq.set[0]);
+  fwd(&d.ps, &d.a, &d.ps.set[0]);
   setenv("FORKATTN_GPU_MMA", "0", 1);
-  bwd(&pq, &a, &pq.set[0]);
-  bwd(&ps, &a, &ps.set[0]);
+  bwd(&d.pq, &d.a, &d.pq.set[0]);
+  bwd(&d.ps, &d.a, &d.ps.set[0]);
   unsetenv("FORKATTN_GPU_MMA");
-  cr_assert_eq(forkattn_ctx_clear_stream(ctx), FORKATTN_OK);
-  size_t n1, n2;
-  unsigned char *want = read_outs(&ps, &ps.set[0], &a, &n1), *got = read_outs(&pq, &pq.set[0], &a, &n2);
-  assert_written(want, &a, "synchronous results");
-  cr_assert(n1 == n2 && memcmp(want, got, n1) == 0, "the FP32 backward read the queued forward's o and lse too early");
-  free(want);
-  free(got);
-  problem_free(&pq);
-  problem_free(&ps);
-  forkattn_ctx_destroy(ctx);
-  forkattn_ctx_destroy(sync_ctx);
+  cr_assert_eq(forkattn_ctx_clear_stream(d.ctx), FORKATTN_OK);
+  assert_same(&d, 0, &d.a, "the FP32 backward read the queued forward's o and lse too early");
+  duo_free(&d);
 }
 
 Test(stream, a_stream_of_another_cuda_context_is_refused) {

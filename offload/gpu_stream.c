@@ -109,6 +109,9 @@ int fa_gpu_stream_sync(int device, void *stream) {
 
 forkattn_status fa_gpu_stream_enter(forkattn_ctx *ctx, int routable, const char *what) {
   if (!ctx->stream_set) return FORKATTN_OK;
+#ifdef FA_GPU_TIMELINE
+  routable = 0; /* the timeline's own regions, on the runtime's stream, read its buffer after each kernel */
+#endif
   if (routable) {
     fa_gpu_launch_route(ctx->stream);
     return FORKATTN_OK;

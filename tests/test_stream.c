@@ -6,7 +6,8 @@
  * in pool blocks the previous calls' kernels read), give bitwise the results
  * of the same calls made synchronously; a copy, and a call that runs
  * synchronously (the FP32 kernels), wait for the queued work they read; a
- * stream of another CUDA context is refused. */
+ * stream of another CUDA context is refused, and so is any stream where the
+ * launch forwarder is not installed. */
 #define _POSIX_C_SOURCE 200809L /* setenv */
 #include <criterion/criterion.h>
 #include <dlfcn.h>
@@ -221,6 +222,14 @@ static forkattn_ctx *gpu_ctx_with_mma(const char *name) {
   return ctx;
 }
 
+/* forkattn_ctx_set_stream, or skip where this runtime's launches cannot be routed (UNSUPPORTED, e.g.
+ * FORKATTN_GPU_TEAM_MEMORY=runtime: the test below checks that case). */
+static void set_stream_or_skip(forkattn_ctx *ctx, void *stream, const char *name) {
+  const forkattn_status st = forkattn_ctx_set_stream(ctx, stream);
+  if (st == FORKATTN_ERR_UNSUPPORTED) cr_skip_test("%s: %s", name, forkattn_ctx_last_error(ctx));
+  cr_assert_eq(st, FORKATTN_OK, "%s", forkattn_ctx_last_error(ctx));
+}
+
 /* Two GPU contexts on the same inputs: one with synchronous calls (the reference), one to queue on a
  * stream. */
 typedef struct duo {
@@ -258,7 +267,7 @@ Test(stream, queued_calls_match_synchronous_calls_bitwise) {
   duo d;
   duo_init(&d, "stream/queued");
   void *stream = new_stream(NULL);
-  cr_assert_eq(forkattn_ctx_set_stream(d.ctx, stream), FORKATTN_OK, "%s", forkattn_ctx_last_error(d.ctx));
+  set_stream_or_skip(d.ctx, stream, "stream/queued");
   queue_prologue(&d.pq, &d.a);
   const double t0 = tc_now();
   for (int i = 0; i < SETS; i++) { /* alternating layouts: each call's plan differs from the last one's */
@@ -284,7 +293,7 @@ Test(stream, queued_calls_match_synchronous_calls_bitwise) {
 Test(stream, a_synchronous_call_waits_for_the_queued_work_it_reads) {
   duo d;
   duo_init(&d, "stream/wait");
-  cr_assert_eq(forkattn_ctx_set_stream(d.ctx, NULL), FORKATTN_OK, "%s", forkattn_ctx_last_error(d.ctx));
+  set_stream_or_skip(d.ctx, NULL, "stream/wait");
   queue_prologue(&d.pq, &d.a);
   fwd(&d.pq, &d.a, &d.pq.set[0]);
   fwd(&d.ps, &d.a, &d.ps.set[0]);
@@ -299,6 +308,8 @@ Test(stream, a_synchronous_call_waits_for_the_queued_work_it_reads) {
 
 Test(stream, a_stream_of_another_cuda_context_is_refused) {
   forkattn_ctx *ctx = tc_gpu_ctx_or_skip("stream/other_context");
+  set_stream_or_skip(ctx, NULL, "stream/other_context"); /* streams can be set here at all */
+  cr_assert_eq(forkattn_ctx_clear_stream(ctx), FORKATTN_OK);
   cu_ctx_create create = (cu_ctx_create)cuda_sym("cuCtxCreate_v2");
   if (!create) {
     forkattn_ctx_destroy(ctx);
@@ -315,5 +326,16 @@ Test(stream, a_stream_of_another_cuda_context_is_refused) {
   cr_assert_eq(forkattn_ctx_synchronize(ctx), FORKATTN_OK, "the refused stream was not taken");
   destroy_stream(s);
   cr_assert_eq(((cu_ctx_destroy)cuda_sym("cuCtxDestroy_v2"))(other), 0);
+  forkattn_ctx_destroy(ctx);
+}
+
+/* Without the launch forwarder (the runtime's driver table left alone) nothing can move a launch to
+ * another stream: set_stream says so, and the context stays synchronous. [device only] */
+Test(stream, without_the_launch_forwarder_a_stream_is_unsupported) {
+  setenv("FORKATTN_GPU_TEAM_MEMORY", "runtime", 1); /* before this process's first probe */
+  forkattn_ctx *ctx = tc_gpu_ctx_or_skip("stream/no_forwarder");
+  cr_assert_eq(forkattn_ctx_set_stream(ctx, NULL), FORKATTN_ERR_UNSUPPORTED);
+  cr_assert(strstr(forkattn_ctx_last_error(ctx), "cannot be routed"), "%s", forkattn_ctx_last_error(ctx));
+  cr_assert_eq(forkattn_ctx_synchronize(ctx), FORKATTN_OK, "no stream was set");
   forkattn_ctx_destroy(ctx);
 }

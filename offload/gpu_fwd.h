@@ -24,6 +24,7 @@ typedef struct fa_gpu_fwd_args {
   int device;
   const struct fa_tma_map *tma; /* device copies of K's and V's tensor maps (gpu_tma.h), or NULL: cp.async */
   int wg2; /* blocks of FA_WG2_ROWS for the two-warpgroup wgmma kernel (fa_gpu_mma_fwd_tma) */
+  int *work; /* device counter of a persistent launch's items, zeroed by the plan copy */
 } fa_gpu_fwd_args;
 
 /* Query rows per team of the tensor-core forward (16 per warp, 4 warps). */
@@ -56,6 +57,9 @@ int fa_gpu_mma_tma_pair(struct fa_tma_map *maps, const fa_dev_tensor *a, int64_t
 /* 1 unless FORKATTN_GPU_WG2=0 asks for the one-warpgroup wgmma kernels
  * instead of the two-warpgroup forward and dQ. Host code. */
 int fa_gpu_wg2_on(void);
+/* Teams of a persistent launch of nteams items (the two-warpgroup forward and dQ): one an SM, at
+ * most nteams; 0 for a team an item (gpu_persist.h's choice; FORKATTN_GPU_PERSIST=0/1 forces it). */
+int fa_gpu_persist_grid(int device, int nteams);
 /* The wgmma forward's tensor maps of K and V (fa_gpu_mma_tma_pair): for the
  * two-warpgroup kernel (gpu_mma_fwd_team.h: 128-row blocks, 128-key tiles;
  * *wg2 = 1) when FORKATTN_GPU_WG2 is not 0 and its team memory fits, else

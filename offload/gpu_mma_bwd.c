@@ -51,6 +51,8 @@ int fa_gpu_mma_bwd_ok(const fa_attn_bwd *a, forkattn_memory memory) {
 
 #define FA_WG2_DQ(D, F16) \
   FA_MMA_QUERY_TEAMS_OF(fa_wg2_dq_team, qblocks, D, FA_WG2_BK, F16, FA_WG2_DQ_SMEM(D), FA_WG2_THREADS)
+#define FA_WG2_DQ_PERSIST(D, F16) \
+  FA_WG2_QUERY_TEAMS_PERSIST(fa_wg2_dq_team, fa_wg2_dq_ring, qblocks, nqb, D, FA_WG2_BK, F16, FA_WG2_DQ_SMEM(D))
 
 int fa_gpu_mma_dq_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
                       int64_t v_rows, int64_t hkv, int64_t d, int device) {
@@ -62,7 +64,9 @@ void fa_gpu_mma_dq(const fa_gpu_bwd *b, const fa_gpu_bwd *argp) {
   const int nteams = (int)(b->nqb * b->hq), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
 #ifdef FORKATTN_HAVE_WGMMA
   if (b->dq_wg2) { /* fa_gpu_mma_dq_tma chose it, and the query blocks are FA_WG2_ROWS */
-    FA_TL_LAUNCH(dev, "wg2_dq", FA_MMA_BY_HEAD_DIM(FA_WG2_DQ, b->d, f16));
+    const int grid = fa_gpu_persist_grid(dev, nteams);
+    if (grid) FA_TL_LAUNCH(dev, "wg2_dq", FA_MMA_BY_HEAD_DIM(FA_WG2_DQ_PERSIST, b->d, f16));
+    else FA_TL_LAUNCH(dev, "wg2_dq", FA_MMA_BY_HEAD_DIM(FA_WG2_DQ, b->d, f16));
     return;
   }
 #endif

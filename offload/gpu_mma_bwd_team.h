@@ -309,6 +309,11 @@ static inline __attribute__((always_inline)) void fa_wg_dq_team(const int D, con
   ((size_t)(2 * FA_WG2_ROWS + 2 * FA_WG2_DQ_STAGES(D) * FA_WG2_BK) * (D) * 2 +                                      \
    FA_WG2_RING_BYTES(FA_WG2_DQ_STAGES(D)) + FA_WG_BLOCK_BYTES)
 
+/* The dQ team's ring in its (aligned) team memory. */
+static inline fa_wg2_ring fa_wg2_dq_ring(const int D, const int BK, unsigned short *smem) {
+  return fa_wg2_ring_at(smem, 2 * FA_WG2_ROWS * D, 2 * BK * D, FA_WG2_DQ_STAGES(D));
+}
+
 static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, const int BK, const int f16,
                                                                   const fa_gpu_bwd b, fa_block blk, int64_t h,
                                                                   int64_t g, unsigned short *smem) {
@@ -318,7 +323,7 @@ static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, co
   const fa_smem sm = fa_smem_of(smem);
   /* element offsets of this warpgroup's Q and dO tiles; the ring follows both warpgroups' */
   const int qt = wg * FA_MMA_ROWS * D, ot = (2 + wg) * FA_MMA_ROWS * D;
-  const fa_wg2_ring rg = fa_wg2_ring_at(smem, 2 * FA_WG2_ROWS * D, 2 * BK * D, S);
+  const fa_wg2_ring rg = fa_wg2_dq_ring(D, BK, smem);
   const fa_tma_map *tma = b.kv_tma;
   const fa_range *seg = b.seg;
   const fa_pair *pair = b.pair;

@@ -24,6 +24,7 @@
 #include "gpu_mma.h"
 #include "gpu_mma_fwd_team.h"
 #include "gpu_mma_tiles.h"
+#include "gpu_persist.h"
 #include "gpu_team_memory.h"
 #include "gpu_tma.h"
 #include "gpu_wgmma.h"
@@ -76,6 +77,13 @@ int fa_gpu_mma_tma_pair(fa_tma_map *maps, const fa_dev_tensor *a, int64_t a_rows
          !fa_gpu_tma_encode(&maps[1], b->data, f16, b_rows, heads, d, b->rs, b->hs, box_rows, msg, sizeof msg);
 }
 
+int fa_gpu_persist_grid(int device, int nteams) {
+  /* FORKATTN_GPU_PERSIST=0 or 1 overrides the choice by items an SM (comparison, diagnosis, tests) */
+  const char *env = getenv("FORKATTN_GPU_PERSIST");
+  const int mode = env && !strcmp(env, "0") ? 0 : env && !strcmp(env, "1") ? 1 : -1;
+  return fa_persist_grid_for(fa_gpu_sms(device), nteams, mode);
+}
+
 int fa_gpu_wg2_on(void) {
   /* FORKATTN_GPU_WG2=0 keeps the one-warpgroup kernels (comparison and diagnosis). */
   const char *env = getenv("FORKATTN_GPU_WG2");
@@ -93,12 +101,16 @@ int fa_gpu_mma_fwd_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows,
 #define FA_WG_FWD(D, F16) FA_MMA_QUERY_TEAMS(fa_wg_fwd_team, blocks, D, FA_WG_BK, F16, FA_WG_QUERY_SMEM(FA_WG_BK, D, 1))
 #define FA_WG2_FWD(D, F16)                                                                                     \
   FA_MMA_QUERY_TEAMS_OF(fa_wg2_fwd_team, blocks, D, FA_WG2_BK, F16, FA_WG2_FWD_SMEM(D), FA_WG2_THREADS)
+#define FA_WG2_FWD_PERSIST(D, F16) \
+  FA_WG2_QUERY_TEAMS_PERSIST(fa_wg2_fwd_team, fa_wg2_fwd_ring, blocks, nblocks, D, FA_WG2_BK, F16, FA_WG2_FWD_SMEM(D))
 
 void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g, const fa_gpu_fwd_args *argp) {
   const int nteams = (int)(g->nblocks * g->hq), dev = g->device, f16 = g->q.dtype == FORKATTN_DTYPE_F16;
 #ifdef FORKATTN_HAVE_WGMMA
   if (g->wg2) { /* fa_gpu_mma_fwd_tma chose it, and the blocks are FA_WG2_ROWS */
-    FA_TL_LAUNCH(dev, "wg2_fwd", FA_MMA_BY_HEAD_DIM(FA_WG2_FWD, g->d, f16));
+    const int grid = fa_gpu_persist_grid(dev, nteams);
+    if (grid) FA_TL_LAUNCH(dev, "wg2_fwd", FA_MMA_BY_HEAD_DIM(FA_WG2_FWD_PERSIST, g->d, f16));
+    else FA_TL_LAUNCH(dev, "wg2_fwd", FA_MMA_BY_HEAD_DIM(FA_WG2_FWD, g->d, f16));
     return;
   }
 #endif

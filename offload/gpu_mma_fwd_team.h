@@ -345,6 +345,11 @@ static inline __attribute__((always_inline)) void fa_wg_fwd_team(const int D, co
   ((size_t)(FA_WG2_ROWS + 2 * FA_WG2_STAGES(D) * FA_WG2_BK) * (D) * 2 + FA_WG2_RING_BYTES(FA_WG2_STAGES(D)) +        \
    FA_WG_BLOCK_BYTES)
 
+/* The forward team's ring in its (aligned) team memory. */
+static inline fa_wg2_ring fa_wg2_fwd_ring(const int D, const int BK, unsigned short *smem) {
+  return fa_wg2_ring_at(smem, FA_WG2_ROWS * D, 2 * BK * D, FA_WG2_STAGES(D));
+}
+
 static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, const int BK, const int f16,
                                                                    const fa_gpu_fwd_args ga, fa_block blk,
                                                                    int64_t h, int64_t g, unsigned short *smem) {
@@ -353,7 +358,7 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
   smem += fa_wg_align(fa_smem_of(smem));
   const fa_smem sm = fa_smem_of(smem);
   const int qt = wg * FA_MMA_ROWS * D; /* element offset of this warpgroup's Q tile; the ring follows both */
-  const fa_wg2_ring rg = fa_wg2_ring_at(smem, FA_WG2_ROWS * D, 2 * BK * D, S);
+  const fa_wg2_ring rg = fa_wg2_fwd_ring(D, BK, smem);
   const fa_tma_map *tma = ga.tma;
   const fa_range *seg = ga.seg;
   const fa_pair *pair = ga.pair;

@@ -321,18 +321,22 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
   }
   fa_gpu_trace_mark(&tr, "blocks");
   if (!bad) {
-    const void *plan_h[9] = {maps, p->seg, p->pair, p->q_pair_off, p->k_pair_idx, qb_h, kb_h, units_h, unit_off_h};
-    const size_t plan_bytes[9] = {tma || b.dq_wg2 ? sizeof maps : 0,
-                                  sizeof *p->seg * (size_t)p->nseg,       sizeof *p->pair * (size_t)p->npairs,
-                                  sizeof(int64_t) * (size_t)(p->nseg + 1), sizeof(int64_t) * (size_t)p->npairs,
-                                  sizeof *qb_h * (size_t)b.nqb,           sizeof *kb_h * (size_t)b.nkb,
-                                  sizeof *units_h * (size_t)b.nunits,     sizeof *unit_off_h * (size_t)(b.nkb + 1)};
-    void *plan_d[9] = {NULL};
-    bad = fa_stage_arrays(&st, 9, plan_h, plan_bytes, plan_d);
+    static const int64_t zero = 0; /* the persistent dQ's work counter */
+    const void *plan_h[10] = {maps, p->seg,  p->pair, p->q_pair_off, p->k_pair_idx,
+                              qb_h, kb_h,    units_h, unit_off_h,    &zero};
+    const size_t plan_bytes[10] = {tma || b.dq_wg2 ? sizeof maps : 0,
+                                   sizeof *p->seg * (size_t)p->nseg,       sizeof *p->pair * (size_t)p->npairs,
+                                   sizeof(int64_t) * (size_t)(p->nseg + 1), sizeof(int64_t) * (size_t)p->npairs,
+                                   sizeof *qb_h * (size_t)b.nqb,           sizeof *kb_h * (size_t)b.nkb,
+                                   sizeof *units_h * (size_t)b.nunits,     sizeof *unit_off_h * (size_t)(b.nkb + 1),
+                                   sizeof zero};
+    void *plan_d[10] = {NULL};
+    bad = fa_stage_arrays(&st, 10, plan_h, plan_bytes, plan_d);
     b.tma = tma ? (const fa_tma_map *)plan_d[0] : NULL;
     b.kv_tma = b.dq_wg2 ? (const fa_tma_map *)plan_d[0] + 2 : NULL;
     b.seg = plan_d[1], b.pair = plan_d[2], b.qoff = plan_d[3], b.kidx = plan_d[4];
     b.qblocks = plan_d[5], b.kblocks = plan_d[6], b.units = plan_d[7], b.unit_off = plan_d[8];
+    b.work = plan_d[9];
     if (!bad && b.nunits > b.nkb) { /* split blocks: partial sums, then the reduce kernel */
       const size_t part = sizeof(float) * (size_t)(b.nunits * a->hkv * b.krows * a->d);
       b.part_k = fa_stage_scratch(&st, part);

@@ -145,12 +145,13 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
                             (long long)(nb * a->hq));
   }
   fa_gpu_trace_mark(&tr, "blocks");
-  const void *plan_h[5] = {maps, p->seg, p->pair, p->q_pair_off, blocks_h};
-  const size_t plan_bytes[5] = {tma ? sizeof maps : 0, sizeof *p->seg * (size_t)p->nseg,
+  static const int64_t zero = 0; /* the persistent launch's work counter */
+  const void *plan_h[6] = {maps, p->seg, p->pair, p->q_pair_off, blocks_h, &zero};
+  const size_t plan_bytes[6] = {tma ? sizeof maps : 0, sizeof *p->seg * (size_t)p->nseg,
                                 sizeof *p->pair * (size_t)p->npairs, sizeof(int64_t) * (size_t)(p->nseg + 1),
-                                sizeof *blocks_h * (size_t)nb};
-  void *plan_d[5] = {NULL, NULL, NULL, NULL, NULL};
-  bad = bad || fa_stage_arrays(&st, 5, plan_h, plan_bytes, plan_d);
+                                sizeof *blocks_h * (size_t)nb, sizeof zero};
+  void *plan_d[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
+  bad = bad || fa_stage_arrays(&st, 6, plan_h, plan_bytes, plan_d);
   const fa_range *seg = plan_d[1];
   const fa_pair *pair = plan_d[2];
   const int64_t *qoff = plan_d[3];
@@ -159,7 +160,7 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
   fa_free(blocks_h); /* allocated even for 0 blocks; NULL if never built */
   const fa_gpu_fwd_args ga = {q,  k,    v,      o,        lse,         seg,         pair,
                               qoff, blocks, nb, hq, hkv, d, qshift, a->scale, kept, has_kept, ctx->device,
-                              tma ? (const fa_tma_map *)plan_d[0] : NULL, wg2};
+                              tma ? (const fa_tma_map *)plan_d[0] : NULL, wg2, plan_d[5]};
   /* the tensor-core kernels read their arguments from a device copy that rides with the plan */
   const fa_gpu_fwd_args *ga_dev = !bad && mma ? fa_stage_array(&st, &ga, sizeof ga) : NULL;
   bad = bad || (mma && !ga_dev);

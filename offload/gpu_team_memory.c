@@ -19,6 +19,7 @@
 #define FA_TM_DEVICES 64
 #define FA_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES 8
 #define FA_CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN 97
+#define FA_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT 16
 /* The check kernel's team memory: past the default, within every GPU that
  * allows more (sm_70 and later: 96 KB or more). */
 #define FA_TM_CHECK_BYTES (64 * 1024)
@@ -37,6 +38,7 @@ static void *fa_tm_cuda; /* for fa_tm_install_once */
 /* Per device: 0 not yet, 1 being found (other callers wait), 2 found. */
 static atomic_int fa_tm_state[FA_TM_DEVICES];
 static size_t fa_tm_bytes[FA_TM_DEVICES];
+static int fa_tm_sms[FA_TM_DEVICES];
 
 /* cuLaunchKernel as the runtime calls it: on the caller's stream while this
  * thread's launches are routed (gpu_stream.h), else the runtime's; the copies this thread queued for
@@ -143,6 +145,7 @@ size_t fa_gpu_team_memory_init(int device) {
     int dev = 0, optin = 0;
     if (get && attr && !get(&dev, device) &&
         !attr(&optin, FA_CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev) &&
+        !attr(&fa_tm_sms[device], FA_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev) &&
         (size_t)optin >= FA_TM_CHECK_BYTES) {
       fa_tm_cuda = cuda;
       pthread_once(&fa_tm_once, fa_tm_install_once);
@@ -156,6 +159,11 @@ size_t fa_gpu_team_memory_init(int device) {
 }
 
 int fa_gpu_launch_forwarded(void) { return fa_tm_installed; }
+
+int fa_gpu_sms(int device) {
+  if (device < 0 || device >= FA_TM_DEVICES || atomic_load(&fa_tm_state[device]) != 2) return 0;
+  return fa_tm_sms[device];
+}
 
 size_t fa_gpu_team_memory(int device) {
   if (device < 0 || device >= FA_TM_DEVICES || atomic_load(&fa_tm_state[device]) != 2)

@@ -34,4 +34,7 @@ size_t fa_gpu_team_memory(int device);
  * copies and be routed to a caller's stream). */
 int fa_gpu_launch_forwarded(void);
 
+/* The device's multiprocessors, found with its team memory (0: unknown). */
+int fa_gpu_sms(int device);
+
 #endif

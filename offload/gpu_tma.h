@@ -64,6 +64,7 @@ int fa_gpu_tma_encode(fa_tma_map *map, const void *base, int f16, int64_t rows, 
  * tile orders it. Otherwise they trap. */
 #ifndef FORKATTN_MMA_EMULATE
 static inline void fa_mbar_init(fa_smem m, int off, int count) { (void)m, (void)off, (void)count, __builtin_trap(); }
+static inline void fa_mbar_inval(fa_smem m, int off) { (void)m, (void)off, __builtin_trap(); }
 static inline void fa_mbar_expect_tx(fa_smem m, int off, int bytes) { (void)m, (void)off, (void)bytes, __builtin_trap(); }
 static inline void fa_mbar_arrive(fa_smem m, int off) { (void)m, (void)off, __builtin_trap(); }
 static inline void fa_tma_load_3d(fa_smem m, int dst, const fa_tma_map *map, int c0, int c1, int c2, int bar) {
@@ -90,6 +91,7 @@ static inline void fa_tma_emulated_map(fa_tma_map *map, const void *base, int64_
 }
 
 static inline void fa_mbar_init(fa_smem m, int off, int count) { (void)m, (void)off, (void)count; }
+static inline void fa_mbar_inval(fa_smem m, int off) { (void)m, (void)off; }
 static inline void fa_mbar_expect_tx(fa_smem m, int off, int bytes) { (void)m, (void)off, (void)bytes; }
 static inline void fa_mbar_arrive(fa_smem m, int off) { (void)m, (void)off; }
 static inline void fa_tma_load_3d(fa_smem m, int dst, const fa_tma_map *map, int c0, int c1, int c2, int bar) {
@@ -118,6 +120,11 @@ static inline void fa_mbar_init(fa_smem m, int off, int count) {
                    "fence.mbarrier_init.release.cluster;" ::"r"(m.s + 2u * (uint32_t)off),
                    "r"(count)
                    : "memory");
+}
+
+/* Before an mbarrier's memory is initialised again (a persistent team's next item). */
+static inline void fa_mbar_inval(fa_smem m, int off) {
+  __asm__ volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(m.s + 2u * (uint32_t)off) : "memory");
 }
 
 static inline void fa_mbar_expect_tx(fa_smem m, int off, int bytes) {

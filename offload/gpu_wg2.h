@@ -54,6 +54,13 @@ static inline fa_wg2_ring fa_wg2_ring_at(unsigned short *smem, int st0, int stag
   return r;
 }
 
+/* Thread 0, every use of the ring's mbarriers over (a team barrier since):
+ * invalidate them before the ring is initialised again (a persistent
+ * team's next item; PTX leaves mbarrier.init on a live one undefined). */
+static inline void fa_wg2_ring_inval(fa_smem sm, fa_wg2_ring r) {
+  for (int b = 0; b < r.S; b++) fa_mbar_inval(sm, r.full + 4 * b);
+}
+
 /* Element offset of buffer b. */
 static inline int fa_wg2_buf(fa_wg2_ring r, int b) { return r.st0 + b * r.stage; }
 
@@ -164,5 +171,42 @@ static inline __attribute__((always_inline)) void fa_wg_store_rows_staged(fa_dev
   }
 }
 #pragma omp end declare target
+
+/* Bytes of team memory past a team's SMEM for a persistent launch's two
+ * next-item slots. */
+#define FA_WG2_PERSIST_AT(SMEM) (((SMEM) + 15) / 16 * 16)
+/* A persistent launch of a two-warpgroup query-side team (as
+ * FA_MMA_QUERY_TEAMS_OF, with `grid` teams from the caller, at most one
+ * an SM): each team runs items (query block x query head, heaviest blocks
+ * first) from args.work, a counter the call's plan copy zeroes: its first
+ * item is its team number, the next fetched by thread 0 when an item
+ * starts (into a slot of the item's parity, read after the item's closing
+ * barrier, so the atomic's latency hides under the item). RING(D, BK,
+ * smem) names the team's ring, whose mbarriers are invalidated before the
+ * team initialises them again. */
+#define FA_WG2_QUERY_TEAMS_PERSIST(TEAM, RING, BLOCKS, NBLOCKS, D, BK, F16, SMEM)                                 \
+  do {                                                                                                        \
+    const size_t smem = FA_WG2_PERSIST_AT(SMEM) + 16;                                                         \
+    FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(grid) thread_limit(FA_WG2_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) is_device_ptr(argp)) \
+    {                                                                                                         \
+      const __typeof__(*argp) args = *argp;                                                                   \
+      unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
+      volatile int *next = (volatile int *)((char *)sm + FA_WG2_PERSIST_AT(SMEM));                            \
+      unsigned short *al = sm + fa_wg_align(fa_smem_of(sm));                                                  \
+      const int hq = (int)args.hq, n = (int)args.NBLOCKS * hq, tid = ompx_thread_id_x();                      \
+      const int step = (int)ompx_grid_dim_x();                                                               \
+      int item = (int)ompx_block_id_x();                                                                      \
+      for (int it = 0; item < n; it++) {                                                                      \
+        if (tid == 0) {                                                                                       \
+          next[it & 1] = __atomic_fetch_add(args.work, 1, __ATOMIC_RELAXED) + step;                           \
+          if (it > 0) fa_wg2_ring_inval(fa_smem_of(al), RING((D), (BK), al));                                 \
+        }                                                                                                     \
+        const int h = item % hq;                                                                              \
+        TEAM((D), (BK), (F16), args, args.BLOCKS[item / hq], h, h / (hq / (int)args.hkv), sm);                \
+        ompx_sync_block_acq_rel(); /* the item's team memory and its next slot */                             \
+        item = next[it & 1];                                                                                  \
+      }                                                                                                       \
+    }                                                                                                         \
+  } while (0)
 
 #endif

@@ -14,6 +14,7 @@
 
 #include "context_internal.h"
 #include "gpu_launch_copy.h"
+#include "gpu_persist.h"
 #include "gpu_pool.h"
 #include "gpu_stage.h"
 #include "gpu_stream.h"
@@ -366,4 +367,18 @@ Test(gpu_stream, trimming_the_pool_waits_for_the_stream) {
     c.stream_set = 0;
     fa_gpu_pool_destroy(&c);
   }
+}
+
+/* The choice between persistent teams and a team an item (gpu_persist.h). */
+Test(gpu_persist, persistent_teams_only_where_an_sm_gets_many_items) {
+  const int sms = 132;
+  cr_assert_eq(fa_persist_grid_for(sms, 5120, -1), sms, "case 2: ~39 items an SM, one team an SM");
+  cr_assert_eq(fa_persist_grid_for(sms, 512, -1), 0, "case 1: ~4 items an SM, a team an item");
+  cr_assert_eq(fa_persist_grid_for(sms, FA_PERSIST_MIN_ITEMS_PER_SM * sms, -1), sms, "the threshold itself");
+  cr_assert_eq(fa_persist_grid_for(sms, FA_PERSIST_MIN_ITEMS_PER_SM * sms - 1, -1), 0, "just below it");
+  cr_assert_eq(fa_persist_grid_for(sms, 5120, 0), 0, "FORKATTN_GPU_PERSIST=0");
+  cr_assert_eq(fa_persist_grid_for(sms, 512, 1), sms, "FORKATTN_GPU_PERSIST=1");
+  cr_assert_eq(fa_persist_grid_for(sms, 40, 1), 40, "never more teams than items");
+  cr_assert_eq(fa_persist_grid_for(0, 5120, 1), 0, "unknown multiprocessors: a team an item");
+  cr_assert_eq(fa_persist_grid_for(sms, 0, 1), 0, "no items");
 }

@@ -152,7 +152,7 @@ static void run_case(const char *name, const emu_case *c) {
   cr_assert(nqb > 0);
   fa_gpu_fwd_args ga = {view(b.q, dt, hq, d), view(b.k, dt, hkv, d), view(b.v, dt, hkv, d), view(b.o, dt, hq, d),
                         b.lse, plan.seg, plan.pair, plan.q_pair_off, qb, nqb, hq, hkv, d, plan.qshift,
-                        (float)scale, {0}, 0, 0, NULL, 0};
+                        (float)scale, {0}, 0, 0, NULL, 0, NULL};
   /* K's and V's tiles by (emulated) bulk tensor copies: K whole, V when the tile has 64 keys */
   fa_tma_map maps[2];
   fa_tma_emulated_map(&maps[0], b.k, T, hkv, d, hkv * d, d, FA_WG_BK);
@@ -240,7 +240,7 @@ static void run_case(const char *name, const emu_case *c) {
                    view(b.dout, dt, hq, d), view(b.dq, dt, hq, d), view(b.dk, dt, hkv, d),
                    view(b.dv, dt, hkv, d), b.lse, b.dsum, plan.seg, plan.pair, plan.q_pair_off,
                    plan.k_pair_idx, qb, kb, units, unit_off, part_k, part_v, nqb, nkb, nunits, T,
-                   plan.qshift, hq, hkv, d, FA_MMA_ROWS, (float)scale, {0}, 0, 0, NULL, NULL, 0, 0};
+                   plan.qshift, hq, hkv, d, FA_MMA_ROWS, (float)scale, {0}, 0, 0, NULL, NULL, 0, 0, NULL};
   double edq = 0;
   static unsigned short smem_dq2[(2 * FA_WG2_ROWS + 2 * FA_WG2_DQ_STAGES(128) * FA_WG2_BK) * 128 + 2048];
   cr_assert_geq(sizeof smem_dq2, FA_WG2_DQ_SMEM(d));

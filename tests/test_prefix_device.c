@@ -98,7 +98,8 @@ typedef struct padded {
   forkattn_tensor t; /* over dev */
 } padded;
 
-static void padded_init(padded *x, forkattn_ctx *ctx, int64_t T, int64_t H, int64_t d, int64_t pad, const double *values) {
+static void padded_init(padded *x, forkattn_ctx *ctx, int64_t T, int64_t H, int64_t d, int64_t pad,
+                        const double *values) {
   const int64_t rs = H * d + pad;
   x->bytes = sizeof(uint16_t) * (size_t)(T * rs);
   x->host = malloc(x->bytes);
@@ -110,7 +111,8 @@ static void padded_init(padded *x, forkattn_ctx *ctx, int64_t T, int64_t H, int6
       for (int64_t k = 0; k < H; k++)
         for (int64_t c = 0; c < d; c++) ref_tensor_set(&h, r, k, c, values[(r * H + k) * d + c]);
   cr_assert_eq(forkattn_device_malloc(ctx, x->bytes, &x->dev), FORKATTN_OK);
-  cr_assert_eq(forkattn_memcpy(ctx, x->dev, FORKATTN_MEMORY_DEVICE, x->host, FORKATTN_MEMORY_HOST, x->bytes), FORKATTN_OK);
+  cr_assert_eq(forkattn_memcpy(ctx, x->dev, FORKATTN_MEMORY_DEVICE, x->host, FORKATTN_MEMORY_HOST, x->bytes),
+               FORKATTN_OK);
   x->t = h;
   x->t.data = x->dev;
 }
@@ -118,7 +120,8 @@ static void padded_init(padded *x, forkattn_ctx *ctx, int64_t T, int64_t H, int6
 /* Copy x back, check its padding still holds the poison and every element was written, and return
  * its elements as contiguous doubles. */
 static double *padded_result(padded *x, forkattn_ctx *ctx, const char *name) {
-  cr_assert_eq(forkattn_memcpy(ctx, x->host, FORKATTN_MEMORY_HOST, x->dev, FORKATTN_MEMORY_DEVICE, x->bytes), FORKATTN_OK);
+  cr_assert_eq(forkattn_memcpy(ctx, x->host, FORKATTN_MEMORY_HOST, x->dev, FORKATTN_MEMORY_DEVICE, x->bytes),
+               FORKATTN_OK);
   forkattn_tensor h = x->t;
   h.data = x->host;
   const int64_t T = h.rows, H = h.heads, d = h.head_dim;
@@ -177,8 +180,8 @@ Test(memory, misaligned_device_outputs_fall_back_to_the_fp32_kernels) {
   cr_assert_eq(forkattn_memcpy(ctx, lse_h, FORKATTN_MEMORY_HOST, lse_d, FORKATTN_MEMORY_DEVICE,
                                sizeof(float) * (size_t)(T * hq)),
                FORKATTN_OK);
-  ph_outputs got = {padded_result(&o, ctx, "o"), malloc(sizeof(double) * (size_t)(T * hq)), padded_result(&dq, ctx, "dq"),
-                    padded_result(&dk, ctx, "dk"), padded_result(&dv, ctx, "dv")};
+  ph_outputs got = {padded_result(&o, ctx, "o"), malloc(sizeof(double) * (size_t)(T * hq)),
+                    padded_result(&dq, ctx, "dq"), padded_result(&dk, ctx, "dk"), padded_result(&dv, ctx, "dv")};
   cr_assert_not_null(got.lse);
   for (int64_t i = 0; i < T * hq; i++) got.lse[i] = lse_h[i];
   ph_check(&got, &ref, &in, (ph_tol){0, 0, 0}, "memory/misaligned_outputs");

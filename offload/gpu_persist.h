@@ -1,0 +1,24 @@
+/* When the two-warpgroup forward and dQ run persistent teams (gpu_wg2.h's
+ * FA_WG2_QUERY_TEAMS_PERSIST): one team an SM taking items (query block x
+ * query head) from a counter, instead of a team an item. A persistent team
+ * skips the gap between teams and the reload of its arguments, and pays an
+ * atomic, a barrier and the ring's re-initialisation an item; on the H200
+ * (bench/NOTES-gpu.md, v2.47) that gained 2.6 % (forward) and 2.2 % (dQ) at
+ * case 2's ~39 items an SM and lost 2-4 % at case 1's ~4, hence the
+ * threshold. Host code, tested in test_gpu_pool. */
+#ifndef FORKATTN_GPU_PERSIST_H
+#define FORKATTN_GPU_PERSIST_H
+#include <stdint.h>
+
+/* Items an SM from which the automatic choice runs persistent teams. */
+#define FA_PERSIST_MIN_ITEMS_PER_SM 8
+
+/* Teams of the launch for nteams items on `sms` multiprocessors; 0: a team
+ * an item. mode: 0 never (FORKATTN_GPU_PERSIST=0), 1 always (=1), -1 auto. */
+static inline int fa_persist_grid_for(int sms, int64_t nteams, int mode) {
+  if (mode == 0 || sms <= 0 || nteams <= 0) return 0;
+  if (mode < 0 && nteams < (int64_t)FA_PERSIST_MIN_ITEMS_PER_SM * sms) return 0;
+  return nteams < sms ? (int)nteams : sms;
+}
+
+#endif

@@ -1,0 +1,30 @@
+/* The two-warpgroup forward and dQ as persistent teams (one an SM, items
+ * from a counter: gpu_wg2.h, gpu_persist.h) give bitwise the outputs of a
+ * team an item, on layouts of several items an SM, alternating so that each
+ * call's counter is the one the previous call left in the pool block. The
+ * choice itself is unit-tested on the host (test_gpu_pool). Skipped on a CPU
+ * context. [device only] */
+#define _POSIX_C_SOURCE 200809L /* setenv */
+#include <criterion/criterion.h>
+#include <stdlib.h>
+
+#include "device_problem.h"
+#include "test_common.h"
+
+Test(persist, persistent_teams_match_a_team_an_item_bitwise) {
+  dp_duo d;
+  dp_duo_init(&d, "persist/bitwise");
+  for (int i = 0; i < DP_SETS; i++) {
+    const dp_lay *L = i % 2 ? &d.b : &d.a;
+    setenv("FORKATTN_GPU_PERSIST", "0", 1); /* the reference: a team an item */
+    dp_fwd(&d.ps, L, &d.ps.set[i]);
+    dp_bwd(&d.ps, L, &d.ps.set[i]);
+    setenv("FORKATTN_GPU_PERSIST", "1", 1); /* persistent whatever the items an SM */
+    dp_fwd(&d.pq, L, &d.pq.set[i]);
+    dp_bwd(&d.pq, L, &d.pq.set[i]);
+  }
+  unsetenv("FORKATTN_GPU_PERSIST");
+  for (int i = 0; i < DP_SETS; i++)
+    dp_assert_same(&d, i, i % 2 ? &d.b : &d.a, "persistent teams differ from a team an item");
+  dp_duo_free(&d);
+}

@@ -12,13 +12,8 @@
 #include "kv_cache_internal.h"
 #ifdef FORKATTN_HAVE_OFFLOAD
 #include "gpu_backend.h"
-#include "gpu_stream.h"
-
-/* Device work of the cache waits for the context's stream (forkattn_ctx_set_stream), whose queued
- * kernels may write what it copies or read what it frees; 0 or -1, no message (see above). */
-static int fa_kv_wait(const forkattn_kv_cache *c) {
-  return c->ctx->stream_set && fa_gpu_stream_sync(c->ctx->device, c->ctx->stream) ? -1 : 0;
-}
+#include "gpu_stream.h" /* device work of the cache waits for the context's stream: queued kernels may
+                          * write what it copies or read what it frees (no message, see above) */
 #endif
 
 void *fa_kv_data_alloc(const forkattn_kv_cache *c, size_t bytes) {
@@ -37,7 +32,7 @@ void fa_kv_data_free(const forkattn_kv_cache *c, void *data) {
     return;
   }
 #ifdef FORKATTN_HAVE_OFFLOAD
-  fa_kv_wait(c); /* a failed wait: the device is lost, the free goes ahead */
+  fa_gpu_stream_wait(c->ctx); /* a failed wait: the device is lost, the free goes ahead */
   fa_gpu_free(c->ctx->device, data);
 #endif
 }
@@ -49,7 +44,7 @@ static int fa_kv_move(const forkattn_kv_cache *c, void *dst, int dst_dev, const 
     return 0;
   }
 #ifdef FORKATTN_HAVE_OFFLOAD
-  return fa_kv_wait(c) || fa_gpu_memcpy(c->ctx->device, dst, dst_dev, src, src_dev, bytes) ? -1 : 0;
+  return fa_gpu_stream_wait(c->ctx) || fa_gpu_memcpy(c->ctx->device, dst, dst_dev, src, src_dev, bytes) ? -1 : 0;
 #else
   (void)c;
   return -1;

@@ -29,14 +29,12 @@ static forkattn_status fa_cached_begin(forkattn_ctx *ctx, const forkattn_prefix_
 /* Zero every element of t (key rows no response reads: their gradient is 0). */
 static forkattn_status fa_tensor_zero(forkattn_ctx *ctx, const forkattn_tensor *t, forkattn_memory memory) {
   const size_t es = t->dtype == FORKATTN_DTYPE_F32 ? 4 : 2, bytes = es * (size_t)t->head_dim;
+  const forkattn_status st =
+      memory == FORKATTN_MEMORY_DEVICE ? fa_ctx_wait_stream(ctx, "prefix_cached_bwd") : FORKATTN_OK;
+  if (st) return st;
   void *zero = memory == FORKATTN_MEMORY_DEVICE ? fa_calloc(1, bytes) : NULL;
   if (memory == FORKATTN_MEMORY_DEVICE && !zero)
     return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "prefix_cached_bwd: cannot allocate a zero row");
-  forkattn_status st = memory == FORKATTN_MEMORY_DEVICE ? fa_ctx_wait_stream(ctx, "prefix_cached_bwd") : FORKATTN_OK;
-  if (st) {
-    fa_free(zero);
-    return st;
-  }
   int failed = 0;
   for (int64_t r = 0; r < t->rows && !failed; r++)
     for (int64_t h = 0; h < t->heads && !failed; h++) {

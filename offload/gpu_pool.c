@@ -39,7 +39,7 @@ static void fa_pool_drop(forkattn_ctx *ctx, int i) {
 static int fa_pool_trim(forkattn_ctx *ctx, int all) {
   fa_gpu_pool *pool = ctx->gpu_pool;
   int freed = 0;
-  if (ctx->stream_set && fa_gpu_stream_sync(ctx->device, ctx->stream)) return 0;
+  if (fa_gpu_stream_wait(ctx)) return 0;
   for (;;) {
     int pick = -1;
     for (int i = 0; i < pool->n; i++)

@@ -62,8 +62,7 @@ void *fa_stage_array(fa_stage *s, const void *host, size_t bytes) {
  * A routed call packs into ordinary memory: the driver has read it when the launch returns, where the
  * page-locked buffer would be read when the stream gets there, after the next call rewrote it. */
 static char *fa_stage_pack_buffer(fa_stage *s, size_t bytes, int *pinned) {
-  if (fa_gpu_launch_routed()) s->pinned_at = FA_STAGE_CARRY_MAX;
-  if (!s->pinned && s->pinned_at == 0) {
+  if (!s->pinned && s->pinned_at == 0 && !fa_gpu_launch_routed()) {
     s->pinned = fa_gpu_pool_pinned(s->ctx, FA_STAGE_CARRY_MAX);
     if (!s->pinned) s->pinned_at = FA_STAGE_CARRY_MAX; /* taken or unavailable: not asked again */
   }
@@ -85,7 +84,7 @@ int fa_stage_arrays(fa_stage *s, int n, const void *const *host, const size_t *b
   /* carried by the next launch when it will take the copy; otherwise copied now, as without the queue */
   const int carry = total <= FA_STAGE_CARRY_MAX && s->ncarried < FA_STAGE_MAX && fa_gpu_launch_copy_room();
   /* A routed call's block may still be read by the stream's earlier kernels: a copy made now waits for them. */
-  if (!carry && fa_gpu_launch_routed() && fa_gpu_stream_sync(s->device, s->ctx->stream)) {
+  if (!carry && fa_gpu_launch_routed() && fa_gpu_stream_wait(s->ctx)) {
     s->copy_failed = 1;
     return -1;
   }

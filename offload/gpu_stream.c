@@ -116,7 +116,7 @@ forkattn_status fa_gpu_stream_enter(forkattn_ctx *ctx, int routable, const char 
     fa_gpu_launch_route(ctx->stream);
     return FORKATTN_OK;
   }
-  const int rc = fa_gpu_stream_sync(ctx->device, ctx->stream);
+  const int rc = fa_gpu_stream_wait(ctx);
   return rc ? fa_fail(ctx, FORKATTN_ERR_DEVICE, "%s: waiting for the context's stream failed (CUDA error %d, "
                                                 "an earlier call's kernel or the caller's own work)",
                       what, rc)

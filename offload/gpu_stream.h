@@ -33,6 +33,12 @@ int fa_gpu_stream_check(int device, void *stream, int *invalid, char *why, size_
  * error (an earlier routed kernel's fault shows here). */
 int fa_gpu_stream_sync(int device, void *stream);
 
+/* Wait for ctx's stream when one is set (0 at once without): 0, or the driver's error. No message:
+ * for callers that report it themselves, or cannot (the KV cache's concurrent inserts). */
+static inline int fa_gpu_stream_wait(const forkattn_ctx *ctx) {
+  return ctx->stream_set ? fa_gpu_stream_sync(ctx->device, ctx->stream) : 0;
+}
+
 /* At a call's start: route this thread's launches to ctx's stream when the
  * call can (`routable`: device memory, tensor-core kernels only), else wait
  * for ctx's stream. A call without a stream set does nothing. OK, or

@@ -78,9 +78,12 @@ int fa_gpu_mma_tma_pair(fa_tma_map *maps, const fa_dev_tensor *a, int64_t a_rows
 }
 
 int fa_gpu_persist_grid(int device, int nteams) {
-  /* FORKATTN_GPU_PERSIST=0 or 1 overrides the choice by items an SM (comparison, diagnosis, tests) */
+  /* FORKATTN_GPU_PERSIST=0, 1 or n > 1 overrides the choice by items an SM (comparison, diagnosis,
+   * tests); anything else is the automatic choice */
   const char *env = getenv("FORKATTN_GPU_PERSIST");
-  const int mode = env && !strcmp(env, "0") ? 0 : env && !strcmp(env, "1") ? 1 : -1;
+  char *end = NULL;
+  const long v = env ? strtol(env, &end, 10) : -1;
+  const int mode = env && *env && end && !*end && v >= 0 && v <= 1 << 20 ? (int)v : -1;
   return fa_persist_grid_for(fa_gpu_sms(device), nteams, mode);
 }
 

@@ -14,11 +14,14 @@
 #define FA_PERSIST_MIN_ITEMS_PER_SM 8
 
 /* Teams of the launch for nteams items on `sms` multiprocessors; 0: a team
- * an item. mode: 0 never (FORKATTN_GPU_PERSIST=0), 1 always (=1), -1 auto. */
+ * an item. mode: 0 never (FORKATTN_GPU_PERSIST=0), 1 always (=1), n > 1
+ * always with at most n teams (=n: many items a team on small launches, for
+ * the sanitizers and test_persist), -1 auto. */
 static inline int fa_persist_grid_for(int sms, int64_t nteams, int mode) {
   if (mode == 0 || sms <= 0 || nteams <= 0) return 0;
   if (mode < 0 && nteams < (int64_t)FA_PERSIST_MIN_ITEMS_PER_SM * sms) return 0;
-  return nteams < sms ? (int)nteams : sms;
+  const int cap = mode > 1 && mode < sms ? mode : sms;
+  return nteams < cap ? (int)nteams : cap;
 }
 
 #endif

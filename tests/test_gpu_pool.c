@@ -379,6 +379,9 @@ Test(gpu_persist, persistent_teams_only_where_an_sm_gets_many_items) {
   cr_assert_eq(fa_persist_grid_for(sms, 5120, 0), 0, "FORKATTN_GPU_PERSIST=0");
   cr_assert_eq(fa_persist_grid_for(sms, 512, 1), sms, "FORKATTN_GPU_PERSIST=1");
   cr_assert_eq(fa_persist_grid_for(sms, 40, 1), 40, "never more teams than items");
+  cr_assert_eq(fa_persist_grid_for(sms, 40, 3), 3, "FORKATTN_GPU_PERSIST=3: at most 3 teams");
+  cr_assert_eq(fa_persist_grid_for(sms, 2, 3), 2, "FORKATTN_GPU_PERSIST=3, two items");
+  cr_assert_eq(fa_persist_grid_for(sms, 5120, 1000), sms, "FORKATTN_GPU_PERSIST=1000: one an SM at most");
   cr_assert_eq(fa_persist_grid_for(0, 5120, 1), 0, "unknown multiprocessors: a team an item");
   cr_assert_eq(fa_persist_grid_for(sms, 0, 1), 0, "no items");
 }

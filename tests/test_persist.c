@@ -1,7 +1,8 @@
 /* The two-warpgroup forward and dQ as persistent teams (one an SM, items
  * from a counter: gpu_wg2.h, gpu_persist.h) give bitwise the outputs of a
  * team an item, on layouts of several items an SM, alternating so that each
- * call's counter is the one the previous call left in the pool block. The
+ * call's counter is the one the previous call left in the pool block; once
+ * with a team an SM and once with three teams for the whole launch. The
  * choice itself is unit-tested on the host (test_gpu_pool). Skipped on a CPU
  * context. [device only] */
 #define _POSIX_C_SOURCE 200809L /* setenv */
@@ -11,15 +12,17 @@
 #include "device_problem.h"
 #include "test_common.h"
 
-Test(persist, persistent_teams_match_a_team_an_item_bitwise) {
+/* Each set run as a team an item, then as persistent teams under
+ * FORKATTN_GPU_PERSIST=mode, and compared bitwise. */
+static void persistent_matches(const char *mode, const char *name) {
   dp_duo d;
-  dp_duo_init(&d, "persist/bitwise");
+  dp_duo_init(&d, name);
   for (int i = 0; i < DP_SETS; i++) {
     const dp_lay *L = i % 2 ? &d.b : &d.a;
     setenv("FORKATTN_GPU_PERSIST", "0", 1); /* the reference: a team an item */
     dp_fwd(&d.ps, L, &d.ps.set[i]);
     dp_bwd(&d.ps, L, &d.ps.set[i]);
-    setenv("FORKATTN_GPU_PERSIST", "1", 1); /* persistent whatever the items an SM */
+    setenv("FORKATTN_GPU_PERSIST", mode, 1);
     dp_fwd(&d.pq, L, &d.pq.set[i]);
     dp_bwd(&d.pq, L, &d.pq.set[i]);
   }
@@ -27,4 +30,15 @@ Test(persist, persistent_teams_match_a_team_an_item_bitwise) {
   for (int i = 0; i < DP_SETS; i++)
     dp_assert_same(&d, i, i % 2 ? &d.b : &d.a, "persistent teams differ from a team an item");
   dp_duo_free(&d);
+}
+
+/* One team an SM, whatever the items an SM. */
+Test(persist, persistent_teams_match_a_team_an_item_bitwise) {
+  persistent_matches("1", "persist/bitwise");
+}
+
+/* Three teams: each runs dozens of items, so the ring's re-initialisation
+ * and the next-item slots of both parities are used many times a launch. */
+Test(persist, three_persistent_teams_match_a_team_an_item_bitwise) {
+  persistent_matches("3", "persist/three_teams");
 }

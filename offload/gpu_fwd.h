@@ -58,7 +58,8 @@ int fa_gpu_mma_tma_pair(struct fa_tma_map *maps, const fa_dev_tensor *a, int64_t
  * instead of the two-warpgroup forward and dQ. Host code. */
 int fa_gpu_wg2_on(void);
 /* Teams of a persistent launch of nteams items (the two-warpgroup forward and dQ): one an SM, at
- * most nteams; 0 for a team an item (gpu_persist.h's choice; FORKATTN_GPU_PERSIST=0/1 forces it). */
+ * most nteams; 0 for a team an item (gpu_persist.h's choice; FORKATTN_GPU_PERSIST=0 or 1 forces
+ * either, n > 1 persistent teams, at most n). */
 int fa_gpu_persist_grid(int device, int nteams);
 /* The wgmma forward's tensor maps of K and V (fa_gpu_mma_tma_pair): for the
  * two-warpgroup kernel (gpu_mma_fwd_team.h: 128-row blocks, 128-key tiles;

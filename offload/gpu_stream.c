@@ -65,12 +65,13 @@ static int fa_cu_primary(int device, void **pctx) {
   return 0;
 }
 
-/* f(stream) with the device's primary context current (a default-stream handle means that context's). */
-static int fa_cu_on_stream(int device, fa_cu_stream f, void *stream) {
+/* (*f)(stream) with the device's primary context current (a default-stream handle means that
+ * context's); f points into fa_cu, read once the driver's functions are loaded. */
+static int fa_cu_on_stream(int device, const fa_cu_stream *f, void *stream) {
   void *pctx = NULL, *was = NULL;
   if (fa_cu_primary(device, &pctx)) return -1;
   if (fa_cu.push(pctx)) return -1;
-  const int rc = f(stream);
+  const int rc = (*f)(stream);
   fa_cu.pop(&was);
   return rc;
 }
@@ -88,7 +89,7 @@ int fa_gpu_stream_check(int device, void *stream, int *invalid, char *why, size_
     return -1;
   }
   *invalid = 1;
-  const int q = fa_cu_on_stream(device, fa_cu.query, stream);
+  const int q = fa_cu_on_stream(device, &fa_cu.query, stream);
   if (q && q != FA_CUDA_ERROR_NOT_READY) {
     snprintf(why, len, "%p is not a live CUDA stream (cuStreamQuery: error %d)", stream, q);
     return -1;
@@ -102,10 +103,7 @@ int fa_gpu_stream_check(int device, void *stream, int *invalid, char *why, size_
   return 0;
 }
 
-int fa_gpu_stream_sync(int device, void *stream) {
-  void *pctx = NULL;
-  return fa_cu_primary(device, &pctx) ? -1 : fa_cu_on_stream(device, fa_cu.sync, stream);
-}
+int fa_gpu_stream_sync(int device, void *stream) { return fa_cu_on_stream(device, &fa_cu.sync, stream); }
 
 forkattn_status fa_gpu_stream_enter(forkattn_ctx *ctx, int routable, const char *what) {
   if (!ctx->stream_set) return FORKATTN_OK;

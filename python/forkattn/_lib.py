@@ -582,6 +582,11 @@ class _ContextBound(_Owned):
         return self._ctx
 
 
+def _stream_handle(stream):
+    """The CUDA stream handle of a ``torch.cuda.Stream`` or a handle (None and 0: the legacy default stream)."""
+    return int(getattr(stream, "cuda_stream", stream) or 0)
+
+
 class Context:
     """A forkattn context (``forkattn_ctx``): backend, device, CPU threads, last error.
 
@@ -657,7 +662,7 @@ class Context:
         CUDA tensors are then queued on it and return at once; every other call waits for it first.
         Raises ForkattnError (UNSUPPORTED: this runtime cannot route launches; INVALID_ARGUMENT:
         not a stream of the device's primary context)."""
-        handle = int(getattr(stream, "cuda_stream", stream) or 0)
+        handle = _stream_handle(stream)
         fn = getattr(self._lib, "forkattn_ctx_set_stream", None)
         if fn is None:
             raise _make_error(UNSUPPORTED, "forkattn: %s has no forkattn_ctx_set_stream" % self._lib._name)
@@ -667,7 +672,7 @@ class Context:
     def follow_stream(self, stream):
         """set_stream(stream) unless already on it; False (and nothing set) where this context or
         library cannot take a stream: the caller then synchronizes the stream itself."""
-        handle = int(getattr(stream, "cuda_stream", stream) or 0)
+        handle = _stream_handle(stream)
         if self._stream == handle:
             return True
         if self._no_stream is not None:

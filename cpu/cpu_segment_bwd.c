@@ -14,6 +14,7 @@
 #include "cpu_tile.h"
 #include "cpu_team.h"
 #include "online_softmax.h"
+#include "rowsum_exact.h"
 #include "segment_attn.h"
 
 typedef struct {
@@ -141,6 +142,13 @@ static void fa_bwd_dkv_block(const fa_attn_bwd *a, const float *dsum, const fa_b
   fa_cpu_scatter(&a->dv, b->start, nk, g, dv, d);
 }
 
+static float fa_dot(const float *x, const float *y, int64_t d) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t c = 0; c < d; c++) s += x[c] * y[c];
+  return s;
+}
+
 /* D[r, h] = sum_c dO[r, h, c] * O[r, h, c]. */
 static void fa_bwd_rowsum(const fa_attn_bwd *a, float *dsum, float *buf) {
   const int64_t d = a->d, rows = a->plan->rows;
@@ -149,10 +157,32 @@ static void fa_bwd_rowsum(const fa_attn_bwd *a, float *dsum, float *buf) {
     for (int64_t h = 0; h < a->hq; h++) {
       fa_cpu_gather(&a->o, r, 1, h, 1.0f, buf, d);
       fa_cpu_gather(&a->dout, r, 1, h, 1.0f, buf + d, d);
-      float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t c = 0; c < d; c++) s += buf[c] * buf[d + c];
-      dsum[r * a->hq + h] = s;
+      dsum[r * a->hq + h] = fa_dot(buf, buf + d, d);
+    }
+}
+
+/* D of a query block's rows from the inputs, sum_j exp(s_j - lse) (dO . v_j) over each
+ * row's visible keys (lib/rowsum_exact.h says when and why); buf holds 3 d floats. */
+static void fa_bwd_rowsum_exact(const fa_attn_bwd *a, float *dsum, const fa_block *b, float *buf) {
+  const fa_plan *p = a->plan;
+  const int64_t d = a->d, group = a->hq / a->hkv;
+  float *q = buf, *dout = buf + d, *kv = buf + 2 * d;
+  for (int64_t r = b->start; r < b->start + b->len; r++)
+    for (int64_t h = 0; h < a->hq; h++) {
+      const float lse = a->lse[r * a->hq + h];
+      double sum = 0.0;
+      fa_cpu_gather(&a->q, r, 1, h, a->scale, q, d);
+      fa_cpu_gather(&a->dout, r, 1, h, 1.0f, dout, d);
+      for (int64_t pi = p->q_pair_off[b->seg]; pi < p->q_pair_off[b->seg + 1] && lse != -INFINITY; pi++) {
+        const fa_range keys = fa_pair_keys(p->seg, p->pair[pi], r, 1, p->qshift);
+        for (int64_t j = keys.start; j < keys.start + keys.len; j++) {
+          fa_cpu_gather(&a->k, j, 1, h / group, 1.0f, kv, d);
+          const float s = fa_dot(q, kv, d);
+          fa_cpu_gather(&a->v, j, 1, h / group, 1.0f, kv, d);
+          sum += (double)expf(s - lse) * fa_dot(dout, kv, d);
+        }
+      }
+      dsum[r * a->hq + h] = (float)sum;
     }
 }
 
@@ -173,6 +203,16 @@ static void fa_bwd_team(fa_cpu_ws *ws, void *arg) {
                     fa_cpu_ws_take(ws, j->acc_rows * d), fa_cpu_ws_take(ws, j->acc_rows * d),
                     fa_cpu_ws_take(ws, bk * d),          fa_cpu_ws_take(ws, bk * d)};
   fa_bwd_rowsum(a, j->dsum, t.s); /* implicit barrier: D complete before use */
+  if (a->o.dtype != FORKATTN_DTYPE_F32 && !a->kept) {
+    const fa_plan *p = a->plan;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < j->nq; w++) {
+      const fa_block *b = &j->qblocks[w];
+      if (fa_block_key_count(p->seg, p->pair, p->q_pair_off[b->seg], p->q_pair_off[b->seg + 1], b->start, b->len,
+                             p->qshift) <= FA_EXACT_D_KEYS)
+        fa_bwd_rowsum_exact(a, j->dsum, b, t.s);
+    }
+  }
 #pragma omp for schedule(dynamic, 1) nowait
   for (int64_t w = 0; w < j->nq * hkv; w++) fa_bwd_dq_block(a, j->dsum, &j->qblocks[w / hkv], w % hkv, &t);
 #pragma omp for schedule(dynamic, 1)

@@ -33,6 +33,7 @@ typedef struct fa_gpu_bwd {
   int dq_wg2; /* qblocks are FA_WG2_ROWS rows for the two-warpgroup dQ (fa_gpu_mma_dq_tma) */
   int dkv_wg2; /* kblocks are FA_WG2_ROWS rows for the two-warpgroup dK/dV (fa_gpu_mma_dkv_wg2, tma set) */
   int *work;   /* device counter of the persistent dQ's items, zeroed by the plan copy */
+  int dsum_ready; /* dsum holds D before the tensor-core dQ runs (some rows' D from the inputs) */
 } fa_gpu_bwd;
 
 /* 1 when the tensor-core backward runs this call: the forward's conditions

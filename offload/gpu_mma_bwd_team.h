@@ -56,16 +56,21 @@ static inline __attribute__((always_inline)) void fa_dq_rowsum_of(const fa_gpu_b
                                                                   const unsigned short *dot, int P, int D, int f16,
                                                                   int warp, int lane, float *dd0, float *dd1) {
   const int rr = warp * 16 + lane / 2, half = (lane & 1) * (D / 2), in = trow0 + rr < blk.len;
-  float s0 = 0.0f, s1 = 0.0f;
+  float sum;
+  if (b.dsum_ready) { /* D computed before the launch (lib/rowsum_exact.h) */
+    sum = in ? b.dsum[(blk.start + trow0 + rr) * b.hq + h] : 0.0f;
+  } else {
+    float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
-  for (int i = 0; i < D / 16; i++) {
-    const fa_u4 dv = fa_load_u4(dot + (P == D ? fa_wg_elem(rr, half + 8 * i, FA_MMA_ROWS) : rr * P + half + 8 * i));
-    s0 += fa_dot_b16x2(dv.x, ov->v[i].x, f16) + fa_dot_b16x2(dv.y, ov->v[i].y, f16);
-    s1 += fa_dot_b16x2(dv.z, ov->v[i].z, f16) + fa_dot_b16x2(dv.w, ov->v[i].w, f16);
+    for (int i = 0; i < D / 16; i++) {
+      const fa_u4 dv = fa_load_u4(dot + (P == D ? fa_wg_elem(rr, half + 8 * i, FA_MMA_ROWS) : rr * P + half + 8 * i));
+      s0 += fa_dot_b16x2(dv.x, ov->v[i].x, f16) + fa_dot_b16x2(dv.y, ov->v[i].y, f16);
+      s1 += fa_dot_b16x2(dv.z, ov->v[i].z, f16) + fa_dot_b16x2(dv.w, ov->v[i].w, f16);
+    }
+    sum = in ? s0 + s1 : 0.0f;
+    sum += fa_mma_shfl_xor(sum, 1);
+    if (!(lane & 1) && in) b.dsum[(blk.start + trow0 + rr) * b.hq + h] = sum;
   }
-  float sum = in ? s0 + s1 : 0.0f;
-  sum += fa_mma_shfl_xor(sum, 1);
-  if (!(lane & 1) && in) b.dsum[(blk.start + trow0 + rr) * b.hq + h] = sum;
   *dd0 = fa_mma_shfl_idx(sum, 2 * (lane / 4)); /* accumulator rows lane / 4 and + 8 */
   *dd1 = fa_mma_shfl_idx(sum, 2 * (lane / 4) + 16);
 }

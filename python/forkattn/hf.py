@@ -125,14 +125,15 @@ def packed_inputs(model, layout=None, input_ids=None, device=None):
     """The keyword arguments of a call of ``model`` on the packed rows of ``layout``:
     ``{"input_ids": [1, T], "position_ids": [1, T], "forkattn_layout": layout, "use_cache": False}``.
 
-    ``model``: the model that will be called (a ``transformers`` model built or switched with
-    ``attn_implementation="forkattn"``, or a wrapper around one). It is checked here: every
-    attention module of it (and its ``config``) must dispatch to forkattn's attention function,
-    else ``ValueError`` (models built from one config object share the attention
-    implementation: switching one switches all). Hooks are installed on it (once) that check
-    every later call that passes ``forkattn_layout=``: each attention module's implementation
-    again before it runs, the ``position_ids`` against the layout's, and, after the call, that
-    every attention module that ran did so through forkattn's attention function.
+    ``model``: the object that will be called (a ``transformers`` model built or switched with
+    ``attn_implementation="forkattn"``, or the wrapper around one that is called). It is
+    checked here: every attention module in it (or, if none is recognised, its ``config``)
+    must dispatch to forkattn's attention function, else ``ValueError`` (models built from one
+    config object share the attention implementation: switching one switches all). Hooks are
+    installed on it (once) that check every later call that passes ``forkattn_layout=``: each
+    attention module's implementation again before it runs, the ``position_ids`` against the
+    layout's, and, after the call, that every causal attention module that ran did so through
+    forkattn's attention function.
 
     ``input_ids``: for a :class:`SharedPrefixLayout`, the trainer's padded batch ``[B, L]``
     (its batch view; packed with ``layout.pack``) or already packed ids ``[T]``; for a

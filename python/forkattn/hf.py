@@ -5,10 +5,10 @@ Usage::
 
     import forkattn, forkattn.hf
     forkattn.hf.register()                                   # once per process
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="forkattn")
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="forkattn")
     layout = forkattn.SharedPrefixLayout.from_uid(uid, prompt_mask, response_mask, input_ids)
-    out = model(**forkattn.hf.packed_inputs(layout, input_ids))    # input_ids [1, T], ...
-    logits = layout.unpack_responses(out.logits[0], shift=True)     # [B, R_max, V]
+    out = model(**forkattn.hf.packed_inputs(model, layout, input_ids))    # input_ids [1, T], ...
+    logits = layout.unpack_responses(out.logits[0], shift=True)            # [B, R_max, V]
 
 The packed rows of a :class:`~forkattn.SharedPrefixLayout` or :class:`~forkattn.TreeLayout`
 enter the model as a batch of one sequence (``input_ids`` [1, T], ``position_ids`` [1, T] from
@@ -18,6 +18,12 @@ the decoder layers to the attention function. Without it the function raises: it
 back to plain causal attention over the packed rows (which would let responses read each
 other).
 
+The attention implementation is a field of the config object, which models built from one
+config share: switching one of them (``set_attn_implementation("sdpa")``) switches all, and
+another attention would run on the packed rows with no error of its own. So
+:func:`packed_inputs` takes the model, checks that its attention dispatches to forkattn and
+installs hooks that check it again on every call with a layout (see :func:`packed_inputs`).
+
 Importing this module does not import ``transformers``; :func:`register` does.
 """
 
@@ -26,6 +32,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
+import warnings
+import weakref
 
 import torch
 
@@ -37,6 +46,7 @@ __all__ = [
     "LAYOUT_KWARG",
     "VerificationError",
     "attention_forward",
+    "check_model",
     "packed_inputs",
     "register",
     "replicated_sequences",
@@ -111,16 +121,42 @@ def register(name=ATTN_IMPLEMENTATION, verify=None, verify_tol=None):
 # inputs
 
 
-def packed_inputs(layout, input_ids=None, device=None):
-    """The keyword arguments of a model call on the packed rows of ``layout``:
+def packed_inputs(model, layout=None, input_ids=None, device=None):
+    """The keyword arguments of a call of ``model`` on the packed rows of ``layout``:
     ``{"input_ids": [1, T], "position_ids": [1, T], "forkattn_layout": layout, "use_cache": False}``.
+
+    ``model``: the object that will be called (a ``transformers`` model built or switched with
+    ``attn_implementation="forkattn"``, or the wrapper around one that is called). It is
+    checked here: every attention module in it (or, if none is recognised, its ``config``)
+    must dispatch to forkattn's attention function, else ``ValueError`` (models built from one
+    config object share the attention implementation: switching one switches all). Hooks are
+    installed on it (once) that check every later call that passes ``forkattn_layout=``: each
+    attention module's implementation again before it runs, the ``position_ids`` against the
+    layout's, and, after the call, that every causal attention module that ran did so through
+    forkattn's attention function.
 
     ``input_ids``: for a :class:`SharedPrefixLayout`, the trainer's padded batch ``[B, L]``
     (its batch view; packed with ``layout.pack``) or already packed ids ``[T]``; for a
     :class:`TreeLayout`, ``None`` (the token ids the trie was built from, ``layout.row_tokens``),
     the list of per-sequence token tensors (``layout.pack_sequences``), or packed ids ``[T]``.
-    ``device`` defaults to that of ``input_ids`` (CPU for ``None``)."""
+    ``device`` defaults to that of ``input_ids`` (CPU for ``None``).
+
+    The older form ``packed_inputs(layout, input_ids=None, device=None)`` (no model) still
+    works but cannot check the model and warns (``FutureWarning``)."""
+    if isinstance(model, (SharedPrefixLayout, TreeLayout)):
+        # packed_inputs(layout, input_ids, device): shift the arguments
+        model, layout, input_ids, device = None, model, layout, input_ids
+        warnings.warn("forkattn.hf.packed_inputs(layout, ...) cannot check that the model's attention "
+                      "is forkattn's (a model sharing its config with another can be switched to "
+                      "another attention, which mixes the packed sequences silently): call "
+                      "packed_inputs(model, layout, input_ids)", FutureWarning, stacklevel=2)
+    elif not isinstance(model, torch.nn.Module):
+        raise TypeError("forkattn.hf.packed_inputs: the first argument is the model that will be "
+                        "called (a torch.nn.Module), got %s" % type(model).__name__)
     _check_layout_type(layout)
+    if model is not None:
+        check_model(model)
+        _install_guard(model)
     T = layout.num_rows
     if input_ids is None:
         if isinstance(layout, TreeLayout) and layout.row_tokens is not None:
@@ -146,9 +182,173 @@ def packed_inputs(layout, input_ids=None, device=None):
         raise ValueError("forkattn.hf.packed_inputs: %d packed ids, the layout has %d rows"
                          % (ids.shape[0], T))
     dev = torch.device(device) if device is not None else ids.device
-    pos = layout.position_ids()
-    return {"input_ids": ids.to(dev)[None], "position_ids": pos.to(dev)[None],
+    pos = _layout_positions(layout, dev).clone()[None]  # the caller's to modify: a copy
+    _positions_cache(layout).accept(pos)  # built from the layout: no comparison needed
+    return {"input_ids": ids.to(dev)[None], "position_ids": pos,
             LAYOUT_KWARG: layout, "use_cache": False}
+
+
+# --------------------------------------------------------------------------------------------
+# the model check and guard
+#
+# transformers reads the attention implementation from ``module.config._attn_implementation``
+# at every attention call, and that config object is shared by every model built from it. A
+# model whose attention is not forkattn's would run its own attention on the packed rows (one
+# long causal sequence: the packed sequences attend to each other) and ignore the layout
+# keyword; forkattn's function never runs, so it cannot object. The checks below run outside
+# forkattn's function: when the inputs are built, before each attention module runs, and after
+# the model call.
+
+
+def _is_attention_module(m):
+    """An attention module of a transformers model: it reads ``config._attn_implementation``
+    and has ``is_causal`` (LlamaAttention, Qwen2Attention, MistralAttention, ...)."""
+    return hasattr(m, "is_causal") and hasattr(getattr(m, "config", None), "_attn_implementation")
+
+
+def _dispatches_to_forkattn(impl):
+    """Whether transformers' global AttentionInterface maps the implementation name ``impl`` to
+    :func:`attention_forward`."""
+    if not isinstance(impl, str):
+        return False
+    iface = _state.get("iface")
+    if iface is None:
+        try:
+            from transformers import AttentionInterface
+        except ImportError:
+            return False
+        iface = _state["iface"] = AttentionInterface()
+    return iface.get(impl) is attention_forward
+
+
+def _not_forkattn_error(what, impl):
+    return ValueError(
+        "forkattn.hf: %s dispatches attention to %r (config._attn_implementation), not to forkattn's "
+        "attention function; on the packed rows that attention would let the packed sequences attend "
+        "to each other. transformers keeps the attention implementation in the config object, which "
+        "every model built from it shares: set_attn_implementation(...) or from_config(cfg, "
+        "attn_implementation=...) on one model switches all of them. Give each model its own config "
+        "(from_config(copy.deepcopy(cfg), ...)) and use attn_implementation='forkattn' (after "
+        "forkattn.hf.register()) on this one." % (what, impl))
+
+
+def check_model(model):
+    """Raise ``ValueError`` unless every attention module of ``model`` (and, if it has none that
+    can be recognised, ``model.config``) dispatches to forkattn's attention function.
+    :func:`packed_inputs` calls it; call it yourself after switching implementations."""
+    mods = [(n, m) for n, m in model.named_modules() if _is_attention_module(m)]
+    for name, m in mods:
+        impl = m.config._attn_implementation
+        if not _dispatches_to_forkattn(impl):
+            raise _not_forkattn_error("%s (%s)" % (name or "the model", type(m).__name__), impl)
+    cfg = getattr(model, "config", None)
+    if not mods and hasattr(cfg, "_attn_implementation"):
+        if not _dispatches_to_forkattn(cfg._attn_implementation):
+            raise _not_forkattn_error("the model (%s)" % type(model).__name__, cfg._attn_implementation)
+
+
+_GUARD = "_forkattn_hf_guard"
+_tls = threading.local()
+
+
+class _Call:
+    """One model call with a layout: the attention modules that ran, and those whose attention
+    went through :func:`attention_forward` with this layout."""
+    __slots__ = ("model", "layout", "ran", "used")
+
+    def __init__(self, model, layout):
+        self.model, self.layout, self.ran, self.used = model, layout, [], set()
+
+
+def _calls():
+    st = getattr(_tls, "calls", None)
+    if st is None:
+        st = _tls.calls = []
+    return st
+
+
+def _install_guard(model):
+    """Hooks on ``model`` (the module the caller calls), once, and on each of its attention
+    modules not hooked yet."""
+    n = 0
+    for m in model.modules():
+        if _is_attention_module(m):
+            n += 1
+            if not m.__dict__.get(_GUARD):
+                m.register_forward_pre_hook(_attention_pre_hook, with_kwargs=True)
+                m.__dict__[_GUARD] = True
+    if not model.__dict__.get(_GUARD):
+        model.register_forward_pre_hook(_model_pre_hook, with_kwargs=True)
+        model.register_forward_hook(_model_post_hook, with_kwargs=True, always_call=True)
+    model.__dict__[_GUARD] = {"attention_modules": n}
+
+
+def _model_pre_hook(model, args, kwargs):
+    layout = kwargs.get(LAYOUT_KWARG)
+    if layout is None or _compiling():
+        return None
+    _check_layout_type(layout)
+    guard = model.__dict__.get(_GUARD)
+    cfg = getattr(model, "config", None)
+    if guard and not guard["attention_modules"] and hasattr(cfg, "_attn_implementation"):
+        # no attention module to hook: the model's config is all there is to check
+        if not _dispatches_to_forkattn(cfg._attn_implementation):
+            raise _not_forkattn_error("the model (%s)" % type(model).__name__, cfg._attn_implementation)
+    if len(args) <= 1:  # position_ids may come positionally after input_ids, attention_mask
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            raise ValueError(
+                "forkattn.hf: the model was called with %s= but without position_ids; transformers "
+                "would number the packed rows 0..T-1 as one sequence. Pass position_ids="
+                "layout.position_ids()[None] (forkattn.hf.packed_inputs(model, layout, input_ids) "
+                "builds the whole call)" % LAYOUT_KWARG)
+        _check_positions(layout, pos, "the model call")
+    st = _calls()
+    st[:] = [c for c in st if c.model is not model]  # left behind by an interrupted call
+    st.append(_Call(model, layout))
+    return None
+
+
+def _model_post_hook(model, args, kwargs, result):
+    layout = kwargs.get(LAYOUT_KWARG)
+    if layout is None or _compiling():
+        return None
+    st = _calls()
+    if not st or st[-1].model is not model or st[-1].layout is not layout:
+        return None
+    call = st.pop()
+    if result is None:  # the forward raised (always_call): that error propagates
+        return None
+    missed = [m for m in call.ran if id(m) not in call.used]
+    if missed:
+        raise ValueError(
+            "forkattn.hf: the model was called with %s=, but the attention of %s did not run through "
+            "forkattn's attention function (implementation %r): its output mixes the packed "
+            "sequences. The module does not dispatch through transformers' AttentionInterface, or "
+            "does not forward the model call's keyword arguments to it; such a model cannot run on "
+            "packed rows" % (LAYOUT_KWARG, ", ".join(_module_name(m) for m in missed),
+                             getattr(missed[0].config, "_attn_implementation", None)))
+    return None
+
+
+def _attention_pre_hook(module, args, kwargs):
+    if _compiling():
+        return None
+    layout = kwargs.get(LAYOUT_KWARG)
+    if layout is not None:
+        impl = module.config._attn_implementation
+        if not _dispatches_to_forkattn(impl):
+            raise _not_forkattn_error(_module_name(module), impl)
+    st = getattr(_tls, "calls", None)
+    if not st or (layout is not None and st[-1].layout is not layout):
+        return None
+    # A causal attention module that runs during a packed call must consume the layout (one
+    # that gets no layout, e.g. because the model does not forward keyword arguments, would
+    # run its own attention). Not known when the module's forward is compiled on its own.
+    if (layout is not None or module.is_causal is True) and not hasattr(
+            getattr(module, "forward", None), "_torchdynamo_orig_callable"):
+        st[-1].ran.append(module)
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,9 +390,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             "forkattn.hf: %s was called without the %r keyword argument. The 'forkattn' attention "
             "implementation only runs on packed rows described by a forkattn.SharedPrefixLayout or "
             "TreeLayout: call the model with input_ids [1, T], position_ids=layout.position_ids()[None] "
-            "and %s=layout (forkattn.hf.packed_inputs(layout, input_ids) builds all three). It does "
-            "not fall back to plain causal attention, which would let packed sequences attend to each "
-            "other. For ordinary batches use attn_implementation='sdpa' (model.set_attn_implementation)."
+            "and %s=layout (forkattn.hf.packed_inputs(model, layout, input_ids) builds all three). It "
+            "does not fall back to plain causal attention, which would let packed sequences attend to "
+            "each other. For ordinary batches use a model with attn_implementation='sdpa' and its own "
+            "config object (models built from one config share the implementation)."
             % (where, LAYOUT_KWARG, LAYOUT_KWARG))
     _check_layout_type(layout)
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
@@ -256,11 +457,63 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if mode != "off" and not _compiling() and (mode == "all" or not _state["verified"]):
         _state["verified"] = True
         _verify(where, layout, q, k, v, out, scaling, log=(mode == "once"))
+    if not _compiling():
+        st = getattr(_tls, "calls", None)
+        if st and st[-1].layout is layout:
+            st[-1].used.add(id(module))  # for the model's post-call check
     return out.unsqueeze(0), None
 
 
+class _Positions:
+    """Per layout: its position ids on each device, and the position_ids tensor last found equal
+    to them there (held weakly, with its version counter), so that a call passing that same,
+    unmodified tensor (every layer of one model call; every call on packed_inputs' tensor)
+    costs no comparison. Not pickled or copied with the layout (a fresh one comes back)."""
+
+    def __init__(self):
+        self.want = {}
+        self.ok = {}
+
+    def __reduce__(self):
+        return (_Positions, ())
+
+    def want_on(self, layout, device):
+        w = self.want.get(device)
+        if w is None:
+            w = self.want[device] = layout.position_ids().to(device)
+        return w
+
+    def accept(self, pos):
+        v = _version(pos)
+        if v is not None:
+            self.ok[pos.device] = (weakref.ref(pos), v)
+
+    def accepted(self, pos):
+        ok = self.ok.get(pos.device)
+        return ok is not None and ok[0]() is pos and ok[1] == _version(pos)
+
+
+def _version(t):
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter: always compared
+        return None
+
+
+def _positions_cache(layout):
+    c = layout.__dict__.get("_hf_positions")
+    if c is None:
+        c = layout.__dict__["_hf_positions"] = _Positions()
+    return c
+
+
+def _layout_positions(layout, device):
+    return _positions_cache(layout).want_on(layout, device)
+
+
 def _check_positions(layout, pos, where):
-    """position_ids must be the layout's (RoPE); checked once per layout and device."""
+    """position_ids must be the layout's (RoPE), on every call: a comparison unless ``pos`` is
+    the tensor last found equal (see :class:`_Positions`)."""
     if not isinstance(pos, torch.Tensor):
         return
     p = pos
@@ -268,19 +521,18 @@ def _check_positions(layout, pos, where):
         p = p[0]
     if p.dim() != 1 or p.shape[0] != layout.num_rows:
         return  # e.g. multimodal 3-D rope positions: not ours to check
-    key = "_hf_positions_checked"
-    done = layout.__dict__.setdefault(key, set())
-    dev = str(p.device)
-    if dev in done:
+    cache = _positions_cache(layout)
+    if cache.accepted(pos):
         return
-    want = layout.position_ids().to(p.device)
+    want = cache.want_on(layout, p.device)
     if not torch.equal(p.to(torch.int64), want):
         bad = int((p.to(torch.int64) != want).nonzero()[0, 0])
         raise ValueError(
             "forkattn.hf: %s: position_ids differ from layout.position_ids() (row %d: %d, expected %d); "
-            "pass position_ids=layout.position_ids()[None] (forkattn.hf.packed_inputs does): every "
-            "response continues at its prompt's length" % (where, bad, int(p[bad]), int(want[bad])))
-    done.add(dev)
+            "pass position_ids=layout.position_ids()[None] (forkattn.hf.packed_inputs(model, layout, "
+            "input_ids) does): every response continues at its prompt's length"
+            % (where, bad, int(p[bad]), int(want[bad])))
+    cache.accept(pos)
 
 
 # --------------------------------------------------------------------------------------------

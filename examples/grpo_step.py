@@ -270,7 +270,7 @@ def worker(a):
         t0 = time.perf_counter()
         if a.worker == "forkattn":
             layout = forkattn.SharedPrefixLayout.from_uid(s["uid"], pm, rm, input_ids=ids)
-            logits = model(**forkattn.hf.packed_inputs(layout, ids_d)).logits[0]   # [T, V]
+            logits = model(**forkattn.hf.packed_inputs(model, layout, ids_d)).logits[0]   # [T, V]
             lg = layout.unpack_responses(logits, Lr, shift=True)                   # [B, Lr, V]
             extra = dict(rows=layout.num_rows, dedup=layout.dedup_ratio)
         else:

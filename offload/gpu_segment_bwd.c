@@ -21,6 +21,7 @@
 #include "gpu_tma.h"
 #include "online_softmax.h"
 #include "rowsum_exact.h"
+#include "validate.h"
 
 
 
@@ -49,11 +50,11 @@ static void fa_gpu_rowsum(const fa_gpu_bwd *b, int dev) {
   }
 }
 
-/* D of the rows of query blocks that see few keys, from the inputs: sum_j exp(s_j - lse) (dO . v_j)
- * (lib/rowsum_exact.h); a team per query block, a warp per (row, query head), lanes over the
- * columns, shuffle trees in a fixed order (deterministic). Other blocks keep fa_gpu_rowsum's D. */
-static void fa_gpu_rowsum_exact(const fa_gpu_bwd *b, int dev) {
-  const fa_dev_tensor q = b->q, k = b->k, v = b->v, dout = b->dout;
+/* D of every row, a team per query block, a warp per (row, query head), lanes over the columns,
+ * shuffle trees in a fixed order (deterministic): blocks that see few keys from the inputs,
+ * sum_j exp(s_j - lse) (dO . v_j) (lib/rowsum_exact.h), the others as dO . O. */
+static void fa_gpu_rowsum_blocks(const fa_gpu_bwd *b, int dev) {
+  const fa_dev_tensor q = b->q, k = b->k, v = b->v, o = b->o, dout = b->dout;
   const float *lse = b->lse;
   float *dsum = b->dsum;
   const fa_range *seg = b->seg;
@@ -64,34 +65,41 @@ static void fa_gpu_rowsum_exact(const fa_gpu_bwd *b, int dev) {
   const float scale = b->scale;
   const int nteams = (int)b->nqb;
 #pragma omp target teams ompx_bare num_teams(nteams) thread_limit(32 * FA_ROWSUM_WARPS) device(dev) \
-    firstprivate(q, k, v, dout) is_device_ptr(lse, dsum, seg, pair, qoff, blocks)
+    firstprivate(q, k, v, o, dout) is_device_ptr(lse, dsum, seg, pair, qoff, blocks)
   {
     const int tid = ompx_thread_id_x(), lane = tid % 32, warp = tid / 32;
     const fa_block blk = blocks[ompx_block_id_x()];
     const int64_t p0 = qoff[blk.seg], p1 = qoff[blk.seg + 1];
-    if (fa_block_key_count(seg, pair, p0, p1, blk.start, blk.len, qshift) <= FA_EXACT_D_KEYS)
-      for (int64_t i = warp; i < blk.len * hq; i += FA_ROWSUM_WARPS) { /* warp-uniform */
-        const int64_t r = blk.start + i / hq, h = i % hq, g = h / group;
-        const float l = lse[r * hq + h];
-        float sum = 0.0f;
-        for (int64_t pi = p0; pi < p1 && l != -INFINITY; pi++) {
-          const fa_range keys = fa_pair_keys(seg, pair[pi], r, 1, qshift);
-          for (int64_t j = keys.start; j < keys.start + keys.len; j++) {
-            float s = 0.0f, dp = 0.0f;
-            for (int64_t c = lane; c < d; c += 32) {
-              s += fa_load(q.data, q.dtype, r * q.rs + h * q.hs + c) * fa_load(k.data, k.dtype, j * k.rs + g * k.hs + c);
-              dp += fa_load(dout.data, dout.dtype, r * dout.rs + h * dout.hs + c) *
-                    fa_load(v.data, v.dtype, j * v.rs + g * v.hs + c);
-            }
-            for (unsigned off = 16; off > 0; off /= 2) {
-              s += ompx_shfl_down_sync_f(~0ull, s, off, 32);
-              dp += ompx_shfl_down_sync_f(~0ull, dp, off, 32);
-            }
-            sum += expf(s * scale - l) * dp; /* lane 0's sums are the whole ones */
-          }
-        }
-        if (lane == 0) dsum[r * hq + h] = sum;
+    const int exact = fa_block_key_count(seg, pair, p0, p1, blk.start, blk.len, qshift) <= FA_EXACT_D_KEYS;
+    for (int64_t i = warp; i < blk.len * hq; i += FA_ROWSUM_WARPS) { /* warp-uniform */
+      const int64_t r = blk.start + i / hq, h = i % hq, g = h / group;
+      const float l = lse[r * hq + h];
+      float qr[FA_MAX_HEAD_DIM / 32], dor[FA_MAX_HEAD_DIM / 32], sum = 0.0f; /* the row's q (or o) and dO */
+      for (int c = 0; c < FA_MAX_HEAD_DIM / 32 && lane + 32 * c < d; c++) {
+        qr[c] = exact ? fa_load(q.data, q.dtype, r * q.rs + h * q.hs + lane + 32 * c)
+                      : fa_load(o.data, o.dtype, r * o.rs + h * o.hs + lane + 32 * c);
+        dor[c] = fa_load(dout.data, dout.dtype, r * dout.rs + h * dout.hs + lane + 32 * c);
+        if (!exact) sum += qr[c] * dor[c];
       }
+      if (!exact)
+        for (unsigned off = 16; off > 0; off /= 2) sum += ompx_shfl_down_sync_f(~0ull, sum, off, 32);
+      for (int64_t pi = p0; exact && pi < p1 && l != -INFINITY; pi++) {
+        const fa_range keys = fa_pair_keys(seg, pair[pi], r, 1, qshift);
+        for (int64_t j = keys.start; j < keys.start + keys.len; j++) {
+          float s = 0.0f, dp = 0.0f;
+          for (int c = 0; c < FA_MAX_HEAD_DIM / 32 && lane + 32 * c < d; c++) {
+            s += qr[c] * fa_load(k.data, k.dtype, j * k.rs + g * k.hs + lane + 32 * c);
+            dp += dor[c] * fa_load(v.data, v.dtype, j * v.rs + g * v.hs + lane + 32 * c);
+          }
+          for (unsigned off = 16; off > 0; off /= 2) {
+            s += ompx_shfl_down_sync_f(~0ull, s, off, 32);
+            dp += ompx_shfl_down_sync_f(~0ull, dp, off, 32);
+          }
+          sum += expf(s * scale - l) * dp; /* lane 0's sums are the whole ones */
+        }
+      }
+      if (lane == 0) dsum[r * hq + h] = sum;
+    }
   }
 }
 
@@ -418,13 +426,12 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
   }
   fa_note_workspace(ctx, st.bytes);
   fa_gpu_trace_mark(&tr, "upload");
-  if (!mma || b.dsum_ready) { /* else the tensor-core dQ kernel computes D itself */
+  if (b.dsum_ready) { /* some blocks take D from the inputs */
+    fa_gpu_rowsum_blocks(&b, ctx->device);
+    fa_gpu_trace_mark(&tr, "rowsum_blocks");
+  } else if (!mma) { /* else the tensor-core dQ kernel computes D itself */
     fa_gpu_rowsum(&b, ctx->device);
     fa_gpu_trace_mark(&tr, "rowsum");
-  }
-  if (b.dsum_ready) {
-    fa_gpu_rowsum_exact(&b, ctx->device);
-    fa_gpu_trace_mark(&tr, "rowsum_exact");
   }
   if (mma) {
     fa_gpu_mma_dq(&b, b_dev);

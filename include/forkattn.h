@@ -1188,9 +1188,15 @@ FORKATTN_API forkattn_status forkattn_prefix_cached_bwd(forkattn_ctx *ctx, const
  * rows from its first row (the last may be shorter); a row of block j sees all
  * P prefix keys and every key of the response's blocks 0..j (bidirectional
  * inside a block, causal across blocks). The layout's mask is not used.
+ * block_size 1 runs exactly as forkattn_prefix_cached_fwd() with the causal
+ * mask, and a block_size at least as long as every response (up to INT64_MAX)
+ * exactly as with the bidirectional mask (same results, bit for bit, and the
+ * same cost). Between the two, the plan holds one (block, earlier block) pair
+ * per pair of blocks of a response: b(b+1)/2 for b blocks, so small blocks of
+ * long responses cost memory and time quadratic in the blocks.
  *
  * @param ctx the context @param layout the group (P = prompt_len cached rows)
- * @param block_size rows per block (>= 1; 1 is the causal mask)
+ * @param block_size rows per block (>= 1, any value; 1 is the causal mask)
  * @param q queries [R_total, Hq, d] @param k keys [P + R_total, Hkv, d]
  * @param v values [P + R_total, Hkv, d] @param o output [R_total, Hq, d]
  * @param lse optional float32 [R_total, Hq] @param scale softmax scale (finite, > 0)

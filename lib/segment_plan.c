@@ -2,6 +2,7 @@
 #include "alloc.h"
 #include "segment_plan.h"
 
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -211,12 +212,24 @@ int fa_plan_prefix_cached(fa_plan *p, int64_t prompt_len, int64_t n, const int64
 }
 
 int fa_plan_prefix_cached_blocks(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off, int64_t block) {
-  /* segments: 0 = prefix keys, then per block its keys and its queries */
+  /* Blocks of one row are the causal mask, and a block at least as long as
+   * every response is the bidirectional one: both are planned as such, with
+   * two pairs per response instead of one per (block, earlier block). This
+   * also keeps every count below bounded by the rows, whatever block is. */
+  int64_t longest = 0;
+  for (int64_t i = 0; i < n; i++) longest = off[i + 1] - off[i] > longest ? off[i + 1] - off[i] : longest;
+  if (block <= 1 || block >= longest) return fa_plan_prefix_cached(p, prompt_len, n, off, block <= 1);
+  /* segments: 0 = prefix keys, then per block its keys and its queries;
+   * pairs: b(b+1)/2 per response of b blocks (+ b prefix pairs) */
   int64_t nb = 0, np = 0;
   for (int64_t i = 0; i < n; i++) {
-    const int64_t b = (off[i + 1] - off[i] + block - 1) / block;
+    const int64_t len = off[i + 1] - off[i], b = len / block + (len % block != 0);
+    int64_t tri;
     nb += b;
-    np += b * (b + 1) / 2 + (prompt_len > 0 ? b : 0);
+    if (__builtin_mul_overflow(b % 2 ? b : b / 2, b % 2 ? (b + 1) / 2 : b + 1, &tri) ||
+        __builtin_add_overflow(np, tri, &np) || __builtin_add_overflow(np, prompt_len > 0 ? b : 0, &np) ||
+        (uint64_t)np > SIZE_MAX / sizeof(fa_pair))
+      return -1;
   }
   fa_range *seg = fa_malloc(sizeof *seg * (size_t)(2 * nb + 1));
   fa_pair *pair = fa_malloc(sizeof *pair * (size_t)(np ? np : 1));
@@ -229,8 +242,8 @@ int fa_plan_prefix_cached_blocks(fa_plan *p, int64_t prompt_len, int64_t n, cons
   int64_t s = 0, k = 0;
   for (int64_t i = 0; i < n; i++) { /* key segments 1..nb, query segments nb+1..2nb */
     const int64_t first = s;
-    for (int64_t r = off[i]; r < off[i + 1]; r += block, s++) {
-      const int64_t len = off[i + 1] - r < block ? off[i + 1] - r : block;
+    for (int64_t r = off[i], len; r < off[i + 1]; r += len, s++) {
+      len = off[i + 1] - r < block ? off[i + 1] - r : block;
       seg[1 + s] = (fa_range){prompt_len + r, len};
       seg[1 + nb + s] = (fa_range){r, len};
       if (prompt_len > 0) pair[k++] = (fa_pair){1 + nb + s, 0, 0};

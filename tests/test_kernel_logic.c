@@ -201,6 +201,82 @@ Test(segment_plan, chain_of_only_children_is_one_key_segment) {
   fa_plan_free(&p);
 }
 
+/* What the block-causal cached mask says directly: query row qr (response
+ * rows) sees every prefix key and its response's keys up to the end of its
+ * block (keys in the key frame: prefix [0, P), response i at P + off[i]). */
+static int blocks_sees(int64_t P, const int64_t *off, int64_t n, int64_t block, int64_t qr, int64_t kr) {
+  if (kr < P) return 1;
+  int64_t i = 0;
+  while (i < n && !(qr >= off[i] && qr < off[i + 1])) i++;
+  const int64_t kq = kr - P;
+  if (kq < off[i] || kq >= off[i + 1]) return 0;
+  /* compare block indices by subtraction: block may be INT64_MAX */
+  return (kq - off[i]) / block <= (qr - off[i]) / block;
+}
+
+Test(segment_plan, prefix_cached_blocks_plan_matches_the_mask_for_any_block_size) {
+  tc_rng rng = tc_rng_for("segment_plan.cached_blocks");
+  const int64_t huge[4] = {INT64_MAX, INT64_MAX - 1, (int64_t)1 << 62, ((int64_t)1 << 62) - 1};
+  for (int trial = 0; trial < 80; trial++) {
+    int64_t P = tc_randint(&rng, 0, 6), n = tc_randint(&rng, 1, 4), off[6] = {0}, longest = 0;
+    for (int64_t i = 0; i < n; i++) {
+      off[i + 1] = off[i] + tc_randint(&rng, 0, 12);
+      longest = off[i + 1] - off[i] > longest ? off[i + 1] - off[i] : longest;
+    }
+    const int64_t pick = tc_randint(&rng, 0, 7);
+    const int64_t block = pick < 4 ? huge[pick] : pick == 4 ? 1 : pick == 5 ? longest + tc_randint(&rng, -1, 1)
+                                                                         : tc_randint(&rng, 1, 13);
+    if (block < 1) continue;
+    fa_plan p;
+    cr_assert_eq(fa_plan_prefix_cached_blocks(&p, P, n, off, block), 0, "block %lld", (long long)block);
+    cr_assert_eq(p.rows, off[n]);
+    cr_assert_eq(p.qshift, P);
+    for (int64_t q = 0; q < off[n]; q++)
+      for (int64_t k = 0; k < P + off[n]; k++)
+        cr_assert_eq(plan_sees(&p, q, k), blocks_sees(P, off, n, block, q, k),
+                     "trial %d P=%lld block=%lld q=%lld k=%lld", trial, (long long)P, (long long)block, (long long)q,
+                     (long long)k);
+    for (int64_t s = 0; s < p.nseg; s++) /* disjoint key segments: one owner per key row in the backward */
+      for (int64_t t = s + 1; t < p.nseg; t++)
+        if (p.k_pair_off[s + 1] > p.k_pair_off[s] && p.k_pair_off[t + 1] > p.k_pair_off[t])
+          cr_assert(p.seg[s].start + p.seg[s].len <= p.seg[t].start || p.seg[t].start + p.seg[t].len <= p.seg[s].start,
+                    "key segments %lld and %lld overlap", (long long)s, (long long)t);
+    fa_plan_free(&p);
+  }
+}
+
+/* Blocks of one row are the causal mask: the plan is the causal one, two
+ * pairs per response, not one per (row, earlier row); and a block covering
+ * every response is the bidirectional plan. */
+Test(segment_plan, prefix_cached_blocks_of_one_or_whole_responses_stay_linear) {
+  const int64_t off[4] = {0, 3000, 3000, 5000};
+  fa_plan b, c;
+  cr_assert_eq(fa_plan_prefix_cached_blocks(&b, 16, 3, off, 1), 0);
+  cr_assert_eq(fa_plan_prefix_cached(&c, 16, 3, off, 1), 0);
+  cr_expect_eq(b.npairs, 4, "prefix + own keys per non-empty response, got %lld pairs", (long long)b.npairs);
+  cr_expect_leq(b.nseg, 2 * 3 + 1);
+  cr_assert_eq(b.npairs, c.npairs);
+  cr_assert_eq(b.nseg, c.nseg);
+  cr_assert(!memcmp(b.pair, c.pair, sizeof *b.pair * (size_t)b.npairs), "not the causal plan");
+  cr_assert(!memcmp(b.seg, c.seg, sizeof *b.seg * (size_t)b.nseg));
+  fa_plan_free(&b);
+  fa_plan_free(&c);
+  const int64_t big[3] = {3000, INT64_MAX - 1, INT64_MAX};
+  for (int i = 0; i < 3; i++) {
+    cr_assert_eq(fa_plan_prefix_cached_blocks(&b, 16, 3, off, big[i]), 0, "block %lld", (long long)big[i]);
+    cr_assert_eq(fa_plan_prefix_cached(&c, 16, 3, off, 0), 0);
+    cr_assert_eq(b.npairs, c.npairs);
+    cr_assert(!memcmp(b.pair, c.pair, sizeof *b.pair * (size_t)b.npairs), "not the bidirectional plan");
+    fa_plan_free(&b);
+    fa_plan_free(&c);
+  }
+  /* blocks of 2: quadratic in the blocks (b(b+1)/2 pairs per response, the
+   * plan's form for block-causal masks), bounded and exact */
+  cr_assert_eq(fa_plan_prefix_cached_blocks(&b, 16, 3, off, 1000), 0);
+  cr_expect_eq(b.npairs, 6 + 3 + 5, "3 blocks + 2 blocks: 6 + 3 own pairs, 5 prefix pairs");
+  fa_plan_free(&b);
+}
+
 /* Key units (GPU dK/dV split): every reader's visible query rows of every key
  * block are covered exactly once, in reader order, in units of <= chunk rows. */
 Test(segment_plan, key_units_cover_every_reader_row_once) {

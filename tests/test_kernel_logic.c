@@ -127,12 +127,14 @@ Test(segment_plan, prefix_plan_matches_the_mask_exactly) {
         cr_assert_eq(plan_sees(&p, q, k), prefix_sees(P, off, n, causal, q, k),
                      "trial %d P=%lld n=%lld causal=%d q=%lld k=%lld", trial, (long long)P, (long long)n,
                      causal, (long long)q, (long long)k);
-    /* no empty segment; the inverse key view lists each pair exactly once */
+    /* no empty segment; the inverse key view lists each pair exactly once,
+     * under a key segment that holds the pair's keys (itself or a view's owner) */
     int64_t *seen = calloc((size_t)p.npairs + 1, sizeof *seen);
     for (int64_t s = 0; s < p.nseg; s++) {
       cr_assert_gt(p.seg[s].len, 0);
       for (int64_t j = p.k_pair_off[s]; j < p.k_pair_off[s + 1]; j++) {
-        cr_assert_eq(p.pair[p.k_pair_idx[j]].kseg, s);
+        const fa_range k = p.seg[p.pair[p.k_pair_idx[j]].kseg];
+        cr_assert(k.start >= p.seg[s].start && k.start + k.len <= p.seg[s].start + p.seg[s].len);
         seen[p.k_pair_idx[j]]++;
       }
     }
@@ -275,6 +277,81 @@ Test(segment_plan, prefix_cached_blocks_of_one_or_whole_responses_stay_linear) {
   cr_assert_eq(fa_plan_prefix_cached_blocks(&b, 16, 3, off, 1000), 0);
   cr_expect_eq(b.npairs, 6 + 3 + 5, "3 blocks + 2 blocks: 6 + 3 own pairs, 5 prefix pairs");
   fa_plan_free(&b);
+}
+
+/* Pairs of the tree plan of a trie: one per chain on each node's root path. */
+static int64_t trie_plan_pairs(forkattn_trie *t) {
+  const forkattn_tree_layout l = forkattn_trie_layout(t);
+  fa_plan p;
+  cr_assert_eq(fa_plan_tree(&p, l.num_nodes, l.node_offsets, l.parents, 1), 0);
+  const int64_t n = p.npairs;
+  fa_plan_free(&p);
+  return n;
+}
+
+/* Rollouts that each diverge one token later than the previous one (sequence
+ * i: tokens 1..i, then a token of its own) form a spine with a leaf at every
+ * node. Packed largest child first, the spine is one chain: the plan grows
+ * linearly (about 3 pairs per spine node), not with the depth of every node. */
+Test(segment_plan, staircase_rollouts_plan_linearly) {
+  forkattn_ctx *ctx = tc_ctx_default("segment_plan.staircase");
+  int64_t pairs[2], nodes[2];
+  for (int c = 0; c < 2; c++) {
+    const int64_t n = c ? 1000 : 500;
+    int64_t *off = malloc(sizeof *off * (size_t)(n + 1)), *tok = malloc(sizeof *tok * (size_t)(n * (n + 3) / 2));
+    off[0] = 0;
+    for (int64_t i = 1, t = 0; i <= n; i++) {
+      for (int64_t j = 1; j <= i; j++) tok[t++] = j;
+      tok[t++] = -i;
+      off[i] = t;
+    }
+    forkattn_trie *t;
+    cr_assert_eq(forkattn_trie_from_sequences(ctx, n, off, tok, FORKATTN_TRIE_SINGLE_ROOT, &t), FORKATTN_OK);
+    nodes[c] = forkattn_trie_layout(t).num_nodes;
+    pairs[c] = trie_plan_pairs(t);
+    cr_expect_leq(pairs[c], 3 * nodes[c], "%lld sequences: %lld pairs for %lld nodes", (long long)n,
+                  (long long)pairs[c], (long long)nodes[c]);
+    forkattn_trie_free(t);
+    free(off);
+    free(tok);
+  }
+  cr_expect_leq(pairs[1], 2 * pairs[0] + 8, "twice the sequences: %lld -> %lld pairs (quadratic?)", (long long)pairs[0],
+                (long long)pairs[1]);
+  forkattn_ctx_destroy(ctx);
+}
+
+/* Any tree shape, packed by the tries (largest child first): at most
+ * 1 + log2(n) chains on a root path, so at most n (1 + log2 n) pairs. Random
+ * recursive trees, a caterpillar (a leaf on every spine node, given leaf
+ * first), a broom, a complete binary tree. */
+Test(segment_plan, trie_packed_trees_plan_in_n_log_n) {
+  forkattn_ctx *ctx = tc_ctx_default("segment_plan.n_log_n");
+  tc_rng rng = tc_rng_for("segment_plan.n_log_n");
+  const int64_t n = 2000;
+  int64_t *par = malloc(sizeof *par * (size_t)n), *len = malloc(sizeof *len * (size_t)n);
+  for (int shape = 0; shape < 6; shape++) {
+    for (int64_t i = 0; i < n; i++) {
+      len[i] = tc_randint(&rng, 1, 3);
+      if (i == 0)
+        par[i] = -1;
+      else if (shape < 3) /* random recursive, then biased to the latest nodes (deep) */
+        par[i] = shape == 0 ? tc_randint(&rng, 0, i - 1) : i - 1 - tc_randint(&rng, 0, shape == 1 ? 3 : 1);
+      else if (shape == 3) /* caterpillar: spine nodes at even indices, leaves listed before the spine's next node */
+        par[i] = i % 2 ? i - 1 : i - 2;
+      else if (shape == 4) /* broom: a handle of n/2, then leaves on its end */
+        par[i] = i < n / 2 ? i - 1 : n / 2 - 1;
+      else
+        par[i] = (i - 1) / 2;
+    }
+    forkattn_trie *t;
+    cr_assert_eq(forkattn_trie_from_parents(ctx, n, par, len, 0, &t), FORKATTN_OK);
+    const int64_t pairs = trie_plan_pairs(t);
+    cr_expect_leq(pairs, n * (1 + 10), "shape %d: %lld pairs for %lld nodes", shape, (long long)pairs, (long long)n);
+    forkattn_trie_free(t);
+  }
+  free(par);
+  free(len);
+  forkattn_ctx_destroy(ctx);
 }
 
 /* Key units (GPU dK/dV split): every reader's visible query rows of every key

@@ -1195,9 +1195,10 @@ FORKATTN_API forkattn_status forkattn_prefix_cached_bwd(forkattn_ctx *ctx, const
  * block_size 1 runs exactly as forkattn_prefix_cached_fwd() with the causal
  * mask, and a block_size at least as long as every response (up to INT64_MAX)
  * exactly as with the bidirectional mask (same results, bit for bit, and the
- * same cost). Between the two, the plan holds one (block, earlier block) pair
- * per pair of blocks of a response: b(b+1)/2 for b blocks, so small blocks of
- * long responses cost memory and time quadratic in the blocks.
+ * same cost). Between the two, the plan takes two (query, key) pairs per
+ * block, so its memory is linear in the rows; the backward works on key
+ * blocks of at most block_size rows, so very small blocks (2, 3, ...) run its
+ * dk/dv in small tiles, slower than the causal call.
  *
  * @param ctx the context @param layout the group (P = prompt_len cached rows)
  * @param block_size rows per block (>= 1, any value; 1 is the causal mask)

@@ -241,47 +241,54 @@ int fa_plan_prefix_cached(fa_plan *p, int64_t prompt_len, int64_t n, const int64
 
 int fa_plan_prefix_cached_blocks(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off, int64_t block) {
   /* Blocks of one row are the causal mask, and a block at least as long as
-   * every response is the bidirectional one: both are planned as such, with
-   * two pairs per response instead of one per (block, earlier block). This
-   * also keeps every count below bounded by the rows, whatever block is. */
+   * every response is the bidirectional one: both are planned as such (two
+   * pairs per response, no key block cut at every row). */
   int64_t longest = 0;
   for (int64_t i = 0; i < n; i++) longest = off[i + 1] - off[i] > longest ? off[i + 1] - off[i] : longest;
   if (block <= 1 || block >= longest) return fa_plan_prefix_cached(p, prompt_len, n, off, block <= 1);
-  /* segments: 0 = prefix keys, then per block its keys and its queries;
-   * pairs: b(b+1)/2 per response of b blocks (+ b prefix pairs) */
-  int64_t nb = 0, np = 0;
+  /* Segments: 0 = prefix keys; per response its keys (the owner); per block its
+   * queries and a view of the response's keys up to the block's end (the last
+   * block reads the owner itself). Block j's pairs: the prefix, then the view:
+   * two pairs per block, not one per (block, earlier block). block < longest
+   * <= rows here, so no count below overflows. */
+  int64_t nb = 0;
   for (int64_t i = 0; i < n; i++) {
-    const int64_t len = off[i + 1] - off[i], b = len / block + (len % block != 0);
-    int64_t tri;
-    nb += b;
-    if (__builtin_mul_overflow(b % 2 ? b : b / 2, b % 2 ? (b + 1) / 2 : b + 1, &tri) ||
-        __builtin_add_overflow(np, tri, &np) || __builtin_add_overflow(np, prompt_len > 0 ? b : 0, &np) ||
-        (uint64_t)np > SIZE_MAX / sizeof(fa_pair))
-      return -1;
+    const int64_t len = off[i + 1] - off[i];
+    nb += len / block + (len % block != 0);
   }
-  fa_range *seg = fa_malloc(sizeof *seg * (size_t)(2 * nb + 1));
-  fa_pair *pair = fa_malloc(sizeof *pair * (size_t)(np ? np : 1));
-  if (!seg || !pair) {
+  fa_range *seg = fa_malloc(sizeof *seg * (size_t)(1 + n + 2 * nb));
+  fa_pair *pair = fa_malloc(sizeof *pair * (size_t)(2 * nb + 1));
+  int64_t *owner = fa_malloc(sizeof *owner * (size_t)(2 * nb + 1));
+  if (!seg || !pair || !owner) {
     fa_free(seg);
     fa_free(pair);
+    fa_free(owner);
     return -1;
   }
   seg[0] = (fa_range){0, prompt_len};
-  int64_t s = 0, k = 0;
-  for (int64_t i = 0; i < n; i++) { /* key segments 1..nb, query segments nb+1..2nb */
-    const int64_t first = s;
-    for (int64_t r = off[i], len; r < off[i + 1]; r += len, s++) {
-      len = off[i + 1] - r < block ? off[i + 1] - r : block;
-      seg[1 + s] = (fa_range){prompt_len + r, len};
-      seg[1 + nb + s] = (fa_range){r, len};
-      if (prompt_len > 0) pair[k++] = (fa_pair){1 + nb + s, 0, 0};
-      for (int64_t j = first; j <= s; j++) pair[k++] = (fa_pair){1 + nb + s, 1 + j, 0};
+  int64_t ns = 1 + n, k = 0;
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t len = off[i + 1] - off[i];
+    seg[1 + i] = (fa_range){prompt_len + off[i], len};
+    for (int64_t r = off[i], bl; r < off[i + 1]; r += bl) {
+      bl = off[i + 1] - r < block ? off[i + 1] - r : block;
+      const int64_t q = ns++, upto = r + bl - off[i];
+      seg[q] = (fa_range){r, bl};
+      int64_t kv = 1 + i;
+      if (upto < len) seg[kv = ns++] = (fa_range){prompt_len + off[i], upto};
+      if (prompt_len > 0) {
+        owner[k] = 0;
+        pair[k++] = (fa_pair){q, 0, 0};
+      }
+      owner[k] = 1 + i;
+      pair[k++] = (fa_pair){q, kv, 0};
     }
   }
-  int rc = fa_plan_build(p, n ? off[n] : 0, 2 * nb + 1, seg, k, pair);
+  int rc = fa_plan_build_owned(p, n ? off[n] : 0, ns, seg, k, pair, owner);
   if (!rc) p->qshift = prompt_len;
   fa_free(seg);
   fa_free(pair);
+  fa_free(owner);
   return rc;
 }
 

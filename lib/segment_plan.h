@@ -97,13 +97,12 @@ int fa_plan_prefix_cached(fa_plan *p, int64_t prompt_len, int64_t n, const int64
 
 /* Block-causal variant (block diffusion): response i's rows form blocks of
  * `block` rows from its first row; block j's queries read the prefix and the
- * response's blocks 0..j, all of their keys. Key segments are the blocks
- * themselves (disjoint, so each key row has one owner in the backward), so a
- * response of b blocks has b(b+1)/2 pairs. block 1 (the causal mask) and a
- * block at least as long as every response (the bidirectional mask) build
- * fa_plan_prefix_cached's plan instead: two pairs per response. Any block >= 1
- * works (no count overflows); -1 on allocation failure or when the pair count
- * does not fit in memory. */
+ * response's blocks 0..j, all of their keys: two pairs per block, the prefix
+ * and a view of the response's keys up to the block's end (owned by the
+ * response's key segment, whose backward key blocks are cut at every block
+ * end, so each key row has one owner). block 1 (the causal mask) and a block
+ * at least as long as every response (the bidirectional mask) build
+ * fa_plan_prefix_cached's plan instead. Any block >= 1 works. */
 int fa_plan_prefix_cached_blocks(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off, int64_t block);
 
 /* Split segments into blocks of at most block_rows rows, heaviest first.

@@ -102,6 +102,43 @@ static int plan_sees(const fa_plan *p, int64_t qr, int64_t kr) {
   return 0;
 }
 
+/* The backward's key blocks (any block size): each read key row in exactly
+ * one block, every reader of a block's owner sees all of the block's keys or
+ * none (a view never ends inside a block), each pair listed under an owner
+ * that holds its keys. */
+static void check_key_blocks(const fa_plan *p, int64_t key_rows, int64_t block_rows) {
+  for (int64_t s = 0; s < p->nseg; s++)
+    for (int64_t j = p->k_pair_off[s]; j < p->k_pair_off[s + 1]; j++) {
+      const fa_range k = p->seg[p->pair[p->k_pair_idx[j]].kseg], o = p->seg[s];
+      cr_assert(k.start >= o.start && k.start + k.len <= o.start + o.len, "pair %lld outside its owner %lld",
+                (long long)p->k_pair_idx[j], (long long)s);
+    }
+  fa_block *b;
+  const int64_t nb = fa_plan_blocks(p, block_rows, 1, &b);
+  cr_assert_geq(nb, 0);
+  int *cover = calloc((size_t)key_rows + 1, sizeof *cover), *read = calloc((size_t)key_rows + 1, sizeof *read);
+  for (int64_t i = 0; i < p->npairs; i++)
+    for (int64_t r = p->seg[p->pair[i].kseg].start; r < p->seg[p->pair[i].kseg].start + p->seg[p->pair[i].kseg].len; r++)
+      read[r] = 1;
+  for (int64_t x = 0; x < nb; x++) {
+    cr_assert(b[x].len >= 1 && b[x].len <= block_rows);
+    for (int64_t r = b[x].start; r < b[x].start + b[x].len; r++) cover[r]++;
+    for (int64_t j = p->k_pair_off[b[x].seg]; j < p->k_pair_off[b[x].seg + 1]; j++) {
+      const fa_range k = p->seg[p->pair[p->k_pair_idx[j]].kseg];
+      const int64_t in = (b[x].start >= k.start) + (b[x].start + b[x].len <= k.start + k.len);
+      const int64_t out = b[x].start + b[x].len <= k.start || b[x].start >= k.start + k.len;
+      cr_assert(in == 2 || out, "key block [%lld, +%lld) straddles reader %lld's keys [%lld, +%lld)",
+                (long long)b[x].start, (long long)b[x].len, (long long)p->k_pair_idx[j], (long long)k.start,
+                (long long)k.len);
+    }
+  }
+  for (int64_t r = 0; r < key_rows; r++)
+    cr_assert_eq(cover[r], read[r], "key row %lld in %d key blocks (read: %d)", (long long)r, cover[r], read[r]);
+  free(cover);
+  free(read);
+  free(b);
+}
+
 /* What the prefix mask says directly, independent of the plan. */
 static int prefix_sees(int64_t P, const int64_t *off, int64_t n, int causal, int64_t qr, int64_t kr) {
   if (qr < P) return kr < P && (!causal || kr <= qr);
@@ -185,6 +222,7 @@ Test(segment_plan, tree_plan_matches_the_mask_exactly) {
         }
         cr_assert_leq(hits, 1, "key %lld reached %d times from query %lld", (long long)k, hits, (long long)q);
       }
+    check_key_blocks(&p, off[n], tc_randint(&rng, 1, 9));
     fa_plan_free(&p);
   }
 }
@@ -238,7 +276,8 @@ Test(segment_plan, prefix_cached_blocks_plan_matches_the_mask_for_any_block_size
         cr_assert_eq(plan_sees(&p, q, k), blocks_sees(P, off, n, block, q, k),
                      "trial %d P=%lld block=%lld q=%lld k=%lld", trial, (long long)P, (long long)block, (long long)q,
                      (long long)k);
-    for (int64_t s = 0; s < p.nseg; s++) /* disjoint key segments: one owner per key row in the backward */
+    check_key_blocks(&p, P + off[n], tc_randint(&rng, 1, 9));
+    for (int64_t s = 0; s < p.nseg; s++) /* disjoint owners: one owner per key row in the backward */
       for (int64_t t = s + 1; t < p.nseg; t++)
         if (p.k_pair_off[s + 1] > p.k_pair_off[s] && p.k_pair_off[t + 1] > p.k_pair_off[t])
           cr_assert(p.seg[s].start + p.seg[s].len <= p.seg[t].start || p.seg[t].start + p.seg[t].len <= p.seg[s].start,
@@ -248,8 +287,8 @@ Test(segment_plan, prefix_cached_blocks_plan_matches_the_mask_for_any_block_size
 }
 
 /* Blocks of one row are the causal mask: the plan is the causal one, two
- * pairs per response, not one per (row, earlier row); and a block covering
- * every response is the bidirectional plan. */
+ * pairs per response, not one per (row, earlier row); a block covering every
+ * response is the bidirectional plan; other blocks take two pairs each. */
 Test(segment_plan, prefix_cached_blocks_of_one_or_whole_responses_stay_linear) {
   const int64_t off[4] = {0, 3000, 3000, 5000};
   fa_plan b, c;
@@ -272,11 +311,17 @@ Test(segment_plan, prefix_cached_blocks_of_one_or_whole_responses_stay_linear) {
     fa_plan_free(&b);
     fa_plan_free(&c);
   }
-  /* blocks of 2: quadratic in the blocks (b(b+1)/2 pairs per response, the
-   * plan's form for block-causal masks), bounded and exact */
-  cr_assert_eq(fa_plan_prefix_cached_blocks(&b, 16, 3, off, 1000), 0);
-  cr_expect_eq(b.npairs, 6 + 3 + 5, "3 blocks + 2 blocks: 6 + 3 own pairs, 5 prefix pairs");
-  fa_plan_free(&b);
+  /* small blocks: two pairs per block (the prefix, a view of the response's
+   * keys up to the block's end), not one per (block, earlier block) */
+  const int64_t small[3] = {2, 3, 1000};
+  for (int i = 0; i < 3; i++) {
+    const int64_t blocks = (3000 + small[i] - 1) / small[i] + (2000 + small[i] - 1) / small[i];
+    cr_assert_eq(fa_plan_prefix_cached_blocks(&b, 16, 3, off, small[i]), 0);
+    cr_expect_eq(b.npairs, 2 * blocks, "block %lld: %lld pairs for %lld blocks", (long long)small[i],
+                 (long long)b.npairs, (long long)blocks);
+    cr_expect_leq(b.nseg, 1 + 3 + 2 * blocks);
+    fa_plan_free(&b);
+  }
 }
 
 /* Pairs of the tree plan of a trie: one per chain on each node's root path. */
@@ -335,7 +380,7 @@ Test(segment_plan, trie_packed_trees_plan_in_n_log_n) {
       if (i == 0)
         par[i] = -1;
       else if (shape < 3) /* random recursive, then biased to the latest nodes (deep) */
-        par[i] = shape == 0 ? tc_randint(&rng, 0, i - 1) : i - 1 - tc_randint(&rng, 0, shape == 1 ? 3 : 1);
+        par[i] = shape == 0 ? tc_randint(&rng, 0, i - 1) : i - 1 - tc_randint(&rng, 0, i < 4 ? 0 : shape == 1 ? 3 : 1);
       else if (shape == 3) /* caterpillar: spine nodes at even indices, leaves listed before the spine's next node */
         par[i] = i % 2 ? i - 1 : i - 2;
       else if (shape == 4) /* broom: a handle of n/2, then leaves on its end */

@@ -574,8 +574,10 @@ typedef struct forkattn_trie forkattn_trie;
  * shared by the same set of sequences; a node also ends where a sequence ends,
  * so every sequence is exactly a root-to-node path. Identical sequences share
  * every row. Rows are packed in depth-first order (every subtree is a
- * contiguous range of nodes and of rows), children in order of first
- * appearance (the first sequence through them). Sequences whose first tokens
+ * contiguous range of nodes and of rows); a node's first child is the one
+ * with the most nodes in its subtree (its rows follow the parent's, so tree
+ * attention reads them as one key segment), the others, and ties, in order of
+ * first appearance (the first sequence through them). Sequences whose first tokens
  * differ give a forest (several roots). Expected time O(total tokens); no
  * recursion, so any depth works.
  *
@@ -598,7 +600,8 @@ FORKATTN_API forkattn_status forkattn_trie_from_sequences(forkattn_ctx *ctx, int
 /**
  * Build from a tree the caller already has, given per node: its parent and its
  * number of tokens. Nodes may be listed in any order; they are repacked in
- * depth-first order (children in increasing input index) and kept as given
+ * depth-first order (the child with the most nodes in its subtree first, the
+ * others, and ties, in increasing input index) and kept as given
  * (a node with one child is not merged into it). forkattn_trie_input_nodes()
  * maps input nodes to packed ones. Cycles, parents out of range, nodes of
  * length < 1 and token counts that overflow int64 are errors.
@@ -620,7 +623,8 @@ FORKATTN_API forkattn_status forkattn_trie_from_parents(forkattn_ctx *ctx, int64
  * Build from a per-token parent array: token i follows token token_parents[i]
  * (-1 for a first token). Maximal chains of only children become nodes: a
  * token starts a node when it is a first token or has siblings. Children are
- * packed in increasing index of their first token, so tokens numbered in order
+ * packed largest subtree first, the others, and ties, in increasing index of
+ * their first token, so tokens numbered in order
  * of first appearance give the same trie as forkattn_trie_from_sequences() on
  * the root-to-leaf paths. Cycles and parents out of range are errors.
  *
@@ -1188,9 +1192,16 @@ FORKATTN_API forkattn_status forkattn_prefix_cached_bwd(forkattn_ctx *ctx, const
  * rows from its first row (the last may be shorter); a row of block j sees all
  * P prefix keys and every key of the response's blocks 0..j (bidirectional
  * inside a block, causal across blocks). The layout's mask is not used.
+ * block_size 1 runs exactly as forkattn_prefix_cached_fwd() with the causal
+ * mask, and a block_size at least as long as every response (up to INT64_MAX)
+ * exactly as with the bidirectional mask (same results, bit for bit, and the
+ * same cost). Between the two, the plan takes two (query, key) pairs per
+ * block, so its memory is linear in the rows; the backward works on key
+ * blocks of at most block_size rows, so very small blocks (2, 3, ...) run its
+ * dk/dv in small tiles, slower than the causal call.
  *
  * @param ctx the context @param layout the group (P = prompt_len cached rows)
- * @param block_size rows per block (>= 1; 1 is the causal mask)
+ * @param block_size rows per block (>= 1, any value; 1 is the causal mask)
  * @param q queries [R_total, Hq, d] @param k keys [P + R_total, Hkv, d]
  * @param v values [P + R_total, Hkv, d] @param o output [R_total, Hq, d]
  * @param lse optional float32 [R_total, Hq] @param scale softmax scale (finite, > 0)

@@ -2,6 +2,7 @@
 #include "alloc.h"
 #include "segment_plan.h"
 
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -14,8 +15,8 @@ void fa_plan_free(fa_plan *p) {
   memset(p, 0, sizeof *p);
 }
 
-int fa_plan_build(fa_plan *p, int64_t rows, int64_t nseg, const fa_range *seg, int64_t npairs,
-                  const fa_pair *pair) {
+int fa_plan_build_owned(fa_plan *p, int64_t rows, int64_t nseg, const fa_range *seg, int64_t npairs,
+                        const fa_pair *pair, const int64_t *owner) {
   memset(p, 0, sizeof *p);
   p->rows = rows;
   p->nseg = nseg;
@@ -33,7 +34,7 @@ int fa_plan_build(fa_plan *p, int64_t rows, int64_t nseg, const fa_range *seg, i
   if (npairs) memcpy(p->pair, pair, sizeof *pair * (size_t)npairs);
   for (int64_t i = 0; i < npairs; i++) {
     p->q_pair_off[pair[i].qseg + 1]++;
-    p->k_pair_off[pair[i].kseg + 1]++;
+    p->k_pair_off[(owner ? owner[i] : pair[i].kseg) + 1]++;
   }
   for (int64_t s = 0; s < nseg; s++) {
     p->q_pair_off[s + 1] += p->q_pair_off[s];
@@ -46,11 +47,16 @@ int fa_plan_build(fa_plan *p, int64_t rows, int64_t nseg, const fa_range *seg, i
     return -1;
   }
   for (int64_t i = 0; i < npairs; i++) {
-    int64_t ks = pair[i].kseg;
+    int64_t ks = owner ? owner[i] : pair[i].kseg;
     p->k_pair_idx[p->k_pair_off[ks] + fill[ks]++] = i;
   }
   fa_free(fill);
   return 0;
+}
+
+int fa_plan_build(fa_plan *p, int64_t rows, int64_t nseg, const fa_range *seg, int64_t npairs,
+                  const fa_pair *pair) {
+  return fa_plan_build_owned(p, rows, nseg, seg, npairs, pair, NULL);
 }
 
 void fa_tree_chains(int64_t n, const int64_t *off, const int64_t *parents, int causal, int64_t *near,
@@ -63,7 +69,7 @@ void fa_tree_chains(int64_t n, const int64_t *off, const int64_t *parents, int c
   }
   for (int64_t i = 0; i < n; i++) {
     const int64_t a = near[i];
-    cont[i] = causal && off[i + 1] > off[i] && a >= 0 && kids[a] == 1 && off[a + 1] == off[i];
+    cont[i] = causal && off[i + 1] > off[i] && a >= 0 && off[a + 1] == off[i];
   }
 }
 
@@ -112,17 +118,22 @@ int fa_plan_tree(fa_plan *p, int64_t n, const int64_t *off, const int64_t *paren
   fa_tree_keys t;
   if (fa_tree_keys_build(&t, n, off, parents, causal)) return -1;
   /* Segments: one per non-empty node (its queries), then one per key segment
-   * spanning more than one node; a single-node key segment reuses the node's. */
+   * spanning more than one node (a single-node key segment reuses the node's),
+   * then the views: one per node whose chain is read up to it by a node of
+   * another chain, unless that is the whole chain. */
   int64_t nq = 0, npairs = 0;
   int64_t *qseg = fa_malloc(sizeof *qseg * (size_t)(n ? n : 1));
+  int64_t *view = fa_malloc(sizeof *view * (size_t)(n ? n : 1));
   int64_t *kseg_index = fa_malloc(sizeof *kseg_index * (size_t)(t.nkseg ? t.nkseg : 1));
-  fa_range *seg = fa_malloc(sizeof *seg * (size_t)(n + t.nkseg + 1));
-  if (!qseg || !kseg_index || !seg) goto oom;
+  fa_range *seg = fa_malloc(sizeof *seg * (size_t)(2 * n + t.nkseg + 1));
+  fa_pair *pair = NULL;
+  int64_t *owner = NULL;
+  if (!qseg || !view || !kseg_index || !seg) goto oom;
   for (int64_t i = 0; i < n; i++) {
-    qseg[i] = -1;
+    qseg[i] = view[i] = -1;
     if (off[i + 1] == off[i]) continue;
     seg[qseg[i] = nq++] = (fa_range){off[i], off[i + 1] - off[i]};
-    for (int64_t a = i; a >= 0; a = t.par[t.first[t.kseg[a]]]) npairs++; /* one pair per key segment on the path */
+    for (int64_t a = i; a >= 0; a = t.par[t.first[t.kseg[a]]]) npairs++; /* one pair per chain on the path */
   }
   int64_t ns = nq;
   for (int64_t k = 0; k < t.nkseg; k++) kseg_index[k] = -1;
@@ -136,29 +147,47 @@ int fa_plan_tree(fa_plan *p, int64_t n, const int64_t *off, const int64_t *paren
     else
       seg[kseg_index[k] = ns++] = (fa_range){off[f], off[i + 1] - off[f]};
   }
-  fa_pair *pair = fa_malloc(sizeof *pair * (size_t)(npairs ? npairs : 1));
-  if (!pair) goto oom;
+  pair = fa_malloc(sizeof *pair * (size_t)(npairs ? npairs : 1));
+  owner = fa_malloc(sizeof *owner * (size_t)(npairs ? npairs : 1));
+  if (!pair || !owner) goto oom;
   int64_t np = 0;
   for (int64_t i = 0; i < n; i++) {
     if (qseg[i] < 0) continue;
     int64_t first_pair = np;
-    for (int64_t a = i; a >= 0; a = t.par[t.first[t.kseg[a]]])
-      pair[np++] = (fa_pair){qseg[i], kseg_index[t.kseg[a]], a == i ? causal : 0};
+    for (int64_t a = i; a >= 0; a = t.par[t.first[t.kseg[a]]]) {
+      /* a: the deepest node of this chain on i's path; i reads the chain up to a's end */
+      const int64_t ks = kseg_index[t.kseg[a]], f = t.first[t.kseg[a]];
+      int64_t rd = ks;
+      if (a != i && off[a + 1] < seg[ks].start + seg[ks].len) {
+        if (view[a] < 0) seg[view[a] = ns++] = (fa_range){off[f], off[a + 1] - off[f]};
+        rd = view[a];
+      }
+      owner[np] = ks;
+      pair[np++] = (fa_pair){qseg[i], rd, a == i ? causal : 0};
+    }
     for (int64_t x = first_pair, y = np - 1; x < y; x++, y--) { /* root first, own node last */
       fa_pair tmp = pair[x];
       pair[x] = pair[y];
       pair[y] = tmp;
+      int64_t o = owner[x];
+      owner[x] = owner[y];
+      owner[y] = o;
     }
   }
-  int rc = fa_plan_build(p, n ? off[n] : 0, ns, seg, np, pair);
+  int rc = fa_plan_build_owned(p, n ? off[n] : 0, ns, seg, np, pair, owner);
   fa_free(pair);
+  fa_free(owner);
   fa_free(qseg);
+  fa_free(view);
   fa_free(kseg_index);
   fa_free(seg);
   fa_tree_keys_free(&t);
   return rc;
 oom:
+  fa_free(pair);
+  fa_free(owner);
   fa_free(qseg);
+  fa_free(view);
   fa_free(kseg_index);
   fa_free(seg);
   fa_tree_keys_free(&t);
@@ -211,36 +240,55 @@ int fa_plan_prefix_cached(fa_plan *p, int64_t prompt_len, int64_t n, const int64
 }
 
 int fa_plan_prefix_cached_blocks(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off, int64_t block) {
-  /* segments: 0 = prefix keys, then per block its keys and its queries */
-  int64_t nb = 0, np = 0;
+  /* Blocks of one row are the causal mask, and a block at least as long as
+   * every response is the bidirectional one: both are planned as such (two
+   * pairs per response, no key block cut at every row). */
+  int64_t longest = 0;
+  for (int64_t i = 0; i < n; i++) longest = off[i + 1] - off[i] > longest ? off[i + 1] - off[i] : longest;
+  if (block <= 1 || block >= longest) return fa_plan_prefix_cached(p, prompt_len, n, off, block <= 1);
+  /* Segments: 0 = prefix keys; per response its keys (the owner); per block its
+   * queries and a view of the response's keys up to the block's end (the last
+   * block reads the owner itself). Block j's pairs: the prefix, then the view:
+   * two pairs per block, not one per (block, earlier block). block < longest
+   * <= rows here, so no count below overflows. */
+  int64_t nb = 0;
   for (int64_t i = 0; i < n; i++) {
-    const int64_t b = (off[i + 1] - off[i] + block - 1) / block;
-    nb += b;
-    np += b * (b + 1) / 2 + (prompt_len > 0 ? b : 0);
+    const int64_t len = off[i + 1] - off[i];
+    nb += len / block + (len % block != 0);
   }
-  fa_range *seg = fa_malloc(sizeof *seg * (size_t)(2 * nb + 1));
-  fa_pair *pair = fa_malloc(sizeof *pair * (size_t)(np ? np : 1));
-  if (!seg || !pair) {
+  fa_range *seg = fa_malloc(sizeof *seg * (size_t)(1 + n + 2 * nb));
+  fa_pair *pair = fa_malloc(sizeof *pair * (size_t)(2 * nb + 1));
+  int64_t *owner = fa_malloc(sizeof *owner * (size_t)(2 * nb + 1));
+  if (!seg || !pair || !owner) {
     fa_free(seg);
     fa_free(pair);
+    fa_free(owner);
     return -1;
   }
   seg[0] = (fa_range){0, prompt_len};
-  int64_t s = 0, k = 0;
-  for (int64_t i = 0; i < n; i++) { /* key segments 1..nb, query segments nb+1..2nb */
-    const int64_t first = s;
-    for (int64_t r = off[i]; r < off[i + 1]; r += block, s++) {
-      const int64_t len = off[i + 1] - r < block ? off[i + 1] - r : block;
-      seg[1 + s] = (fa_range){prompt_len + r, len};
-      seg[1 + nb + s] = (fa_range){r, len};
-      if (prompt_len > 0) pair[k++] = (fa_pair){1 + nb + s, 0, 0};
-      for (int64_t j = first; j <= s; j++) pair[k++] = (fa_pair){1 + nb + s, 1 + j, 0};
+  int64_t ns = 1 + n, k = 0;
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t len = off[i + 1] - off[i];
+    seg[1 + i] = (fa_range){prompt_len + off[i], len};
+    for (int64_t r = off[i], bl; r < off[i + 1]; r += bl) {
+      bl = off[i + 1] - r < block ? off[i + 1] - r : block;
+      const int64_t q = ns++, upto = r + bl - off[i];
+      seg[q] = (fa_range){r, bl};
+      int64_t kv = 1 + i;
+      if (upto < len) seg[kv = ns++] = (fa_range){prompt_len + off[i], upto};
+      if (prompt_len > 0) {
+        owner[k] = 0;
+        pair[k++] = (fa_pair){q, 0, 0};
+      }
+      owner[k] = 1 + i;
+      pair[k++] = (fa_pair){q, kv, 0};
     }
   }
-  int rc = fa_plan_build(p, n ? off[n] : 0, 2 * nb + 1, seg, k, pair);
+  int rc = fa_plan_build_owned(p, n ? off[n] : 0, ns, seg, k, pair, owner);
   if (!rc) p->qshift = prompt_len;
   fa_free(seg);
   fa_free(pair);
+  fa_free(owner);
   return rc;
 }
 
@@ -255,14 +303,49 @@ static int fa_cmp_cost(const void *a, const void *b) {
   return x->order < y->order ? -1 : (x->order > y->order);
 }
 
+static int fa_cmp_i64(const void *a, const void *b) {
+  const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+  return (x > y) - (x < y);
+}
+
+/* Where owner key segment s must be cut so that no key block straddles a
+ * view's start or end: the sorted distinct offsets 0 < c < len, in cut;
+ * returns the count. */
+static int64_t fa_key_cuts(const fa_plan *p, int64_t s, int64_t *cut) {
+  const fa_range o = p->seg[s];
+  int64_t n = 0;
+  for (int64_t j = p->k_pair_off[s]; j < p->k_pair_off[s + 1]; j++) {
+    const fa_range k = p->seg[p->pair[p->k_pair_idx[j]].kseg];
+    if (k.start > o.start && k.start < o.start + o.len) cut[n++] = k.start - o.start;
+    if (k.start + k.len > o.start && k.start + k.len < o.start + o.len) cut[n++] = k.start + k.len - o.start;
+  }
+  if (n > 1) qsort(cut, (size_t)n, sizeof *cut, fa_cmp_i64);
+  int64_t u = 0;
+  for (int64_t i = 0; i < n; i++)
+    if (u == 0 || cut[u - 1] != cut[i]) cut[u++] = cut[i];
+  return u;
+}
+
 int64_t fa_plan_blocks(const fa_plan *p, int64_t block_rows, int by_key, fa_block **out) {
   const int64_t *off = by_key ? p->k_pair_off : p->q_pair_off;
+  /* key blocks: owner segments cut at their views first (cut[] holds one
+   * segment's cuts, then its end) */
+  int64_t *cut = fa_malloc(sizeof *cut * (size_t)(2 * p->npairs + 1));
+  if (!cut) {
+    *out = NULL;
+    return -1;
+  }
   int64_t n = 0;
-  for (int64_t s = 0; s < p->nseg; s++)
-    if (off[s + 1] > off[s]) n += (p->seg[s].len + block_rows - 1) / block_rows;
+  for (int64_t s = 0; s < p->nseg; s++) {
+    if (off[s + 1] == off[s]) continue;
+    const int64_t nc = by_key ? fa_key_cuts(p, s, cut) : 0;
+    cut[nc] = p->seg[s].len;
+    for (int64_t c = 0, from = 0; c <= nc; from = cut[c++]) n += (cut[c] - from + block_rows - 1) / block_rows;
+  }
   fa_costed_block *cb = fa_malloc(sizeof *cb * (size_t)(n ? n : 1));
   *out = fa_malloc(sizeof **out * (size_t)(n ? n : 1));
   if (!cb || !*out) {
+    fa_free(cut);
     fa_free(cb);
     fa_free(*out);
     *out = NULL;
@@ -271,21 +354,25 @@ int64_t fa_plan_blocks(const fa_plan *p, int64_t block_rows, int by_key, fa_bloc
   int64_t i = 0;
   for (int64_t s = 0; s < p->nseg; s++) {
     if (off[s + 1] == off[s]) continue;
-    for (int64_t r = 0; r < p->seg[s].len; r += block_rows) {
-      fa_block b = {s, p->seg[s].start + r, p->seg[s].len - r < block_rows ? p->seg[s].len - r : block_rows};
-      int64_t cost = 0;
-      for (int64_t j = off[s]; j < off[s + 1]; j++) {
-        /* work of the block with this pair: rows x visible rows on the other side
-         * (an upper bound for causal pairs) */
-        const fa_pair pr = by_key ? p->pair[p->k_pair_idx[j]] : p->pair[j];
-        fa_range other = by_key ? fa_pair_queries(p->seg, pr, b.start, p->qshift)
-                                     : fa_pair_keys(p->seg, pr, b.start, b.len, p->qshift);
-        cost += other.len * b.len;
+    const int64_t nc = by_key ? fa_key_cuts(p, s, cut) : 0;
+    cut[nc] = p->seg[s].len;
+    for (int64_t c = 0, from = 0; c <= nc; from = cut[c++])
+      for (int64_t r = from; r < cut[c]; r += block_rows) {
+        fa_block b = {s, p->seg[s].start + r, cut[c] - r < block_rows ? cut[c] - r : block_rows};
+        int64_t cost = 0;
+        for (int64_t j = off[s]; j < off[s + 1]; j++) {
+          /* work of the block with this pair: rows x visible rows on the other side
+           * (an upper bound for causal pairs) */
+          const fa_pair pr = by_key ? p->pair[p->k_pair_idx[j]] : p->pair[j];
+          fa_range other = by_key ? fa_pair_queries(p->seg, pr, b.start, p->qshift)
+                                  : fa_pair_keys(p->seg, pr, b.start, b.len, p->qshift);
+          cost += other.len * b.len;
+        }
+        cb[i] = (fa_costed_block){b, cost, i};
+        i++;
       }
-      cb[i] = (fa_costed_block){b, cost, i};
-      i++;
-    }
   }
+  fa_free(cut);
   qsort(cb, (size_t)n, sizeof *cb, fa_cmp_cost);
   for (int64_t j = 0; j < n; j++) (*out)[j] = cb[j].b;
   fa_free(cb);

@@ -15,7 +15,12 @@
  *
  * Backward needs the inverse view: for each key segment the pairs that read
  * it, so dK/dV of a shared segment is summed over all its readers without
- * races (one owner per key block). */
+ * races (one owner per key block). A pair may read a part of another key
+ * segment (a tree node reading an ancestor's chain up to that ancestor): its
+ * own key segment is then a view inside that owner segment, and the inverse
+ * view lists it under the owner, whose key blocks are cut where a view
+ * begins or ends (fa_plan_blocks), so a reader sees all of a key block or
+ * none of it. */
 #ifndef FORKATTN_SEGMENT_PLAN_H
 #define FORKATTN_SEGMENT_PLAN_H
 #include <stdint.h>
@@ -36,8 +41,8 @@ typedef struct fa_plan {
   int64_t npairs;      /* pairs, grouped by query segment */
   fa_pair *pair;       /* [npairs] */
   int64_t *q_pair_off; /* [nseg+1]: pairs of query segment s are pair[q_pair_off[s]..q_pair_off[s+1]) */
-  int64_t *k_pair_off; /* [nseg+1]: CSR over k_pair_idx by key segment */
-  int64_t *k_pair_idx; /* [npairs]: pair indices grouped by key segment */
+  int64_t *k_pair_off; /* [nseg+1]: CSR over k_pair_idx by owning key segment (a view's owner) */
+  int64_t *k_pair_idx; /* [npairs]: pair indices grouped by owning key segment */
 } fa_plan;
 
 /* A block of rows inside one segment: queries (forward, dQ) or keys (dK/dV). */
@@ -50,22 +55,33 @@ typedef struct fa_block {
  * allocation failure. */
 int fa_plan_build(fa_plan *p, int64_t rows, int64_t nseg, const fa_range *seg, int64_t npairs,
                   const fa_pair *pair);
+/* The same with key views: owner[i] is the key segment that contains pair i's
+ * key segment and owns its rows in the backward (owner NULL: every pair owns
+ * its own; no segment read directly may overlap another's rows). */
+int fa_plan_build_owned(fa_plan *p, int64_t rows, int64_t nseg, const fa_range *seg, int64_t npairs,
+                        const fa_pair *pair, const int64_t *owner);
 void fa_plan_free(fa_plan *p);
 
 /* The chain rule of tree key segments, shared by the plan and the cost model:
  * near[i] = nearest non-empty ancestor of node i (-1 for none); cont[i] = 1 when
- * non-empty node i continues near[i]'s key segment: causal, near[i]'s only
- * non-empty child, starting where it ends (a chain in DFS order), so a chain
- * of many small nodes is read through one segment. With causal = 0 a node
- * sees all its own rows, so every node is its own key segment. kids: n int64
- * of scratch (non-empty children per node on return). No allocation. */
+ * non-empty node i continues near[i]'s key segment: causal and starting where
+ * near[i] ends (in DFS packing: near[i]'s first non-empty child; at most one
+ * node does), so a run of nodes packed back to back down the tree is one
+ * segment (a chain), read causally by its own nodes and, through a view up to
+ * the branching node, by the other children's subtrees. A node has one pair
+ * per chain on its root path: with the largest child packed first (the tries'
+ * order) at most O(log nodes) chains, so the plan has O(nodes log nodes)
+ * pairs instead of one per ancestor. With causal = 0 a node sees all its own
+ * rows, so every node is its own key segment. kids: n int64 of scratch
+ * (non-empty children per node on return). No allocation. */
 void fa_tree_chains(int64_t n, const int64_t *off, const int64_t *parents, int causal, int64_t *near,
                     int64_t *kids, int64_t *cont);
 
 /* Tree of n nodes: node i owns rows [off[i], off[i+1]) and reads all rows of
  * its ancestors (parents[i] < i, -1 for a root) and its own rows (causally
- * when causal != 0, else all of them). Pairs per node: one per key segment on
- * its root path (chains of only children share one). Empty nodes are dropped. */
+ * when causal != 0, else all of them). Pairs per node: one per chain on its
+ * root path (fa_tree_chains); an ancestor's chain is read through a view up
+ * to that ancestor. Empty nodes are dropped. */
 int fa_plan_tree(fa_plan *p, int64_t n, const int64_t *off, const int64_t *parents, int causal);
 
 /* Prefix-shared group, the depth-one tree: prompt [0, P), response i at
@@ -81,8 +97,12 @@ int fa_plan_prefix_cached(fa_plan *p, int64_t prompt_len, int64_t n, const int64
 
 /* Block-causal variant (block diffusion): response i's rows form blocks of
  * `block` rows from its first row; block j's queries read the prefix and the
- * response's blocks 0..j, all of their keys. Key segments are the blocks
- * themselves (disjoint, so each key row has one owner in the backward). */
+ * response's blocks 0..j, all of their keys: two pairs per block, the prefix
+ * and a view of the response's keys up to the block's end (owned by the
+ * response's key segment, whose backward key blocks are cut at every block
+ * end, so each key row has one owner). block 1 (the causal mask) and a block
+ * at least as long as every response (the bidirectional mask) build
+ * fa_plan_prefix_cached's plan instead. Any block >= 1 works. */
 int fa_plan_prefix_cached_blocks(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off, int64_t block);
 
 /* Split segments into blocks of at most block_rows rows, heaviest first.
@@ -131,11 +151,18 @@ static inline fa_range fa_pair_keys(const fa_range *seg, fa_pair pr, int64_t q0,
   return k;
 }
 
-/* Queries of pair pr that see at least one key of [k0, k0+kn) (kn > 0): the
- * whole query segment, or for a causal pair those at or after the block's
- * first key's diagonal. */
+/* Queries of pair pr that see at least one key of [k0, k0+kn) (kn > 0, a key
+ * block of the pair's owner segment): none when the block lies outside the
+ * pair's key segment (a view; blocks never straddle one), else the whole query
+ * segment, or for a causal pair those at or after the block's first key's
+ * diagonal. */
 static inline fa_range fa_pair_queries(const fa_range *seg, fa_pair pr, int64_t k0, int64_t qshift) {
   fa_range q = seg[pr.qseg];
+  const fa_range k = seg[pr.kseg];
+  if (k0 < k.start || k0 >= k.start + k.len) {
+    q.len = 0;
+    return q;
+  }
   if (pr.causal) {
     int64_t first = k0 - qshift - q.start;
     int64_t skip = first < 0 ? 0 : (first < q.len ? first : q.len);

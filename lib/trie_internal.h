@@ -27,7 +27,8 @@ void fa_trie_destroy(forkattn_trie *t);
 
 /* A forest to pack: m nodes in "input order"; parent[i] is -1 or in [0, m) and
  * != i (cycles possible: the packer finds them); len[i] >= 1 with a sum (rows)
- * that fits int64. Children are packed in increasing input index. */
+ * that fits int64. Children are packed in increasing input index, except that
+ * the one with the most nodes in its subtree (the first such) comes first. */
 typedef struct fa_trie_forest {
   int64_t m;
   const int64_t *parent, *len;

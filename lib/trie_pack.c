@@ -1,6 +1,6 @@
 /* Rollout tries: depth-first packing of a forest given by parent pointers
- * (iterative; chains of any depth), cycle detection, and the row maps every
- * builder shares (see trie_internal.h). */
+ * (iterative; chains of any depth; the largest child first), cycle detection,
+ * and the row maps every builder shares (see trie_internal.h). */
 #include <stdint.h>
 
 #include "alloc.h"
@@ -49,13 +49,33 @@ static int64_t fa_trie_dfs(int64_t m, const int64_t *first, const int64_t *kids,
   return next;
 }
 
+/* Move each node's child with the most nodes in its subtree (the first such)
+ * to the front of its children, the others keeping their order: pre-order
+ * then packs that child right after its parent, so tree attention's plan
+ * reads it and its parent as one key segment (segment_plan.h,
+ * fa_tree_chains), and every root path crosses O(log m) such chains instead
+ * of one segment per branching ancestor. order: a pre-order; size: scratch. */
+static void fa_trie_heavy_first(int64_t m, const int64_t *par, const int64_t *order, const int64_t *first,
+                                int64_t *kids, int64_t *size) {
+  for (int64_t i = 0; i < m; i++) size[i] = 1;
+  for (int64_t i = m - 1; i >= 0; i--) /* children after their parent in pre-order */
+    if (par[order[i]] >= 0) size[par[order[i]]] += size[order[i]];
+  for (int64_t v = 0; v < m; v++) {
+    int64_t best = first[v];
+    for (int64_t j = first[v] + 1; j < first[v + 1]; j++) best = size[kids[j]] > size[kids[best]] ? j : best;
+    const int64_t heavy = kids[best];
+    for (int64_t j = best; j > first[v]; j--) kids[j] = kids[j - 1];
+    if (first[v + 1] > first[v]) kids[first[v]] = heavy;
+  }
+}
+
 fa_pack_result fa_trie_pack(const fa_trie_forest *f, int64_t *pack, forkattn_trie **out, int64_t *bad) {
   const int64_t m = f->m, *par = f->parent, *len = f->len;
   *out = NULL;
-  if (m > (INT64_MAX - 2) / 4) return FA_PACK_NOMEM;
-  int64_t *scratch = fa_trie_i64(4 * m + 2);
+  if (m > (INT64_MAX - 2) / 5) return FA_PACK_NOMEM;
+  int64_t *scratch = fa_trie_i64(5 * m + 2);
   if (!scratch) return FA_PACK_NOMEM;
-  int64_t *first = scratch, *kids = first + m + 2, *stack = kids + m, *order = stack + m;
+  int64_t *first = scratch, *kids = first + m + 2, *stack = kids + m, *order = stack + m, *size = order + m;
   fa_trie_children(m, par, first, kids);
   for (int64_t i = 0; i < m; i++) pack[i] = -1;
   if (fa_trie_dfs(m, first, kids, stack, order, pack) < m) {
@@ -67,6 +87,8 @@ fa_pack_result fa_trie_pack(const fa_trie_forest *f, int64_t *pack, forkattn_tri
     fa_free(scratch);
     return FA_PACK_CYCLE;
   }
+  fa_trie_heavy_first(m, par, order, first, kids, size);
+  fa_trie_dfs(m, first, kids, stack, order, pack);
   /* End of every node's root-to-node token path (packed order: parents first);
    * bounded by f->rows, so only the sum over leaves can overflow. */
   int64_t *pend = stack, replicated = 0;

@@ -102,6 +102,43 @@ static int plan_sees(const fa_plan *p, int64_t qr, int64_t kr) {
   return 0;
 }
 
+/* The backward's key blocks (any block size): each read key row in exactly
+ * one block, every reader of a block's owner sees all of the block's keys or
+ * none (a view never ends inside a block), each pair listed under an owner
+ * that holds its keys. */
+static void check_key_blocks(const fa_plan *p, int64_t key_rows, int64_t block_rows) {
+  for (int64_t s = 0; s < p->nseg; s++)
+    for (int64_t j = p->k_pair_off[s]; j < p->k_pair_off[s + 1]; j++) {
+      const fa_range k = p->seg[p->pair[p->k_pair_idx[j]].kseg], o = p->seg[s];
+      cr_assert(k.start >= o.start && k.start + k.len <= o.start + o.len, "pair %lld outside its owner %lld",
+                (long long)p->k_pair_idx[j], (long long)s);
+    }
+  fa_block *b;
+  const int64_t nb = fa_plan_blocks(p, block_rows, 1, &b);
+  cr_assert_geq(nb, 0);
+  int *cover = calloc((size_t)key_rows + 1, sizeof *cover), *read = calloc((size_t)key_rows + 1, sizeof *read);
+  for (int64_t i = 0; i < p->npairs; i++)
+    for (int64_t r = p->seg[p->pair[i].kseg].start; r < p->seg[p->pair[i].kseg].start + p->seg[p->pair[i].kseg].len; r++)
+      read[r] = 1;
+  for (int64_t x = 0; x < nb; x++) {
+    cr_assert(b[x].len >= 1 && b[x].len <= block_rows);
+    for (int64_t r = b[x].start; r < b[x].start + b[x].len; r++) cover[r]++;
+    for (int64_t j = p->k_pair_off[b[x].seg]; j < p->k_pair_off[b[x].seg + 1]; j++) {
+      const fa_range k = p->seg[p->pair[p->k_pair_idx[j]].kseg];
+      const int64_t in = (b[x].start >= k.start) + (b[x].start + b[x].len <= k.start + k.len);
+      const int64_t out = b[x].start + b[x].len <= k.start || b[x].start >= k.start + k.len;
+      cr_assert(in == 2 || out, "key block [%lld, +%lld) straddles reader %lld's keys [%lld, +%lld)",
+                (long long)b[x].start, (long long)b[x].len, (long long)p->k_pair_idx[j], (long long)k.start,
+                (long long)k.len);
+    }
+  }
+  for (int64_t r = 0; r < key_rows; r++)
+    cr_assert_eq(cover[r], read[r], "key row %lld in %d key blocks (read: %d)", (long long)r, cover[r], read[r]);
+  free(cover);
+  free(read);
+  free(b);
+}
+
 /* What the prefix mask says directly, independent of the plan. */
 static int prefix_sees(int64_t P, const int64_t *off, int64_t n, int causal, int64_t qr, int64_t kr) {
   if (qr < P) return kr < P && (!causal || kr <= qr);
@@ -127,12 +164,14 @@ Test(segment_plan, prefix_plan_matches_the_mask_exactly) {
         cr_assert_eq(plan_sees(&p, q, k), prefix_sees(P, off, n, causal, q, k),
                      "trial %d P=%lld n=%lld causal=%d q=%lld k=%lld", trial, (long long)P, (long long)n,
                      causal, (long long)q, (long long)k);
-    /* no empty segment; the inverse key view lists each pair exactly once */
+    /* no empty segment; the inverse key view lists each pair exactly once,
+     * under a key segment that holds the pair's keys (itself or a view's owner) */
     int64_t *seen = calloc((size_t)p.npairs + 1, sizeof *seen);
     for (int64_t s = 0; s < p.nseg; s++) {
       cr_assert_gt(p.seg[s].len, 0);
       for (int64_t j = p.k_pair_off[s]; j < p.k_pair_off[s + 1]; j++) {
-        cr_assert_eq(p.pair[p.k_pair_idx[j]].kseg, s);
+        const fa_range k = p.seg[p.pair[p.k_pair_idx[j]].kseg];
+        cr_assert(k.start >= p.seg[s].start && k.start + k.len <= p.seg[s].start + p.seg[s].len);
         seen[p.k_pair_idx[j]]++;
       }
     }
@@ -183,6 +222,7 @@ Test(segment_plan, tree_plan_matches_the_mask_exactly) {
         }
         cr_assert_leq(hits, 1, "key %lld reached %d times from query %lld", (long long)k, hits, (long long)q);
       }
+    check_key_blocks(&p, off[n], tc_randint(&rng, 1, 9));
     fa_plan_free(&p);
   }
 }
@@ -199,6 +239,164 @@ Test(segment_plan, chain_of_only_children_is_one_key_segment) {
   cr_expect_eq(p.npairs, 1000, "one pair per node, not one per ancestor");
   cr_expect_eq(p.nseg, 1001, "1000 query segments + one key segment");
   fa_plan_free(&p);
+}
+
+/* What the block-causal cached mask says directly: query row qr (response
+ * rows) sees every prefix key and its response's keys up to the end of its
+ * block (keys in the key frame: prefix [0, P), response i at P + off[i]). */
+static int blocks_sees(int64_t P, const int64_t *off, int64_t n, int64_t block, int64_t qr, int64_t kr) {
+  if (kr < P) return 1;
+  int64_t i = 0;
+  while (i < n && !(qr >= off[i] && qr < off[i + 1])) i++;
+  const int64_t kq = kr - P;
+  if (kq < off[i] || kq >= off[i + 1]) return 0;
+  /* compare block indices by subtraction: block may be INT64_MAX */
+  return (kq - off[i]) / block <= (qr - off[i]) / block;
+}
+
+Test(segment_plan, prefix_cached_blocks_plan_matches_the_mask_for_any_block_size) {
+  tc_rng rng = tc_rng_for("segment_plan.cached_blocks");
+  const int64_t huge[4] = {INT64_MAX, INT64_MAX - 1, (int64_t)1 << 62, ((int64_t)1 << 62) - 1};
+  for (int trial = 0; trial < 80; trial++) {
+    int64_t P = tc_randint(&rng, 0, 6), n = tc_randint(&rng, 1, 4), off[6] = {0}, longest = 0;
+    for (int64_t i = 0; i < n; i++) {
+      off[i + 1] = off[i] + tc_randint(&rng, 0, 12);
+      longest = off[i + 1] - off[i] > longest ? off[i + 1] - off[i] : longest;
+    }
+    const int64_t pick = tc_randint(&rng, 0, 7);
+    const int64_t block = pick < 4 ? huge[pick] : pick == 4 ? 1 : pick == 5 ? longest + tc_randint(&rng, -1, 1)
+                                                                         : tc_randint(&rng, 1, 13);
+    if (block < 1) continue;
+    fa_plan p;
+    cr_assert_eq(fa_plan_prefix_cached_blocks(&p, P, n, off, block), 0, "block %lld", (long long)block);
+    cr_assert_eq(p.rows, off[n]);
+    cr_assert_eq(p.qshift, P);
+    for (int64_t q = 0; q < off[n]; q++)
+      for (int64_t k = 0; k < P + off[n]; k++)
+        cr_assert_eq(plan_sees(&p, q, k), blocks_sees(P, off, n, block, q, k),
+                     "trial %d P=%lld block=%lld q=%lld k=%lld", trial, (long long)P, (long long)block, (long long)q,
+                     (long long)k);
+    check_key_blocks(&p, P + off[n], tc_randint(&rng, 1, 9));
+    for (int64_t s = 0; s < p.nseg; s++) /* disjoint owners: one owner per key row in the backward */
+      for (int64_t t = s + 1; t < p.nseg; t++)
+        if (p.k_pair_off[s + 1] > p.k_pair_off[s] && p.k_pair_off[t + 1] > p.k_pair_off[t])
+          cr_assert(p.seg[s].start + p.seg[s].len <= p.seg[t].start || p.seg[t].start + p.seg[t].len <= p.seg[s].start,
+                    "key segments %lld and %lld overlap", (long long)s, (long long)t);
+    fa_plan_free(&p);
+  }
+}
+
+/* Blocks of one row are the causal mask: the plan is the causal one, two
+ * pairs per response, not one per (row, earlier row); a block covering every
+ * response is the bidirectional plan; other blocks take two pairs each. */
+Test(segment_plan, prefix_cached_blocks_of_one_or_whole_responses_stay_linear) {
+  const int64_t off[4] = {0, 3000, 3000, 5000};
+  fa_plan b, c;
+  cr_assert_eq(fa_plan_prefix_cached_blocks(&b, 16, 3, off, 1), 0);
+  cr_assert_eq(fa_plan_prefix_cached(&c, 16, 3, off, 1), 0);
+  cr_expect_eq(b.npairs, 4, "prefix + own keys per non-empty response, got %lld pairs", (long long)b.npairs);
+  cr_expect_leq(b.nseg, 2 * 3 + 1);
+  cr_assert_eq(b.npairs, c.npairs);
+  cr_assert_eq(b.nseg, c.nseg);
+  cr_assert(!memcmp(b.pair, c.pair, sizeof *b.pair * (size_t)b.npairs), "not the causal plan");
+  cr_assert(!memcmp(b.seg, c.seg, sizeof *b.seg * (size_t)b.nseg));
+  fa_plan_free(&b);
+  fa_plan_free(&c);
+  const int64_t big[3] = {3000, INT64_MAX - 1, INT64_MAX};
+  for (int i = 0; i < 3; i++) {
+    cr_assert_eq(fa_plan_prefix_cached_blocks(&b, 16, 3, off, big[i]), 0, "block %lld", (long long)big[i]);
+    cr_assert_eq(fa_plan_prefix_cached(&c, 16, 3, off, 0), 0);
+    cr_assert_eq(b.npairs, c.npairs);
+    cr_assert(!memcmp(b.pair, c.pair, sizeof *b.pair * (size_t)b.npairs), "not the bidirectional plan");
+    fa_plan_free(&b);
+    fa_plan_free(&c);
+  }
+  /* small blocks: two pairs per block (the prefix, a view of the response's
+   * keys up to the block's end), not one per (block, earlier block) */
+  const int64_t small[3] = {2, 3, 1000};
+  for (int i = 0; i < 3; i++) {
+    const int64_t blocks = (3000 + small[i] - 1) / small[i] + (2000 + small[i] - 1) / small[i];
+    cr_assert_eq(fa_plan_prefix_cached_blocks(&b, 16, 3, off, small[i]), 0);
+    cr_expect_eq(b.npairs, 2 * blocks, "block %lld: %lld pairs for %lld blocks", (long long)small[i],
+                 (long long)b.npairs, (long long)blocks);
+    cr_expect_leq(b.nseg, 1 + 3 + 2 * blocks);
+    fa_plan_free(&b);
+  }
+}
+
+/* Pairs of the tree plan of a trie: one per chain on each node's root path. */
+static int64_t trie_plan_pairs(forkattn_trie *t) {
+  const forkattn_tree_layout l = forkattn_trie_layout(t);
+  fa_plan p;
+  cr_assert_eq(fa_plan_tree(&p, l.num_nodes, l.node_offsets, l.parents, 1), 0);
+  const int64_t n = p.npairs;
+  fa_plan_free(&p);
+  return n;
+}
+
+/* Rollouts that each diverge one token later than the previous one (sequence
+ * i: tokens 1..i, then a token of its own) form a spine with a leaf at every
+ * node. Packed largest child first, the spine is one chain: the plan grows
+ * linearly (about 3 pairs per spine node), not with the depth of every node. */
+Test(segment_plan, staircase_rollouts_plan_linearly) {
+  forkattn_ctx *ctx = tc_ctx_default("segment_plan.staircase");
+  int64_t pairs[2], nodes[2];
+  for (int c = 0; c < 2; c++) {
+    const int64_t n = c ? 1000 : 500;
+    int64_t *off = malloc(sizeof *off * (size_t)(n + 1)), *tok = malloc(sizeof *tok * (size_t)(n * (n + 3) / 2));
+    off[0] = 0;
+    for (int64_t i = 1, t = 0; i <= n; i++) {
+      for (int64_t j = 1; j <= i; j++) tok[t++] = j;
+      tok[t++] = -i;
+      off[i] = t;
+    }
+    forkattn_trie *t;
+    cr_assert_eq(forkattn_trie_from_sequences(ctx, n, off, tok, FORKATTN_TRIE_SINGLE_ROOT, &t), FORKATTN_OK);
+    nodes[c] = forkattn_trie_layout(t).num_nodes;
+    pairs[c] = trie_plan_pairs(t);
+    cr_expect_leq(pairs[c], 3 * nodes[c], "%lld sequences: %lld pairs for %lld nodes", (long long)n,
+                  (long long)pairs[c], (long long)nodes[c]);
+    forkattn_trie_free(t);
+    free(off);
+    free(tok);
+  }
+  cr_expect_leq(pairs[1], 2 * pairs[0] + 8, "twice the sequences: %lld -> %lld pairs (quadratic?)", (long long)pairs[0],
+                (long long)pairs[1]);
+  forkattn_ctx_destroy(ctx);
+}
+
+/* Any tree shape, packed by the tries (largest child first): at most
+ * 1 + log2(n) chains on a root path, so at most n (1 + log2 n) pairs. Random
+ * recursive trees, a caterpillar (a leaf on every spine node, given leaf
+ * first), a broom, a complete binary tree. */
+Test(segment_plan, trie_packed_trees_plan_in_n_log_n) {
+  forkattn_ctx *ctx = tc_ctx_default("segment_plan.n_log_n");
+  tc_rng rng = tc_rng_for("segment_plan.n_log_n");
+  const int64_t n = 2000;
+  int64_t *par = malloc(sizeof *par * (size_t)n), *len = malloc(sizeof *len * (size_t)n);
+  for (int shape = 0; shape < 6; shape++) {
+    for (int64_t i = 0; i < n; i++) {
+      len[i] = tc_randint(&rng, 1, 3);
+      if (i == 0)
+        par[i] = -1;
+      else if (shape < 3) /* random recursive, then biased to the latest nodes (deep) */
+        par[i] = shape == 0 ? tc_randint(&rng, 0, i - 1) : i - 1 - tc_randint(&rng, 0, i < 4 ? 0 : shape == 1 ? 3 : 1);
+      else if (shape == 3) /* caterpillar: spine nodes at even indices, leaves listed before the spine's next node */
+        par[i] = i % 2 ? i - 1 : i - 2;
+      else if (shape == 4) /* broom: a handle of n/2, then leaves on its end */
+        par[i] = i < n / 2 ? i - 1 : n / 2 - 1;
+      else
+        par[i] = (i - 1) / 2;
+    }
+    forkattn_trie *t;
+    cr_assert_eq(forkattn_trie_from_parents(ctx, n, par, len, 0, &t), FORKATTN_OK);
+    const int64_t pairs = trie_plan_pairs(t);
+    cr_expect_leq(pairs, n * (1 + 10), "shape %d: %lld pairs for %lld nodes", shape, (long long)pairs, (long long)n);
+    forkattn_trie_free(t);
+  }
+  free(par);
+  free(len);
+  forkattn_ctx_destroy(ctx);
 }
 
 /* Key units (GPU dK/dV split): every reader's visible query rows of every key

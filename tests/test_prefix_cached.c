@@ -273,6 +273,69 @@ Test(block_causal, one_block_is_bidirectional) {
   const int64_t lens[2] = {40, 23};
   bc_run("block_causal/one_block", 70, 2, lens, 64, 2, 2, 24);
 }
+/* The block call against the plain cached call with `mask` on the same data:
+ * o, lse, dq, dk and dv bitwise equal (the same plan, the same kernels). */
+static void bc_same(const char *name, int64_t P, int64_t n, const int64_t *lens, int64_t block, forkattn_mask mask) {
+  tc_rng rng = tc_rng_for(name);
+  forkattn_ctx *ctx = tc_ctx_default(name);
+  const int64_t hq = 4, hkv = 2, d = 32;
+  int64_t off[5] = {0};
+  for (int i = 0; i < n; i++) off[i + 1] = off[i] + lens[i];
+  const int64_t R = off[n], T = P + R;
+  const forkattn_prefix_layout blay = {P, n, off, FORKATTN_MASK_BIDIRECTIONAL}, lay = {P, n, off, mask};
+  const float scale = 1.0f / sqrtf((float)d);
+  tc_buf b[12];
+  const int key[12] = {0, 1, 1, 0, 0, 0, 1, 1, 0, 0, 1, 1}; /* over the key rows T, or the query rows R */
+  forkattn_tensor t[12]; /* q k v dout, then o dq dk dv of the block call [4..7] and of the plain call [8..11] */
+  for (int i = 0; i < 12; i++)
+    t[i] = tc_buf_contiguous(&b[i], FORKATTN_DTYPE_F32, key[i] ? T : R, key[i] ? hkv : hq, d);
+  for (int i = 0; i < 4; i++) tc_fill_tensor(&rng, &t[i], -1.5, 1.5);
+  float *lse = malloc(sizeof(float) * (size_t)(2 * R * hq + 1)), *lse2 = lse + R * hq;
+  cr_assert_eq(forkattn_prefix_cached_block_fwd(ctx, &blay, block, &t[0], &t[1], &t[2], &t[4], lse, scale,
+                                                FORKATTN_MEMORY_HOST),
+               FORKATTN_OK, "%s: block %lld: %s", name, (long long)block, forkattn_ctx_last_error(ctx));
+  cr_assert_eq(forkattn_prefix_cached_block_bwd(ctx, &blay, block, &t[0], &t[1], &t[2], &t[4], &t[3], lse, &t[5],
+                                                &t[6], &t[7], scale, FORKATTN_MEMORY_HOST),
+               FORKATTN_OK, "%s: block %lld: %s", name, (long long)block, forkattn_ctx_last_error(ctx));
+  cr_assert_eq(forkattn_prefix_cached_fwd(ctx, &lay, &t[0], &t[1], &t[2], &t[8], lse2, scale, FORKATTN_MEMORY_HOST),
+               FORKATTN_OK);
+  cr_assert_eq(forkattn_prefix_cached_bwd(ctx, &lay, &t[0], &t[1], &t[2], &t[8], &t[3], lse2, &t[9], &t[10], &t[11],
+                                          scale, FORKATTN_MEMORY_HOST),
+               FORKATTN_OK);
+  const char *what[4] = {"o", "dq", "dk", "dv"};
+  for (int i = 0; i < 4; i++)
+    cr_assert(!memcmp(t[4 + i].data, t[8 + i].data, sizeof(float) * (size_t)(t[4 + i].rows * t[4 + i].row_stride)),
+              "%s: block %lld: %s differs from the %s call", name, (long long)block, what[i],
+              mask == FORKATTN_MASK_CAUSAL ? "causal" : "bidirectional");
+  cr_assert(!memcmp(lse, lse2, sizeof(float) * (size_t)(R * hq)), "%s: block %lld: lse differs", name,
+            (long long)block);
+  free(lse);
+  for (int i = 0; i < 12; i++) tc_buf_free(&b[i]);
+  forkattn_ctx_destroy(ctx);
+}
+
+/* Any block_size >= 1 works: one at least as long as every response (up to
+ * INT64_MAX, where counting blocks used to overflow) is the bidirectional
+ * call; one shorter than a response is checked against float64. */
+Test(block_causal, huge_block_sizes_are_bidirectional) {
+  const int64_t lens[3] = {40, 0, 23}, R = 63;
+  const int64_t same[7] = {INT64_MAX, INT64_MAX - 1, (int64_t)1 << 62, R - 1, R, R + 1, 40};
+  for (int i = 0; i < 7; i++) bc_same("block_causal/huge", 70, 3, lens, same[i], FORKATTN_MASK_BIDIRECTIONAL);
+  const int64_t one[1] = {50};
+  bc_same("block_causal/huge_one", 30, 1, one, INT64_MAX, FORKATTN_MASK_BIDIRECTIONAL);
+  bc_same("block_causal/huge_one", 30, 1, one, 50, FORKATTN_MASK_BIDIRECTIONAL);
+  bc_same("block_causal/huge_one", 30, 1, one, 51, FORKATTN_MASK_BIDIRECTIONAL);
+  bc_run("block_causal/rows_minus_one", 30, 1, one, 49, 4, 2, 32); /* blocks of 49 and 1 */
+  bc_run("block_causal/longest_minus_one", 70, 3, lens, 39, 4, 2, 32);
+}
+
+/* block_size 1 is the causal call, bitwise (the same plan). */
+Test(block_causal, blocks_of_one_are_the_causal_call) {
+  const int64_t lens[3] = {33, 0, 70};
+  bc_same("block_causal/one_is_causal", 40, 3, lens, 1, FORKATTN_MASK_CAUSAL);
+  bc_same("block_causal/one_is_causal_no_prefix", 0, 3, lens, 1, FORKATTN_MASK_CAUSAL);
+}
+
 Test(block_causal, bad_block_size) {
   forkattn_ctx *ctx = tc_ctx_default("block_causal/bad_block_size");
   int64_t off[2] = {0, 4};

@@ -6,8 +6,9 @@
  * and prefix rollouts, small and large token alphabets) are built and every
  * property of the contract is checked against the input: each sequence is a
  * root-to-node path whose rows hold its tokens at positions 0..len-1, nodes are
- * maximal, subtrees are contiguous (DFS), children come in order of first
- * appearance, the row count and the replicated count match brute-force counts.
+ * maximal, subtrees are contiguous (DFS), the largest child comes first and the
+ * others in order of first appearance, the row count and the replicated count
+ * match brute-force counts.
  * Node-parent tries are compared with the input tree (and across shuffled
  * inputs by canonical form); token-parent tries with the sequence tries of the
  * same paths. Every invalid argument fails with a message naming it and leaves
@@ -220,6 +221,31 @@ static void check_layout(const forkattn_trie *t, shape *sh) {
   cr_assert_geq(ratio, 1.0);
 }
 
+/* Children order: under each node, the child with the most nodes in its
+ * subtree first (the smallest key among equals), then the others in
+ * increasing key; roots in increasing key. key: first appearance or input
+ * index of every packed node. */
+static void check_child_order(const shape *sh, const int64_t *key, const char *what) {
+  for (int64_t k = 0; k <= sh->n; k++) {
+    const int64_t a = sh->kid_start[k], b = sh->kid_start[k + 1];
+    if (a == b) continue;
+    int64_t j0 = a;
+    if (k < sh->n) {
+      const int64_t h = sh->kids[a];
+      for (int64_t j = a + 1; j < b; j++) {
+        const int64_t c = sh->kids[j];
+        cr_assert(sh->size[c] < sh->size[h] || (sh->size[c] == sh->size[h] && key[c] > key[h]),
+                  "node %lld: first child %lld (%lld nodes) is not the largest (child %lld: %lld nodes), earliest in %s",
+                  (long long)k, (long long)h, (long long)sh->size[h], (long long)c, (long long)sh->size[c], what);
+      }
+      j0 = a + 1;
+    }
+    for (int64_t j = j0 + 1; j < b; j++)
+      cr_assert_lt(key[sh->kids[j - 1]], key[sh->kids[j]], "children of %lld after the largest: not in %s",
+                   (long long)k, what);
+  }
+}
+
 /* ---- sequence tries -------------------------------------------------------- */
 
 /* Rows before deduplication minus rows shared with an earlier sequence. */
@@ -280,14 +306,12 @@ static void check_sequences(const forkattn_trie *t, const seqs *s) {
     }
     for (int64_t j = sh.kid_start[k]; j < sh.kid_start[k + 1]; j++) {
       const int64_t c = sh.kids[j];
-      if (j > sh.kid_start[k])
-        cr_assert_gt(first_seq[c], first_seq[sh.kids[j - 1]], "children of %lld not in order of first appearance",
-                     (long long)k);
       for (int64_t i = sh.kid_start[k]; i < j; i++)
         cr_assert_neq(rtok[off[c]], rtok[off[sh.kids[i]]], "siblings %lld and %lld start with the same token",
                       (long long)sh.kids[i], (long long)c);
     }
   }
+  check_child_order(&sh, first_seq, "order of first appearance");
   cr_assert_eq(forkattn_trie_replicated_tokens(t), s->ntok);
   const int64_t brute = brute_force_rows(s);
   cr_assert_eq(T, brute, "%lld rows, brute force %lld", (long long)T, (long long)brute);
@@ -419,7 +443,8 @@ static void shuffle_tree(tc_rng *rng, int64_t n, const int64_t *par, const int64
 }
 
 /* The trie of (par, len) is that tree: input_nodes is an isomorphism, the
- * input rows follow it, children come in increasing input index. */
+ * input rows follow it, children come largest first, then in increasing input
+ * index. */
 static void check_parents(const forkattn_trie *t, int64_t n, const int64_t *par, const int64_t *len) {
   shape sh;
   check_layout(t, &sh);
@@ -439,9 +464,7 @@ static void check_parents(const forkattn_trie *t, int64_t n, const int64_t *par,
       cr_assert_eq(in[rows + k], sh.off[p] + k, "input_rows of node %lld", (long long)i);
     rows += len[i];
   }
-  for (int64_t k = 0; k <= n; k++)
-    for (int64_t j = sh.kid_start[k] + 1; j < sh.kid_start[k + 1]; j++)
-      cr_assert_lt(inverse[sh.kids[j - 1]], inverse[sh.kids[j]], "children not in increasing input index");
+  check_child_order(&sh, inverse, "increasing input index");
   /* replicated: walk every input leaf up to its root */
   char *has_kid = xcalloc((size_t)n, 1);
   for (int64_t i = 0; i < n; i++)

@@ -8,8 +8,8 @@
  * On success every property of the contract is checked (packed layout: DFS
  * order, node_offsets, parents, depths, row_nodes, row_positions; sequences
  * rebuilt from row_tokens through input_rows, each a root-to-node path, nodes
- * maximal, children in order of first appearance, row count against a brute
- * force; node and token parents: the packed tree is the input tree through the
+ * maximal, children largest first then in order of first appearance, row
+ * count against a brute force; node and token parents: the packed tree is the input tree through the
  * input maps; replicated counts and dedup ratio). On failure the status must
  * be FORKATTN_ERR_INVALID_ARGUMENT, *trie NULL and the message non-empty.
  * Calls whose valid output would exceed a few MiB are not made.
@@ -134,9 +134,27 @@ typedef struct view {
   int64_t n, T;
   const int64_t *off, *par, *depth, *rnode, *rpos;
   int64_t *nkids, *kid_start, *kids; /* children by packed index; slot n: the roots */
+  int64_t *size;                     /* subtree sizes in nodes */
 } view;
 
-static void view_free(view *v) { free(v->nkids), free(v->kid_start), free(v->kids); }
+static void view_free(view *v) { free(v->nkids), free(v->kid_start), free(v->kids), free(v->size); }
+
+/* Children come largest subtree first (the smallest key among equals), then
+ * in increasing key; roots in increasing key. */
+static void check_child_order(const view *v, const int64_t *key, const char *what) {
+  for (int64_t k = 0; k <= v->n; k++) {
+    const int64_t a = v->kid_start[k], b = v->kid_start[k + 1];
+    if (a == b) continue;
+    if (k < v->n)
+      for (int64_t j = a + 1; j < b; j++) {
+        const int64_t c = v->kids[j], h = v->kids[a];
+        FZ_CHECK(v->size[c] < v->size[h] || (v->size[c] == v->size[h] && key[c] > key[h]),
+                 "children of %lld: first is not the largest (%s)", (long long)k, what);
+      }
+    for (int64_t j = (k < v->n ? a + 1 : a) + 1; j < b; j++)
+      FZ_CHECK(key[v->kids[j - 1]] < key[v->kids[j]], "children of %lld out of order (%s)", (long long)k, what);
+  }
+}
 
 static void check_layout(const forkattn_trie *t, view *v) {
   const forkattn_tree_layout l = forkattn_trie_layout(t);
@@ -167,7 +185,7 @@ static void check_layout(const forkattn_trie *t, view *v) {
   v->nkids = i64s(n + 1);
   v->kid_start = i64s(n + 2);
   v->kids = i64s(n);
-  int64_t *size = i64s(n), *fill = i64s(n + 1);
+  int64_t *size = v->size = i64s(n), *fill = i64s(n + 1);
   for (int64_t i = 0; i < n; i++) v->nkids[par[i] < 0 ? n : par[i]]++;
   for (int64_t k = 0; k <= n; k++) v->kid_start[k + 1] = v->kid_start[k] + v->nkids[k];
   for (int64_t i = 0; i < n; i++) {
@@ -187,7 +205,7 @@ static void check_layout(const forkattn_trie *t, view *v) {
     }
     FZ_CHECK(expect == (k == n ? n : k + size[k]), "subtree of %lld not contiguous", (long long)k);
   }
-  free(size), free(fill);
+  free(fill);
   const double ratio = forkattn_trie_dedup_ratio(t),
                want = (double)forkattn_trie_replicated_tokens(t) / (double)v->T;
   FZ_CHECK(ratio == want && ratio >= 1.0, "dedup ratio %.17g, want %.17g", ratio, want);
@@ -232,11 +250,11 @@ static void check_sequences(const forkattn_trie *t, int64_t N, const int64_t *of
     FZ_CHECK(k == v.n || v.nkids[k] >= 2 || ends[k], "node %lld not maximal", (long long)k);
     for (int64_t j = v.kid_start[k]; j < v.kid_start[k + 1]; j++) {
       const int64_t c = v.kids[j];
-      FZ_CHECK(j == v.kid_start[k] || first[c] > first[v.kids[j - 1]], "children of %lld out of order", (long long)k);
       for (int64_t i = v.kid_start[k]; i < j; i++)
         FZ_CHECK(rtok[v.off[c]] != rtok[v.off[v.kids[i]]], "siblings with the same first token");
     }
   }
+  check_child_order(&v, first, "first appearance");
   free(ends), free(first);
   view_free(&v);
 }
@@ -257,9 +275,7 @@ static void check_parents(const forkattn_trie *t, int64_t n, const int64_t *par,
              "input node %lld: wrong parent or length", (long long)i);
     for (int64_t k = 0; k < len[i]; k++, g++) FZ_CHECK(in[g] == v.off[p] + k, "input_rows[%lld]", (long long)g);
   }
-  for (int64_t k = 0; k <= n; k++)
-    for (int64_t j = v.kid_start[k] + 1; j < v.kid_start[k + 1]; j++)
-      FZ_CHECK(inverse[v.kids[j - 1]] < inverse[v.kids[j]], "children not in input order");
+  check_child_order(&v, inverse, "input order");
   FZ_CHECK(forkattn_trie_replicated_tokens(t) == oracle_replicated(n, par, len), "replicated %lld, oracle %lld",
            (long long)forkattn_trie_replicated_tokens(t), (long long)oracle_replicated(n, par, len));
   free(inverse);
@@ -293,6 +309,10 @@ static void check_token_parents(const forkattn_trie *t, int64_t n, const int64_t
                "token %lld does not start a child of its parent's node", (long long)u);
   }
   FZ_CHECK(forkattn_trie_replicated_tokens(t) == oracle_replicated(n, tp, NULL), "replicated");
+  int64_t *key = i64s(v.n); /* a node's first token */
+  for (int64_t k = 0; k < v.n; k++) key[k] = owner[v.off[k]];
+  check_child_order(&v, key, "first token index");
+  free(key);
   free(nkids), free(owner);
   view_free(&v);
 }

@@ -9,6 +9,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include <criterion/criterion.h>
+#include <limits.h>
 #include <ctype.h>
 #include <math.h>
 #include <stdio.h>
@@ -678,6 +679,54 @@ Test(context, bad_create_arguments) {
   cr_expect_null(ctx);
   if (st == FORKATTN_OK)
     forkattn_ctx_destroy(ctx);
+}
+
+/* Every CPU call opens an OpenMP team of forkattn_ctx_threads() threads, and the
+ * OpenMP runtime ends the process when it cannot allocate or start one (INT_MAX
+ * threads: libgomp "Out of memory allocating 481036338272 bytes", then exit;
+ * 100000000: SIGSEGV inside libgomp). Such counts must be refused at create
+ * time with a message naming the limit; the limit itself must work. */
+Test(context, absurd_thread_counts_are_refused, .timeout = 60) {
+  unsetenv("FORKATTN_BACKEND");
+  const int limit = forkattn_max_threads();
+  cr_assert_geq(limit, 64, "forkattn_max_threads() = %d", limit);
+  char want[32];
+  snprintf(want, sizeof want, "limit %d", limit);
+  const int bad[] = {INT_MAX, 100000000, limit + 1, limit > 2000 ? limit + 2000 : 2000};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    forkattn_ctx_options opt;
+    forkattn_ctx_options_init(&opt);
+    opt.backend = FORKATTN_BACKEND_CPU;
+    opt.threads = bad[i];
+    forkattn_ctx *ctx = (forkattn_ctx *)(uintptr_t)1;
+    const forkattn_status st = forkattn_ctx_create(&ctx, &opt);
+    cr_expect_eq(st, FORKATTN_ERR_INVALID_ARGUMENT, "threads = %d: %s", bad[i], forkattn_status_string(st));
+    cr_expect_null(ctx, "threads = %d: *ctx not NULL", bad[i]);
+    cr_expect(strstr(forkattn_ctx_create_error(), want), "threads = %d: message '%s' does not name the %s",
+              bad[i], forkattn_ctx_create_error(), want);
+    if (st == FORKATTN_OK) forkattn_ctx_destroy(ctx); /* never call into it: the runtime may abort */
+  }
+  /* the limit is accepted and a call on it runs */
+  forkattn_ctx_options opt;
+  forkattn_ctx_options_init(&opt);
+  opt.backend = FORKATTN_BACKEND_CPU;
+  opt.threads = limit;
+  forkattn_ctx *ctx = NULL;
+  cr_assert_eq(forkattn_ctx_create(&ctx, &opt), FORKATTN_OK, "threads = limit %d: %s", limit,
+               forkattn_ctx_create_error());
+  cr_expect_eq(forkattn_ctx_threads(ctx), limit);
+  float q[2 * 4] = {0.1f, 0.2f, 0.3f, 0.4f, 0.5f, 0.6f, 0.7f, 0.8f}, k[2 * 4] = {1, 0, 0, 0, 0, 1, 0, 0};
+  float v[2 * 4] = {1, 2, 3, 4, 5, 6, 7, 8}, o[2 * 4] = {0}, lse[2];
+  forkattn_prefix_layout lay = {2, 0, NULL, FORKATTN_MASK_CAUSAL};
+  forkattn_tensor tq = forkattn_tensor_contiguous(q, FORKATTN_DTYPE_F32, 2, 1, 4);
+  forkattn_tensor tk = forkattn_tensor_contiguous(k, FORKATTN_DTYPE_F32, 2, 1, 4);
+  forkattn_tensor tv = forkattn_tensor_contiguous(v, FORKATTN_DTYPE_F32, 2, 1, 4);
+  forkattn_tensor to = forkattn_tensor_contiguous(o, FORKATTN_DTYPE_F32, 2, 1, 4);
+  cr_expect_eq(forkattn_prefix_fwd(ctx, &lay, &tq, &tk, &tv, &to, lse, 0.5f, FORKATTN_MEMORY_HOST), FORKATTN_OK,
+               "%s", forkattn_ctx_last_error(ctx));
+  for (int c = 0; c < 4; c++) /* row 0 sees key 0 only */
+    cr_expect_float_eq(o[c], v[c], 1e-6f, "o[0,%d] = %g", c, (double)o[c]);
+  forkattn_ctx_destroy(ctx);
 }
 
 Test(context, options_and_threads) {

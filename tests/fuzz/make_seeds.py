@@ -191,6 +191,11 @@ def ctx_seeds():
     write(t, "seed-bad-backend", ctx(backend=0xC0))
     write(t, "seed-bad-threads-negative", ctx(threads=0xE7))
     write(t, "seed-bad-device-int-min", ctx(device=0xC0 + X_I32MIN))
+    # threads above forkattn_max_threads(): refused at create time (the OpenMP runtime would abort the
+    # process at the first call: INT_MAX asks libgomp for ~480 GB, 10^8 crashes inside it)
+    write(t, "seed-bad-threads-int-max", ctx(flags=8, backend=0x81, threads=0xC0 + X_I32MAX))
+    write(t, "seed-bad-threads-1e8", ctx(flags=8, backend=0x81, threads=0xF0)[:4] + list(struct.pack("<q", 100000000))
+          + [0] * 16)
     write(t, "seed-options-null", ctx(flags=1))
     write(t, "seed-ctx-pointer-null", ctx(flags=2))
     write(t, "seed-names-extremes", ctx(names=(0xC4, 0xC5, 0xE7, 0xC8, 0x08, 0x04)))

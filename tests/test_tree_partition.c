@@ -858,6 +858,13 @@ Test(errors, every_argument_is_checked) {
   tp_expect_bad(forkattn_tree_cost_model_calibrate(ctx, 4, 2, 257, F32, &cm), ctx, "head_dim 257");
   tp_expect_bad(forkattn_tree_cost_model_calibrate(ctx, 4, 2, 64, (forkattn_dtype)9, &cm), ctx, "dtype");
   tp_expect_bad(forkattn_tree_cost_model_calibrate(ctx, 4, 2, 64, F32, NULL), ctx, "model");
+  /* sizes that cannot be represented are bad arguments, not failed allocations:
+   * heads_q x head_dim overflows int64, or the timing buffers overflow size_t */
+  tp_expect_bad(forkattn_tree_cost_model_calibrate(ctx, (int64_t)1 << 55, 1, 256, F32, &cm), ctx, "overflows");
+  tp_expect_bad(forkattn_tree_cost_model_calibrate(ctx, INT64_MAX, 1, 256, FORKATTN_DTYPE_BF16, &cm), ctx, "overflows");
+  tp_expect_bad(forkattn_tree_cost_model_calibrate(ctx, (int64_t)1 << 50, (int64_t)1 << 50, 64, F32, &cm), ctx,
+                "overflow");
+  tp_expect_bad(forkattn_tree_cost_model_calibrate(ctx, (int64_t)1 << 56, 1, 1, F32, &cm), ctx, "overflow");
   cr_assert(cm.heads_q == 7 && cm.sec_per_mac == 7, "model untouched on error");
   /* accessors tolerate NULL and bad indices */
   cr_assert_eq(forkattn_partition_num_parts(NULL), 0);

@@ -1368,6 +1368,8 @@ FORKATTN_API forkattn_status forkattn_reuse_profile_depth(forkattn_ctx *ctx, con
 FORKATTN_API forkattn_status forkattn_reuse_profile_save(forkattn_ctx *ctx, const forkattn_reuse_profile *profile,
                                                          const char *path);
 /** Load a file written by forkattn_reuse_profile_save(); malformed files are refused.
+ *  Reading is bounded (header lines 256 bytes, bin lines 64 + 40 x layers bytes,
+ *  at most 1024 blank lines after "end"), so an endless stream is refused too.
  *  @param ctx the context @param path file path @param profile the loaded profile
  *  @return FORKATTN_OK, INVALID_ARGUMENT or OUT_OF_MEMORY */
 FORKATTN_API forkattn_status forkattn_reuse_profile_load(forkattn_ctx *ctx, const char *path,

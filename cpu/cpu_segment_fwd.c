@@ -117,7 +117,9 @@ forkattn_status fa_cpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a) {
   int64_t nb = fa_plan_blocks(a->plan, bq, 0, &blocks);
   if (nb < 0) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "prefix_fwd: cannot allocate blocks");
   fa_fwd_job job = {a, blocks, nb * a->hkv, M, bk};
-  const int64_t ws_floats = 2 * M * d + M * bk + 2 * bk * d + 2 * M + 7 * 16; /* 7 carves, 16-aligned */
+  const double Md = (double)group * (double)bq; /* M, which wraps for an absurd GQA group */
+  const int64_t ws_floats = fa_cpu_ws_floats(2 * Md * (double)d + Md * (double)bk + 2.0 * (double)(bk * d) + 2 * Md +
+                                             7 * 16); /* 7 carves, 16-aligned */
   int rc = fa_cpu_team_run(ctx, ws_floats, sizeof(fa_block) * (size_t)nb, fa_fwd_team, &job);
   fa_free(blocks);
   if (rc) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "prefix_fwd: cannot allocate CPU tiles");

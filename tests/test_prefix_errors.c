@@ -8,6 +8,7 @@
  * buffers (outputs and inputs, guards included) byte-for-byte unchanged.
  */
 #define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE /* MAP_ANONYMOUS */
 #include <criterion/criterion.h>
 #include <limits.h>
 #include <ctype.h>
@@ -15,6 +16,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "reference.h"
 #include "test_common.h"
@@ -352,6 +355,44 @@ Test(args, size_overflow) {
   forkattn_prefix_layout lay2 = {16, 1, off, FORKATTN_MASK_CAUSAL};
   expect_error(fwd_layout(&lay2), INVALID, NO_ALT, "prompt_len + offsets[N] overflows",
                WORDS("overflow", "rows", "offset", "prompt", "large"));
+}
+
+/* An absurd GQA group (2^62 query heads on one KV head, one row, head_dim 1:
+ * the descriptors' extents fit int64) makes the CPU kernels' tile sizes
+ * (group x query block x ...) overflow int64. The call must be refused with a
+ * status before any byte of the tensors is read: they lie on inaccessible
+ * pages, so a read crashes the test. */
+Test(sizes, absurd_gqa_group_is_refused_before_any_read, .timeout = 30) {
+  forkattn_ctx_options opt;
+  forkattn_ctx_options_init(&opt);
+  opt.backend = FORKATTN_BACKEND_CPU;
+  opt.threads = 1;
+  forkattn_ctx *ctx = NULL;
+  cr_assert_eq(forkattn_ctx_create(&ctx, &opt), FORKATTN_OK);
+  const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  char *none = mmap(NULL, 12 * page, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  cr_assert(none != MAP_FAILED);
+  const int64_t hq = (int64_t)1 << 62;
+  const forkattn_dtype F = FORKATTN_DTYPE_F32;
+  forkattn_tensor q = forkattn_tensor_contiguous(none, F, 1, hq, 1), o = forkattn_tensor_contiguous(none + page, F, 1, hq, 1);
+  forkattn_tensor k = forkattn_tensor_contiguous(none + 2 * page, F, 1, 1, 1);
+  forkattn_tensor v = forkattn_tensor_contiguous(none + 3 * page, F, 1, 1, 1);
+  forkattn_tensor dout = forkattn_tensor_contiguous(none + 4 * page, F, 1, hq, 1);
+  forkattn_tensor dq = forkattn_tensor_contiguous(none + 5 * page, F, 1, hq, 1);
+  forkattn_tensor dk = forkattn_tensor_contiguous(none + 6 * page, F, 1, 1, 1);
+  forkattn_tensor dv = forkattn_tensor_contiguous(none + 7 * page, F, 1, 1, 1);
+  float *lse = (float *)(void *)(none + 8 * page);
+  forkattn_prefix_layout lay = {1, 0, NULL, FORKATTN_MASK_CAUSAL};
+  forkattn_status st = forkattn_prefix_fwd(ctx, &lay, &q, &k, &v, &o, lse, 1.0f, FORKATTN_MEMORY_HOST);
+  cr_expect(st == FORKATTN_ERR_OUT_OF_MEMORY || st == FORKATTN_ERR_INVALID_ARGUMENT, "fwd: %s",
+            forkattn_status_string(st));
+  cr_expect(forkattn_ctx_last_error(ctx)[0], "fwd refused without a message");
+  st = forkattn_prefix_bwd(ctx, &lay, &q, &k, &v, &o, &dout, lse, &dq, &dk, &dv, 1.0f, FORKATTN_MEMORY_HOST);
+  cr_expect(st == FORKATTN_ERR_OUT_OF_MEMORY || st == FORKATTN_ERR_INVALID_ARGUMENT, "bwd: %s",
+            forkattn_status_string(st));
+  cr_expect(forkattn_ctx_last_error(ctx)[0], "bwd refused without a message");
+  munmap(none, 12 * page);
+  forkattn_ctx_destroy(ctx);
 }
 
 Test(args, bad_offsets) {

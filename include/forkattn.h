@@ -496,7 +496,10 @@ FORKATTN_API void forkattn_path_destroy(forkattn_path *path);
 
 /**
  * Push a node: copy its keys and values (n rows, n >= 1) on top of the stack
- * and start its dk/dv at zero.
+ * and start its dk/dv at zero. The stack grows first: a node whose rows would
+ * make the stack's size overflow is refused (INVALID_ARGUMENT), and one that
+ * cannot be allocated gives OUT_OF_MEMORY, in both cases before k or v is read
+ * and with the stack unchanged.
  *
  * @param path the stack
  * @param k keys [n, Hkv, d]

@@ -222,17 +222,22 @@ static void fa_bwd_team(fa_cpu_ws *ws, void *arg) {
 
 forkattn_status fa_cpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a) {
   const int64_t group = a->hq / a->hkv, d = a->d, bq = fa_cpu_query_block(group);
-  const int64_t M = group * bq, bk = FA_CPU_KEY_BLOCK;
+  const int64_t bk = FA_CPU_KEY_BLOCK;
+  int64_t M; /* an absurd GQA group saturates M: the scratch size below refuses it */
+  if (__builtin_mul_overflow(group, bq, &M)) M = INT64_MAX;
   fa_block *qblocks = NULL, *kblocks = NULL;
+  /* rows x hq fits int64 (q was validated), the bytes need not fit size_t */
   const size_t dsum_bytes = sizeof(float) * (size_t)(a->plan->rows * a->hq);
-  float *dsum = fa_malloc(dsum_bytes);
+  float *dsum = fa_malloc_array(a->plan->rows * a->hq, sizeof(float));
   int64_t nq = fa_plan_blocks(a->plan, bq, 0, &qblocks);
   int64_t nk = fa_plan_blocks(a->plan, bk, 1, &kblocks);
   int rc = -1;
   if (dsum && nq >= 0 && nk >= 0) {
     const int64_t acc_rows = M > bk ? M : bk;
     fa_bwd_job job = {a, dsum, qblocks, kblocks, nq, nk, M, bq, bk, acc_rows};
-    const int64_t ws_floats = 2 * M * d + 2 * M + 2 * M * bk + 2 * acc_rows * d + 2 * bk * d + 10 * 16;
+    const double Md = (double)M, acc = (double)acc_rows;
+    const int64_t ws_floats = fa_cpu_ws_floats(2 * Md * (double)d + 2 * Md + 2 * Md * (double)bk +
+                                               2 * acc * (double)d + 2.0 * (double)(bk * d) + 10 * 16);
     rc = fa_cpu_team_run(ctx, ws_floats, dsum_bytes + sizeof(fa_block) * (size_t)(nq + nk), fa_bwd_team, &job);
   }
   fa_free(dsum);

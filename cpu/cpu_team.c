@@ -9,6 +9,7 @@
 int fa_cpu_team_run(forkattn_ctx *ctx, int64_t ws_floats, size_t extra_bytes,
                     void (*body)(fa_cpu_ws *ws, void *arg), void *arg) {
   int failed = 0;
+  if (ws_floats < 0) return -1; /* the caller's size formula overflowed (fa_cpu_ws_floats) */
   fa_note_workspace(ctx, (size_t)ctx->threads * sizeof(float) * (size_t)ws_floats + extra_bytes);
   fa_cpu_blas_single();
 #pragma omp parallel num_threads(ctx->threads)

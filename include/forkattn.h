@@ -143,7 +143,8 @@ typedef struct forkattn_ctx forkattn_ctx;
 typedef struct forkattn_ctx_options {
   forkattn_backend backend; /**< requested backend; FORKATTN_BACKEND env var overrides it */
   int device;               /**< OpenMP device number for the GPU backend (default 0) */
-  int threads;              /**< CPU threads; 0 = one per physical core (hwloc) */
+  int threads;              /**< CPU threads; 0 = one per physical core (hwloc); at most
+                                 forkattn_max_threads() */
   int bind_threads;         /**< non-zero: pin CPU worker threads to cores (hwloc) during a
                                  call; previous affinities are restored when it returns */
   int verbose;              /**< non-zero: log the backend decision to stderr */
@@ -164,12 +165,22 @@ FORKATTN_API void forkattn_ctx_options_init(forkattn_ctx_options *opt);
  * printed unless opt->verbose is set.
  * @param[out] ctx receives the new context, or NULL on failure.
  * @param opt options, or NULL for the defaults (copied; not kept)
- * @return FORKATTN_OK, FORKATTN_ERR_INVALID_ARGUMENT (bad options or
- *         FORKATTN_BACKEND value), FORKATTN_ERR_BACKEND_UNAVAILABLE or
- *         FORKATTN_ERR_OUT_OF_MEMORY
+ * opt->threads must lie in 0..forkattn_max_threads(): every CPU call opens an
+ * OpenMP team of that many threads, and the OpenMP runtime ends the process
+ * when it cannot create one, so absurd counts are refused here instead.
+ * @param[out] ctx receives the new context, or NULL on failure.
+ * @param opt options, or NULL for the defaults (copied; not kept)
+ * @return FORKATTN_OK, FORKATTN_ERR_INVALID_ARGUMENT (bad options, threads
+ *         above forkattn_max_threads(), or a bad FORKATTN_BACKEND value),
+ *         FORKATTN_ERR_BACKEND_UNAVAILABLE or FORKATTN_ERR_OUT_OF_MEMORY
  */
 FORKATTN_API forkattn_status forkattn_ctx_create(forkattn_ctx **ctx,
                                                  const forkattn_ctx_options *opt);
+/** The largest forkattn_ctx_options.threads that forkattn_ctx_create() accepts
+ *  on this machine: the larger of 64 and 4 x the hardware threads (PUs) that
+ *  hwloc reports for this process (omp_get_num_procs() when hwloc fails).
+ *  @return the limit (>= 64) */
+FORKATTN_API int forkattn_max_threads(void);
 /** @return why the calling thread's last forkattn_ctx_create() failed ("" after a
  *  success); thread-local static storage */
 FORKATTN_API const char *forkattn_ctx_create_error(void);
@@ -485,7 +496,10 @@ FORKATTN_API void forkattn_path_destroy(forkattn_path *path);
 
 /**
  * Push a node: copy its keys and values (n rows, n >= 1) on top of the stack
- * and start its dk/dv at zero.
+ * and start its dk/dv at zero. The stack grows first: a node whose rows would
+ * make the stack's size overflow is refused (INVALID_ARGUMENT), and one that
+ * cannot be allocated gives OUT_OF_MEMORY, in both cases before k or v is read
+ * and with the stack unchanged.
  *
  * @param path the stack
  * @param k keys [n, Hkv, d]
@@ -1368,6 +1382,8 @@ FORKATTN_API forkattn_status forkattn_reuse_profile_depth(forkattn_ctx *ctx, con
 FORKATTN_API forkattn_status forkattn_reuse_profile_save(forkattn_ctx *ctx, const forkattn_reuse_profile *profile,
                                                          const char *path);
 /** Load a file written by forkattn_reuse_profile_save(); malformed files are refused.
+ *  Reading is bounded (header lines 256 bytes, bin lines 64 + 40 x layers bytes,
+ *  at most 1024 blank lines after "end"), so an endless stream is refused too.
  *  @param ctx the context @param path file path @param profile the loaded profile
  *  @return FORKATTN_OK, INVALID_ARGUMENT or OUT_OF_MEMORY */
 FORKATTN_API forkattn_status forkattn_reuse_profile_load(forkattn_ctx *ctx, const char *path,

@@ -41,8 +41,15 @@ void *fa_calloc(size_t count, size_t size) {
   return fa_alloc_inject_failure() ? NULL : calloc(count ? count : 1, size ? size : 1);
 }
 
+void *fa_malloc_array(int64_t count, size_t size) {
+  size_t bytes;
+  if (count < 0 || __builtin_mul_overflow((size_t)count, size, &bytes)) return NULL;
+  return fa_malloc(bytes);
+}
+
 void *fa_aligned_alloc(size_t bytes) {
   if (fa_alloc_inject_failure()) return NULL;
+  if (bytes > SIZE_MAX - 63) return NULL; /* rounding up would wrap to a tiny block */
   return aligned_alloc(64, (bytes + 63) & ~(size_t)63);
 }
 

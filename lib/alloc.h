@@ -4,9 +4,14 @@
 #ifndef FORKATTN_ALLOC_H
 #define FORKATTN_ALLOC_H
 #include <stddef.h>
+#include <stdint.h>
 
 void *fa_malloc(size_t bytes);
 void *fa_calloc(size_t count, size_t size);
+/* fa_malloc of count elements of size bytes each; NULL when count < 0 or the
+ * byte count overflows size_t (sizes derived from user input go through this
+ * or a checked product, never a bare multiplication). */
+void *fa_malloc_array(int64_t count, size_t size);
 /* 64-byte aligned; bytes is rounded up to a multiple of 64. */
 void *fa_aligned_alloc(size_t bytes);
 void fa_free(void *p);

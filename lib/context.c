@@ -2,6 +2,7 @@
 #include "alloc.h"
 #include "context_internal.h"
 
+#include <limits.h>
 #include <omp.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -101,6 +102,19 @@ static forkattn_status fa_create_fail(forkattn_status st, int verbose, const cha
   return st;
 }
 
+/* The largest thread count a context accepts. Each call opens an OpenMP team of
+ * that many threads, and libgomp/libomp abort the whole process when they
+ * cannot allocate or create a team (INT_MAX threads asks for ~480 GB); a small
+ * oversubscription is legitimate (tests, shared nodes), so the bound is a
+ * multiple of the hardware threads with a floor for small machines. */
+enum { FA_THREADS_PER_HW_THREAD = 4, FA_THREADS_FLOOR = 64 };
+
+int forkattn_max_threads(void) {
+  const int hw = fa_host_hw_threads();
+  const int cap = hw > INT_MAX / FA_THREADS_PER_HW_THREAD ? INT_MAX : hw * FA_THREADS_PER_HW_THREAD;
+  return cap > FA_THREADS_FLOOR ? cap : FA_THREADS_FLOOR;
+}
+
 forkattn_status forkattn_ctx_create(forkattn_ctx **ctx, const forkattn_ctx_options *opt) {
   fa_create_error[0] = '\0';
   if (!ctx) return fa_create_fail(FORKATTN_ERR_INVALID_ARGUMENT, 0, "ctx_create: ctx is NULL");
@@ -115,6 +129,12 @@ forkattn_status forkattn_ctx_create(forkattn_ctx **ctx, const forkattn_ctx_optio
   if (o.threads < 0 || o.device < 0)
     return fa_create_fail(FORKATTN_ERR_INVALID_ARGUMENT, o.verbose,
                           "ctx_create: threads (%d) and device (%d) must be >= 0", o.threads, o.device);
+  if (o.threads > forkattn_max_threads())
+    return fa_create_fail(FORKATTN_ERR_INVALID_ARGUMENT, o.verbose,
+                          "ctx_create: threads (%d) exceeds the limit %d (forkattn_max_threads(): the larger of "
+                          "%d and %d x the %d hardware threads hwloc reports)",
+                          o.threads, forkattn_max_threads(), FA_THREADS_FLOOR, FA_THREADS_PER_HW_THREAD,
+                          fa_host_hw_threads());
 
   const char *src = "options";
   int env = fa_env_backend(&o.backend);

@@ -30,6 +30,13 @@ int fa_host_physical_cores(void) {
   return n > 0 ? n : 1;
 }
 
+int fa_host_hw_threads(void) {
+  hwloc_topology_t t = fa_topology();
+  int n = t ? hwloc_get_nbobjs_by_type(t, HWLOC_OBJ_PU) : 0;
+  if (n <= 0) n = omp_get_num_procs();
+  return n > 0 ? n : 1;
+}
+
 void fa_host_describe(char *buf, size_t len) {
   hwloc_topology_t t = fa_topology();
   if (!t) {

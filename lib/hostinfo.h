@@ -6,6 +6,9 @@
 
 /* Number of physical cores (>= 1; falls back to omp_get_num_procs()). */
 int fa_host_physical_cores(void);
+/* Number of hardware threads (PUs) this process may run on (>= 1; falls back
+ * to omp_get_num_procs()). */
+int fa_host_hw_threads(void);
 /* "N packages, C cores, P PUs, L3 ... " into buf. */
 void fa_host_describe(char *buf, size_t len);
 /* Pin the calling thread to core (index modulo the number of cores) for the

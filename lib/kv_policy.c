@@ -64,8 +64,10 @@ static forkattn_status fa_kv_check_qk(forkattn_ctx *ctx, const forkattn_tensor *
 /* Host copy of a device tensor (its whole span, same strides). */
 static forkattn_status fa_kv_stage(forkattn_ctx *ctx, const char *name, const forkattn_tensor *t,
                                    forkattn_tensor *host, void **owned, size_t *bytes) {
-  const size_t n = (size_t)fa_tensor_span(t) * (t->dtype == FORKATTN_DTYPE_F32 ? 4u : 2u);
-  void *buf = fa_malloc(n ? n : 1);
+  size_t n; /* the span fits int64 (t was validated), its bytes need not fit size_t */
+  void *buf = __builtin_mul_overflow((size_t)fa_tensor_span(t), (size_t)(t->dtype == FORKATTN_DTYPE_F32 ? 4 : 2), &n)
+                  ? NULL
+                  : fa_malloc(n ? n : 1);
   if (!buf) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "kv_select: cannot allocate %zu bytes to stage %s", n, name);
   forkattn_status st = forkattn_memcpy(ctx, buf, FORKATTN_MEMORY_HOST, t->data, FORKATTN_MEMORY_DEVICE, n);
   if (st) {
@@ -128,11 +130,12 @@ static forkattn_status fa_kv_ranked(forkattn_ctx *ctx, const forkattn_kv_policy 
     const float scale = p->scale > 0.0f ? p->scale : 1.0f / sqrtf((float)q->head_dim);
     size_t bytes = sizeof(double) * (size_t)(hkv * kend) + sizeof(fa_kv_rank) * (size_t)kend;
     if (snap) bytes += sizeof(double) * (size_t)(2 * kend + 1);
-    b.score = fa_malloc(sizeof(double) * (size_t)(hkv * kend));
-    b.rank = fa_malloc(sizeof(fa_kv_rank) * (size_t)kend);
+    /* hkv x kend fits int64 (k was validated); the byte counts are checked */
+    b.score = fa_malloc_array(hkv * kend, sizeof(double));
+    b.rank = fa_malloc_array(kend, sizeof(fa_kv_rank));
     if (snap) {
-      b.pooled = fa_malloc(sizeof(double) * (size_t)kend);
-      b.prefix = fa_malloc(sizeof(double) * (size_t)(kend + 1));
+      b.pooled = fa_malloc_array(kend, sizeof(double));
+      b.prefix = fa_malloc_array(kend + 1, sizeof(double));
     }
     if (!b.score || !b.rank || (snap && (!b.pooled || !b.prefix))) {
       fa_kv_bufs_free(&b);

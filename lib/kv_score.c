@@ -147,11 +147,13 @@ forkattn_status fa_kv_scores(forkattn_ctx *ctx, const forkattn_tensor *q, const 
     memset(score, 0, sizeof(double) * (size_t)(hkv * kend));
     return FORKATTN_OK;
   }
+  /* (L - qlo) x hq fits int64 (q was validated), the bytes need not fit size_t */
   const size_t lse_bytes = sizeof(float) * (size_t)((L - qlo) * hq);
-  j.lse = fa_malloc(lse_bytes);
+  j.lse = fa_malloc_array((L - qlo) * hq, sizeof(float));
   if (!j.lse) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "kv_select: cannot allocate %zu bytes of lse", lse_bytes);
-  const int64_t M = group * j.bq;
-  const int64_t ws_floats = M * j.d + M * j.bk + j.bk * j.d + 2 * M + j.bk + 6 * 16; /* 6 carves, 16-aligned */
+  const double Md = (double)group * (double)j.bq; /* M, which wraps for an absurd GQA group */
+  const int64_t ws_floats = fa_cpu_ws_floats(Md * (double)j.d + Md * (double)j.bk + (double)(j.bk * j.d) + 2 * Md +
+                                             (double)j.bk + 6 * 16); /* 6 carves, 16-aligned */
   int rc = fa_cpu_team_run(ctx, ws_floats, extra_bytes + lse_bytes, fa_kv_lse_team, &j);
   if (!rc) rc = fa_cpu_team_run(ctx, ws_floats, extra_bytes + lse_bytes, fa_kv_score_team, &j);
   fa_free(j.lse);

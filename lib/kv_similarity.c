@@ -68,8 +68,8 @@ forkattn_status fa_cpu_kv_similarity(forkattn_ctx *ctx, const forkattn_tensor *a
   const int64_t rpc = fa_sim_chunk_rows(rows, hd >= FA_SIM_MIN_ELEMS ? 1 : (FA_SIM_MIN_ELEMS + hd - 1) / hd,
                                         FA_SIM_MAX_CHUNKS);
   const int64_t nchunks = (rows + rpc - 1) / rpc;
-  const size_t bytes = sizeof(double) * (size_t)(nchunks * heads);
-  double *part = fa_malloc(bytes);
+  const size_t bytes = sizeof(double) * (size_t)(nchunks * heads); /* nchunks <= rows */
+  double *part = fa_malloc_array(nchunks * heads, sizeof(double));
   if (!part)
     return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "kv_similarity: cannot allocate %zu bytes of partial sums", bytes);
   fa_note_workspace(ctx, bytes);
@@ -123,7 +123,7 @@ forkattn_status forkattn_kv_similarity(forkattn_ctx *ctx, const forkattn_tensor 
     return FORKATTN_OK;
   }
   const size_t bytes = sizeof(double) * (size_t)heads;
-  double *sum = fa_malloc(bytes);
+  double *sum = fa_malloc_array(heads, sizeof(double)); /* heads up to 2^63 / rows / d: checked */
   if (!sum) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "kv_similarity: cannot allocate %zu bytes", bytes);
 #ifdef FORKATTN_HAVE_OFFLOAD
   if (memory == FORKATTN_MEMORY_DEVICE)

@@ -3,6 +3,7 @@
  * primitive with queries in their own row space: one causal pair over the
  * whole stack, query row 0 placed at the top node's first stack row (qshift),
  * so ancestors are fully visible and the node itself causally. */
+#include <stdint.h>
 #include <string.h>
 
 #include "alloc.h"
@@ -22,10 +23,6 @@ struct forkattn_path {
   size_t bytes, peak;
 };
 
-static size_t fa_path_row_bytes(const forkattn_path *p) {
-  return (size_t)(p->hkv * p->d) * (2 * fa_esize(p->dtype) + 4 * sizeof(float));
-}
-
 static void fa_path_free_rows(forkattn_path *p) {
   fa_free(p->k);
   fa_free(p->v);
@@ -35,11 +32,27 @@ static void fa_path_free_rows(forkattn_path *p) {
   fa_free(p->gv);
 }
 
-/* Room for `rows` stack rows and one more node: grow by doubling, keeping contents. */
+/* Bytes of the six row arrays for cap rows (K, V in dtype; four f32 accumulators);
+ * 0 when that overflows size_t. */
+static size_t fa_path_rows_bytes(const forkattn_path *p, int64_t cap) {
+  size_t elems, kv, acc, total;
+  if (__builtin_mul_overflow((size_t)(p->hkv * p->d), (size_t)cap, &elems) ||
+      __builtin_mul_overflow(elems, fa_esize(p->dtype), &kv) ||
+      __builtin_mul_overflow(elems, sizeof(float), &acc) || __builtin_mul_overflow(kv, (size_t)2, &kv) ||
+      __builtin_mul_overflow(acc, (size_t)4, &acc) || __builtin_add_overflow(kv, acc, &total))
+    return 0;
+  return total;
+}
+
+/* Room for `rows` stack rows and one more node: grow by doubling, keeping contents.
+ * Every size is checked: a node of 2^61 rows must be refused here, before push
+ * reads a byte of it, not wrap to a tiny allocation. */
 static forkattn_status fa_path_reserve(forkattn_path *p, int64_t rows) {
   if (p->depth + 1 >= p->cap_nodes) {
-    const int64_t cap = 2 * p->cap_nodes;
-    int64_t *ns = fa_malloc(sizeof *ns * (size_t)(cap + 1));
+    int64_t cap;
+    if (__builtin_mul_overflow(p->cap_nodes, (int64_t)2, &cap))
+      return fa_fail(p->ctx, FORKATTN_ERR_INVALID_ARGUMENT, "path: the node count overflows int64");
+    int64_t *ns = fa_malloc_array(cap + 1, sizeof *ns);
     if (!ns) return fa_fail(p->ctx, FORKATTN_ERR_OUT_OF_MEMORY, "path: cannot grow the node stack");
     memcpy(ns, p->node_start, sizeof *ns * (size_t)(p->depth + 1));
     fa_free(p->node_start);
@@ -48,8 +61,16 @@ static forkattn_status fa_path_reserve(forkattn_path *p, int64_t rows) {
   }
   if (rows <= p->cap_rows) return FORKATTN_OK;
   int64_t cap = p->cap_rows ? p->cap_rows : 64;
-  while (cap < rows) cap *= 2;
+  while (cap < rows) cap = cap > INT64_MAX / 2 ? rows : 2 * cap;
+  if (!fa_path_rows_bytes(p, cap)) cap = rows; /* doubling past size_t: try the exact size */
+  const size_t row_bytes = fa_path_rows_bytes(p, cap);
+  size_t bytes;
+  if (!row_bytes || __builtin_add_overflow(row_bytes, sizeof(int64_t) * (size_t)(p->cap_nodes + 1), &bytes))
+    return fa_fail(p->ctx, FORKATTN_ERR_INVALID_ARGUMENT,
+                   "path: a stack of %lld rows x %lld kv heads x %lld dims does not fit in the address space",
+                   (long long)rows, (long long)p->hkv, (long long)p->d);
   const size_t w = (size_t)(p->hkv * p->d), es = fa_esize(p->dtype);
+  /* each array's size is below row_bytes, so these products cannot overflow */
   forkattn_path n = *p;
   n.k = fa_malloc(w * es * (size_t)cap);
   n.v = fa_malloc(w * es * (size_t)cap);
@@ -71,7 +92,7 @@ static forkattn_status fa_path_reserve(forkattn_path *p, int64_t rows) {
   fa_path_free_rows(p);
   p->k = n.k, p->v = n.v, p->dk = n.dk, p->dv = n.dv, p->gk = n.gk, p->gv = n.gv;
   p->cap_rows = cap;
-  p->bytes = fa_path_row_bytes(p) * (size_t)cap + sizeof(int64_t) * (size_t)(p->cap_nodes + 1);
+  p->bytes = bytes;
   if (p->bytes > p->peak) p->peak = p->bytes;
   return FORKATTN_OK;
 }
@@ -91,6 +112,10 @@ forkattn_status forkattn_path_create(forkattn_ctx *ctx, forkattn_dtype dtype, in
   if (head_dim <= 0 || head_dim > FA_MAX_HEAD_DIM)
     return fa_fail(ctx, bad, "path: head_dim %lld outside the supported 1..%d", (long long)head_dim,
                    FA_MAX_HEAD_DIM);
+  int64_t row_elems; /* heads_q >= heads_kv: this bounds both row widths */
+  if (__builtin_mul_overflow(heads_q, head_dim, &row_elems))
+    return fa_fail(ctx, bad, "path: heads_q %lld x head_dim %lld overflows int64", (long long)heads_q,
+                   (long long)head_dim);
   forkattn_path *p = fa_calloc(1, sizeof *p);
   if (!p) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "path: cannot allocate the stack");
   *p = (forkattn_path){.ctx = ctx, .dtype = dtype, .hq = heads_q, .hkv = heads_kv, .d = head_dim,

@@ -14,7 +14,11 @@
  * and means finite in [0, 1] and [-1, 1], bins 0..100 strictly ascending,
  * counts >= 1), the number of values of every line, the number of bin lines
  * and the final "end" (a truncated file is refused); blank lines may follow
- * "end", nothing else. */
+ * "end", nothing else. Reading is bounded so that an endless or garbage
+ * stream (/dev/zero, a huge file) is refused after a few MB at most: header,
+ * "end" and trailing lines hold at most FA_LINE_SHORT bytes, a bin line at most
+ * FA_LINE_BIN(L) (about 40 bytes a mean, a saved one needs at most 25), at most
+ * FA_TRAILING_LINES blank lines may follow "end", and a NUL byte stops at once. */
 #include <errno.h>
 #include <locale.h>
 #include <math.h>
@@ -29,6 +33,9 @@
 #define FA_BAD FORKATTN_ERR_INVALID_ARGUMENT
 #define FA_MAGIC "forkattn-reuse-profile"
 #define FA_VERSION 1
+#define FA_LINE_SHORT 256                          /* header, "end" and trailing lines */
+#define FA_LINE_BIN(L) (64 + 40 * (size_t)(L))     /* "<bin> <count>" and L means */
+#define FA_TRAILING_LINES 1024                     /* blank lines accepted after "end" */
 
 /* A short reason for an errno value (strerror is not thread-safe). */
 static const char *fa_errno_text(int e) {
@@ -139,17 +146,23 @@ typedef struct {
   const char *path;
   char *buf; /* the current line, NUL-terminated, end-of-line removed */
   size_t cap;
+  size_t max_line; /* longest line accepted now, end-of-line excluded */
   int64_t lineno;
   char *cur; /* tokenizer position in buf */
 } fa_reader;
 
 /* Next line: 1, 0 at end of file, -1 out of memory, -2 a NUL byte in it,
- * -3 a read error. */
+ * -3 a read error, -4 longer than r->max_line (a '\r' before the '\n' aside).
+ * On -2 and -4 reading stops there, so the line is never buffered whole. */
 static int fa_next_line(fa_reader *r) {
   size_t len = 0;
-  int c, nul = 0;
+  int c;
   if ((c = fgetc(r->f)) == EOF) return ferror(r->f) ? -3 : 0;
   for (; c != EOF && c != '\n'; c = fgetc(r->f)) {
+    if (c == '\0' || len > r->max_line) { /* len may reach max_line + 1: a CR counts below */
+      r->lineno++;
+      return c == '\0' ? -2 : -4;
+    }
     if (len + 2 > r->cap) {
       const size_t cap = r->cap ? 2 * r->cap : 256;
       char *nb = fa_malloc(cap);
@@ -159,7 +172,6 @@ static int fa_next_line(fa_reader *r) {
       r->buf = nb;
       r->cap = cap;
     }
-    nul |= c == '\0';
     r->buf[len++] = (char)c;
   }
   if (c == EOF && ferror(r->f)) return -3;
@@ -168,10 +180,11 @@ static int fa_next_line(fa_reader *r) {
     r->cap = 256;
   }
   if (len && r->buf[len - 1] == '\r') len--;
-  r->buf[len] = '\0';
   r->lineno++;
+  if (len > r->max_line) return -4;
+  r->buf[len] = '\0';
   r->cur = r->buf;
-  return nul ? -2 : 1;
+  return 1;
 }
 
 /* Next space-separated token of the line, or NULL. */
@@ -205,13 +218,19 @@ static forkattn_status fa_load_fail(forkattn_ctx *ctx, const fa_reader *r, const
   return fa_fail(ctx, FA_BAD, "path: '%s' line %lld: %s", r->path, (long long)r->lineno, msg);
 }
 
+/* The failure of a fa_next_line() result below 0. */
+static forkattn_status fa_line_fail(forkattn_ctx *ctx, const fa_reader *r, int rc) {
+  if (rc == -1) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "path: out of memory reading '%s'", r->path);
+  if (rc == -2) return FA_LOAD_FAIL(r, "contains a NUL byte (not a text file)");
+  if (rc == -4) return FA_LOAD_FAIL(r, "is longer than %zu bytes (not a reuse-depth profile line)", r->max_line);
+  return fa_fail(ctx, FA_BAD, "path: reading '%s' failed (%s)", r->path, fa_errno_text(errno));
+}
+
 /* Read a line that must exist (else the file is truncated). */
 static forkattn_status fa_need_line(forkattn_ctx *ctx, fa_reader *r, const char *what) {
   const int rc = fa_next_line(r);
   if (rc == 1) return FORKATTN_OK;
-  if (rc == -1) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "path: out of memory reading '%s'", r->path);
-  if (rc == -2) return FA_LOAD_FAIL(r, "contains a NUL byte (not a text file)");
-  if (rc == -3) return fa_fail(ctx, FA_BAD, "path: reading '%s' failed (%s)", r->path, fa_errno_text(errno));
+  if (rc < 0) return fa_line_fail(ctx, r, rc);
   if (r->lineno == 0) return fa_fail(ctx, FA_BAD, "path: '%s' is empty (expected %s)", r->path, what);
   return fa_fail(ctx, FA_BAD, "path: '%s' is truncated after line %lld (expected %s)", r->path, (long long)r->lineno,
                  what);
@@ -292,6 +311,7 @@ static forkattn_status fa_load_body(forkattn_ctx *ctx, fa_reader *r, forkattn_re
   forkattn_reuse_profile *p = NULL;
   int64_t nbins, prev = -1;
   forkattn_status st = fa_load_header(ctx, r, &p, &nbins);
+  if (!st) r->max_line = FA_LINE_BIN(p->layers);
   for (int64_t i = 0; !st && i < nbins; i++) {
     char what[64];
     snprintf(what, sizeof what, "bin line %lld of %lld", (long long)i + 1, (long long)nbins);
@@ -302,10 +322,13 @@ static forkattn_status fa_load_body(forkattn_ctx *ctx, fa_reader *r, forkattn_re
     if (!t || strcmp(t, "end") || fa_token(r))
       st = FA_LOAD_FAIL(r, "expected 'end' after %lld bin lines", (long long)nbins);
   }
+  r->max_line = FA_LINE_SHORT;
+  const int64_t end_line = r->lineno;
   for (int rc; !st && (rc = fa_next_line(r)) != 0;) {
-    if (rc == -1) st = fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "path: out of memory reading '%s'", r->path);
-    else if (rc == -3) st = fa_fail(ctx, FA_BAD, "path: reading '%s' failed (%s)", r->path, fa_errno_text(errno));
-    else if (rc == -2 || fa_token(r)) st = FA_LOAD_FAIL(r, "unexpected content after 'end'");
+    if (rc == -2 || (rc == 1 && fa_token(r))) st = FA_LOAD_FAIL(r, "unexpected content after 'end'");
+    else if (rc < 0) st = fa_line_fail(ctx, r, rc);
+    else if (r->lineno - end_line > FA_TRAILING_LINES)
+      st = FA_LOAD_FAIL(r, "more than %d blank lines after 'end'", FA_TRAILING_LINES);
   }
   if (st) {
     forkattn_reuse_profile_free(p);
@@ -324,6 +347,7 @@ forkattn_status forkattn_reuse_profile_load(forkattn_ctx *ctx, const char *path,
   if (!path || !path[0]) return fa_fail(ctx, FA_BAD, "path: is NULL or empty");
   fa_reader r = {0};
   r.path = path;
+  r.max_line = FA_LINE_SHORT;
   if (!(r.f = fopen(path, "r")))
     return fa_fail(ctx, FA_BAD, "path: cannot open '%s' for reading (%s)", path, fa_errno_text(errno));
   forkattn_status st = fa_load_body(ctx, &r, profile);

@@ -178,8 +178,9 @@ forkattn_status forkattn_rows_mean(forkattn_ctx *ctx, const float *x, int64_t ro
   const float *hx = x, *hw = weights;
   float *buf = NULL;
   if (memory == FORKATTN_MEMORY_DEVICE && n > 0) { /* small: reduce on the host */
+    int64_t total;
     const int64_t nw = weights ? rows : 0;
-    buf = fa_malloc(sizeof(float) * (size_t)(n + nw));
+    buf = __builtin_add_overflow(n, nw, &total) ? NULL : fa_malloc_array(total, sizeof(float));
     if (!buf) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "rows_mean: cannot allocate a host copy");
     if ((st = forkattn_memcpy(ctx, buf, FORKATTN_MEMORY_HOST, x, memory, sizeof(float) * (size_t)n)) ||
         (weights && (st = forkattn_memcpy(ctx, buf + n, FORKATTN_MEMORY_HOST, weights, memory,

@@ -113,21 +113,21 @@ forkattn_status forkattn_tree_plan_batches(forkattn_ctx *ctx, const forkattn_tre
   if ((st = fa_check_cost_model(ctx, "plan_batches", model))) return st;
 
   const int64_t n = forest->num_nodes, *off = forest->node_offsets, *par = forest->parents;
-  const size_t N = (size_t)n;
   forkattn_batch_plan *pl = fa_calloc(1, sizeof *pl);
   if (!pl) goto oom_early;
   if (n == 0) {
     *plan = pl;
     return FORKATTN_OK;
   }
-  int64_t *tid = fa_malloc(sizeof(int64_t) * N), *tstart = fa_malloc(sizeof(int64_t) * (N + 1));
-  int64_t *tnodes = fa_malloc(sizeof(int64_t) * N), *trows = fa_malloc(sizeof(int64_t) * N);
-  int64_t *torder = fa_malloc(sizeof(int64_t) * N), *tbatch = fa_malloc(sizeof(int64_t) * N);
-  int64_t *g2l = fa_malloc(sizeof(int64_t) * N), *loc_off = fa_malloc(sizeof(int64_t) * (N + 1));
-  int64_t *loc_par = fa_malloc(sizeof(int64_t) * N), *prow = fa_malloc(sizeof(int64_t) * N);
-  int64_t *cwork = fa_malloc(sizeof(int64_t) * (size_t)FA_TREE_COUNT_WORK(n));
-  double *tcost = fa_malloc(sizeof(double) * N);
-  unsigned char *has_child = fa_calloc(N, 1);
+  /* n entries of the caller's arrays were read by the check: n + 1 and 4n fit int64 */
+  int64_t *tid = fa_malloc_array(n, sizeof(int64_t)), *tstart = fa_malloc_array(n + 1, sizeof(int64_t));
+  int64_t *tnodes = fa_malloc_array(n, sizeof(int64_t)), *trows = fa_malloc_array(n, sizeof(int64_t));
+  int64_t *torder = fa_malloc_array(n, sizeof(int64_t)), *tbatch = fa_malloc_array(n, sizeof(int64_t));
+  int64_t *g2l = fa_malloc_array(n, sizeof(int64_t)), *loc_off = fa_malloc_array(n + 1, sizeof(int64_t));
+  int64_t *loc_par = fa_malloc_array(n, sizeof(int64_t)), *prow = fa_malloc_array(n, sizeof(int64_t));
+  int64_t *cwork = fa_malloc_array(FA_TREE_COUNT_WORK(n), sizeof(int64_t));
+  double *tcost = fa_malloc_array(n, sizeof(double));
+  unsigned char *has_child = fa_calloc((size_t)n, 1);
   int64_t *seg = NULL, size = 1;
   if (!tid || !tstart || !tnodes || !trows || !torder || !tbatch || !g2l || !loc_off || !loc_par || !prow ||
       !cwork || !tcost || !has_child)
@@ -158,7 +158,7 @@ forkattn_status forkattn_tree_plan_batches(forkattn_ctx *ctx, const forkattn_tre
   const fa_by_cost by = {tcost};
   fa_sort_idx(torder, R, fa_costlier, &by);
   while (size < R) size *= 2;
-  if (!(seg = fa_malloc(sizeof *seg * (size_t)(2 * size)))) goto oom;
+  if (!(seg = fa_malloc_array(2 * size, sizeof *seg))) goto oom; /* size < 2R <= 2n */
   for (int64_t i = 0; i < 2 * size; i++) seg[i] = -1;
   int64_t nb = 0;
   for (int64_t k = 0; k < R; k++) { /* first fit, costliest first; oversized trees alone */

@@ -151,8 +151,12 @@ forkattn_status forkattn_tree_cost_model_calibrate(forkattn_ctx *ctx, int64_t he
   if (dtype != FORKATTN_DTYPE_F32 && dtype != FORKATTN_DTYPE_BF16 && dtype != FORKATTN_DTYPE_F16)
     return fa_fail(ctx, bad, "calibrate: dtype %d is not a forkattn_dtype", (int)dtype);
   if (!model) return fa_fail(ctx, bad, "calibrate: model is NULL");
+  int64_t width; /* heads_q x head_dim: one query row's elements */
+  if (__builtin_mul_overflow(heads_q, head_dim, &width))
+    return fa_fail(ctx, bad, "calibrate: heads_q %lld x head_dim %lld overflows int64", (long long)heads_q,
+                   (long long)head_dim);
 
-  const double f = fmin(4.0, fmax(1.0 / 16, 256.0 / (double)(heads_q * head_dim)));
+  const double f = fmin(4.0, fmax(1.0 / 16, 256.0 / (double)width));
   int64_t maxn = 0, maxrows = 0;
   for (int s = 0; s < FA_CAL_SHAPES; s++) {
     const int64_t n = fa_cal_shape((fa_shape_kind)s, f, NULL, NULL);
@@ -169,10 +173,19 @@ forkattn_status forkattn_tree_cost_model_calibrate(forkattn_ctx *ctx, int64_t he
     const int64_t n = fa_cal_shape((fa_shape_kind)s, f, off, par);
     maxrows = off[n] > maxrows ? off[n] : maxrows;
   }
-  /* q o dout dq: [T, hq, d]; k v dk dv: [T, hkv, d] */
-  const int64_t qe = maxrows * heads_q * head_dim, ke = maxrows * heads_kv * head_dim;
-  buf = fa_malloc(es * (size_t)(4 * qe + 4 * ke));
-  lse = fa_malloc(sizeof *lse * (size_t)(maxrows * heads_q));
+  /* q o dout dq: [T, hq, d]; k v dk dv: [T, hkv, d]. Huge heads make these sizes
+   * unrepresentable: that is a bad argument, not a failed allocation. */
+  int64_t qe, ke, lse_n, both;
+  size_t bytes;
+  if (__builtin_mul_overflow(maxrows, width, &qe) || __builtin_mul_overflow(maxrows, heads_kv * head_dim, &ke) ||
+      __builtin_mul_overflow(maxrows, heads_q, &lse_n) || __builtin_add_overflow(qe, ke, &both) ||
+      __builtin_mul_overflow((size_t)both, 4 * es, &bytes)) {
+    fa_free(off), fa_free(par), fa_free(work);
+    return fa_fail(ctx, bad, "calibrate: buffers of %lld rows x heads_q %lld x head_dim %lld overflow the address space",
+                   (long long)maxrows, (long long)heads_q, (long long)head_dim);
+  }
+  buf = fa_malloc(bytes);
+  lse = fa_malloc_array(lse_n, sizeof *lse);
   if (!buf || !lse) goto oom;
   char *p = buf;
   void *q = p, *o = p + es * (size_t)qe, *dout = p + 2 * es * (size_t)qe, *dq = p + 3 * es * (size_t)qe;
@@ -210,7 +223,7 @@ forkattn_status forkattn_tree_cost_model_calibrate(forkattn_ctx *ctx, int64_t he
     y[s] = fmax(t[1 + FA_CAL_REPS / 2], 1e-9);
     fa_tree_counts c;
     fa_tree_count(n, off, par, work, &c, NULL, NULL);
-    x[s][0] = (double)(heads_q * head_dim) * c.macs;
+    x[s][0] = (double)width * c.macs;
     x[s][1] = (double)heads_q * (double)c.rows;
     x[s][2] = (double)c.pairs;
   }

@@ -94,17 +94,17 @@ static void fa_pwork_free(fa_pwork *w) {
 static int fa_pwork_init(fa_pwork *w, const forkattn_tree_layout *t, int64_t K,
                          const forkattn_tree_cost_model *m) {
   const int64_t n = t->num_nodes;
-  const size_t N = (size_t)n;
   memset(w, 0, sizeof *w);
   w->n = n, w->K = K, w->off = t->node_offsets, w->par = t->parents;
-  w->c = fa_malloc(sizeof(double) * N), w->C = fa_malloc(sizeof(double) * N);
-  w->leaf = fa_malloc(sizeof(int64_t) * N), w->first_leaf = fa_malloc(sizeof(int64_t) * N);
-  w->PC = fa_malloc(sizeof(double) * (N + 1)), w->PS = fa_malloc(sizeof(double) * (N + 1));
-  w->list = fa_malloc(sizeof(int64_t) * N), w->mark = fa_malloc(sizeof(int64_t) * N);
-  w->g2l = fa_malloc(sizeof(int64_t) * N), w->loc_off = fa_malloc(sizeof(int64_t) * (N + 1));
-  w->loc_par = fa_malloc(sizeof(int64_t) * N), w->order = fa_malloc(sizeof(int64_t) * N);
-  w->cwork = fa_malloc(sizeof(int64_t) * (size_t)FA_TREE_COUNT_WORK(n));
-  w->load = fa_malloc(sizeof(double) * (size_t)K);
+  /* n entries of the caller's arrays were read by the check: n + 1 and 4n fit int64 */
+  w->c = fa_malloc_array(n, sizeof(double)), w->C = fa_malloc_array(n, sizeof(double));
+  w->leaf = fa_malloc_array(n, sizeof(int64_t)), w->first_leaf = fa_malloc_array(n, sizeof(int64_t));
+  w->PC = fa_malloc_array(n + 1, sizeof(double)), w->PS = fa_malloc_array(n + 1, sizeof(double));
+  w->list = fa_malloc_array(n, sizeof(int64_t)), w->mark = fa_malloc_array(n, sizeof(int64_t));
+  w->g2l = fa_malloc_array(n, sizeof(int64_t)), w->loc_off = fa_malloc_array(n + 1, sizeof(int64_t));
+  w->loc_par = fa_malloc_array(n, sizeof(int64_t)), w->order = fa_malloc_array(n, sizeof(int64_t));
+  w->cwork = fa_malloc_array(FA_TREE_COUNT_WORK(n), sizeof(int64_t));
+  w->load = fa_malloc_array(K, sizeof(double));
   if (!w->c || !w->C || !w->leaf || !w->first_leaf || !w->PC || !w->PS || !w->list || !w->mark ||
       !w->g2l || !w->loc_off || !w->loc_par || !w->order || !w->cwork || !w->load)
     return -1;
@@ -235,27 +235,28 @@ forkattn_status forkattn_tree_partition(forkattn_ctx *ctx, const forkattn_tree_l
     *partition = pt;
     return FORKATTN_OK;
   }
-  pstart = fa_malloc(sizeof *pstart * (size_t)(K + 1));
-  cost = fa_malloc(sizeof *cost * (size_t)K);
+  /* K is the caller's number: K + 1 and the byte counts are checked */
+  pstart = K < INT64_MAX ? fa_malloc_array(K + 1, sizeof *pstart) : NULL;
+  cost = fa_malloc_array(K, sizeof *cost);
   if (!pstart || !cost || fa_pwork_init(&w, tree, K, model)) goto oom;
-  best = fa_malloc(sizeof *best * (size_t)w.L);
-  cand = fa_malloc(sizeof *cand * (size_t)w.L);
+  best = fa_malloc_array(w.L, sizeof *best);
+  cand = fa_malloc_array(w.L, sizeof *cand);
   if (!best || !cand) goto oom;
 
   if (K >= w.L) { /* a leaf per part: the largest part is the costliest path, a lower bound */
     for (int64_t j = 0; j < w.L; j++) best[j] = j;
   } else {
-    rg.l = fa_malloc(sizeof *rg.l * (size_t)K);
-    rg.r = fa_malloc(sizeof *rg.r * (size_t)K);
-    rg.heap = fa_malloc(sizeof *rg.heap * (size_t)K);
+    rg.l = fa_malloc_array(K, sizeof *rg.l);
+    rg.r = fa_malloc_array(K, sizeof *rg.r);
+    rg.heap = fa_malloc_array(K, sizeof *rg.heap);
     if (!rg.l || !rg.r || !rg.heap) goto oom;
     fa_contiguous(&w, &rg, best);
   }
   if (K > 1 && w.L > K && K <= FA_CNT_CAP / n) {
     fa_score bs = fa_exact_score(&w, best, pstart, cost, model);
-    w.cnt = fa_malloc(sizeof *w.cnt * (size_t)(K * n));
-    w.mark_a = fa_malloc(sizeof *w.mark_a * (size_t)n);
-    w.mark_b = fa_malloc(sizeof *w.mark_b * (size_t)n);
+    w.cnt = fa_malloc_array(K * n, sizeof *w.cnt); /* K * n <= FA_CNT_CAP */
+    w.mark_a = fa_malloc_array(n, sizeof *w.mark_a);
+    w.mark_b = fa_malloc_array(n, sizeof *w.mark_b);
     if (!w.cnt || !w.mark_a || !w.mark_b) goto oom;
     for (int64_t i = 0; i < n; i++) w.mark_a[i] = w.mark_b[i] = -1;
     memcpy(cand, best, sizeof *cand * (size_t)w.L); /* (a) + (c) */

@@ -28,8 +28,8 @@ int fa_subforest_build(fa_subforest *s, const int64_t *off, const int64_t *par, 
                        int64_t count, int64_t *g2l) {
   memset(s, 0, sizeof *s);
   if (count == 0) return 0;
-  s->off = fa_malloc(sizeof *s->off * (size_t)(count + 1));
-  s->par = fa_malloc(sizeof *s->par * (size_t)count);
+  s->off = fa_malloc_array(count + 1, sizeof *s->off);
+  s->par = fa_malloc_array(count, sizeof *s->par);
   if (!s->off || !s->par) {
     fa_subforest_free(s);
     return -1;
@@ -38,7 +38,9 @@ int fa_subforest_build(fa_subforest *s, const int64_t *off, const int64_t *par, 
   s->n = count;
   s->rows = s->off[count];
   if (s->rows == 0) return 0;
-  s->row_map = fa_malloc(sizeof *s->row_map * (size_t)s->rows);
+  /* rows come from node_offsets values, not from arrays of that size: 2^61 rows
+   * must fail to allocate, not wrap to a tiny map */
+  s->row_map = fa_malloc_array(s->rows, sizeof *s->row_map);
   if (!s->row_map) {
     fa_subforest_free(s);
     return -1;

@@ -128,7 +128,8 @@ int fa_stage_tensor(fa_stage *s, const forkattn_tensor *t, int copy, fa_dev_tens
     out->hs = t->head_stride;
     return 0;
   }
-  size_t bytes = (size_t)(t->rows * t->heads * t->head_dim) * fa_esize(t->dtype);
+  size_t bytes; /* the element count fits int64 (t was validated), its bytes need not fit size_t */
+  if (__builtin_mul_overflow((size_t)(t->rows * t->heads * t->head_dim), fa_esize(t->dtype), &bytes)) return -1;
   out->rs = t->heads * t->head_dim;
   out->hs = t->head_dim;
   out->data = fa_stage_scratch(s, bytes);
@@ -157,7 +158,9 @@ int fa_stage_tensor_back(fa_stage *s, const forkattn_tensor *t, const fa_dev_ten
 
 float *fa_stage_floats(fa_stage *s, float *p, size_t n, int copy) {
   if (!s->host) return p;
-  float *d = fa_stage_scratch(s, n * sizeof(float));
+  size_t bytes;
+  if (__builtin_mul_overflow(n, sizeof(float), &bytes)) return NULL;
+  float *d = fa_stage_scratch(s, bytes);
   if (d && copy && fa_put(s, d, p, n * sizeof(float))) return NULL;
   return d;
 }

@@ -11,11 +11,14 @@
  * (FORKATTN_TEST_SEED reproduces them); tolerances: f32 1e-5 relative (same
  * math, different key tiling), bf16 1e-2 (one bf16 rounding of outputs).
  */
+#define _DEFAULT_SOURCE /* mmap MAP_ANONYMOUS */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "reference.h"
 #include "test_common.h"
@@ -265,5 +268,53 @@ Test(path_stack, misuse_gets_clear_errors) {
   cr_expect_eq(forkattn_path_push(NULL, &tk, &tk), FORKATTN_ERR_INVALID_ARGUMENT);
   forkattn_path_destroy(path);
   forkattn_path_destroy(NULL);
+  forkattn_ctx_destroy(ctx);
+}
+
+/* A node descriptor claiming 2^61+1 or 2^62+1 rows (or enough to overflow the
+ * stack's byte count) must be refused while the stack grows, before push reads
+ * a byte of it: its data is an inaccessible page, so any read crashes the test,
+ * and a capacity loop that never ends times it out. The stack stays usable. */
+Test(path_stack, huge_nodes_are_refused_before_any_read, .timeout = 20) {
+  forkattn_ctx *ctx = tc_ctx_default("path/huge");
+  cr_assert(ctx);
+  const long page = sysconf(_SC_PAGESIZE);
+  void *noread = mmap(NULL, (size_t)page, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  cr_assert(noread != MAP_FAILED);
+  const struct {
+    int64_t rows, hkv, d;
+    forkattn_dtype dt;
+  } cases[] = {
+      {((int64_t)1 << 61) + 1, 1, 1, F32},  /* byte count wraps to 0 at the doubled capacity */
+      {((int64_t)1 << 62) + 1, 1, 1, F32},  /* doubling the capacity overflows int64 */
+      {INT64_MAX, 1, 1, BF16},
+      {((int64_t)1 << 52) + 1, 4, 64, F32}, /* rows x width fits int64, the bytes do not fit size_t */
+  };
+  float kv[2 * 4 * 64] = {0};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    forkattn_path *path = NULL;
+    cr_assert_eq(forkattn_path_create(ctx, cases[i].dt, cases[i].hkv, cases[i].hkv, cases[i].d, &path), FORKATTN_OK);
+    for (int pre = 0; pre < 2; pre++) { /* on an empty stack, then on top of a small node */
+      forkattn_tensor huge = forkattn_tensor_contiguous(noread, cases[i].dt, cases[i].rows, cases[i].hkv, cases[i].d);
+      if (huge.row_stride == 0) continue; /* the descriptor itself overflows: not this test's case */
+      const forkattn_status st = forkattn_path_push(path, &huge, &huge);
+      cr_expect(st == FORKATTN_ERR_INVALID_ARGUMENT || st == FORKATTN_ERR_OUT_OF_MEMORY,
+                "case %zu (pre %d): push of %lld rows gave %s", i, pre, (long long)cases[i].rows,
+                forkattn_status_string(st));
+      cr_expect(forkattn_ctx_last_error(ctx)[0], "case %zu: refused without a message", i);
+      cr_expect_eq(forkattn_path_depth(path), pre, "case %zu: a refused push changed the depth", i);
+      cr_expect_eq(forkattn_path_rows(path), 2 * pre, "case %zu: a refused push changed the rows", i);
+      forkattn_tensor small = forkattn_tensor_contiguous(kv, cases[i].dt, 2, cases[i].hkv, cases[i].d);
+      cr_expect_eq(forkattn_path_push(path, &small, &small), FORKATTN_OK, "case %zu: %s", i,
+                   forkattn_ctx_last_error(ctx));
+    }
+    forkattn_path_destroy(path);
+  }
+  /* heads_q x head_dim must fit int64 for the query and stack rows to be addressable */
+  forkattn_path *path = (forkattn_path *)0x1;
+  cr_expect_eq(forkattn_path_create(ctx, F32, (int64_t)1 << 60, (int64_t)1 << 60, 256, &path),
+               FORKATTN_ERR_INVALID_ARGUMENT);
+  cr_expect_null(path);
+  munmap(noread, (size_t)page);
   forkattn_ctx_destroy(ctx);
 }

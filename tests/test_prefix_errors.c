@@ -8,12 +8,16 @@
  * buffers (outputs and inputs, guards included) byte-for-byte unchanged.
  */
 #define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE /* MAP_ANONYMOUS */
 #include <criterion/criterion.h>
+#include <limits.h>
 #include <ctype.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "reference.h"
 #include "test_common.h"
@@ -353,6 +357,44 @@ Test(args, size_overflow) {
                WORDS("overflow", "rows", "offset", "prompt", "large"));
 }
 
+/* An absurd GQA group (2^62 query heads on one KV head, one row, head_dim 1:
+ * the descriptors' extents fit int64) makes the CPU kernels' tile sizes
+ * (group x query block x ...) overflow int64. The call must be refused with a
+ * status before any byte of the tensors is read: they lie on inaccessible
+ * pages, so a read crashes the test. */
+Test(sizes, absurd_gqa_group_is_refused_before_any_read, .timeout = 30) {
+  forkattn_ctx_options opt;
+  forkattn_ctx_options_init(&opt);
+  opt.backend = FORKATTN_BACKEND_CPU;
+  opt.threads = 1;
+  forkattn_ctx *ctx = NULL;
+  cr_assert_eq(forkattn_ctx_create(&ctx, &opt), FORKATTN_OK);
+  const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  char *none = mmap(NULL, 12 * page, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  cr_assert(none != MAP_FAILED);
+  const int64_t hq = (int64_t)1 << 62;
+  const forkattn_dtype F = FORKATTN_DTYPE_F32;
+  forkattn_tensor q = forkattn_tensor_contiguous(none, F, 1, hq, 1), o = forkattn_tensor_contiguous(none + page, F, 1, hq, 1);
+  forkattn_tensor k = forkattn_tensor_contiguous(none + 2 * page, F, 1, 1, 1);
+  forkattn_tensor v = forkattn_tensor_contiguous(none + 3 * page, F, 1, 1, 1);
+  forkattn_tensor dout = forkattn_tensor_contiguous(none + 4 * page, F, 1, hq, 1);
+  forkattn_tensor dq = forkattn_tensor_contiguous(none + 5 * page, F, 1, hq, 1);
+  forkattn_tensor dk = forkattn_tensor_contiguous(none + 6 * page, F, 1, 1, 1);
+  forkattn_tensor dv = forkattn_tensor_contiguous(none + 7 * page, F, 1, 1, 1);
+  float *lse = (float *)(void *)(none + 8 * page);
+  forkattn_prefix_layout lay = {1, 0, NULL, FORKATTN_MASK_CAUSAL};
+  forkattn_status st = forkattn_prefix_fwd(ctx, &lay, &q, &k, &v, &o, lse, 1.0f, FORKATTN_MEMORY_HOST);
+  cr_expect(st == FORKATTN_ERR_OUT_OF_MEMORY || st == FORKATTN_ERR_INVALID_ARGUMENT, "fwd: %s",
+            forkattn_status_string(st));
+  cr_expect(forkattn_ctx_last_error(ctx)[0], "fwd refused without a message");
+  st = forkattn_prefix_bwd(ctx, &lay, &q, &k, &v, &o, &dout, lse, &dq, &dk, &dv, 1.0f, FORKATTN_MEMORY_HOST);
+  cr_expect(st == FORKATTN_ERR_OUT_OF_MEMORY || st == FORKATTN_ERR_INVALID_ARGUMENT, "bwd: %s",
+            forkattn_status_string(st));
+  cr_expect(forkattn_ctx_last_error(ctx)[0], "bwd refused without a message");
+  munmap(none, 12 * page);
+  forkattn_ctx_destroy(ctx);
+}
+
 Test(args, bad_offsets) {
   forkattn_prefix_layout lay = fx.lay;
   const int64_t decreasing[3] = {0, 4, 3};
@@ -678,6 +720,54 @@ Test(context, bad_create_arguments) {
   cr_expect_null(ctx);
   if (st == FORKATTN_OK)
     forkattn_ctx_destroy(ctx);
+}
+
+/* Every CPU call opens an OpenMP team of forkattn_ctx_threads() threads, and the
+ * OpenMP runtime ends the process when it cannot allocate or start one (INT_MAX
+ * threads: libgomp "Out of memory allocating 481036338272 bytes", then exit;
+ * 100000000: SIGSEGV inside libgomp). Such counts must be refused at create
+ * time with a message naming the limit; the limit itself must work. */
+Test(context, absurd_thread_counts_are_refused, .timeout = 60) {
+  unsetenv("FORKATTN_BACKEND");
+  const int limit = forkattn_max_threads();
+  cr_assert_geq(limit, 64, "forkattn_max_threads() = %d", limit);
+  char want[32];
+  snprintf(want, sizeof want, "limit %d", limit);
+  const int bad[] = {INT_MAX, 100000000, limit + 1, limit > 2000 ? limit + 2000 : 2000};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    forkattn_ctx_options opt;
+    forkattn_ctx_options_init(&opt);
+    opt.backend = FORKATTN_BACKEND_CPU;
+    opt.threads = bad[i];
+    forkattn_ctx *ctx = (forkattn_ctx *)(uintptr_t)1;
+    const forkattn_status st = forkattn_ctx_create(&ctx, &opt);
+    cr_expect_eq(st, FORKATTN_ERR_INVALID_ARGUMENT, "threads = %d: %s", bad[i], forkattn_status_string(st));
+    cr_expect_null(ctx, "threads = %d: *ctx not NULL", bad[i]);
+    cr_expect(strstr(forkattn_ctx_create_error(), want), "threads = %d: message '%s' does not name the %s",
+              bad[i], forkattn_ctx_create_error(), want);
+    if (st == FORKATTN_OK) forkattn_ctx_destroy(ctx); /* never call into it: the runtime may abort */
+  }
+  /* the limit is accepted and a call on it runs */
+  forkattn_ctx_options opt;
+  forkattn_ctx_options_init(&opt);
+  opt.backend = FORKATTN_BACKEND_CPU;
+  opt.threads = limit;
+  forkattn_ctx *ctx = NULL;
+  cr_assert_eq(forkattn_ctx_create(&ctx, &opt), FORKATTN_OK, "threads = limit %d: %s", limit,
+               forkattn_ctx_create_error());
+  cr_expect_eq(forkattn_ctx_threads(ctx), limit);
+  float q[2 * 4] = {0.1f, 0.2f, 0.3f, 0.4f, 0.5f, 0.6f, 0.7f, 0.8f}, k[2 * 4] = {1, 0, 0, 0, 0, 1, 0, 0};
+  float v[2 * 4] = {1, 2, 3, 4, 5, 6, 7, 8}, o[2 * 4] = {0}, lse[2];
+  forkattn_prefix_layout lay = {2, 0, NULL, FORKATTN_MASK_CAUSAL};
+  forkattn_tensor tq = forkattn_tensor_contiguous(q, FORKATTN_DTYPE_F32, 2, 1, 4);
+  forkattn_tensor tk = forkattn_tensor_contiguous(k, FORKATTN_DTYPE_F32, 2, 1, 4);
+  forkattn_tensor tv = forkattn_tensor_contiguous(v, FORKATTN_DTYPE_F32, 2, 1, 4);
+  forkattn_tensor to = forkattn_tensor_contiguous(o, FORKATTN_DTYPE_F32, 2, 1, 4);
+  cr_expect_eq(forkattn_prefix_fwd(ctx, &lay, &tq, &tk, &tv, &to, lse, 0.5f, FORKATTN_MEMORY_HOST), FORKATTN_OK,
+               "%s", forkattn_ctx_last_error(ctx));
+  for (int c = 0; c < 4; c++) /* row 0 sees key 0 only */
+    cr_expect_float_eq(o[c], v[c], 1e-6f, "o[0,%d] = %g", c, (double)o[c]);
+  forkattn_ctx_destroy(ctx);
 }
 
 Test(context, options_and_threads) {

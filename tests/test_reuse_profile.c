@@ -843,6 +843,64 @@ Test(profile, malformed_files) {
   forkattn_ctx_destroy(ctx);
 }
 
+/* Reading is bounded: an overlong line, an endless stream (/dev/zero: NUL bytes,
+ * never a newline) or endless blank lines after "end" are refused after a
+ * bounded read instead of buffering until memory runs out; the bounds leave
+ * room for every file save() writes. */
+Test(profile, bounded_reading, .timeout = 30) {
+  forkattn_ctx *ctx = tc_ctx_default("profile/bounded");
+  cr_assert_not_null(ctx);
+  tmpdir td;
+  tmp_open(&td);
+  const char *P = td.path;
+  const size_t big = (size_t)4 << 20;
+  char *text = malloc(big + 256);
+  cr_assert_not_null(text);
+  /* an overlong first line (a header line holds at most 256 bytes) */
+  memset(text, 'x', big);
+  expect_refused(ctx, P, text, big, "line 1: is longer than 256 bytes");
+  /* a bin line with far too many means: 2 layers allow 64 + 40 x 2 bytes */
+  const char *head = "forkattn-reuse-profile 1\nlayers 2\nthreshold 0.5\nbins 1\n3 4";
+  size_t n = strlen(head);
+  memcpy(text, head, n);
+  while (n < big) memcpy(text + n, " 0.5", 4), n += 4;
+  memcpy(text + n, "\nend\n", 5);
+  expect_refused(ctx, P, text, n + 5, "line 5: is longer than 144 bytes");
+  /* an endless stream of NUL bytes */
+  forkattn_reuse_profile *p = (forkattn_reuse_profile *)(void *)&p;
+  if (access("/dev/zero", R_OK) == 0) {
+    cr_expect_eq(forkattn_reuse_profile_load(ctx, "/dev/zero", &p), FORKATTN_ERR_INVALID_ARGUMENT, "%s",
+                 forkattn_ctx_last_error(ctx));
+    cr_expect_null(p);
+    cr_expect(strstr(forkattn_ctx_last_error(ctx), "line 1: contains a NUL byte"), "%s", forkattn_ctx_last_error(ctx));
+  }
+  /* blank lines after "end": 1024 are fine, 1025 are not */
+  const char *small = "forkattn-reuse-profile 1\nlayers 1\nthreshold 0.5\nbins 0\nend\n";
+  n = strlen(small);
+  memcpy(text, small, n);
+  memset(text + n, '\n', 1025);
+  expect_refused(ctx, P, text, n + 1025, "line 1030: more than 1024 blank lines after 'end'");
+  spit(P, text, n + 1024);
+  p = NULL;
+  cr_expect_eq(forkattn_reuse_profile_load(ctx, P, &p), FORKATTN_OK, "%s", forkattn_ctx_last_error(ctx));
+  forkattn_reuse_profile_free(p);
+  /* the longest means save() writes (%.17g of a tiny negative float: 23 characters) still load */
+  const int64_t L = 3000;
+  float *sim = malloc(sizeof *sim * (size_t)L);
+  cr_assert_not_null(sim);
+  for (int64_t l = 0; l < L; l++) sim[l] = -1.17549435e-38f * (float)(1 + l % 7);
+  forkattn_reuse_profile *w = new_profile(ctx, L, 0.5f), *q = NULL;
+  for (int b = 0; b < 101; b++) cr_assert_eq(forkattn_reuse_profile_add(ctx, w, b / 100.0, sim), FORKATTN_OK);
+  cr_assert_eq(forkattn_reuse_profile_save(ctx, w, P), FORKATTN_OK, "%s", forkattn_ctx_last_error(ctx));
+  cr_expect_eq(forkattn_reuse_profile_load(ctx, P, &q), FORKATTN_OK, "%s", forkattn_ctx_last_error(ctx));
+  forkattn_reuse_profile_free(q);
+  forkattn_reuse_profile_free(w);
+  free(sim);
+  free(text);
+  tmp_close(&td);
+  forkattn_ctx_destroy(ctx);
+}
+
 Test(profile, bad_arguments) {
   forkattn_ctx *ctx = tc_ctx_default("profile/bad_arguments");
   cr_assert_not_null(ctx);

@@ -779,6 +779,37 @@ Test(calibrate, fitted_model_predicts_a_random_trie, .timeout = 120) {
   forkattn_ctx_destroy(ctx);
 }
 
+/* ---- sizes from node_offsets ---------------------------------------------------- */
+
+/* A layout's row count comes from node_offsets values, not from arrays of that
+ * size: a 2-node tree may claim 2^61 rows. Partitioning and batch planning
+ * build per-part row maps of that many entries; the byte count must be
+ * refused, not wrap to a tiny map the planner then fills past its end. */
+Test(sizes, huge_row_counts_are_refused_not_wrapped, .timeout = 20) {
+  forkattn_ctx *ctx = tc_ctx_default("sizes/huge_rows");
+  const int64_t huge[] = {((int64_t)1 << 61) + 1, ((int64_t)1 << 62) + 1, INT64_MAX};
+  for (int i = 0; i < 3; i++) {
+    const int64_t off[3] = {0, 3, huge[i]}, par[2] = {-1, 0};
+    const forkattn_tree_layout t = {2, off, par};
+    forkattn_partition *pt = (forkattn_partition *)(uintptr_t)1;
+    forkattn_status st = forkattn_tree_partition(ctx, &t, 2, &tp_model, &pt);
+    cr_expect(st == FORKATTN_ERR_OUT_OF_MEMORY || st == FORKATTN_ERR_INVALID_ARGUMENT,
+              "partition of %lld rows: %s", (long long)huge[i], forkattn_status_string(st));
+    cr_expect_null(pt);
+    cr_expect(forkattn_ctx_last_error(ctx)[0], "partition refused without a message");
+    forkattn_batch_plan *bp = (forkattn_batch_plan *)(uintptr_t)1;
+    st = forkattn_tree_plan_batches(ctx, &t, 8, &tp_model, &bp);
+    cr_expect(st == FORKATTN_ERR_OUT_OF_MEMORY || st == FORKATTN_ERR_INVALID_ARGUMENT,
+              "plan_batches of %lld rows: %s", (long long)huge[i], forkattn_status_string(st));
+    cr_expect_null(bp);
+    double sec = -1;
+    cr_expect_eq(forkattn_tree_cost(ctx, &t, &tp_model, &sec), FORKATTN_OK, "tree_cost allocates per node only: %s",
+                 forkattn_ctx_last_error(ctx));
+    cr_expect(sec > 0);
+  }
+  forkattn_ctx_destroy(ctx);
+}
+
 /* ---- argument errors ---------------------------------------------------------- */
 
 static void tp_expect_bad(forkattn_status st, forkattn_ctx *ctx, const char *needle) {
@@ -858,6 +889,13 @@ Test(errors, every_argument_is_checked) {
   tp_expect_bad(forkattn_tree_cost_model_calibrate(ctx, 4, 2, 257, F32, &cm), ctx, "head_dim 257");
   tp_expect_bad(forkattn_tree_cost_model_calibrate(ctx, 4, 2, 64, (forkattn_dtype)9, &cm), ctx, "dtype");
   tp_expect_bad(forkattn_tree_cost_model_calibrate(ctx, 4, 2, 64, F32, NULL), ctx, "model");
+  /* sizes that cannot be represented are bad arguments, not failed allocations:
+   * heads_q x head_dim overflows int64, or the timing buffers overflow size_t */
+  tp_expect_bad(forkattn_tree_cost_model_calibrate(ctx, (int64_t)1 << 55, 1, 256, F32, &cm), ctx, "overflows");
+  tp_expect_bad(forkattn_tree_cost_model_calibrate(ctx, INT64_MAX, 1, 256, FORKATTN_DTYPE_BF16, &cm), ctx, "overflows");
+  tp_expect_bad(forkattn_tree_cost_model_calibrate(ctx, (int64_t)1 << 50, (int64_t)1 << 50, 64, F32, &cm), ctx,
+                "overflow");
+  tp_expect_bad(forkattn_tree_cost_model_calibrate(ctx, (int64_t)1 << 56, 1, 1, F32, &cm), ctx, "overflow");
   cr_assert(cm.heads_q == 7 && cm.sec_per_mac == 7, "model untouched on error");
   /* accessors tolerate NULL and bad indices */
   cr_assert_eq(forkattn_partition_num_parts(NULL), 0);

@@ -4,7 +4,7 @@
  *  - forkattn_ctx_create() with fuzzed options (backend, device, threads,
  *    bind_threads, verbose) and a fuzzed FORKATTN_BACKEND environment value
  *    (printable), NULL options and a NULL ctx pointer; status against the
- *    header's rules, *ctx NULL and forkattn_ctx_create_error() non-empty on
+ *    header's rules (threads above forkattn_max_threads() refused), *ctx NULL and forkattn_ctx_create_error() non-empty on
  *    failure, the context's getters on success, optionally a tiny forward on
  *    it; then forkattn_ctx_destroy().
  *  - forkattn_status_string() / forkattn_backend_name() on arbitrary ints.
@@ -113,7 +113,7 @@ static void fuzz_create(fz_reader *r) {
   int want_bad = ctxp_null ||
                  (eff.backend != FORKATTN_BACKEND_AUTO && eff.backend != FORKATTN_BACKEND_CPU &&
                   eff.backend != FORKATTN_BACKEND_GPU) ||
-                 eff.threads < 0 || eff.device < 0;
+                 eff.threads < 0 || eff.threads > forkattn_max_threads() || eff.device < 0;
   int eb = env_backend(flags & 4 ? env : NULL), backend = (int)eff.backend;
   if (eb == -2) want_bad = 1;
   if (eb >= 0) backend = eb;

@@ -191,6 +191,11 @@ def ctx_seeds():
     write(t, "seed-bad-backend", ctx(backend=0xC0))
     write(t, "seed-bad-threads-negative", ctx(threads=0xE7))
     write(t, "seed-bad-device-int-min", ctx(device=0xC0 + X_I32MIN))
+    # threads above forkattn_max_threads(): refused at create time (the OpenMP runtime would abort the
+    # process at the first call: INT_MAX asks libgomp for ~480 GB, 10^8 crashes inside it)
+    write(t, "seed-bad-threads-int-max", ctx(flags=8, backend=0x81, threads=0xC0 + X_I32MAX))
+    write(t, "seed-bad-threads-1e8", ctx(flags=8, backend=0x81, threads=0xF0)[:4] + list(struct.pack("<q", 100000000))
+          + [0] * 16)
     write(t, "seed-options-null", ctx(flags=1))
     write(t, "seed-ctx-pointer-null", ctx(flags=2))
     write(t, "seed-names-extremes", ctx(names=(0xC4, 0xC5, 0xE7, 0xC8, 0x08, 0x04)))
@@ -439,12 +444,51 @@ def kept_kl_seeds():
                                                    tau=0xE9))
 
 
+# ---- fuzz_reuse_profile -----------------------------------------------------
+# The input is the profile file itself.
+PROFILE_HEAD = "forkattn-reuse-profile 1\nlayers {}\nthreshold {}\nbins {}\n"
+
+
+def profile(layers, threshold, bins, tail="end\n"):
+    text = PROFILE_HEAD.format(layers, threshold, len(bins))
+    for b, count, means in bins:
+        text += "{} {} {}\n".format(b, count, " ".join(means))
+    return text + tail
+
+
+def reuse_profile_seeds():
+    t = "fuzz_reuse_profile"
+    w = lambda name, text: write(t, name, text.encode("latin-1"))
+    w("seed-empty", "")
+    w("seed-two-bins", profile(2, "0.949999988", [(50, 2, ["0.875", "0.125"]), (100, 1, ["1", "0.5"])]))
+    w("seed-no-bins", profile(3, "1", []))
+    w("seed-crlf-spaces-blank-tail",
+      profile(2, "5e-1", [(3, 4, ["0.9", "0.1"])], "end\n\n \n").replace("\n", "\r\n").replace("layers", "layers\t"))
+    w("seed-no-final-newline", profile(1, "0.5", [(0, 1, ["-1"])], "end"))
+    w("seed-exact-means", profile(3, "0.899999976", [
+        (0, 7, ["0.99999999999999989", "-1.1754943508222875e-38", "0.33333333333333331"]),
+        (37, 123456789, ["0.5", "0.94999998807907104", "-0.25"]),
+        (100, 9223372036854775807, ["1", "1", "1"])]))
+    w("seed-all-bins", profile(1, "0.5", [(b, 1 + b, ["{:.3f}".format(1 - b / 100.0)]) for b in range(101)]))
+    w("seed-depth-not-monotone", profile(2, "0.5", [(10, 1, ["1", "1"]), (20, 1, ["0.1", "0.1"]), (30, 1, ["1", "0.2"])]))
+    w("seed-bad-truncated", profile(2, "0.5", [(3, 4, ["0.9", "0.1"])], ""))
+    w("seed-bad-nan", profile(2, "0.5", [(3, 4, ["nan", "0.1"])]))
+    w("seed-bad-extra-mean", profile(2, "0.5", [(3, 4, ["0.9", "0.1", "0.2"])]))
+    w("seed-bad-order", profile(2, "0.5", [(5, 1, ["0.9", "0.1"]), (4, 1, ["0.9", "0.1"])]))
+    w("seed-bad-version", "forkattn-reuse-profile 2\nlayers 2\n")
+    w("seed-bad-layers", "forkattn-reuse-profile 1\nlayers 65537\n")
+    w("seed-bad-nul", "forkattn-reuse-profile 1\nlayers 2\nthr\0shold 0.5\n")
+    w("seed-bad-long-line", "forkattn-reuse-profile 1\nlayers " + "1" * 300 + "\n")
+    w("seed-bad-content-after-end", profile(1, "0.5", [], "end\nmore\n"))
+
+
 def main():
     prefix_seeds()
     tensor_seeds()
     ctx_seeds()
     trie_seeds()
     kept_kl_seeds()
+    reuse_profile_seeds()
 
 
 if __name__ == "__main__":

@@ -336,7 +336,7 @@ def _check_kl_inputs(q_t, k_t, q_s, k_s):
 
 def _f32(x, shape, name):
     if x.dtype != torch.float32 or tuple(x.shape) != tuple(shape):
-        raise ValueError("forkattn: %s must be float32 %s, got %s %s" % (name, tuple(shape), x.dtype, tuple(x.shape)))
+        raise _invalid("%s must be float32 %s, got %s %s" % (name, tuple(shape), x.dtype, tuple(x.shape)))
     return x.contiguous()
 
 

@@ -25,7 +25,6 @@ a library without the block-causal functions fails so only when ``block_size`` i
 from __future__ import annotations
 
 import ctypes
-import math
 import operator
 import sys
 import threading
@@ -423,7 +422,7 @@ def prefix_cached_attention(q, k, v, layout, *, scale=None, causal=False, return
 
 
 def _np_scale(q, scale):
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return _lib.softmax_scale(q.shape[-1], scale)
 
 
 def _np_block(block_size, causal):

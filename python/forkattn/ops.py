@@ -21,7 +21,7 @@ from typing import Tuple
 import torch
 
 from . import _lib
-from .layouts import SharedPrefixLayout, TreeLayout
+from .layouts import SharedPrefixLayout, TreeLayout, _as_i64
 
 __all__ = [
     "prefix_attention",
@@ -104,7 +104,7 @@ def _ints(t, name):
 
 def _host_i64(t):
     """A CPU contiguous int64 copy/view of a 1-D integer tensor (for host pointers)."""
-    return t.detach().reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
+    return _as_i64(t.detach().reshape(-1).to(device="cpu"), "index tensor").contiguous()
 
 
 def _new_outputs(q):

@@ -362,7 +362,9 @@ def _i64_host(x, name):
         t = _torch()
         if x.is_floating_point() or x.is_complex() or x.dtype == t.bool:
             raise TypeError("forkattn: %s must hold integers, got %s" % (name, x.dtype))
-        a = x.detach().reshape(-1).to(device="cpu", dtype=t.int64).contiguous()
+        from .layouts import _as_i64
+
+        a = _as_i64(x.detach().reshape(-1).to(device="cpu"), name).contiguous()
         return a, (a.data_ptr(), a.numel())
     import numpy as np
 

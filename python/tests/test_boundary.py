@@ -390,12 +390,29 @@ def _kl_pair():
                         {"scale_teacher": 0.5}, {"scale_student": 0.5}, {"kept": None}, {"layout": T2}]
 
 
-@pytest.mark.parametrize("pair", ["prefix", "tree", "varlen", "kept", "stream_kl"])
+def _cached_pair():
+    from forkattn import dlm_cache
+
+    q, k, v = _a(5), _a(9, seed=1), _a(9, seed=2)
+    out, lse = dlm_cache.prefix_cached_attention_numpy(q, k, v, 4, [3, 2], block_size=2, return_lse=True)
+
+    def bwd(**ch):
+        args = dict(prompt_len=4, response_lens=[3, 2], block_size=2)
+        args.update(ch)
+        return dlm_cache.prefix_cached_attention_backward_numpy(out, q, k, v, out, lse, args.pop("prompt_len"),
+                                                                args.pop("response_lens"), **args)
+    return lse, bwd, [{"block_size": None}, {"block_size": None, "causal": True}, {"scale": 0.2},
+                      {"response_lens": [2, 3]}]
+
+
+@pytest.mark.parametrize("pair", ["prefix", "tree", "varlen", "kept", "stream_kl", "prefix_cached"])
 def test_numpy_backward_settings_must_match_forward(pair):
     if pair in ("kept", "stream_kl") and not _has("forkattn_kl_fwd"):
         pytest.skip("the loaded libforkattn has no StreamKL / kept sets")
+    if pair == "prefix_cached" and not _has("forkattn_prefix_cached_fwd"):
+        pytest.skip("the loaded libforkattn has no cached-prefix attention")
     saved, bwd, changes = {"prefix": _prefix_pair, "tree": _tree_pair, "varlen": _varlen_pair,
-                           "kept": _kept_pair, "stream_kl": _kl_pair}[pair]()
+                           "kept": _kept_pair, "stream_kl": _kl_pair, "prefix_cached": _cached_pair}[pair]()
     assert isinstance(saved, fnp.SavedStats) and saved.forkattn_settings["op"]
     ref = bwd()  # the forward's own settings: accepted
     for ch in changes:
@@ -557,7 +574,7 @@ def test_torch_dlm_cache_and_path_rows(torch):
 
 
 def test_torch_integers_out_of_range(torch):
-    from forkattn import ops
+    from forkattn import distill, ops
 
     q = _t(torch, 8)
     big = 2 ** 64 + 6
@@ -567,7 +584,17 @@ def test_torch_integers_out_of_range(torch):
         z = torch.zeros(6, H, 0)
         forkattn.prefix_attention(z, z, z, forkattn.SharedPrefixLayout.from_lengths([2], [[4]]))
     if _has("forkattn_kv_select"):
-        from forkattn import distill
-
         with pytest.raises(INVALID, match="fit"):
             distill.kv_select(q, q, budget=big)
+    with pytest.raises(INVALID, match="fit"):
+        forkattn.SharedPrefixLayout.from_lengths([2 ** 64], [[3]])
+    if hasattr(torch, "uint64"):  # a uint64 tensor above int64: no wrap-around in the cast
+        with pytest.raises(INVALID, match="fit"):
+            forkattn.TreeLayout(torch.tensor([0, 2 ** 63 + 3], dtype=torch.uint64), torch.tensor([-1]))
+        with pytest.raises(INVALID, match="fit"):
+            ops._tree_fwd_impl(q, q, q, torch.tensor([0, 2 ** 63 + 3], dtype=torch.uint64), torch.tensor([-1]), 0.3)
+        if _has("forkattn_kl_fwd"):
+            with pytest.raises(INVALID, match="fit"):
+                distill.KeptSet(H, [0, 2, 5], torch.tensor([0, 3, 0, 1, 2 ** 63], dtype=torch.uint64), 4, 4)
+            with pytest.raises(INVALID, match="fit"):
+                distill.KeptSet(H, [0, 2, 5], [0, 3, 0, 1, 2 ** 64], 4, 4)

@@ -1350,7 +1350,8 @@ def kl_bwd(ctx, spec, q_t, k_t, q_s, k_s, kept, opt, stats_ptr, dkl_ptr, dq_s, d
 def rows_mean(ctx, x_ptr, rows, heads, weights_ptr, memory):
     """Weighted mean over rows of a float32 [rows, heads] array (double accumulation)."""
     out = c_double()
-    st = _fn("forkattn_rows_mean")(ctx.handle, x_ptr, int64_arg(rows, "rows"), int64_arg(heads, "heads"), weights_ptr, byref(out), memory)
+    st = _fn("forkattn_rows_mean")(ctx.handle, x_ptr, int64_arg(rows, "rows"), int64_arg(heads, "heads"), weights_ptr,
+                                   byref(out), memory)
     ctx.check(st)
     return float(out.value)
 
@@ -1445,7 +1446,8 @@ def path_peak_bytes(path):
 
 
 def cost_model_struct(heads_q, head_dim, sec_per_mac, sec_per_row, sec_per_pair):
-    return TreeCostModelC(int64_arg(heads_q, "heads_q"), int64_arg(head_dim, "head_dim"), float(sec_per_mac), float(sec_per_row),
+    return TreeCostModelC(int64_arg(heads_q, "heads_q"), int64_arg(head_dim, "head_dim"), float(sec_per_mac),
+                          float(sec_per_row),
                           float(sec_per_pair))
 
 
@@ -1494,7 +1496,8 @@ def tree_partition(ctx, node_offsets, parents, num_parts, model):
     owned: bytes, cost: float)], "imbalance": float}. The C partition is freed here."""
     lay, keep = _tree_struct(node_offsets, parents)
     h = c_void_p()
-    st = _fn("forkattn_tree_partition")(ctx.handle, byref(lay), int64_arg(num_parts, "num_parts"), byref(model), byref(h))
+    st = _fn("forkattn_tree_partition")(ctx.handle, byref(lay), int64_arg(num_parts, "num_parts"), byref(model),
+                                        byref(h))
     del keep
     ctx.check(st)
     lib = load_library()
@@ -1517,7 +1520,8 @@ def tree_plan_batches(ctx, node_offsets, parents, max_batch_rows, model):
     mode: "tree" / "replicated", reason: str). The C plan is freed here."""
     lay, keep = _tree_struct(node_offsets, parents)
     h = c_void_p()
-    st = _fn("forkattn_tree_plan_batches")(ctx.handle, byref(lay), int64_arg(max_batch_rows, "max_batch_rows"), byref(model),
+    st = _fn("forkattn_tree_plan_batches")(ctx.handle, byref(lay), int64_arg(max_batch_rows, "max_batch_rows"),
+                                           byref(model),
                                            byref(h))
     del keep
     ctx.check(st)
@@ -1562,8 +1566,9 @@ def prefix_cached_fwd(ctx, prompt_len, response_lens, causal, q, k, v, o, lse_pt
         st = _fn("forkattn_prefix_cached_fwd")(ctx.handle, byref(lay), byref(q), byref(k), byref(v), byref(o),
                                                lse_ptr, _scale(scale), memory)
     else:
-        st = _fn("forkattn_prefix_cached_block_fwd")(ctx.handle, byref(lay), int64_arg(block_size, "block_size"), byref(q), byref(k),
-                                                     byref(v), byref(o), lse_ptr, _scale(scale), memory)
+        st = _fn("forkattn_prefix_cached_block_fwd")(ctx.handle, byref(lay), int64_arg(block_size, "block_size"),
+                                                     byref(q), byref(k), byref(v), byref(o), lse_ptr, _scale(scale),
+                                                     memory)
     del keep
     ctx.check(st)
 
@@ -1577,9 +1582,9 @@ def prefix_cached_bwd(ctx, prompt_len, response_lens, causal, q, k, v, o, do, ls
                                                byref(do), lse_ptr, byref(dq), byref(dk), byref(dv), _scale(scale),
                                                memory)
     else:
-        st = _fn("forkattn_prefix_cached_block_bwd")(ctx.handle, byref(lay), int64_arg(block_size, "block_size"), byref(q), byref(k),
-                                                     byref(v), byref(o), byref(do), lse_ptr, byref(dq), byref(dk),
-                                                     byref(dv), _scale(scale), memory)
+        st = _fn("forkattn_prefix_cached_block_bwd")(ctx.handle, byref(lay), int64_arg(block_size, "block_size"),
+                                                     byref(q), byref(k), byref(v), byref(o), byref(do), lse_ptr,
+                                                     byref(dq), byref(dk), byref(dv), _scale(scale), memory)
     del keep
     ctx.check(st)
 
@@ -1657,7 +1662,8 @@ def kv_similarity(ctx, a, b, memory):
 
 def reuse_profile_create(ctx, layers, threshold):
     h = c_void_p()
-    st = _fn("forkattn_reuse_profile_create")(ctx.handle, int64_arg(layers, "layers"), c_float(float(threshold)), byref(h))
+    st = _fn("forkattn_reuse_profile_create")(ctx.handle, int64_arg(layers, "layers"), c_float(float(threshold)),
+                                              byref(h))
     ctx.check(st)
     return h
 

@@ -566,7 +566,8 @@ def test_torch_dlm_cache_and_path_rows(torch):
                                        torch.from_numpy(_fit(lse.numpy(), r["lse"])), lay.prompt_lens,
                                        lay.response_lens, 0.3, False)
         _sweep(bwd, {"q": 5, "k": 9, "v": 9, "out": 5, "dout": 5, "lse": 5})
-        _sweep(lambda r: dlm_cache.kv_similarity(_t(torch, r["a"]), _t(torch, r["b"], seed=1)), {"a": 6, "b": 6}, layout=False)
+        _sweep(lambda r: dlm_cache.kv_similarity(_t(torch, r["a"]), _t(torch, r["b"], seed=1)), {"a": 6, "b": 6},
+               layout=False)
     if _has("forkattn_path_create"):
         with tree_exec.PathStack(H, H, D) as path:
             path.push(_t(torch, 3), _t(torch, 3))

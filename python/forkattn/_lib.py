@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import glob
+import math
 import os
 import threading
 from ctypes import POINTER, Structure, byref, c_char_p, c_double, c_float, c_int, c_int64, c_size_t
@@ -605,8 +606,8 @@ class Context:
         opt = CtxOptions()
         lib.forkattn_ctx_options_init(byref(opt))
         opt.backend = BACKENDS[backend]
-        opt.device = int(device)
-        opt.threads = int(threads)
+        opt.device = int_arg(device, "device")
+        opt.threads = int_arg(threads, "threads")
         opt.bind_threads = 1 if bind_threads else 0
         opt.verbose = 1 if verbose else 0
         h = c_void_p()
@@ -870,16 +871,52 @@ def make_tensor(ptr, dtype_code, rows, heads, head_dim, row_stride, head_stride)
 
 
 def row_slice(t, start, n):
-    """Descriptor of rows [start, start + n) of ``t``."""
-    off = int(start) * t.row_stride * DTYPE_ITEMSIZE[t.dtype]
+    """Descriptor of rows [start, start + n) of ``t``. Raises ForkattnInvalidArgument when the
+    slice does not lie within ``t``'s rows: the C library trusts a descriptor's row count, so
+    a slice past the end would make it read and write outside the array."""
+    start, n = int(start), int(n)
+    if start < 0 or n < 0 or start + n > t.rows:
+        raise _invalid("rows [%d, %d) of a tensor with %d rows: the layout needs more rows than the "
+                       "tensors have" % (start, start + n, t.rows))
+    off = start * t.row_stride * DTYPE_ITEMSIZE[t.dtype]
     base = t.data or 0
-    return Tensor(c_void_p(base + off if base else None), t.dtype, int(n), t.heads, t.head_dim,
+    return Tensor(c_void_p(base + off if base else None), t.dtype, n, t.heads, t.head_dim,
                   t.row_stride, t.head_stride)
 
 
-def _i64_array(values):
-    values = [int(x) for x in values]
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+INT_MIN, INT_MAX = -(1 << 31), (1 << 31) - 1
+
+
+def int64_arg(x, name):
+    """``int(x)``, refused (ForkattnInvalidArgument) outside int64: ctypes silently keeps the
+    low 64 bits of a larger Python int, so 2**64 + 6 would reach the library as 6."""
+    i = int(x)
+    if not INT64_MIN <= i <= INT64_MAX:
+        raise _invalid("%s = %d does not fit in int64" % (name, i))
+    return i
+
+
+def int_arg(x, name):
+    """``int(x)`` checked against the range of a C int (the library's int parameters)."""
+    i = int(x)
+    if not INT_MIN <= i <= INT_MAX:
+        raise _invalid("%s = %d does not fit in a C int" % (name, i))
+    return i
+
+
+def _i64_array(values, name="array"):
+    """(ctypes int64 array, length) of int values, each checked to fit in int64."""
+    values = [int64_arg(x, "%s[%d]" % (name, i)) for i, x in enumerate(values)]
     return (c_int64 * max(1, len(values)))(*values), len(values)
+
+
+def check_rows(total, tensors, what="the layout"):
+    """Refuse (ForkattnInvalidArgument) when a tensor's rows differ from ``total``, the rows
+    ``what`` packs; run before a call that slices the tensors by the layout's rows."""
+    for t in tensors:
+        if t is not None and int(t.rows) != int(total):
+            raise _invalid("a tensor has %d rows, %s needs %d" % (int(t.rows), what, int(total)))
 
 
 def _ptr_add(p, nbytes):
@@ -921,27 +958,44 @@ def _groups(prompt_lens, group_sizes, response_lens):
 
 
 def _check_layout_lists(prompt_lens, group_sizes, response_lens):
+    """Group counts agree, lengths are >= 0 and fit in int64, and so do the packed rows."""
     if len(prompt_lens) != len(group_sizes):
-        raise ValueError("forkattn: prompt_lens has %d groups, group_sizes %d"
-                         % (len(prompt_lens), len(group_sizes)))
+        raise _invalid("prompt_lens has %d groups, group_sizes %d" % (len(prompt_lens), len(group_sizes)))
     if sum(group_sizes) != len(response_lens):
-        raise ValueError("forkattn: group_sizes sum to %d responses, response_lens has %d"
-                         % (sum(group_sizes), len(response_lens)))
+        raise _invalid("group_sizes sum to %d responses, response_lens has %d"
+                       % (sum(group_sizes), len(response_lens)))
     for name, seq in (("prompt_lens", prompt_lens), ("group_sizes", group_sizes),
                       ("response_lens", response_lens)):
         for i, x in enumerate(seq):
             if x < 0:
-                raise ValueError("forkattn: %s[%d] = %d is negative" % (name, i, x))
+                raise _invalid("%s[%d] = %d is negative" % (name, i, x))
+            int64_arg(x, "%s[%d]" % (name, i))
+    int64_arg(sum(prompt_lens) + sum(response_lens), "the layout's total rows")
+    return sum(prompt_lens) + sum(response_lens)
 
 
 def _scale(scale):
     return c_float(float(scale))
 
 
+def softmax_scale(head_dim, scale=None):
+    """``scale`` as a float, or 1/sqrt(head_dim) when None; a head_dim < 1 is refused here
+    (ForkattnInvalidArgument) rather than failing as a division by zero."""
+    if scale is not None:
+        return float(scale)
+    d = int(head_dim)
+    if d < 1:
+        raise _invalid("head_dim = %d: must be >= 1" % d)
+    return 1.0 / math.sqrt(d)
+
+
 def prefix_fwd(ctx, prompt_lens, group_sizes, response_lens, causal, q, k, v, o, lse_ptr, scale,
                memory):
     """Shared-prompt forward over several groups packed back to back."""
-    _check_layout_lists(prompt_lens, group_sizes, response_lens)
+    total = _check_layout_lists(prompt_lens, group_sizes, response_lens)
+    # Before any call: several bidirectional groups run on row slices, which only row_slice's
+    # bound protects; every tensor must have exactly the layout's rows.
+    check_rows(total, (q, k, v, o))
     G = len(prompt_lens)
     if G == 0:
         return
@@ -956,7 +1010,7 @@ def prefix_fwd(ctx, prompt_lens, group_sizes, response_lens, causal, q, k, v, o,
         n = P + sum(lens)
         if G > 1 and n == 0:
             continue
-        arr, _ = _i64_array([0] + _cumsum(lens))
+        arr, _ = _i64_array([0] + _cumsum(lens), "response offsets")
         lay = PrefixLayout(P, len(lens), arr, mask)
         if G == 1:
             qs, ks, vs, os_, lp = q, k, v, o, lse_ptr
@@ -970,7 +1024,8 @@ def prefix_fwd(ctx, prompt_lens, group_sizes, response_lens, causal, q, k, v, o,
 
 def prefix_bwd(ctx, prompt_lens, group_sizes, response_lens, causal, q, k, v, o, do, lse_ptr, dq,
                dk, dv, scale, memory):
-    _check_layout_lists(prompt_lens, group_sizes, response_lens)
+    total = _check_layout_lists(prompt_lens, group_sizes, response_lens)
+    check_rows(total, (q, k, v, o, do, dq, dk, dv))
     G = len(prompt_lens)
     if G == 0:
         return
@@ -985,7 +1040,7 @@ def prefix_bwd(ctx, prompt_lens, group_sizes, response_lens, causal, q, k, v, o,
         n = P + sum(lens)
         if G > 1 and n == 0:
             continue
-        arr, _ = _i64_array([0] + _cumsum(lens))
+        arr, _ = _i64_array([0] + _cumsum(lens), "response offsets")
         lay = PrefixLayout(P, len(lens), arr, mask)
         if G == 1:
             ts = (q, k, v, o, do, dq, dk, dv)
@@ -1004,7 +1059,7 @@ def varlen_fwd(ctx, cu_seqlens, causal, q, k, v, o, lse_ptr, scale, memory):
     n = len(cu_seqlens) - 1
     if n < 0:
         raise ValueError("forkattn: cu_seqlens must have at least one entry (0)")
-    arr, _ = _i64_array(cu_seqlens)
+    arr, _ = _i64_array(cu_seqlens, "cu_seqlens")
     lay = PrefixLayout(0, n, arr, MASK_CAUSAL if causal else MASK_BIDIRECTIONAL)
     st = _fn("forkattn_prefix_fwd")(ctx.handle, byref(lay), byref(q), byref(k), byref(v), byref(o),
                                     lse_ptr, _scale(scale), memory)
@@ -1015,7 +1070,7 @@ def varlen_bwd(ctx, cu_seqlens, causal, q, k, v, o, do, lse_ptr, dq, dk, dv, sca
     n = len(cu_seqlens) - 1
     if n < 0:
         raise ValueError("forkattn: cu_seqlens must have at least one entry (0)")
-    arr, _ = _i64_array(cu_seqlens)
+    arr, _ = _i64_array(cu_seqlens, "cu_seqlens")
     lay = PrefixLayout(0, n, arr, MASK_CAUSAL if causal else MASK_BIDIRECTIONAL)
     st = _fn("forkattn_prefix_bwd")(ctx.handle, byref(lay), byref(q), byref(k), byref(v), byref(o),
                                     byref(do), lse_ptr, byref(dq), byref(dk), byref(dv),
@@ -1036,8 +1091,8 @@ def _tree_struct(node_offsets, parents):
     if len(node_offsets) != len(parents) + 1:
         raise ValueError("forkattn: node_offsets has %d entries, parents %d (need n+1 and n)"
                          % (len(node_offsets), len(parents)))
-    oa, _ = _i64_array(node_offsets)
-    pa, n = _i64_array(parents)
+    oa, _ = _i64_array(node_offsets, "node_offsets")
+    pa, n = _i64_array(parents, "parents")
     return TreeLayoutC(n, oa if n else None, pa if n else None), (oa, pa)
 
 
@@ -1111,7 +1166,7 @@ def trie_from_sequences(ctx, seq_offsets_ptr, tokens_ptr, num_sequences, num_tok
     as ctypes int64 arrays (see _trie_extract)."""
     trie = c_void_p()
     st = _fn("forkattn_trie_from_sequences")(
-        ctx.handle, int(num_sequences), ctypes.cast(c_void_p(seq_offsets_ptr), _I64P),
+        ctx.handle, int64_arg(num_sequences, "num_sequences"), ctypes.cast(c_void_p(seq_offsets_ptr), _I64P),
         ctypes.cast(c_void_p(tokens_ptr), _I64P), TRIE_SINGLE_ROOT if single_root else 0,
         byref(trie))
     ctx.check(st)
@@ -1121,7 +1176,7 @@ def trie_from_sequences(ctx, seq_offsets_ptr, tokens_ptr, num_sequences, num_tok
 def trie_from_parents(ctx, parents_ptr, lengths_ptr, num_nodes, num_tokens, single_root=False):
     trie = c_void_p()
     st = _fn("forkattn_trie_from_parents")(
-        ctx.handle, int(num_nodes), ctypes.cast(c_void_p(parents_ptr), _I64P),
+        ctx.handle, int64_arg(num_nodes, "num_nodes"), ctypes.cast(c_void_p(parents_ptr), _I64P),
         ctypes.cast(c_void_p(lengths_ptr), _I64P), TRIE_SINGLE_ROOT if single_root else 0,
         byref(trie))
     ctx.check(st)
@@ -1131,7 +1186,7 @@ def trie_from_parents(ctx, parents_ptr, lengths_ptr, num_nodes, num_tokens, sing
 def trie_from_token_parents(ctx, token_parents_ptr, num_tokens, single_root=False):
     trie = c_void_p()
     st = _fn("forkattn_trie_from_token_parents")(
-        ctx.handle, int(num_tokens), ctypes.cast(c_void_p(token_parents_ptr), _I64P),
+        ctx.handle, int64_arg(num_tokens, "num_tokens"), ctypes.cast(c_void_p(token_parents_ptr), _I64P),
         TRIE_SINGLE_ROOT if single_root else 0, byref(trie))
     ctx.check(st)
     return _trie_extract(ctx, trie, num_tokens)
@@ -1163,7 +1218,7 @@ def layout_struct(spec):
             tl, keep = _tree_struct(offs, parents)
             return LayoutC(None, ctypes.pointer(tl)), (tl, keep)
         if P:
-            arr, _ = _i64_array([0] + _cumsum(R))
+            arr, _ = _i64_array([0] + _cumsum(R), "response offsets")
             pl = PrefixLayout(P[0], len(R), arr, MASK_CAUSAL)
         else:  # no group: zero rows
             arr = None
@@ -1187,12 +1242,13 @@ def make_kept(heads, compressed_rows, query_start, offsets, index, block_mask, r
 
     offsets: int list [heads+1] or None; index: (host pointer, n) int64 or None; block_mask:
     (host pointer, n) uint8 or None. Raises ForkattnInvalidArgument."""
-    heads, compressed_rows, query_start = int(heads), int(compressed_rows), int(query_start)
+    heads, compressed_rows = int64_arg(heads, "kept: heads"), int64_arg(compressed_rows, "kept: compressed_rows")
+    query_start = int64_arg(query_start, "kept: query_start")
     if (offsets is None) != (index is None):
         raise _invalid("kept: offsets and index must both be given or both be None")
     if heads >= 1:
         if offsets is not None:
-            offsets = [int(x) for x in offsets]
+            offsets = [int64_arg(x, "kept: offsets[%d]" % i) for i, x in enumerate(offsets)]
             if len(offsets) != heads + 1:
                 raise _invalid("kept: offsets has %d entries, need heads + 1 = %d" % (len(offsets), heads + 1))
             if offsets[0] != 0:
@@ -1242,7 +1298,7 @@ def kl_options(direction, scale_teacher, scale_student, temperature, scale_by_ta
             raise ValueError("forkattn: direction must be 'forward' (KL(T||S)) or 'reverse' (KL(S||T)), "
                              "not %r" % direction)
         direction = KL_DIRECTIONS[direction]
-    opt.direction = int(direction)
+    opt.direction = int_arg(direction, "direction")
     opt.scale_teacher = float(scale_teacher or 0.0)
     opt.scale_student = float(scale_student or 0.0)
     opt.temperature = float(temperature)
@@ -1294,7 +1350,8 @@ def kl_bwd(ctx, spec, q_t, k_t, q_s, k_s, kept, opt, stats_ptr, dkl_ptr, dq_s, d
 def rows_mean(ctx, x_ptr, rows, heads, weights_ptr, memory):
     """Weighted mean over rows of a float32 [rows, heads] array (double accumulation)."""
     out = c_double()
-    st = _fn("forkattn_rows_mean")(ctx.handle, x_ptr, int(rows), int(heads), weights_ptr, byref(out), memory)
+    st = _fn("forkattn_rows_mean")(ctx.handle, x_ptr, int64_arg(rows, "rows"), int64_arg(heads, "heads"), weights_ptr,
+                                   byref(out), memory)
     ctx.check(st)
     return float(out.value)
 
@@ -1308,13 +1365,13 @@ def kv_policy(kind, budget, sinks=None, window=None, pool_kernel=None, scale=Non
             raise ValueError("forkattn: policy must be one of %s, not %r" % (sorted(KV_POLICIES), kind))
         kind = KV_POLICIES[key]
     p = KvPolicy()
-    _fn("forkattn_kv_policy_init")(byref(p), int(kind), int(budget))
+    _fn("forkattn_kv_policy_init")(byref(p), int_arg(kind, "policy"), int64_arg(budget, "budget"))
     if sinks is not None:
-        p.sinks = int(sinks)
+        p.sinks = int64_arg(sinks, "sinks")
     if window is not None:
-        p.window = int(window)
+        p.window = int64_arg(window, "window")
     if pool_kernel is not None:
-        p.pool_kernel = int(pool_kernel)
+        p.pool_kernel = int64_arg(pool_kernel, "pool_kernel")
     if scale is not None:
         p.scale = float(scale)
     return p
@@ -1340,8 +1397,8 @@ def kv_select(ctx, policy, q, k, memory):
 def path_create(ctx, dtype_code, heads_q, heads_kv, head_dim):
     """A new ``forkattn_path`` on ``ctx`` (the caller frees it with path_destroy)."""
     h = c_void_p()
-    st = _fn("forkattn_path_create")(ctx.handle, int(dtype_code), int(heads_q), int(heads_kv),
-                                     int(head_dim), byref(h))
+    st = _fn("forkattn_path_create")(ctx.handle, int_arg(dtype_code, "dtype"), int64_arg(heads_q, "heads_q"),
+                                     int64_arg(heads_kv, "heads_kv"), int64_arg(head_dim, "head_dim"), byref(h))
     ctx.check(st)
     return h
 
@@ -1389,15 +1446,17 @@ def path_peak_bytes(path):
 
 
 def cost_model_struct(heads_q, head_dim, sec_per_mac, sec_per_row, sec_per_pair):
-    return TreeCostModelC(int(heads_q), int(head_dim), float(sec_per_mac), float(sec_per_row),
+    return TreeCostModelC(int64_arg(heads_q, "heads_q"), int64_arg(head_dim, "head_dim"), float(sec_per_mac),
+                          float(sec_per_row),
                           float(sec_per_pair))
 
 
 def tree_cost_model_calibrate(ctx, heads_q, heads_kv, head_dim, dtype_code):
     """(heads_q, head_dim, sec_per_mac, sec_per_row, sec_per_pair) fitted on ctx's backend."""
     m = TreeCostModelC()
-    st = _fn("forkattn_tree_cost_model_calibrate")(ctx.handle, int(heads_q), int(heads_kv), int(head_dim),
-                                                   int(dtype_code), byref(m))
+    st = _fn("forkattn_tree_cost_model_calibrate")(ctx.handle, int64_arg(heads_q, "heads_q"),
+                                                   int64_arg(heads_kv, "heads_kv"), int64_arg(head_dim, "head_dim"),
+                                                   int_arg(dtype_code, "dtype"), byref(m))
     ctx.check(st)
     return (int(m.heads_q), int(m.head_dim), float(m.sec_per_mac), float(m.sec_per_row),
             float(m.sec_per_pair))
@@ -1437,7 +1496,8 @@ def tree_partition(ctx, node_offsets, parents, num_parts, model):
     owned: bytes, cost: float)], "imbalance": float}. The C partition is freed here."""
     lay, keep = _tree_struct(node_offsets, parents)
     h = c_void_p()
-    st = _fn("forkattn_tree_partition")(ctx.handle, byref(lay), int(num_parts), byref(model), byref(h))
+    st = _fn("forkattn_tree_partition")(ctx.handle, byref(lay), int64_arg(num_parts, "num_parts"), byref(model),
+                                        byref(h))
     del keep
     ctx.check(st)
     lib = load_library()
@@ -1460,7 +1520,8 @@ def tree_plan_batches(ctx, node_offsets, parents, max_batch_rows, model):
     mode: "tree" / "replicated", reason: str). The C plan is freed here."""
     lay, keep = _tree_struct(node_offsets, parents)
     h = c_void_p()
-    st = _fn("forkattn_tree_plan_batches")(ctx.handle, byref(lay), int(max_batch_rows), byref(model),
+    st = _fn("forkattn_tree_plan_batches")(ctx.handle, byref(lay), int64_arg(max_batch_rows, "max_batch_rows"),
+                                           byref(model),
                                            byref(h))
     del keep
     ctx.check(st)
@@ -1489,8 +1550,8 @@ def tree_plan_batches(ctx, node_offsets, parents, max_batch_rows, model):
 def _cached_layout(prompt_len, response_lens, causal):
     """(forkattn_prefix_layout of one group, offsets array kept alive)."""
     _check_layout_lists([int(prompt_len)], [len(response_lens)], response_lens)
-    arr, _ = _i64_array([0] + _cumsum(response_lens))
-    return PrefixLayout(int(prompt_len), len(response_lens), arr,
+    arr, _ = _i64_array([0] + _cumsum(response_lens), "response offsets")
+    return PrefixLayout(int64_arg(prompt_len, "prompt_len"), len(response_lens), arr,
                         MASK_CAUSAL if causal else MASK_BIDIRECTIONAL), arr
 
 
@@ -1505,8 +1566,9 @@ def prefix_cached_fwd(ctx, prompt_len, response_lens, causal, q, k, v, o, lse_pt
         st = _fn("forkattn_prefix_cached_fwd")(ctx.handle, byref(lay), byref(q), byref(k), byref(v), byref(o),
                                                lse_ptr, _scale(scale), memory)
     else:
-        st = _fn("forkattn_prefix_cached_block_fwd")(ctx.handle, byref(lay), int(block_size), byref(q), byref(k),
-                                                     byref(v), byref(o), lse_ptr, _scale(scale), memory)
+        st = _fn("forkattn_prefix_cached_block_fwd")(ctx.handle, byref(lay), int64_arg(block_size, "block_size"),
+                                                     byref(q), byref(k), byref(v), byref(o), lse_ptr, _scale(scale),
+                                                     memory)
     del keep
     ctx.check(st)
 
@@ -1520,17 +1582,20 @@ def prefix_cached_bwd(ctx, prompt_len, response_lens, causal, q, k, v, o, do, ls
                                                byref(do), lse_ptr, byref(dq), byref(dk), byref(dv), _scale(scale),
                                                memory)
     else:
-        st = _fn("forkattn_prefix_cached_block_bwd")(ctx.handle, byref(lay), int(block_size), byref(q), byref(k),
-                                                     byref(v), byref(o), byref(do), lse_ptr, byref(dq), byref(dk),
-                                                     byref(dv), _scale(scale), memory)
+        st = _fn("forkattn_prefix_cached_block_bwd")(ctx.handle, byref(lay), int64_arg(block_size, "block_size"),
+                                                     byref(q), byref(k), byref(v), byref(o), byref(do), lse_ptr,
+                                                     byref(dq), byref(dk), byref(dv), _scale(scale), memory)
     del keep
     ctx.check(st)
 
 
 def kv_cache_create(ctx, capacity_bytes, block_tokens, layers, kv_heads, head_dim, dtype_code, memory):
     """A new ``forkattn_kv_cache`` on ``ctx`` (freed with kv_cache_destroy, before the context)."""
-    opt = KvCacheOptions(int(capacity_bytes), int(block_tokens), int(layers), int(kv_heads), int(head_dim),
-                         int(dtype_code), int(memory))
+    if not 0 <= int(capacity_bytes) <= (1 << 64) - 1:
+        raise _invalid("capacity_bytes = %d does not fit in size_t" % int(capacity_bytes))
+    opt = KvCacheOptions(int(capacity_bytes), int64_arg(block_tokens, "block_tokens"), int64_arg(layers, "layers"),
+                         int64_arg(kv_heads, "kv_heads"), int64_arg(head_dim, "head_dim"), int_arg(dtype_code, "dtype"),
+                         int_arg(memory, "memory"))
     h = c_void_p()
     st = _fn("forkattn_kv_cache_create")(ctx.handle, byref(opt), byref(h))
     ctx.check(st)
@@ -1546,15 +1611,15 @@ def kv_cache_insert(ctx, cache, layers, tokens_ptr, n, ks, vs, memory):
     """Store the prefix tokens[0..n) with per-layer descriptors ``ks``/``vs`` (lists of exactly
     ``layers`` Tensor: the C library reads that many). Returns True when stored (or refreshed),
     False when the cache rejected it. Errors are reported through ``ctx``, the cache's context."""
-    layers = int(layers)
+    layers = int64_arg(layers, "layers")
     if len(ks) != layers or len(vs) != layers:
         raise _invalid("insert: %d key and %d value tensors given, the cache has %d layers"
                        % (len(ks), len(vs), layers))
     karr = (Tensor * max(1, layers))(*ks)
     varr = (Tensor * max(1, layers))(*vs)
     stored = c_int(0)
-    st = _fn("forkattn_kv_cache_insert")(cache, c_void_p(int(tokens_ptr) or None), int(n), karr, varr,
-                                         int(memory), byref(stored))
+    st = _fn("forkattn_kv_cache_insert")(cache, c_void_p(int(tokens_ptr) or None), int64_arg(n, "tokens"), karr,
+                                         varr, int_arg(memory, "memory"), byref(stored))
     ctx.check(st)
     return bool(stored.value)
 
@@ -1563,14 +1628,15 @@ def kv_cache_lookup(ctx, cache, tokens_ptr, n):
     """(held entry handle or None, matched length) of the longest cached prefix of tokens[0..n)."""
     e = c_void_p()
     m = c_int64(0)
-    st = _fn("forkattn_kv_cache_lookup")(cache, c_void_p(int(tokens_ptr) or None), int(n), byref(e), byref(m))
+    st = _fn("forkattn_kv_cache_lookup")(cache, c_void_p(int(tokens_ptr) or None), int64_arg(n, "tokens"), byref(e),
+                                         byref(m))
     ctx.check(st)
     return (e if e.value else None), int(m.value)
 
 
 def kv_entry_view(entry, layer, which):
     """The contiguous descriptor of K (which=0) or V (which=1) of ``layer`` of a held entry."""
-    return _fn("forkattn_kv_entry_v" if which else "forkattn_kv_entry_k")(entry, int(layer))
+    return _fn("forkattn_kv_entry_v" if which else "forkattn_kv_entry_k")(entry, int64_arg(layer, "layer"))
 
 
 def kv_cache_release(cache, entry):
@@ -1596,7 +1662,8 @@ def kv_similarity(ctx, a, b, memory):
 
 def reuse_profile_create(ctx, layers, threshold):
     h = c_void_p()
-    st = _fn("forkattn_reuse_profile_create")(ctx.handle, int(layers), c_float(float(threshold)), byref(h))
+    st = _fn("forkattn_reuse_profile_create")(ctx.handle, int64_arg(layers, "layers"), c_float(float(threshold)),
+                                              byref(h))
     ctx.check(st)
     return h
 

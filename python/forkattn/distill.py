@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import _lib
-from .layouts import SharedPrefixLayout, TreeLayout
+from .layouts import SharedPrefixLayout, TreeLayout, _as_i64
 from .ops import HAVE_CUSTOM_OPS, _check_qkv, _check_bwd, _ctx_for, _desc, _DTYPES, _host_i64, _ints
 from .ops import _scale_of
 
@@ -60,9 +60,14 @@ def _i64_1d(x, name):
         t = x.detach()
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise TypeError("forkattn: %s must hold integers, got %s" % (name, t.dtype))
-        t = t.to(device="cpu", dtype=_i64)
+        t = _as_i64(t.to(device="cpu"), name)
     else:
-        t = torch.as_tensor(x, dtype=_i64)
+        try:
+            t = torch.as_tensor(x, dtype=_i64)
+        except (RuntimeError, ValueError, OverflowError) as e:
+            if "verflow" in str(e):  # a Python int outside int64
+                raise _invalid("%s: a value does not fit in int64 (%s)" % (name, e)) from None
+            raise
     return t.reshape(-1).contiguous()
 
 
@@ -336,7 +341,7 @@ def _check_kl_inputs(q_t, k_t, q_s, k_s):
 
 def _f32(x, shape, name):
     if x.dtype != torch.float32 or tuple(x.shape) != tuple(shape):
-        raise ValueError("forkattn: %s must be float32 %s, got %s %s" % (name, tuple(shape), x.dtype, tuple(x.shape)))
+        raise _invalid("%s must be float32 %s, got %s %s" % (name, tuple(shape), x.dtype, tuple(x.shape)))
     return x.contiguous()
 
 

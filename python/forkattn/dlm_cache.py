@@ -25,7 +25,6 @@ a library without the block-causal functions fails so only when ``block_size`` i
 from __future__ import annotations
 
 import ctypes
-import math
 import operator
 import sys
 import threading
@@ -423,7 +422,7 @@ def prefix_cached_attention(q, k, v, layout, *, scale=None, causal=False, return
 
 
 def _np_scale(q, scale):
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return _lib.softmax_scale(q.shape[-1], scale)
 
 
 def _np_block(block_size, causal):
@@ -446,16 +445,25 @@ def prefix_cached_attention_numpy(q, k, v, prompt_len, response_lens, *, scale=N
     responses' rows, k/v [prompt_len + R_total, Hkv, d] (cached prompt rows first),
     ``response_lens`` the responses' lengths, ``block_size`` as there (None / 0: not
     block-causal). Returns out (and lse float32 [R_total, Hq])."""
-    from .numpy_api import _ctx, _desc, _fwd_outputs, _qkv
+    from .numpy_api import _ctx, _desc, _fwd_outputs, _qkv, _saved
 
     block = _np_block(block_size, causal)
     q, k, v = _qkv(q, k, v)
     R = _resp_lens(response_lens)
     out, lse = _fwd_outputs(q)
     (q, qd), (k, kd), (v, vd), (_, od) = _desc(q), _desc(k), _desc(v), _desc(out)
+    sc = _np_scale(q, scale)
     _lib.prefix_cached_fwd(_ctx(context), int(prompt_len), R, bool(causal), qd, kd, vd, od, lse.ctypes.data,
-                           _np_scale(q, scale), _lib.MEMORY_HOST, block or None)
-    return (out, lse) if return_lse else out
+                           sc, _lib.MEMORY_HOST, block or None)
+    return (out, _saved(lse, _np_cached_settings(prompt_len, R, causal, block, sc))) if return_lse else out
+
+
+def _np_cached_settings(prompt_len, R, causal, block, scale):
+    """The record a numpy forward's lse carries (see forkattn.numpy_api.SavedStats)."""
+    from .numpy_api import _f32
+
+    return {"op": "prefix_cached_attention", "causal": bool(causal), "block_size": int(block),
+            "softmax_scale": _f32(scale), "layout": (int(prompt_len), tuple(R))}
 
 
 def prefix_cached_attention_backward_numpy(dout, q, k, v, out, lse, prompt_len, response_lens, *, scale=None,
@@ -465,17 +473,19 @@ def prefix_cached_attention_backward_numpy(dout, q, k, v, out, lse, prompt_len, 
     ``block_size``)."""
     import numpy as np
 
-    from .numpy_api import _arr, _ctx, _desc, _grads, _lse_arg, _qkv
+    from .numpy_api import _arr, _check_settings, _ctx, _desc, _grads, _lse_arg, _qkv
 
     block = _np_block(block_size, causal)
     q, k, v = _qkv(q, k, v)
     R = _resp_lens(response_lens)
     dq, dk, dv = _grads(q, k, v)
+    sc = _np_scale(q, scale)
+    _check_settings(lse, _np_cached_settings(prompt_len, R, causal, block, sc), "lse")
     lse = _lse_arg(lse, q)
     ds = [_desc(_arr(np.asarray(t, dtype=q.dtype), "tensor")) for t in (q, k, v, out, dout, dq, dk, dv)]
     d = [t for _, t in ds]
     _lib.prefix_cached_bwd(_ctx(context), int(prompt_len), R, bool(causal), *d[:5], lse.ctypes.data, *d[5:],
-                           _np_scale(q, scale), _lib.MEMORY_HOST, block or None)
+                           sc, _lib.MEMORY_HOST, block or None)
     return dq, dk, dv
 
 

@@ -16,17 +16,28 @@ __all__ = ["SharedPrefixLayout", "TreeLayout"]
 _i64 = torch.int64
 
 
+def _as_i64(t, name):
+    """An integer tensor as int64. uint64 values above int64's range are refused
+    (ForkattnInvalidArgument) rather than wrapped to negative numbers by the cast."""
+    if t.dtype == getattr(torch, "uint64", None) and t.numel() and bool(t.view(_i64).lt(0).any()):
+        raise _lib.ForkattnInvalidArgument(_lib.ERR_INVALID_ARGUMENT, "%s: a value does not fit in int64" % name)
+    return t.to(dtype=_i64)
+
+
 def _long1d(x, name):
     """A 1-D CPU int64 contiguous tensor from a tensor, array or sequence of ints."""
     if isinstance(x, torch.Tensor):
         t = x.detach()
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise TypeError("forkattn: %s must hold integers, got %s" % (name, t.dtype))
-        t = t.to(device="cpu", dtype=_i64)
+        t = _as_i64(t.to(device="cpu"), name)
     else:
         try:
             t = torch.as_tensor(x, dtype=_i64)
         except (TypeError, ValueError, RuntimeError) as e:
+            if "verflow" in str(e):  # a Python int outside int64
+                raise _lib.ForkattnInvalidArgument(_lib.ERR_INVALID_ARGUMENT,
+                                                   "%s: a value does not fit in int64 (%s)" % (name, e)) from None
             raise TypeError("forkattn: %s must be a 1-D sequence of ints (%s)" % (name, e)) from None
     if t.dim() == 0:
         t = t.reshape(1)

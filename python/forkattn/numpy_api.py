@@ -9,7 +9,7 @@ gradients.
 
 from __future__ import annotations
 
-import math
+import hashlib
 
 import numpy as np
 
@@ -29,6 +29,7 @@ __all__ = [
     "stream_kl_backward",
     "kv_select",
     "rows_mean",
+    "SavedStats",
 ]
 
 
@@ -66,6 +67,10 @@ def _desc(a):
     return a, t
 
 
+def _invalid(msg):
+    return _lib.ForkattnInvalidArgument(_lib.ERR_INVALID_ARGUMENT, msg)
+
+
 def _ctx(context):
     return context if context is not None else _lib.current_context()
 
@@ -78,7 +83,7 @@ def _qkv(q, k, v):
 
 
 def _scale(q, softmax_scale):
-    return 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    return _lib.softmax_scale(q.shape[-1], softmax_scale)
 
 
 def _groups(prompt_lens, response_lens, group_sizes):
@@ -95,6 +100,29 @@ def _groups(prompt_lens, response_lens, group_sizes):
     return P, S, R
 
 
+def _i64_np(x, name):
+    """A 1-D contiguous int64 copy/view of an integer sequence or array. Values outside int64
+    (Python ints that make numpy pick an object array, uint64 values above 2**63 - 1) raise
+    ForkattnInvalidArgument instead of wrapping around in the int64 cast."""
+    if not isinstance(x, np.ndarray):
+        try:  # a sequence of Python ints: numpy refuses those outside int64 itself
+            return np.ascontiguousarray(np.asarray(x, dtype=np.int64).reshape(-1))
+        except OverflowError:
+            x = np.asarray(x, dtype=object)
+    a = np.asarray(x)
+    if a.dtype == object:
+        return np.array([_lib.int64_arg(v, "%s[%d]" % (name, i)) for i, v in enumerate(a.reshape(-1))],
+                        dtype=np.int64)
+    if a.size and a.dtype.kind == "u" and int(a.max()) > _lib.INT64_MAX:
+        raise _invalid("%s: value %d does not fit in int64" % (name, int(a.max())))
+    if a.size and a.dtype.kind == "f":
+        hi, lo = float(a.max()), float(a.min())
+        # 2**63 is the first float above int64 (a float INT64_MAX rounds up to it); NaN fails too
+        if not (lo >= _lib.INT64_MIN and hi < 2.0 ** 63):
+            raise _invalid("%s: values in [%s, %s] do not fit in int64" % (name, lo, hi))
+    return np.ascontiguousarray(a.reshape(-1), dtype=np.int64)
+
+
 def _fwd_outputs(q):
     out = np.empty(q.shape, dtype=q.dtype)
     lse = np.empty(q.shape[:2], dtype=np.float32)
@@ -105,10 +133,60 @@ def _grads(q, k, v):
     return np.empty(q.shape, q.dtype), np.empty(k.shape, k.dtype), np.empty(v.shape, v.dtype)
 
 
+class SavedStats(np.ndarray):
+    """The lse (or StreamKL ``stats``) array a forward of this module returns: a float32 numpy
+    array that also records the settings the forward ran with (``forkattn_settings``: the
+    operation, softmax scale, mask, layout, kept set, KL options). The matching backward
+    compares its own settings with the record and raises ForkattnInvalidArgument on a
+    difference, since gradients from another temperature, KL direction or mask than the
+    forward's would be silently wrong. Views and copies keep the record; arithmetic results,
+    ``np.asarray`` / ``np.ascontiguousarray`` conversions and unpickled copies are plain arrays,
+    which a backward accepts unchecked."""
+
+    def __array_finalize__(self, obj):
+        self.forkattn_settings = getattr(obj, "forkattn_settings", None)
+
+    def __array_wrap__(self, obj, context=None, return_scalar=False):
+        obj = np.asarray(obj)  # a computed array is no longer the forward's statistics
+        return obj[()] if return_scalar else obj
+
+
+def _saved(a, settings):
+    a = a.view(SavedStats)
+    a.forkattn_settings = settings
+    return a
+
+
+def _f32(x):
+    """A float setting as the C library receives it (float32), for comparisons."""
+    return float(np.float32(x))
+
+
+def _check_settings(saved, settings, what):
+    """Refuse a backward whose settings differ from those recorded by its forward."""
+    rec = getattr(saved, "forkattn_settings", None)
+    if rec is None:
+        return
+    diff = [k for k in settings if rec.get(k) != settings[k]]
+    if rec.get("op") != settings.get("op"):
+        diff = ["op"]
+    if diff:
+        k = diff[0]
+        raise _lib.ForkattnInvalidArgument(
+            _lib.ERR_INVALID_ARGUMENT,
+            "%s comes from a %s forward with %s = %r, this backward has %s = %r: a backward must use "
+            "its forward's settings" % (what, rec.get("op"), k, _short(rec.get(k)), k, _short(settings[k])))
+
+
+def _short(x):
+    r = repr(x)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
 def _lse_arg(lse, q):
     lse = np.ascontiguousarray(lse, dtype=np.float32)
     if lse.shape != q.shape[:2]:
-        raise ValueError("forkattn: lse must be float32 %s, got %s" % (q.shape[:2], lse.shape))
+        raise _invalid("lse must be float32 %s, got %s" % (q.shape[:2], lse.shape))
     return lse
 
 
@@ -122,11 +200,16 @@ def prefix_attention(q, k, v, prompt_lens, response_lens, group_sizes=None, *, s
     P, S, R = _groups(prompt_lens, response_lens, group_sizes)
     out, lse = _fwd_outputs(q)
     if not P and q.shape[0] != 0:
-        raise ValueError("forkattn: q has %d rows, the (empty) layout needs 0" % q.shape[0])
+        raise _invalid("q has %d rows, the (empty) layout needs 0" % q.shape[0])
     (q, qd), (k, kd), (v, vd), (_, od) = _desc(q), _desc(k), _desc(v), _desc(out)
-    _lib.prefix_fwd(_ctx(context), P, S, R, causal, qd, kd, vd, od, lse.ctypes.data, _scale(q, softmax_scale),
-                    _lib.MEMORY_HOST)
-    return (out, lse) if return_lse else out
+    scale = _scale(q, softmax_scale)
+    _lib.prefix_fwd(_ctx(context), P, S, R, causal, qd, kd, vd, od, lse.ctypes.data, scale, _lib.MEMORY_HOST)
+    return (out, _saved(lse, _prefix_settings(P, S, R, causal, scale))) if return_lse else out
+
+
+def _prefix_settings(P, S, R, causal, scale):
+    return {"op": "prefix_attention", "causal": bool(causal), "softmax_scale": _f32(scale),
+            "layout": (tuple(P), tuple(S), tuple(R))}
 
 
 def prefix_attention_backward(dout, q, k, v, out, lse, prompt_lens, response_lens, group_sizes=None,
@@ -135,11 +218,12 @@ def prefix_attention_backward(dout, q, k, v, out, lse, prompt_lens, response_len
     q, k, v = _qkv(q, k, v)
     P, S, R = _groups(prompt_lens, response_lens, group_sizes)
     dq, dk, dv = _grads(q, k, v)
+    scale = _scale(q, softmax_scale)
+    _check_settings(lse, _prefix_settings(P, S, R, causal, scale), "lse")
     lse = _lse_arg(lse, q)
     ds = [_desc(_arr(np.asarray(t, dtype=q.dtype), "tensor")) for t in (q, k, v, out, dout, dq, dk, dv)]
     d = [t for _, t in ds]
-    _lib.prefix_bwd(_ctx(context), P, S, R, causal, *d[:5], lse.ctypes.data, *d[5:],
-                    _scale(q, softmax_scale), _lib.MEMORY_HOST)
+    _lib.prefix_bwd(_ctx(context), P, S, R, causal, *d[:5], lse.ctypes.data, *d[5:], scale, _lib.MEMORY_HOST)
     return dq, dk, dv
 
 
@@ -148,21 +232,32 @@ def tree_attention(q, k, v, node_offsets, parents, *, softmax_scale=None, return
     and attends to its ancestors (parents[i], -1 for a root) and causally to itself."""
     q, k, v = _qkv(q, k, v)
     out, lse = _fwd_outputs(q)
+    offs, par = _ints(node_offsets), _ints(parents)
     (q, qd), (k, kd), (v, vd), (_, od) = _desc(q), _desc(k), _desc(v), _desc(out)
-    _lib.tree_fwd(_ctx(context), [int(x) for x in node_offsets], [int(x) for x in parents], qd, kd, vd, od,
-                  lse.ctypes.data, _scale(q, softmax_scale), _lib.MEMORY_HOST)
-    return (out, lse) if return_lse else out
+    scale = _scale(q, softmax_scale)
+    _lib.tree_fwd(_ctx(context), offs, par, qd, kd, vd, od, lse.ctypes.data, scale, _lib.MEMORY_HOST)
+    return (out, _saved(lse, _tree_settings(offs, par, scale))) if return_lse else out
+
+
+def _ints(x):
+    return [int(a) for a in np.asarray(x).reshape(-1)]
+
+
+def _tree_settings(offs, par, scale):
+    return {"op": "tree_attention", "softmax_scale": _f32(scale), "layout": (tuple(offs), tuple(par))}
 
 
 def tree_attention_backward(dout, q, k, v, out, lse, node_offsets, parents, *, softmax_scale=None,
                             context=None):
     q, k, v = _qkv(q, k, v)
     dq, dk, dv = _grads(q, k, v)
+    offs, par = _ints(node_offsets), _ints(parents)
+    scale = _scale(q, softmax_scale)
+    _check_settings(lse, _tree_settings(offs, par, scale), "lse")
     lse = _lse_arg(lse, q)
     ds = [_desc(_arr(np.asarray(t, dtype=q.dtype), "tensor")) for t in (q, k, v, out, dout, dq, dk, dv)]
     d = [t for _, t in ds]
-    _lib.tree_bwd(_ctx(context), [int(x) for x in node_offsets], [int(x) for x in parents], *d[:5],
-                  lse.ctypes.data, *d[5:], _scale(q, softmax_scale), _lib.MEMORY_HOST)
+    _lib.tree_bwd(_ctx(context), offs, par, *d[:5], lse.ctypes.data, *d[5:], scale, _lib.MEMORY_HOST)
     return dq, dk, dv
 
 
@@ -174,9 +269,15 @@ def varlen_attention(q, k, v, cu_seqlens, *, softmax_scale=None, causal=True, re
     cu = [int(x) for x in np.asarray(cu_seqlens).reshape(-1)]
     out, lse = _fwd_outputs(q)
     (q, qd), (k, kd), (v, vd), (_, od) = _desc(q), _desc(k), _desc(v), _desc(out)
-    _lib.varlen_fwd(_ctx(context), cu, causal, qd, kd, vd, od, lse.ctypes.data, _scale(q, softmax_scale),
-                    _lib.MEMORY_HOST)
-    return (out, np.ascontiguousarray(lse.T)) if return_lse else out
+    scale = _scale(q, softmax_scale)
+    _lib.varlen_fwd(_ctx(context), cu, causal, qd, kd, vd, od, lse.ctypes.data, scale, _lib.MEMORY_HOST)
+    if not return_lse:
+        return out
+    return out, _saved(np.ascontiguousarray(lse.T), _varlen_settings(cu, causal, scale))
+
+
+def _varlen_settings(cu, causal, scale):
+    return {"op": "varlen_attention", "causal": bool(causal), "softmax_scale": _f32(scale), "layout": tuple(cu)}
 
 
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens, *, softmax_scale=None, causal=True,
@@ -185,11 +286,12 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens, *, softmax_sc
     q, k, v = _qkv(q, k, v)
     cu = [int(x) for x in np.asarray(cu_seqlens).reshape(-1)]
     dq, dk, dv = _grads(q, k, v)
+    scale = _scale(q, softmax_scale)
+    _check_settings(lse, _varlen_settings(cu, causal, scale), "lse")
     lse = _lse_arg(np.asarray(lse).T, q)
     ds = [_desc(_arr(np.asarray(t, dtype=q.dtype), "tensor")) for t in (q, k, v, out, dout, dq, dk, dv)]
     d = [t for _, t in ds]
-    _lib.varlen_bwd(_ctx(context), cu, causal, *d[:5], lse.ctypes.data, *d[5:], _scale(q, softmax_scale),
-                    _lib.MEMORY_HOST)
+    _lib.varlen_bwd(_ctx(context), cu, causal, *d[:5], lse.ctypes.data, *d[5:], scale, _lib.MEMORY_HOST)
     return dq, dk, dv
 
 
@@ -198,7 +300,7 @@ def trie_from_sequences(sequences, single_root=False, context=None):
     ``parents``, ``input_rows`` (packed row of token j of sequence s at seq_offsets[s] + j),
     ``seq_offsets``, ``row_positions``, ``row_nodes``, ``node_depths``, ``row_tokens``, and
     ``num_rows``, ``replicated_tokens``, ``dedup_ratio``."""
-    seqs = [np.asarray(s, dtype=np.int64).reshape(-1) for s in sequences]
+    seqs = [_i64_np(s, "sequences[%d]" % i) for i, s in enumerate(sequences)]
     if not seqs:
         raise ValueError("forkattn: trie_from_sequences needs at least one sequence")
     offs = np.zeros(len(seqs) + 1, dtype=np.int64)
@@ -257,7 +359,7 @@ def _kept_arg(kept, rows):
     keep = []
     ip = bp = None
     if idx is not None:
-        ia = np.ascontiguousarray(np.asarray(idx), dtype=np.int64).reshape(-1)
+        ia = _i64_np(idx, "kept: index")
         keep.append(ia)
         ip = (ia.ctypes.data, ia.size)
         offs = [int(x) for x in np.asarray(offs).reshape(-1)] if offs is not None else None
@@ -270,6 +372,23 @@ def _kept_arg(kept, rows):
     return d, keep
 
 
+def _kept_record(d, keep):
+    """What a forward's settings record of a kept set (a make_kept dict and its arrays)."""
+    if d is None:
+        return None
+    h = hashlib.sha256()
+    for a in keep:
+        h.update(a.dtype.str.encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    offs = tuple(d["offsets"]) if d["offsets"] is not None else None
+    return (d["heads"], d["compressed_rows"], d["query_start"], offs, d["index"] is not None,
+            d["block_mask"] is not None, h.hexdigest())
+
+
+def _spec_record(spec):
+    return tuple(tuple(x) if isinstance(x, list) else x for x in spec)
+
+
 def kept_attention(q, k, v, layout=None, kept=None, *, softmax_scale=None, return_lse=False, context=None):
     """Attention restricted to a kept set: a row sees the keys its layout shows it that ``kept``
     keeps (a dict like :func:`kv_select`'s: ``heads``, ``compressed_rows``, ``query_start``,
@@ -280,9 +399,14 @@ def kept_attention(q, k, v, layout=None, kept=None, *, softmax_scale=None, retur
     kd, keep = _kept_arg(kept, q.shape[0])
     out, lse = _fwd_outputs(q)
     (q, qd), (k, kd_), (v, vd), (_, od) = _desc(q), _desc(k), _desc(v), _desc(out)
-    _lib.kept_fwd(_ctx(context), spec, kd, qd, kd_, vd, od, lse.ctypes.data, _scale(q, softmax_scale),
-                  _lib.MEMORY_HOST)
-    return (out, lse) if return_lse else out
+    scale = _scale(q, softmax_scale)
+    _lib.kept_fwd(_ctx(context), spec, kd, qd, kd_, vd, od, lse.ctypes.data, scale, _lib.MEMORY_HOST)
+    return (out, _saved(lse, _kept_settings(spec, kd, keep, scale))) if return_lse else out
+
+
+def _kept_settings(spec, kd, keep, scale):
+    return {"op": "kept_attention", "softmax_scale": _f32(scale), "layout": _spec_record(spec),
+            "kept": _kept_record(kd, keep)}
 
 
 def kept_attention_backward(dout, q, k, v, out, lse, layout=None, kept=None, *, softmax_scale=None, context=None):
@@ -291,11 +415,12 @@ def kept_attention_backward(dout, q, k, v, out, lse, layout=None, kept=None, *, 
     spec = _layout_spec(layout, q.shape[0])
     kd, keep = _kept_arg(kept, q.shape[0])
     dq, dk, dv = _grads(q, k, v)
+    scale = _scale(q, softmax_scale)
+    _check_settings(lse, _kept_settings(spec, kd, keep, scale), "lse")
     lse = _lse_arg(lse, q)
     ds = [_desc(_arr(np.asarray(t, dtype=q.dtype), "tensor")) for t in (q, k, v, out, dout, dq, dk, dv)]
     d = [t for _, t in ds]
-    _lib.kept_bwd(_ctx(context), spec, kd, *d[:5], lse.ctypes.data, *d[5:], _scale(q, softmax_scale),
-                  _lib.MEMORY_HOST)
+    _lib.kept_bwd(_ctx(context), spec, kd, *d[:5], lse.ctypes.data, *d[5:], scale, _lib.MEMORY_HOST)
     return dq, dk, dv
 
 
@@ -322,7 +447,13 @@ def stream_kl(q_t, k_t, q_s, k_s, layout=None, kept=None, *, direction="forward"
     ds = [_desc(a) for a in (q_t, k_t, q_s, k_s)]
     _lib.kl_fwd(_ctx(context), spec, *[d for _, d in ds], kd, opt, kl.ctypes.data, stats.ctypes.data,
                 outside.ctypes.data, _lib.MEMORY_HOST)
-    return kl, stats, outside
+    return kl, _saved(stats, _kl_settings(spec, kd, keep, opt)), outside
+
+
+def _kl_settings(spec, kd, keep, opt):
+    return {"op": "stream_kl", "direction": int(opt.direction), "temperature": _f32(opt.temperature),
+            "scale_by_tau2": bool(opt.scale_by_tau2), "scale_teacher": _f32(opt.scale_teacher),
+            "scale_student": _f32(opt.scale_student), "layout": _spec_record(spec), "kept": _kept_record(kd, keep)}
 
 
 def stream_kl_backward(dkl, q_t, k_t, q_s, k_s, stats, layout=None, kept=None, *, direction="forward",
@@ -333,13 +464,15 @@ def stream_kl_backward(dkl, q_t, k_t, q_s, k_s, stats, layout=None, kept=None, *
     q_t, k_t, q_s, k_s = _kl_qk(q_t, k_t, q_s, k_s)
     T, H = q_t.shape[0], q_t.shape[1]
     dkl = np.ascontiguousarray(dkl, dtype=np.float32)
+    saved = stats
     stats = np.ascontiguousarray(stats, dtype=np.float32)
     if dkl.shape != (T, H) or stats.shape != (T, H, _lib.KL_STATS):
-        raise ValueError("forkattn: dkl must be float32 %s and stats %s, got %s and %s"
-                         % ((T, H), (T, H, _lib.KL_STATS), dkl.shape, stats.shape))
+        raise _invalid("dkl must be float32 %s and stats %s, got %s and %s"
+                       % ((T, H), (T, H, _lib.KL_STATS), dkl.shape, stats.shape))
     spec = _layout_spec(layout, T)
     kd, keep = _kept_arg(kept, T)
     opt = _lib.kl_options(direction, scale_teacher, scale_student, temperature, scale_by_tau2)
+    _check_settings(saved, _kl_settings(spec, kd, keep, opt), "stats")
     dq_s, dk_s = np.empty(q_s.shape, q_s.dtype), np.empty(k_s.shape, k_s.dtype)
     outs = [dq_s, dk_s]
     if teacher_grad:
@@ -381,6 +514,6 @@ def rows_mean(x, weights=None, context=None):
     if weights is not None:
         w = np.ascontiguousarray(weights, dtype=np.float32).reshape(-1)
         if w.size != x.shape[0]:
-            raise ValueError("forkattn: weights has %d entries, x %d rows" % (w.size, x.shape[0]))
+            raise _invalid("weights has %d entries, x %d rows" % (w.size, x.shape[0]))
     return _lib.rows_mean(_ctx(context), x.ctypes.data if x.size else None, x.shape[0], x.shape[1],
                           w.ctypes.data if w is not None and w.size else None, _lib.MEMORY_HOST)

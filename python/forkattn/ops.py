@@ -15,14 +15,13 @@ The public functions use the custom ops when available (``USE_CUSTOM_OPS``).
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Tuple
 
 import torch
 
 from . import _lib
-from .layouts import SharedPrefixLayout, TreeLayout
+from .layouts import SharedPrefixLayout, TreeLayout, _as_i64
 
 __all__ = [
     "prefix_attention",
@@ -105,7 +104,7 @@ def _ints(t, name):
 
 def _host_i64(t):
     """A CPU contiguous int64 copy/view of a 1-D integer tensor (for host pointers)."""
-    return t.detach().reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
+    return _as_i64(t.detach().reshape(-1).to(device="cpu"), "index tensor").contiguous()
 
 
 def _new_outputs(q):
@@ -123,11 +122,11 @@ def _new_grads(q, k, v):
 
 def _check_bwd(dout, out, lse, q):
     if dout.shape != q.shape or out.shape != q.shape:
-        raise ValueError("forkattn: dout %s / out %s must have q's shape %s"
-                         % (tuple(dout.shape), tuple(out.shape), tuple(q.shape)))
+        raise _lib.ForkattnInvalidArgument(_lib.ERR_INVALID_ARGUMENT, "dout %s / out %s must have q's shape %s"
+                                           % (tuple(dout.shape), tuple(out.shape), tuple(q.shape)))
     if lse.dtype != torch.float32 or tuple(lse.shape) != tuple(q.shape[:2]):
-        raise ValueError("forkattn: lse must be float32 [rows, heads_q] = %s, got %s %s"
-                         % (tuple(q.shape[:2]), lse.dtype, tuple(lse.shape)))
+        raise _lib.ForkattnInvalidArgument(_lib.ERR_INVALID_ARGUMENT, "lse must be float32 [rows, heads_q] = %s, "
+                                           "got %s %s" % (tuple(q.shape[:2]), lse.dtype, tuple(lse.shape)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -150,7 +149,8 @@ def _prefix_fwd_impl(q, k, v, prompt_lens, response_lens, group_sizes, scale, ca
     _check_qkv(q, k, v)
     P, S, R = _ints(prompt_lens, "prompt_lens"), _ints(group_sizes, "group_sizes"), _ints(response_lens, "response_lens")
     if not P and q.shape[0] != 0:
-        raise ValueError("forkattn: q has %d rows, the (empty) layout needs 0" % q.shape[0])
+        raise _lib.ForkattnInvalidArgument(_lib.ERR_INVALID_ARGUMENT,
+                                           "q has %d rows, the (empty) layout needs 0" % q.shape[0])
     out, lse = _new_outputs(q)
     keep, ds = _descs(q, k, v, out)
     ctx, mem = _ctx_for(q)  # after every copy above: the call is ordered after them
@@ -415,9 +415,7 @@ if HAVE_CUSTOM_OPS:
 
 
 def _scale_of(q, softmax_scale):
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(q.shape[-1])
-    return float(softmax_scale)
+    return _lib.softmax_scale(q.shape[-1], softmax_scale)
 
 
 def _use_ops():

@@ -23,7 +23,6 @@ Works without PyTorch (numpy arrays); imports neither torch nor numpy by itself.
 
 from __future__ import annotations
 
-import math
 import sys
 from collections import namedtuple
 from dataclasses import asdict, dataclass
@@ -238,7 +237,7 @@ class PathStack(_lib._ContextBound):
             raise _invalid("%s: dtype %s differs from the PathStack's %s" % (name, _CODE_NAMES[code], self.dtype))
 
     def _scale(self, scale):
-        return 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
+        return _lib.softmax_scale(self.head_dim, scale)
 
     # -- operations
     def push(self, k, v):
@@ -363,14 +362,22 @@ def _i64_host(x, name):
         t = _torch()
         if x.is_floating_point() or x.is_complex() or x.dtype == t.bool:
             raise TypeError("forkattn: %s must hold integers, got %s" % (name, x.dtype))
-        a = x.detach().reshape(-1).to(device="cpu", dtype=t.int64).contiguous()
+        from .layouts import _as_i64
+
+        a = _as_i64(x.detach().reshape(-1).to(device="cpu"), name).contiguous()
         return a, (a.data_ptr(), a.numel())
     import numpy as np
 
-    a = np.asarray(x)
-    if a.size and a.dtype.kind not in "iu":
+    from .numpy_api import _i64_np
+
+    # A sequence stays Python ints (numpy would turn a large one into a float) for _i64_np's check.
+    a = x if isinstance(x, np.ndarray) else np.asarray(x, dtype=object)
+    if a.dtype == object:
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in a.reshape(-1)):
+            raise TypeError("forkattn: %s must hold integers, got %s" % (name, a.dtype))
+    elif a.size and a.dtype.kind not in "iu":
         raise TypeError("forkattn: %s must hold integers, got %s" % (name, a.dtype))
-    a = np.ascontiguousarray(a.reshape(-1), dtype=np.int64)
+    a = _i64_np(a, name)
     return a, (a.ctypes.data, a.size)
 
 

@@ -97,12 +97,12 @@ typedef enum forkattn_memory {
  * naming the tensor (a misaligned load is undefined behaviour in C). The same
  * holds for every other typed array the API reads or writes: float lse, stats
  * and similarity arrays (4 bytes), int64_t offsets, parents and index arrays
- * (8), int32_t tokens (4). Nothing stronger is required; GPU tensor-core
- * kernels that want 16-byte rows fall back to other kernels when the rows are
- * not.
+ * (8), double outputs (8), int32_t tokens (4). Nothing stronger is required:
+ * the GPU tensor-core kernels that want 16-byte rows fall back to other
+ * kernels when the rows are not.
  */
 typedef struct forkattn_tensor {
-  void *data;            /**< first element, aligned to its element size; host or device pointer per ::forkattn_memory */
+  void *data;            /**< first element (element-aligned); host or device pointer per ::forkattn_memory */
   forkattn_dtype dtype;  /**< storage type */
   int64_t rows;          /**< number of token rows */
   int64_t heads;         /**< number of heads */

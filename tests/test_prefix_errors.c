@@ -661,6 +661,86 @@ Test(args, misaligned_arrays) {
   expect_error(st, INVALID, NO_ALT, "kept_fwd: index 4 bytes off", WORDS("index"));
 }
 
+/* A byte buffer whose bytes all hold one pattern; unchanged() says whether they still do. */
+#define RAW_BYTES 512
+typedef struct {
+  _Alignas(16) unsigned char b[RAW_BYTES];
+} raw_buf;
+static void raw_fill(raw_buf *r) { memset(r->b, 0x5a, sizeof r->b); }
+static int raw_unchanged(const raw_buf *r) {
+  for (size_t i = 0; i < sizeof r->b; i++)
+    if (r->b[i] != 0x5a) return 0;
+  return 1;
+}
+
+/* The other entry points: each typed output or input array a few bytes off its
+ * element alignment is refused, naming it, and nothing is written. */
+static void expect_refused(forkattn_status st, const char *what, const char *word, const raw_buf *r) {
+  const char *msg = forkattn_ctx_last_error(fx.ctx);
+  fprintf(stderr, "  %-44s -> %d (%s): \"%s\"\n", what, (int)st, forkattn_status_string(st), msg);
+  cr_expect_eq(st, INVALID, "%s: returned %s; message \"%s\"", what, forkattn_status_string(st), msg);
+  cr_expect(mentions_word(msg, word) && strstr(msg, "aligned"), "%s: message \"%s\" does not name %s", what, msg,
+            word);
+  cr_expect(raw_unchanged(r), "%s: the misaligned array was written", what);
+  expect_untouched(what);
+}
+
+Test(args, misaligned_arrays_other_apis) {
+  raw_buf r, r2;
+  raw_fill(&r);
+  raw_fill(&r2);
+  forkattn_layout any = {&fx.lay, NULL};
+  float *f_off = (float *)(void *)(r.b + 2), *f_ok = (float *)(void *)r2.b;
+  /* StreamKL forward: kl, stats, outside_mass (r2 is large enough for the aligned ones: T*H = 40 floats) */
+  expect_refused(forkattn_kl_fwd(fx.ctx, &any, &fx.q, &fx.k, &fx.q, &fx.k, NULL, NULL, f_off, NULL, NULL,
+                                 FORKATTN_MEMORY_HOST), "kl_fwd: kl 2 bytes off", "kl", &r);
+  expect_refused(forkattn_kl_fwd(fx.ctx, &any, &fx.q, &fx.k, &fx.q, &fx.k, NULL, NULL, f_ok, NULL, f_off,
+                                 FORKATTN_MEMORY_HOST), "kl_fwd: outside_mass 2 bytes off", "outside_mass", &r);
+  raw_fill(&r2);
+  /* rows_mean: x (input) and mean (double output) */
+  double mean = 0;
+  expect_refused(forkattn_rows_mean(fx.ctx, f_off, 4, 2, NULL, &mean, FORKATTN_MEMORY_HOST), "rows_mean: x 2 bytes off",
+                 "x", &r);
+  expect_refused(forkattn_rows_mean(fx.ctx, fx.lse, 4, 2, NULL, (double *)(void *)(r.b + 4), FORKATTN_MEMORY_HOST),
+                 "rows_mean: mean 4 bytes off", "mean", &r);
+  /* KV selection: int64 offsets and index outputs */
+  forkattn_kv_policy pol;
+  forkattn_kv_policy_init(&pol, FORKATTN_KV_STREAMING_LLM, 4);
+  int64_t *i_off = (int64_t *)(void *)(r.b + 4), *i_ok = (int64_t *)(void *)r2.b;
+  expect_refused(forkattn_kv_select(fx.ctx, &pol, &fx.q, &fx.k, i_off, i_ok + 8, FORKATTN_MEMORY_HOST),
+                 "kv_select: offsets 4 bytes off", "offsets", &r);
+  expect_refused(forkattn_kv_select(fx.ctx, &pol, &fx.q, &fx.k, i_ok, i_off, FORKATTN_MEMORY_HOST),
+                 "kv_select: index 4 bytes off", "index", &r);
+  raw_fill(&r2);
+  /* K/V similarity: sim output */
+  expect_refused(forkattn_kv_similarity(fx.ctx, &fx.k, &fx.k, f_off, NULL, FORKATTN_MEMORY_HOST),
+                 "kv_similarity: sim 2 bytes off", "sim", &r);
+  /* reuse profile: sim input, depth output */
+  forkattn_reuse_profile *prof = NULL;
+  cr_assert_eq(forkattn_reuse_profile_create(fx.ctx, 2, 0.95f, &prof), FORKATTN_OK);
+  expect_refused(forkattn_reuse_profile_add(fx.ctx, prof, 0.5, f_off), "reuse_profile_add: sim 2 bytes off", "sim", &r);
+  expect_refused(forkattn_reuse_profile_depth(fx.ctx, prof, 0.5, i_off), "reuse_profile_depth: depth 4 bytes off",
+                 "depth", &r);
+  forkattn_reuse_profile_free(prof);
+  /* tree cost: seconds output */
+  const int64_t tree_off[2] = {0, FX_T}, tree_par[1] = {-1};
+  const forkattn_tree_layout tree = {1, tree_off, tree_par};
+  const forkattn_tree_cost_model model = {FX_HQ, FX_D, 1e-10, 1e-8, 1e-6};
+  expect_refused(forkattn_tree_cost(fx.ctx, &tree, &model, (double *)(void *)(r.b + 4)),
+                 "tree_cost: seconds 4 bytes off", "seconds", &r);
+  /* KV cache: int32 tokens on insert */
+  forkattn_kv_cache_options co = {1 << 20, 0, 1, FX_HKV, FX_D, FORKATTN_DTYPE_F32, FORKATTN_MEMORY_HOST};
+  forkattn_kv_cache *cache = NULL;
+  cr_assert_eq(forkattn_kv_cache_create(fx.ctx, &co, &cache), FORKATTN_OK, "%s", forkattn_ctx_last_error(fx.ctx));
+  memset(r.b, 0, 64);
+  const int32_t *t_off = (const int32_t *)(void *)(r.b + 2);
+  raw_buf snap = r;
+  expect_error(forkattn_kv_cache_insert(cache, t_off, FX_T, &fx.k, &fx.v, FORKATTN_MEMORY_HOST, NULL), INVALID,
+               NO_ALT, "kv_cache_insert: tokens 2 bytes off", WORDS("tokens"));
+  cr_expect(memcmp(snap.b, r.b, sizeof r.b) == 0, "kv_cache_insert changed the tokens");
+  forkattn_kv_cache_destroy(cache);
+}
+
 /* ---- context API ---------------------------------------------------------- */
 
 TestSuite(context, .timeout = 60.0);

@@ -738,6 +738,15 @@ Test(args, misaligned_arrays_other_apis) {
   expect_error(forkattn_kv_cache_insert(cache, t_off, FX_T, &fx.k, &fx.v, FORKATTN_MEMORY_HOST, NULL), INVALID,
                NO_ALT, "kv_cache_insert: tokens 2 bytes off", WORDS("tokens"));
   cr_expect(memcmp(snap.b, r.b, sizeof r.b) == 0, "kv_cache_insert changed the tokens");
+  /* and on lookup: tokens, and the int64 matched output */
+  forkattn_kv_entry *entry = NULL;
+  int64_t matched = 0;
+  expect_error(forkattn_kv_cache_lookup(cache, t_off, FX_T, &entry, &matched), INVALID, NO_ALT,
+               "kv_cache_lookup: tokens 2 bytes off", WORDS("tokens"));
+  const int32_t *t_ok = (const int32_t *)(void *)r.b;
+  expect_error(forkattn_kv_cache_lookup(cache, t_ok, FX_T, &entry, (int64_t *)(void *)(r2.b + 4)), INVALID, NO_ALT,
+               "kv_cache_lookup: matched 4 bytes off", WORDS("matched"));
+  cr_expect(entry == NULL && raw_unchanged(&r2), "kv_cache_lookup wrote its outputs on error");
   forkattn_kv_cache_destroy(cache);
 }
 

@@ -91,9 +91,18 @@ typedef enum forkattn_memory {
  * (row_stride >= head_dim and head_stride >= the extent of one head's rows:
  * head-major). Anything else, overlapping or exotically interleaved, is
  * refused with FORKATTN_ERR_INVALID_ARGUMENT.
+ *
+ * Alignment: data must be a multiple of the element size (4 bytes for f32, 2
+ * for bf16 and f16), or the call is refused with FORKATTN_ERR_INVALID_ARGUMENT
+ * naming the tensor (a misaligned load is undefined behaviour in C). The same
+ * holds for every other typed array the API reads or writes: float lse, stats
+ * and similarity arrays (4 bytes), int64_t offsets, parents and index arrays
+ * (8), double outputs (8), int32_t tokens (4). Nothing stronger is required:
+ * the GPU tensor-core kernels that want 16-byte rows fall back to other
+ * kernels when the rows are not.
  */
 typedef struct forkattn_tensor {
-  void *data;            /**< first element; host or device pointer per ::forkattn_memory */
+  void *data;            /**< first element (element-aligned); host or device pointer per ::forkattn_memory */
   forkattn_dtype dtype;  /**< storage type */
   int64_t rows;          /**< number of token rows */
   int64_t heads;         /**< number of heads */

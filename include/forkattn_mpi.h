@@ -29,6 +29,14 @@ extern "C" {
  * Summation is in float32 (MPI_SUM over MPI_FLOAT), in rank order as MPI
  * defines it; the result is written back in each tensor's dtype.
  *
+ * Collective on errors as well: every rank checks its own arguments and
+ * allocates before any data moves, then the ranks agree on the outcome. When
+ * any rank fails, every rank returns the failing rank's status with its
+ * message ("allreduce: rank R of N: ..."); ranks that pass different counts,
+ * heads or head_dim, or different partitions all return
+ * FORKATTN_ERR_INVALID_ARGUMENT. No rank is left waiting in the reduction, and
+ * on error no tensor is modified.
+ *
  * @param ctx the context (error messages)
  * @param comm the communicator
  * @param partition the partition every rank built from the same tree and model

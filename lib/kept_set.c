@@ -5,6 +5,7 @@
 #include "alloc.h"
 #include "context_internal.h"
 #include "kept_mask.h"
+#include "validate.h"
 
 int64_t fa_kept_keep_bytes(const fa_kept *k) {
   return k && k->key_keep ? k->heads * k->compressed_rows : 0;
@@ -50,13 +51,16 @@ forkattn_status fa_kept_build(forkattn_ctx *ctx, const forkattn_kept_set *kept, 
   if (!kept->offsets != !kept->index)
     return fa_fail(ctx, bad, "kept: offsets and index must both be set or both NULL");
   if (kept->offsets) {
+    forkattn_status st;
+    if ((st = fa_check_aligned(ctx, "kept: offsets", kept->offsets, sizeof *kept->offsets)) ||
+        (st = fa_check_aligned(ctx, "kept: index", kept->index, sizeof *kept->index)))
+      return st;
     if (kept->compressed_rows < 0 || kept->compressed_rows > rows)
       return fa_fail(ctx, bad, "kept: compressed_rows %lld outside [0, rows %lld]", (long long)kept->compressed_rows,
                      (long long)rows);
     if (kept->query_start < 0)
       return fa_fail(ctx, bad, "kept: query_start %lld is negative", (long long)kept->query_start);
-    forkattn_status st = fa_kept_check_lists(ctx, kept);
-    if (st) return st;
+    if ((st = fa_kept_check_lists(ctx, kept))) return st;
   }
   const int64_t nb = (rows + FORKATTN_KEPT_BLOCK - 1) / FORKATTN_KEPT_BLOCK;
   if (kept->block_mask) {

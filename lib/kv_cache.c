@@ -193,6 +193,8 @@ static forkattn_status fa_kv_check_insert(forkattn_ctx *ctx, const forkattn_kv_c
                                           forkattn_memory memory) {
   if (n < 1) return fa_fail(ctx, FA_BAD, "n: %lld, an entry holds n >= 1 tokens", (long long)n);
   if (!tokens) return fa_fail(ctx, FA_BAD, "tokens: NULL with n = %lld", (long long)n);
+  forkattn_status st = fa_check_aligned(ctx, "tokens", tokens, sizeof *tokens);
+  if (st) return st;
   if (!k) return fa_fail(ctx, FA_BAD, "k: the array of %lld per-layer key tensors is NULL", (long long)c->opt.layers);
   if (!v)
     return fa_fail(ctx, FA_BAD, "v: the array of %lld per-layer value tensors is NULL", (long long)c->opt.layers);
@@ -201,7 +203,7 @@ static forkattn_status fa_kv_check_insert(forkattn_ctx *ctx, const forkattn_kv_c
   if (memory == FORKATTN_MEMORY_DEVICE && c->ctx->backend != FORKATTN_BACKEND_GPU)
     return fa_fail(ctx, FA_BAD, "memory: device tensors need the gpu backend, the cache's context uses %s",
                    forkattn_backend_name(c->ctx->backend));
-  forkattn_status st = fa_kv_check_tensors(ctx, c, "k", k, n);
+  st = fa_kv_check_tensors(ctx, c, "k", k, n);
   return st ? st : fa_kv_check_tensors(ctx, c, "v", v, n);
 }
 
@@ -331,6 +333,10 @@ forkattn_status forkattn_kv_cache_lookup(forkattn_kv_cache *cache, const int32_t
   if (!c) return FA_BAD;
   if (n < 0) return fa_kv_fail(c, FA_BAD, "n: %lld must be >= 0", (long long)n);
   if (!tokens && n > 0) return fa_kv_fail(c, FA_BAD, "tokens: NULL with n = %lld", (long long)n);
+  if ((uintptr_t)tokens % sizeof *tokens)
+    return fa_kv_fail(c, FA_BAD, "tokens: pointer %p is not aligned to its 4-byte elements", (const void *)tokens);
+  if ((uintptr_t)matched % sizeof *matched)
+    return fa_kv_fail(c, FA_BAD, "matched: pointer %p is not aligned to its 8-byte elements", (void *)matched);
   if (!entry) return fa_kv_fail(c, FA_BAD, "entry: the output pointer is NULL");
   pthread_mutex_lock(&c->lock);
   forkattn_kv_entry *e = n > 0 ? fa_kv_index_longest(c, tokens, n) : NULL;

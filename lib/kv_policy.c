@@ -183,6 +183,9 @@ forkattn_status forkattn_kv_select(forkattn_ctx *ctx, const forkattn_kv_policy *
                                (long long)(hkv + 1));
   if (!index && n > 0)
     return fa_fail(ctx, FORKATTN_ERR_INVALID_ARGUMENT, "index: is NULL (needs %lld entries)", (long long)(hkv * n));
+  if ((st = fa_check_aligned(ctx, "offsets", offsets, sizeof *offsets)) ||
+      (st = fa_check_aligned(ctx, "index", index, sizeof *index)))
+    return st;
 
   if (L <= policy->budget) { /* everything fits */
     for (int64_t g = 0; g < hkv; g++)

@@ -107,7 +107,7 @@ static forkattn_status fa_sim_check(forkattn_ctx *ctx, const forkattn_tensor *a,
                    (long long)a->heads, (long long)a->head_dim);
   if ((st = fa_check_tensor(ctx, "b", b, b->dtype, a->rows, a->heads, a->head_dim))) return st;
   if (!sim) return fa_fail(ctx, bad, "sim: is NULL (needs %lld floats, one per head)", (long long)a->heads);
-  return FORKATTN_OK;
+  return fa_check_aligned(ctx, "sim", sim, sizeof *sim);
 }
 
 forkattn_status forkattn_kv_similarity(forkattn_ctx *ctx, const forkattn_tensor *a, const forkattn_tensor *b,
@@ -115,7 +115,7 @@ forkattn_status forkattn_kv_similarity(forkattn_ctx *ctx, const forkattn_tensor 
   if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
   fa_clear_error(ctx);
   forkattn_status st = fa_sim_check(ctx, a, b, sim, memory);
-  if (st) return st;
+  if (st || (st = fa_check_aligned(ctx, "mean", mean, sizeof *mean))) return st;
   const int64_t rows = a->rows, heads = a->heads;
   if (rows == 0) { /* no rows: nothing drifted */
     for (int64_t h = 0; h < heads; h++) sim[h] = 1.0f;

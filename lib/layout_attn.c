@@ -43,6 +43,7 @@ forkattn_status fa_layout_fwd(forkattn_ctx *ctx, const fa_layout_ops *ops, const
   forkattn_status st = fa_layout_begin(ctx, ops, layout, q, k, v, scale, &rows, &hq, &hkv, &d, memory);
   if (st) return st;
   if ((st = fa_check_tensor(ctx, "o", o, q->dtype, rows, hq, d))) return st;
+  if ((st = fa_check_aligned(ctx, "lse", lse, sizeof *lse))) return st;
   fa_kept km;
   unsigned char *owned = NULL;
   if ((st = fa_kept_build(ctx, kept, rows, hq, &km, &owned))) return st;
@@ -77,6 +78,7 @@ forkattn_status fa_layout_bwd(forkattn_ctx *ctx, const fa_layout_ops *ops, const
   if ((st = fa_check_tensor(ctx, "dv", dv, q->dtype, rows, hkv, d))) return st;
   if (!lse && rows > 0)
     return fa_fail(ctx, FORKATTN_ERR_INVALID_ARGUMENT, "lse: is NULL (the forward's log-sum-exp is required)");
+  if ((st = fa_check_aligned(ctx, "lse", lse, sizeof *lse))) return st;
   fa_kept km;
   unsigned char *owned = NULL;
   if ((st = fa_kept_build(ctx, kept, rows, hq, &km, &owned))) return st;

@@ -20,6 +20,8 @@ static forkattn_status fa_check_prefix_layout(forkattn_ctx *ctx, const void *lay
   if (n > 0) {
     const int64_t *off = l->response_offsets;
     if (!off) return fa_fail(ctx, bad, "layout: response_offsets is NULL with %lld responses", (long long)n);
+    forkattn_status st = fa_check_aligned(ctx, "layout: response_offsets", off, sizeof *off);
+    if (st) return st;
     if (off[0] != 0)
       return fa_fail(ctx, bad, "layout: response_offsets[0] is %lld, must be 0", (long long)off[0]);
     for (int64_t i = 0; i < n; i++)

@@ -26,6 +26,7 @@
 #include <math.h>
 
 #include "alloc.h"
+#include "validate.h"
 
 #define FA_BAD FORKATTN_ERR_INVALID_ARGUMENT
 
@@ -103,6 +104,7 @@ forkattn_status forkattn_reuse_profile_add(forkattn_ctx *ctx, forkattn_reuse_pro
   if (st) return st;
   const int64_t L = profile->layers;
   if (!sim) return fa_fail(ctx, FA_BAD, "sim: is NULL (needs %lld values, one per layer)", (long long)L);
+  if ((st = fa_check_aligned(ctx, "sim", sim, sizeof *sim))) return st;
   for (int64_t l = 0; l < L; l++) { /* everything checked before anything changes */
     const double x = (double)sim[l];
     if (!isfinite(x)) return fa_fail(ctx, FA_BAD, "sim[%lld]: %g is not finite", (long long)l, x);
@@ -127,9 +129,10 @@ forkattn_status forkattn_reuse_profile_depth(forkattn_ctx *ctx, const forkattn_r
   fa_clear_error(ctx);
   if (!profile) return fa_fail(ctx, FA_BAD, "profile: is NULL");
   if (!depth) return fa_fail(ctx, FA_BAD, "depth: is NULL");
-  int bin = 0;
-  forkattn_status st = fa_profile_bin(ctx, ratio, &bin);
+  forkattn_status st = fa_check_aligned(ctx, "depth", depth, sizeof *depth);
   if (st) return st;
+  int bin = 0;
+  if ((st = fa_profile_bin(ctx, ratio, &bin))) return st;
   *depth = profile->depth[bin];
   return FORKATTN_OK;
 }

@@ -120,6 +120,9 @@ forkattn_status forkattn_kl_fwd(forkattn_ctx *ctx, const forkattn_layout *layout
   forkattn_status st = fa_kl_begin(ctx, layout, q_t, k_t, q_s, k_s, opt, memory, &ops, &l, &rows, &c);
   if (st) return st;
   if (!kl && rows > 0) return fa_fail(ctx, FORKATTN_ERR_INVALID_ARGUMENT, "kl: is NULL");
+  if ((st = fa_check_aligned(ctx, "kl", kl, sizeof *kl)) || (st = fa_check_aligned(ctx, "stats", stats, sizeof *stats)) ||
+      (st = fa_check_aligned(ctx, "outside_mass", outside_mass, sizeof *outside_mass)))
+    return st;
   c.kl = kl;
   c.stats = stats;
   c.outside = outside_mass;
@@ -149,6 +152,8 @@ forkattn_status forkattn_kl_bwd(forkattn_ctx *ctx, const forkattn_layout *layout
     return st;
   if (!stats && rows > 0) return fa_fail(ctx, bad, "stats: is NULL (the forward's statistics are required)");
   if (!dkl && rows > 0) return fa_fail(ctx, bad, "dkl: is NULL");
+  if ((st = fa_check_aligned(ctx, "stats", stats, sizeof *stats)) || (st = fa_check_aligned(ctx, "dkl", dkl, sizeof *dkl)))
+    return st;
   c.stats_in = stats;
   c.dkl = dkl;
   c.dqs = *dq_s;
@@ -175,6 +180,9 @@ forkattn_status forkattn_rows_mean(forkattn_ctx *ctx, const float *x, int64_t ro
   int64_t n;
   if (__builtin_mul_overflow(rows, heads, &n)) return fa_fail(ctx, bad, "rows*heads overflows int64");
   if (!x && n > 0) return fa_fail(ctx, bad, "x: is NULL");
+  if ((st = fa_check_aligned(ctx, "x", x, sizeof *x)) || (st = fa_check_aligned(ctx, "weights", weights, sizeof *weights)) ||
+      (st = fa_check_aligned(ctx, "mean", mean, sizeof *mean)))
+    return st;
   const float *hx = x, *hw = weights;
   float *buf = NULL;
   if (memory == FORKATTN_MEMORY_DEVICE && n > 0) { /* small: reduce on the host */

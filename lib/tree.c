@@ -16,6 +16,10 @@ forkattn_status fa_check_tree_layout(forkattn_ctx *ctx, const void *layout, int6
   const int64_t *off = t->node_offsets, *par = t->parents;
   if (!off) return fa_fail(ctx, bad, "tree: node_offsets is NULL with %lld nodes", (long long)n);
   if (!par) return fa_fail(ctx, bad, "tree: parents is NULL with %lld nodes", (long long)n);
+  forkattn_status st;
+  if ((st = fa_check_aligned(ctx, "tree: node_offsets", off, sizeof *off)) ||
+      (st = fa_check_aligned(ctx, "tree: parents", par, sizeof *par)))
+    return st;
   if (off[0] != 0) return fa_fail(ctx, bad, "tree: node_offsets[0] is %lld, must be 0", (long long)off[0]);
   for (int64_t i = 0; i < n; i++) {
     if (off[i + 1] < off[i])

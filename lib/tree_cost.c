@@ -61,6 +61,7 @@ forkattn_status forkattn_tree_cost(forkattn_ctx *ctx, const forkattn_tree_layout
   if (st) return st;
   if ((st = fa_check_cost_model(ctx, "tree_cost", model))) return st;
   if (!seconds) return fa_fail(ctx, bad, "tree_cost: seconds is NULL");
+  if ((st = fa_check_aligned(ctx, "tree_cost: seconds", seconds, sizeof *seconds))) return st;
   const int64_t n = tree->num_nodes;
   int64_t *work = fa_malloc_array(FA_TREE_COUNT_WORK(n), sizeof *work);
   if (!work) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "tree_cost: out of memory (%lld nodes)", (long long)n);

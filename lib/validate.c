@@ -2,6 +2,9 @@
 #include "validate.h"
 
 #include <math.h>
+#include <stdint.h>
+
+#include "dtype_convert.h"
 
 static int fa_mul_ok(int64_t a, int64_t b, int64_t *r) { return !__builtin_mul_overflow(a, b, r); }
 static int fa_add_ok(int64_t a, int64_t b, int64_t *r) { return !__builtin_add_overflow(a, b, r); }
@@ -55,6 +58,14 @@ forkattn_status fa_check_tensor(forkattn_ctx *ctx, const char *name, const forka
                    "(a row needs %lld elements with this head_stride)",
                    name, (long long)t->row_stride, (long long)t->head_stride, (long long)head_span);
   if (!t->data && n > 0) return fa_fail(ctx, bad, "%s: data pointer is NULL", name);
+  return fa_check_aligned(ctx, name, t->data, fa_esize((int)t->dtype));
+}
+
+forkattn_status fa_check_aligned(forkattn_ctx *ctx, const char *name, const void *ptr, size_t align) {
+  if (align > 1 && (uintptr_t)ptr % align)
+    return fa_fail(ctx, FORKATTN_ERR_INVALID_ARGUMENT,
+                   "%s: pointer %p is not aligned to its %zu-byte elements (misaligned by %zu bytes)", name, ptr,
+                   align, (size_t)((uintptr_t)ptr % align));
   return FORKATTN_OK;
 }
 

@@ -6,8 +6,9 @@
 
 #define FA_MAX_HEAD_DIM 256
 
-/* t must be non-NULL with data, a known dtype, the given shape (rows, heads,
- * head_dim) and strides that neither overlap nor overflow int64. */
+/* t must be non-NULL with data aligned to its element size, a known dtype, the
+ * given shape (rows, heads, head_dim) and strides that neither overlap nor
+ * overflow int64. */
 forkattn_status fa_check_tensor(forkattn_ctx *ctx, const char *name, const forkattn_tensor *t,
                                 forkattn_dtype dtype, int64_t rows, int64_t heads,
                                 int64_t head_dim);
@@ -24,6 +25,11 @@ forkattn_status fa_check_qk(forkattn_ctx *ctx, const char *qn, const char *kn, c
 forkattn_status fa_check_qkv(forkattn_ctx *ctx, const forkattn_tensor *q, const forkattn_tensor *k,
                              const forkattn_tensor *v, int64_t rows, int64_t *hq, int64_t *hkv,
                              int64_t *d);
+
+/* ptr (NULL passes: callers check presence) must be a multiple of align, the
+ * size of the elements read or written through it: a misaligned load is
+ * undefined behaviour in C and faults on some targets. */
+forkattn_status fa_check_aligned(forkattn_ctx *ctx, const char *name, const void *ptr, size_t align);
 
 /* scale must be finite and > 0. */
 forkattn_status fa_check_scale(forkattn_ctx *ctx, float scale);

@@ -5,6 +5,8 @@
  * (zeros for shared rows it does not hold), and one MPI_Allreduce over that
  * list sums them. Only shared rows travel: the duplicated ancestors, not the
  * whole tree. */
+#include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -50,48 +52,137 @@ static int64_t fa_shared_rows(const forkattn_partition *pt, int64_t part, int64_
   return m;
 }
 
+/* Result of this rank's own checks and allocations, before any rank reduces. */
+typedef struct {
+  forkattn_status status;
+  char msg[FA_MSG_LEN];
+} fa_local;
+
+static void fa_local_fail(fa_local *l, forkattn_status status, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+static void fa_local_fail(fa_local *l, forkattn_status status, const char *fmt, ...) {
+  if (l->status) return; /* keep the first failure */
+  l->status = status;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(l->msg, sizeof l->msg, fmt, ap);
+  va_end(ap);
+}
+
+/* The agreement vector, reduced with MPI_MAX (minima travel negated): which
+ * rank failed and how, the number of tensors, the shared-row count and each
+ * tensor's heads and head_dim. A rank that failed contributes INT64_MIN to all
+ * but the first slot, so its arguments never show up as a mismatch. */
+enum { AG_FAIL, AG_COUNT, AG_SHARED = AG_COUNT + 2, AG_SHAPE = AG_SHARED + 2,
+       AG_LEN = AG_SHAPE + 4 * FA_MPI_MAX_TENSORS };
+
+static void fa_ag_put(int64_t *ag, int slot, int64_t v) {
+  ag[slot] = v;
+  ag[slot + 1] = -v;
+}
+
+/* the ranks disagree on the value of ag[slot] (max != min) */
+static int fa_ag_differs(const int64_t *ag, int slot) { return ag[slot] != -ag[slot + 1]; }
+
 forkattn_status forkattn_partition_allreduce(forkattn_ctx *ctx, MPI_Comm comm,
                                              const forkattn_partition *partition,
                                              const forkattn_tensor *const *tensors, int count) {
-  if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
   fa_clear_error(ctx);
-  const forkattn_status bad = FORKATTN_ERR_INVALID_ARGUMENT;
-  if (!partition) return fa_fail(ctx, bad, "allreduce: partition is NULL");
-  if (count < 0 || count > FA_MPI_MAX_TENSORS)
-    return fa_fail(ctx, bad, "allreduce: count %d outside 0..%d", count, FA_MPI_MAX_TENSORS);
-  if (count > 0 && !tensors) return fa_fail(ctx, bad, "allreduce: tensors is NULL with count %d", count);
   int rank, size;
   if (MPI_Comm_rank(comm, &rank) != MPI_SUCCESS || MPI_Comm_size(comm, &size) != MPI_SUCCESS)
     return fa_fail(ctx, FORKATTN_ERR_DEVICE, "allreduce: MPI_Comm_rank/size failed");
-  if ((int64_t)size != forkattn_partition_num_parts(partition))
-    return fa_fail(ctx, bad, "allreduce: communicator has %d ranks, the partition %lld parts", size,
-                   (long long)forkattn_partition_num_parts(partition));
-  int64_t rows = 0;
-  forkattn_partition_rows(partition, rank, &rows);
-  int64_t width = 0;
-  for (int i = 0; i < count; i++) {
-    const forkattn_tensor *t = tensors[i];
-    char name[32];
-    snprintf(name, sizeof name, "tensors[%d]", i);
-    forkattn_status st = fa_check_tensor(ctx, name, t, t ? t->dtype : FORKATTN_DTYPE_F32, rows,
-                                         t ? t->heads : 1, t ? t->head_dim : 1);
-    if (st) return st;
-    width += t->heads * t->head_dim;
+
+  /* 1. Local checks and every allocation. A rank that fails here must not
+   * return yet: the others would wait in the reduction for ever. */
+  const forkattn_status bad = FORKATTN_ERR_INVALID_ARGUMENT;
+  fa_local me = {FORKATTN_OK, ""};
+  int64_t width = 0, m = 0, *local = NULL;
+  float *buf = NULL;
+  if (!ctx) fa_local_fail(&me, bad, "ctx is NULL");
+  if (!partition) fa_local_fail(&me, bad, "partition is NULL");
+  else if ((int64_t)size != forkattn_partition_num_parts(partition))
+    fa_local_fail(&me, bad, "communicator has %d ranks, the partition %lld parts", size,
+                  (long long)forkattn_partition_num_parts(partition));
+  if (count < 0 || count > FA_MPI_MAX_TENSORS)
+    fa_local_fail(&me, bad, "count %d outside 0..%d", count, FA_MPI_MAX_TENSORS);
+  else if (count > 0 && !tensors) fa_local_fail(&me, bad, "tensors is NULL with count %d", count);
+  if (!me.status) {
+    int64_t rows = 0;
+    forkattn_partition_rows(partition, rank, &rows);
+    for (int i = 0; i < count && !me.status; i++) {
+      const forkattn_tensor *t = tensors[i];
+      char name[32];
+      snprintf(name, sizeof name, "tensors[%d]", i);
+      forkattn_status st = fa_check_tensor(ctx, name, t, t ? t->dtype : FORKATTN_DTYPE_F32, rows,
+                                           t ? t->heads : 1, t ? t->head_dim : 1);
+      int64_t w;
+      if (st) fa_local_fail(&me, st, "%s", forkattn_ctx_last_error(ctx));
+      else if (__builtin_mul_overflow(t->heads, t->head_dim, &w) || __builtin_add_overflow(width, w, &width))
+        fa_local_fail(&me, bad, "%s: heads*head_dim summed over the tensors overflows int64", name);
+    }
   }
-  int64_t *local = NULL;
-  const int64_t m = fa_shared_rows(partition, rank, &local);
-  if (m < 0) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "allreduce: cannot allocate the shared-row list");
-  if (m == 0 || width == 0) {
+  if (!me.status) {
+    m = fa_shared_rows(partition, rank, &local);
+    if (m < 0) fa_local_fail(&me, FORKATTN_ERR_OUT_OF_MEMORY, "cannot allocate the shared-row list");
+  }
+  int64_t elems = 0;
+  if (!me.status && m > 0 && width > 0) {
+    if (__builtin_mul_overflow(m, width, &elems) || (uint64_t)elems > SIZE_MAX / sizeof *buf)
+      fa_local_fail(&me, FORKATTN_ERR_OUT_OF_MEMORY, "%lld shared rows of %lld values overflow size_t",
+                    (long long)m, (long long)width);
+    else if (!(buf = fa_calloc((size_t)elems, sizeof *buf)))
+      fa_local_fail(&me, FORKATTN_ERR_OUT_OF_MEMORY, "cannot allocate %lld shared rows of %lld values",
+                    (long long)m, (long long)width);
+  }
+
+  /* 2. Agree: every rank learns the worst failure (lowest rank among those with
+   * the highest status) and whether the ranks' arguments match. */
+  int64_t ag[AG_LEN];
+  for (int i = 0; i < AG_LEN; i++) ag[i] = INT64_MIN;
+  ag[AG_FAIL] = me.status ? ((int64_t)me.status << 32) | (int64_t)(INT32_MAX - rank) : 0;
+  if (!me.status) {
+    fa_ag_put(ag, AG_COUNT, count);
+    fa_ag_put(ag, AG_SHARED, m);
+    for (int i = 0; i < count; i++) {
+      fa_ag_put(ag, AG_SHAPE + 4 * i, tensors[i]->heads);
+      fa_ag_put(ag, AG_SHAPE + 4 * i + 2, tensors[i]->head_dim);
+    }
+  }
+  forkattn_status st = FORKATTN_OK;
+  int rc = MPI_Allreduce(MPI_IN_PLACE, ag, AG_LEN, MPI_INT64_T, MPI_MAX, comm);
+  if (rc != MPI_SUCCESS) {
+    st = fa_fail(ctx, FORKATTN_ERR_DEVICE, "allreduce: MPI_Allreduce of the ranks' checks failed (%d)", rc);
+  } else if (ag[AG_FAIL] != 0) {
+    /* the failing rank tells the others what went wrong */
+    const int who = INT32_MAX - (int)(ag[AG_FAIL] & 0xffffffff);
+    if (MPI_Bcast(me.msg, (int)sizeof me.msg, MPI_CHAR, who, comm) != MPI_SUCCESS)
+      snprintf(me.msg, sizeof me.msg, "(its message could not be broadcast)");
+    me.msg[sizeof me.msg - 1] = '\0';
+    st = fa_fail(ctx, (forkattn_status)(ag[AG_FAIL] >> 32), "allreduce: rank %d of %d: %s", who, size, me.msg);
+  } else if (fa_ag_differs(ag, AG_COUNT)) {
+    st = fa_fail(ctx, bad, "allreduce: ranks pass different numbers of tensors (%lld to %lld)",
+                 (long long)-ag[AG_COUNT + 1], (long long)ag[AG_COUNT]);
+  } else if (fa_ag_differs(ag, AG_SHARED)) {
+    st = fa_fail(ctx, bad, "allreduce: ranks' partitions differ (%lld to %lld shared rows)",
+                 (long long)-ag[AG_SHARED + 1], (long long)ag[AG_SHARED]);
+  } else {
+    for (int i = 0; i < count && !st; i++)
+      for (int j = 0; j < 2 && !st; j++)
+        if (fa_ag_differs(ag, AG_SHAPE + 4 * i + 2 * j))
+          st = fa_fail(ctx, bad, "allreduce: tensors[%d]: ranks pass different %s (%lld to %lld)", i,
+                       j ? "head_dim" : "heads", (long long)-ag[AG_SHAPE + 4 * i + 2 * j + 1],
+                       (long long)ag[AG_SHAPE + 4 * i + 2 * j]);
+  }
+  if (st || !buf) {
+    fa_free(buf);
     fa_free(local);
-    return FORKATTN_OK;
+    return st;
   }
-  float *buf = fa_calloc((size_t)(m * width), sizeof *buf);
-  if (!buf) {
-    fa_free(local);
-    return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "allreduce: cannot allocate %lld shared rows",
-                   (long long)m);
-  }
-  /* pack: row-major over shared rows, tensors side by side */
+
+  /* 3. Every rank passed: pack, reduce, unpack. */
   for (int64_t s = 0; s < m; s++) {
     if (local[s] < 0) continue;
     float *dst = buf + s * width;
@@ -103,8 +194,7 @@ forkattn_status forkattn_partition_allreduce(forkattn_ctx *ctx, MPI_Comm comm,
     }
   }
   /* MPI counts are int: reduce in chunks */
-  int rc = MPI_SUCCESS;
-  const int64_t total = m * width, chunk = 1 << 28;
+  const int64_t total = elems, chunk = 1 << 28;
   for (int64_t off = 0; off < total && rc == MPI_SUCCESS; off += chunk) {
     const int n = (int)(total - off < chunk ? total - off : chunk);
     rc = MPI_Allreduce(MPI_IN_PLACE, buf + off, n, MPI_FLOAT, MPI_SUM, comm);

@@ -6,6 +6,7 @@
  * FORKATTN_ERR_UNSUPPORTED, noted), leave a non-empty message in
  * forkattn_ctx_last_error() that names the offending argument, and leave all
  * buffers (outputs and inputs, guards included) byte-for-byte unchanged.
+ * Pointers not aligned to their elements are among the bad arguments.
  */
 #define _POSIX_C_SOURCE 200809L
 #define _DEFAULT_SOURCE /* MAP_ANONYMOUS */
@@ -587,6 +588,208 @@ Test(args, error_then_success) {
   cr_expect_eq(st, FORKATTN_OK, "%s: %s", forkattn_status_string(st),
                forkattn_ctx_last_error(fx.ctx));
   tc_buf_free(&bo);
+}
+
+/* ---- alignment ------------------------------------------------------------ */
+
+/* A tensor @p bytes past the start of @p t's data: same shape and strides. */
+static forkattn_tensor shifted(const forkattn_tensor *t, size_t bytes) {
+  forkattn_tensor s = *t;
+  s.data = (unsigned char *)t->data + bytes;
+  return s;
+}
+
+Test(args, misaligned_tensors) {
+  /* Data must be a multiple of the element size (4 bytes for f32): 2 bytes off
+   * is refused before anything is read or written, naming the tensor. */
+  const which_t ws[4] = {T_Q, T_K, T_V, T_O};
+  const forkattn_tensor *ts[4] = {&fx.q, &fx.k, &fx.v, &fx.o};
+  for (int i = 0; i < 4; i++)
+    for (size_t off = 1; off < 4; off++) {
+      forkattn_tensor t = shifted(ts[i], off);
+      char what[64];
+      snprintf(what, sizeof what, "fwd: %s.data %zu bytes off", buf_names[i], off);
+      expect_error(fwd_with(ws[i], &t), INVALID, NO_ALT, what, WORDS(buf_names[i]));
+    }
+  const forkattn_tensor *bt[4] = {&fx.dout, &fx.dq, &fx.dk, &fx.dv};
+  const char *bn[4] = {"dout", "dq", "dk", "dv"};
+  for (int i = 0; i < 4; i++) {
+    forkattn_tensor t[4] = {fx.dout, fx.dq, fx.dk, fx.dv};
+    t[i] = shifted(bt[i], 2);
+    char what[64];
+    snprintf(what, sizeof what, "bwd: %s.data 2 bytes off", bn[i]);
+    expect_error(bwd(&t[0], fx.lse, &t[1], &t[2], &t[3]), INVALID, NO_ALT, what, WORDS(bn[i]));
+  }
+  forkattn_tensor o = shifted(&fx.o, 2);
+  forkattn_status st = forkattn_prefix_bwd(fx.ctx, &fx.lay, &fx.q, &fx.k, &fx.v, &o, &fx.dout, fx.lse, &fx.dq,
+                                           &fx.dk, &fx.dv, fx.scale, FORKATTN_MEMORY_HOST);
+  expect_error(st, INVALID, NO_ALT, "bwd: o.data 2 bytes off", WORDS("o"));
+}
+
+Test(args, misaligned_half_tensors) {
+  /* bf16/f16 elements are 2 bytes: 1 byte off is refused, 2 bytes off is fine. */
+  const forkattn_dtype dts[2] = {FORKATTN_DTYPE_BF16, FORKATTN_DTYPE_F16};
+  for (int j = 0; j < 2; j++) {
+    forkattn_tensor q = fx.q, k = fx.k, v = fx.v, o = fx.o;
+    q.dtype = k.dtype = v.dtype = o.dtype = dts[j];
+    forkattn_tensor bad = shifted(&k, 1);
+    forkattn_status st = forkattn_prefix_fwd(fx.ctx, &fx.lay, &q, &bad, &v, &o, fx.lse, fx.scale,
+                                             FORKATTN_MEMORY_HOST);
+    expect_error(st, INVALID, NO_ALT, j ? "fwd f16: k.data 1 byte off" : "fwd bf16: k.data 1 byte off",
+                 WORDS("k"));
+  }
+  /* positive control into scratch outputs: f16 views 2 bytes into their buffers */
+  tc_buf bo;
+  forkattn_tensor o = tc_buf_contiguous(&bo, FORKATTN_DTYPE_F16, FX_T + 1, FX_HQ, FX_D);
+  o.rows = FX_T;
+  o = shifted(&o, 2);
+  forkattn_tensor q = shifted(&fx.q, 2), k = shifted(&fx.k, 2), v = shifted(&fx.v, 2);
+  q.dtype = k.dtype = v.dtype = FORKATTN_DTYPE_F16;
+  forkattn_status st = forkattn_prefix_fwd(fx.ctx, &fx.lay, &q, &k, &v, &o, NULL, fx.scale, FORKATTN_MEMORY_HOST);
+  cr_expect_eq(st, FORKATTN_OK, "f16 tensors 2 bytes into their buffers refused: %s",
+               forkattn_ctx_last_error(fx.ctx));
+  tc_buf_free(&bo);
+}
+
+Test(args, element_aligned_f32_accepted) {
+  /* Only element alignment is required: f32 data 4 bytes past a 16-byte boundary works. */
+  tc_buf bo, bl;
+  forkattn_tensor o = tc_buf_contiguous(&bo, FORKATTN_DTYPE_F32, FX_T + 1, FX_HQ, FX_D);
+  o.rows = FX_T;
+  o = shifted(&o, 4);
+  float *lse = tc_buf_f32(&bl, FX_T * FX_HQ + 1) + 1;
+  forkattn_tensor q = shifted(&fx.q, 4), k = shifted(&fx.k, 4), v = shifted(&fx.v, 4);
+  forkattn_status st = fwd(&fx.lay, &q, &k, &v, &o, lse, fx.scale, FORKATTN_MEMORY_HOST);
+  cr_expect_eq(st, FORKATTN_OK, "f32 tensors 4 bytes into their buffers refused: %s", forkattn_ctx_last_error(fx.ctx));
+  tc_buf_free(&bo);
+  tc_buf_free(&bl);
+}
+
+Test(args, misaligned_arrays) {
+  /* lse (float) and the layout's int64 offsets must be aligned to their elements too. */
+  float *lse = (float *)((unsigned char *)fx.lse + 2);
+  expect_error(fwd(&fx.lay, &fx.q, &fx.k, &fx.v, &fx.o, lse, fx.scale, FORKATTN_MEMORY_HOST), INVALID, NO_ALT,
+               "fwd: lse 2 bytes off", WORDS("lse"));
+  expect_error(bwd(&fx.dout, lse, &fx.dq, &fx.dk, &fx.dv), INVALID, NO_ALT, "bwd: lse 2 bytes off", WORDS("lse"));
+  _Alignas(8) unsigned char raw[sizeof fx.off + 8];
+  memcpy(raw + 4, fx.off, sizeof fx.off);
+  forkattn_prefix_layout lay = fx.lay;
+  lay.response_offsets = (const int64_t *)(void *)(raw + 4);
+  expect_error(fwd_layout(&lay), INVALID, NO_ALT, "fwd: response_offsets 4 bytes off", WORDS("response_offsets"));
+  /* tree layout and kept set arrays: one node holding every row */
+  _Alignas(8) unsigned char node[3 * sizeof(int64_t) + 8];
+  const int64_t tree_off[2] = {0, FX_T}, tree_par[1] = {-1};
+  forkattn_tree_layout tree = {1, tree_off, tree_par};
+  memcpy(node + 4, tree_off, sizeof tree_off);
+  tree.node_offsets = (const int64_t *)(void *)(node + 4);
+  forkattn_status st = forkattn_tree_fwd(fx.ctx, &tree, &fx.q, &fx.k, &fx.v, &fx.o, fx.lse, fx.scale,
+                                         FORKATTN_MEMORY_HOST);
+  expect_error(st, INVALID, NO_ALT, "tree_fwd: node_offsets 4 bytes off", WORDS("node_offsets"));
+  tree.node_offsets = tree_off;
+  memcpy(node + 4, tree_par, sizeof tree_par);
+  tree.parents = (const int64_t *)(void *)(node + 4);
+  st = forkattn_tree_fwd(fx.ctx, &tree, &fx.q, &fx.k, &fx.v, &fx.o, fx.lse, fx.scale, FORKATTN_MEMORY_HOST);
+  expect_error(st, INVALID, NO_ALT, "tree_fwd: parents 4 bytes off", WORDS("parents"));
+  const int64_t koff[2] = {0, 1}, kidx[1] = {0};
+  memcpy(node + 4, koff, sizeof koff);
+  forkattn_kept_set kept = {1, FX_T, 0, (const int64_t *)(void *)(node + 4), kidx, NULL};
+  forkattn_layout any = {&fx.lay, NULL};
+  st = forkattn_kept_fwd(fx.ctx, &any, &kept, &fx.q, &fx.k, &fx.v, &fx.o, fx.lse, fx.scale, FORKATTN_MEMORY_HOST);
+  expect_error(st, INVALID, NO_ALT, "kept_fwd: offsets 4 bytes off", WORDS("offsets"));
+  kept.offsets = koff;
+  memcpy(node + 4, kidx, sizeof kidx);
+  kept.index = (const int64_t *)(void *)(node + 4);
+  st = forkattn_kept_fwd(fx.ctx, &any, &kept, &fx.q, &fx.k, &fx.v, &fx.o, fx.lse, fx.scale, FORKATTN_MEMORY_HOST);
+  expect_error(st, INVALID, NO_ALT, "kept_fwd: index 4 bytes off", WORDS("index"));
+}
+
+/* A byte buffer whose bytes all hold one pattern; unchanged() says whether they still do. */
+#define RAW_BYTES 512
+typedef struct {
+  _Alignas(16) unsigned char b[RAW_BYTES];
+} raw_buf;
+static void raw_fill(raw_buf *r) { memset(r->b, 0x5a, sizeof r->b); }
+static int raw_unchanged(const raw_buf *r) {
+  for (size_t i = 0; i < sizeof r->b; i++)
+    if (r->b[i] != 0x5a) return 0;
+  return 1;
+}
+
+/* The other entry points: each typed output or input array a few bytes off its
+ * element alignment is refused, naming it, and nothing is written. */
+static void expect_refused(forkattn_status st, const char *what, const char *word, const raw_buf *r) {
+  const char *msg = forkattn_ctx_last_error(fx.ctx);
+  fprintf(stderr, "  %-44s -> %d (%s): \"%s\"\n", what, (int)st, forkattn_status_string(st), msg);
+  cr_expect_eq(st, INVALID, "%s: returned %s; message \"%s\"", what, forkattn_status_string(st), msg);
+  cr_expect(mentions_word(msg, word) && strstr(msg, "aligned"), "%s: message \"%s\" does not name %s", what, msg,
+            word);
+  cr_expect(raw_unchanged(r), "%s: the misaligned array was written", what);
+  expect_untouched(what);
+}
+
+Test(args, misaligned_arrays_other_apis) {
+  raw_buf r, r2;
+  raw_fill(&r);
+  raw_fill(&r2);
+  forkattn_layout any = {&fx.lay, NULL};
+  float *f_off = (float *)(void *)(r.b + 2), *f_ok = (float *)(void *)r2.b;
+  /* StreamKL forward: kl, stats, outside_mass (r2 is large enough for the aligned ones: T*H = 40 floats) */
+  expect_refused(forkattn_kl_fwd(fx.ctx, &any, &fx.q, &fx.k, &fx.q, &fx.k, NULL, NULL, f_off, NULL, NULL,
+                                 FORKATTN_MEMORY_HOST), "kl_fwd: kl 2 bytes off", "kl", &r);
+  expect_refused(forkattn_kl_fwd(fx.ctx, &any, &fx.q, &fx.k, &fx.q, &fx.k, NULL, NULL, f_ok, NULL, f_off,
+                                 FORKATTN_MEMORY_HOST), "kl_fwd: outside_mass 2 bytes off", "outside_mass", &r);
+  raw_fill(&r2);
+  /* rows_mean: x (input) and mean (double output) */
+  double mean = 0;
+  expect_refused(forkattn_rows_mean(fx.ctx, f_off, 4, 2, NULL, &mean, FORKATTN_MEMORY_HOST), "rows_mean: x 2 bytes off",
+                 "x", &r);
+  expect_refused(forkattn_rows_mean(fx.ctx, fx.lse, 4, 2, NULL, (double *)(void *)(r.b + 4), FORKATTN_MEMORY_HOST),
+                 "rows_mean: mean 4 bytes off", "mean", &r);
+  /* KV selection: int64 offsets and index outputs */
+  forkattn_kv_policy pol;
+  forkattn_kv_policy_init(&pol, FORKATTN_KV_STREAMING_LLM, 4);
+  int64_t *i_off = (int64_t *)(void *)(r.b + 4), *i_ok = (int64_t *)(void *)r2.b;
+  expect_refused(forkattn_kv_select(fx.ctx, &pol, &fx.q, &fx.k, i_off, i_ok + 8, FORKATTN_MEMORY_HOST),
+                 "kv_select: offsets 4 bytes off", "offsets", &r);
+  expect_refused(forkattn_kv_select(fx.ctx, &pol, &fx.q, &fx.k, i_ok, i_off, FORKATTN_MEMORY_HOST),
+                 "kv_select: index 4 bytes off", "index", &r);
+  raw_fill(&r2);
+  /* K/V similarity: sim output */
+  expect_refused(forkattn_kv_similarity(fx.ctx, &fx.k, &fx.k, f_off, NULL, FORKATTN_MEMORY_HOST),
+                 "kv_similarity: sim 2 bytes off", "sim", &r);
+  /* reuse profile: sim input, depth output */
+  forkattn_reuse_profile *prof = NULL;
+  cr_assert_eq(forkattn_reuse_profile_create(fx.ctx, 2, 0.95f, &prof), FORKATTN_OK);
+  expect_refused(forkattn_reuse_profile_add(fx.ctx, prof, 0.5, f_off), "reuse_profile_add: sim 2 bytes off", "sim", &r);
+  expect_refused(forkattn_reuse_profile_depth(fx.ctx, prof, 0.5, i_off), "reuse_profile_depth: depth 4 bytes off",
+                 "depth", &r);
+  forkattn_reuse_profile_free(prof);
+  /* tree cost: seconds output */
+  const int64_t tree_off[2] = {0, FX_T}, tree_par[1] = {-1};
+  const forkattn_tree_layout tree = {1, tree_off, tree_par};
+  const forkattn_tree_cost_model model = {FX_HQ, FX_D, 1e-10, 1e-8, 1e-6};
+  expect_refused(forkattn_tree_cost(fx.ctx, &tree, &model, (double *)(void *)(r.b + 4)),
+                 "tree_cost: seconds 4 bytes off", "seconds", &r);
+  /* KV cache: int32 tokens on insert */
+  forkattn_kv_cache_options co = {1 << 20, 0, 1, FX_HKV, FX_D, FORKATTN_DTYPE_F32, FORKATTN_MEMORY_HOST};
+  forkattn_kv_cache *cache = NULL;
+  cr_assert_eq(forkattn_kv_cache_create(fx.ctx, &co, &cache), FORKATTN_OK, "%s", forkattn_ctx_last_error(fx.ctx));
+  memset(r.b, 0, 64);
+  const int32_t *t_off = (const int32_t *)(void *)(r.b + 2);
+  raw_buf snap = r;
+  expect_error(forkattn_kv_cache_insert(cache, t_off, FX_T, &fx.k, &fx.v, FORKATTN_MEMORY_HOST, NULL), INVALID,
+               NO_ALT, "kv_cache_insert: tokens 2 bytes off", WORDS("tokens"));
+  cr_expect(memcmp(snap.b, r.b, sizeof r.b) == 0, "kv_cache_insert changed the tokens");
+  /* and on lookup: tokens, and the int64 matched output */
+  forkattn_kv_entry *entry = NULL;
+  int64_t matched = 0;
+  expect_error(forkattn_kv_cache_lookup(cache, t_off, FX_T, &entry, &matched), INVALID, NO_ALT,
+               "kv_cache_lookup: tokens 2 bytes off", WORDS("tokens"));
+  const int32_t *t_ok = (const int32_t *)(void *)r.b;
+  expect_error(forkattn_kv_cache_lookup(cache, t_ok, FX_T, &entry, (int64_t *)(void *)(r2.b + 4)), INVALID, NO_ALT,
+               "kv_cache_lookup: matched 4 bytes off", WORDS("matched"));
+  cr_expect(entry == NULL && raw_unchanged(&r2), "kv_cache_lookup wrote its outputs on error");
+  forkattn_kv_cache_destroy(cache);
 }
 
 /* ---- context API ---------------------------------------------------------- */

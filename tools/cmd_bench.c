@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "commands.h"
+#include "json_out.h"
 #include "measure.h"
 #include "plot.h"
 
@@ -75,7 +76,7 @@ static int bp_run(const tool_opts *opts, double *gemm_once, double *row, char *b
       printf("max rel error shared vs replicated: o %.1e dq %.1e dk %.1e dv %.1e\n", r.err.o, r.err.dq, r.err.dk,
              r.err.dv);
   }
-  printf("{\"bench\":\"prefix\",\"backend\":\"%s\",\"n\":%lld,\"p\":%lld,\"r\":%lld,\"hq\":%lld,\"hkv\":%lld,"
+  tool_json_printf("{\"bench\":\"prefix\",\"backend\":\"%s\",\"n\":%lld,\"p\":%lld,\"r\":%lld,\"hq\":%lld,\"hkv\":%lld,"
          "\"d\":%lld,\"dtype\":\"%s\",\"mask\":\"%s\",\"repeats\":%d,"
          "\"shared_fwd_ms\":%.4f,\"shared_fwdbwd_ms\":%.4f,\"shared_fwd_gflops\":%.2f,\"shared_fwdbwd_gflops\":%.2f,"
          "\"shared_mem_bytes\":%.0f,\"useful_flops_fwd\":%.6g,\"replicated_flops_fwd\":%.6g",
@@ -83,12 +84,12 @@ static int bp_run(const tool_opts *opts, double *gemm_once, double *row, char *b
          (long long)s->d, dt, mk, o.repeats, r.shared.fwd_ms, r.shared.fwdbwd_ms, fwd_gf, both_gf,
          r.shared.tensor_bytes + r.shared.workspace_bytes, r.shared.flops, tool_flops_replicated(s));
   if (r.have_rep)
-    printf(",\"rep_fwd_ms\":%.4f,\"rep_fwdbwd_ms\":%.4f,\"rep_mem_bytes\":%.0f,\"speedup_fwd\":%.3f,"
+    tool_json_printf(",\"rep_fwd_ms\":%.4f,\"rep_fwdbwd_ms\":%.4f,\"rep_mem_bytes\":%.0f,\"speedup_fwd\":%.3f,"
            "\"speedup_fwdbwd\":%.3f,\"ideal_speedup\":%.3f,\"max_rel_err\":%.3g",
            r.rep.fwd_ms, r.rep.fwdbwd_ms, r.rep.tensor_bytes + r.rep.workspace_bytes, r.rep.fwd_ms / r.shared.fwd_ms,
            r.rep.fwdbwd_ms / r.shared.fwdbwd_ms, ideal, tool_errors_max(&r.err));
-  if (gemm > 0) printf(",\"sgemm_gflops\":%.1f,\"fwd_over_sgemm\":%.3f", gemm, fwd_gf / gemm);
-  printf("}\n");
+  if (gemm > 0) tool_json_printf(",\"sgemm_gflops\":%.1f,\"fwd_over_sgemm\":%.3f", gemm, fwd_gf / gemm);
+  tool_json_printf("}\n");
   fflush(stdout);
   if (row) {
     const double mib = 1.0 / 1048576.0, na = NAN;

@@ -8,6 +8,7 @@
 #include <stdio.h>
 
 #include "commands.h"
+#include "json_out.h"
 #include "dlm_cli.h"
 
 int cmd_bench_dlm(int argc, char **argv) {
@@ -63,7 +64,7 @@ int cmd_bench_dlm(int argc, char **argv) {
       printf("%5.2f %6lld %5lld %5lld %11.2f %11.2f %11.0f %11.0f %+7.0f%% %10.2e %6.2f%%\n", wo.ratio_min, (long long)P,
              (long long)(o.seq - P), (long long)b, ru, rcached, (double)res.tokens / res.sec_uncached,
              (double)res.tokens / res.sec_cached, 100 * gain, res.hid_mean, 100 * top1);
-    printf("{\"bench\":\"dlm\",\"synthetic_weights\":true,\"backend\":\"%s\",\"layers\":%lld,\"width\":%lld,"
+    tool_json_printf("{\"bench\":\"dlm\",\"synthetic_weights\":true,\"backend\":\"%s\",\"layers\":%lld,\"width\":%lld,"
            "\"heads\":%lld,\"ratio\":%.4f,\"prompt\":%lld,\"own\":%lld,\"requests\":%lld,\"depth\":%lld,"
            "\"uncached_req_s\":%.4f,\"cached_req_s\":%.4f,\"uncached_tok_s\":%.1f,\"cached_tok_s\":%.1f,"
            "\"gain\":%.4f,\"alone_s\":%.4f,\"hits\":%llu,\"misses\":%llu,\"hidden_rel_max\":%.4g,"

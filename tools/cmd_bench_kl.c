@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "commands.h"
+#include "json_out.h"
 #include "group.h"
 #include "options.h"
 #include "reference.h"
@@ -307,7 +308,7 @@ int cmd_bench_kl(int argc, char **argv) {
                mfw / f, mbw / bw, mat_bytes / stream_bytes, err_kl, err_dq, err_dk);
       }
     }
-    printf("{\"bench\":\"kl\",\"backend\":\"%s\",\"dtype\":\"%s\",\"seq\":%lld,\"heads\":%lld,\"d\":%lld,\"reverse\":%d,\"keep\":%.3f,"
+    tool_json_printf("{\"bench\":\"kl\",\"backend\":\"%s\",\"dtype\":\"%s\",\"seq\":%lld,\"heads\":%lld,\"d\":%lld,\"reverse\":%d,\"keep\":%.3f,"
            "\"stream_fwd_ms\":%.3f,\"stream_bwd_ms\":%.3f,\"stream_mib\":%.3f,\"mat_fwd_ms\":%.3f,\"mat_bwd_ms\":%.3f,"
            "\"mat_mib\":%.3f,\"err_kl\":%.2e,\"err_dq\":%.2e,\"err_dk\":%.2e}\n",
            be, tool_dtype_name(o.dtype), (long long)S, (long long)H, (long long)d, o.reverse, o.keep, f, bw, stream_bytes / 1048576.0, mfw, mbw,

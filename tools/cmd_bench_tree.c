@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "commands.h"
+#include "json_out.h"
 #include "options.h"
 #include "plot.h"
 #include "reference.h"
@@ -393,7 +394,7 @@ static void bt_json(const bt_exec *x, const tree_shape *t, const bt_opts *o, con
   const tree_shape_params *p = &o->shape;
   const tool_shape *s = &o->heads;
   const bt_exec *rep = &x[BT_REP], *tr = &x[BT_TREE], *po = &x[BT_PROMPT];
-  printf("{\"bench\":\"tree\",\"shape\":\"%s\",\"seed\":%lld,\"backend\":\"%s\",\"nodes\":%lld,\"leaves\":%lld,"
+  tool_json_printf("{\"bench\":\"tree\",\"shape\":\"%s\",\"seed\":%lld,\"backend\":\"%s\",\"nodes\":%lld,\"leaves\":%lld,"
          "\"depth\":%lld,\"prompt\":%lld,\"min_seg\":%lld,\"max_seg\":%lld,\"turns\":%lld,\"hq\":%lld,\"hkv\":%lld,"
          "\"d\":%lld,\"dtype\":\"%s\",\"repeats\":%lld,\"dedup_ratio\":%.4f",
          tree_shape_name(p->kind), (long long)p->seed, backend, (long long)t->layout.num_nodes,
@@ -402,11 +403,11 @@ static void bt_json(const bt_exec *x, const tree_shape *t, const bt_opts *o, con
          (long long)s->hkv, (long long)s->d, tool_dtype_name(s->dtype), (long long)o->repeats,
          (double)rep->g.rows / (double)tr->g.rows);
   for (int i = 0; i < BT_N; i++)
-    printf(",\"%s_rows\":%lld,\"%s_flops_fwd\":%.6g,\"%s_fwd_ms\":%.4f,\"%s_fwdbwd_ms\":%.4f,\"%s_mem_bytes\":%.0f",
+    tool_json_printf(",\"%s_rows\":%lld,\"%s_flops_fwd\":%.6g,\"%s_fwd_ms\":%.4f,\"%s_fwdbwd_ms\":%.4f,\"%s_mem_bytes\":%.0f",
            x[i].key, (long long)x[i].g.rows, x[i].key, bt_flops(&x[i], s), x[i].key, x[i].fwd_ms, x[i].key,
            x[i].both_ms, x[i].key, x[i].mem_bytes);
   const double ideal = rep->pairs / tr->pairs;
-  printf(",\"ideal_speedup\":%.3f,\"speedup_fwd\":%.3f,\"speedup_fwdbwd\":%.3f,\"pct_of_ideal_fwd\":%.1f,"
+  tool_json_printf(",\"ideal_speedup\":%.3f,\"speedup_fwd\":%.3f,\"speedup_fwdbwd\":%.3f,\"pct_of_ideal_fwd\":%.1f,"
          "\"pct_of_ideal_fwdbwd\":%.1f,\"prompt_only_ideal_speedup\":%.3f,\"prompt_only_speedup_fwd\":%.3f,"
          "\"prompt_only_speedup_fwdbwd\":%.3f,\"max_rel_err\":%.3g,\"max_rel_err_prompt_only\":%.3g,\"passed\":%s}\n",
          ideal, rep->fwd_ms / tr->fwd_ms, rep->both_ms / tr->both_ms, 100 * rep->fwd_ms / tr->fwd_ms / ideal,

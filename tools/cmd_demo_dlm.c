@@ -7,6 +7,7 @@
 #include <stdio.h>
 
 #include "commands.h"
+#include "json_out.h"
 #include "dlm_cli.h"
 
 static void dlm_print_hist(const char *what, const int64_t *h, int64_t L) {
@@ -92,7 +93,7 @@ int cmd_demo_dlm(int argc, char **argv) {
            (long long)r.rows, r.hid_max, r.hid_mean, r.logit_max, r.logit_mean,
            100.0 * (double)r.top1_agree / (double)(r.rows ? r.rows : 1));
   }
-  printf("{\"demo\":\"dlm\",\"synthetic_weights\":true,\"backend\":\"%s\",\"layers\":%lld,\"width\":%lld,\"heads\":%lld,"
+  tool_json_printf("{\"demo\":\"dlm\",\"synthetic_weights\":true,\"backend\":\"%s\",\"layers\":%lld,\"width\":%lld,\"heads\":%lld,"
          "\"requests\":%lld,\"prompts\":%lld,\"tokens\":%lld,\"steps\":%lld,\"refresh\":%lld,\"threshold\":%.3f,"
          "\"uncached_s\":%.4f,\"cached_s\":%.4f,\"alone_s\":%.4f,\"uncached_req_s\":%.3f,\"cached_req_s\":%.3f,"
          "\"uncached_tok_s\":%.1f,\"cached_tok_s\":%.1f,\"speedup\":%.4f,\"mean_depth\":%.3f,\"hits\":%llu,"

@@ -5,6 +5,7 @@
 #include "alloc.h"
 #include "context_internal.h"
 #include "trie_internal.h"
+#include "validate.h"
 
 #define FA_BAD FORKATTN_ERR_INVALID_ARGUMENT
 
@@ -60,6 +61,9 @@ forkattn_status forkattn_trie_from_sequences(forkattn_ctx *ctx, int64_t num_sequ
   if (n < 1) return fa_fail(ctx, FA_BAD, "trie: num_sequences %lld must be >= 1", (long long)n);
   if (!off) return fa_fail(ctx, FA_BAD, "trie: seq_offsets is NULL");
   if (!tokens) return fa_fail(ctx, FA_BAD, "trie: tokens is NULL");
+  if ((st = fa_check_aligned(ctx, "trie: seq_offsets", off, sizeof *off)) ||
+      (st = fa_check_aligned(ctx, "trie: tokens", tokens, sizeof *tokens)))
+    return st;
   if (off[0] != 0) return fa_fail(ctx, FA_BAD, "trie: seq_offsets[0] is %lld, must be 0", (long long)off[0]);
   for (int64_t s = 0; s < n; s++)
     if (off[s + 1] <= off[s])
@@ -89,6 +93,9 @@ forkattn_status forkattn_trie_from_parents(forkattn_ctx *ctx, int64_t num_nodes,
   if (n < 1) return fa_fail(ctx, FA_BAD, "trie: num_nodes %lld must be >= 1", (long long)n);
   if (!parents) return fa_fail(ctx, FA_BAD, "trie: parents is NULL");
   if (!node_lengths) return fa_fail(ctx, FA_BAD, "trie: node_lengths is NULL");
+  if ((st = fa_check_aligned(ctx, "trie: parents", parents, sizeof *parents)) ||
+      (st = fa_check_aligned(ctx, "trie: node_lengths", node_lengths, sizeof *node_lengths)))
+    return st;
   if ((st = fa_trie_check_parents(ctx, "parents", n, parents, flags))) return st;
   int64_t rows = 0;
   for (int64_t i = 0; i < n; i++) {
@@ -187,6 +194,7 @@ forkattn_status forkattn_trie_from_token_parents(forkattn_ctx *ctx, int64_t num_
   const int64_t n = num_tokens;
   if (n < 1) return fa_fail(ctx, FA_BAD, "trie: num_tokens %lld must be >= 1", (long long)n);
   if (!token_parents) return fa_fail(ctx, FA_BAD, "trie: token_parents is NULL");
+  if ((st = fa_check_aligned(ctx, "trie: token_parents", token_parents, sizeof *token_parents))) return st;
   if ((st = fa_trie_check_parents(ctx, "token_parents", n, token_parents, flags))) return st;
   fa_token_nodes tn = {0};
   int64_t bad = -1, *input_rows = NULL;

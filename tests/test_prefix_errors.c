@@ -792,6 +792,44 @@ Test(args, misaligned_arrays_other_apis) {
   forkattn_kv_cache_destroy(cache);
 }
 
+/* lse of the entries without a layout argument (path stack, cached prefix: checked where every
+ * attention call is dispatched) and the trie builders' int64 arrays. */
+Test(args, misaligned_lse_of_path_and_cached_prefix_and_trie_arrays) {
+  raw_buf r;
+  raw_fill(&r);
+  float *f_off = (float *)(void *)(r.b + 2);
+  forkattn_path *path = NULL;
+  cr_assert_eq(forkattn_path_create(fx.ctx, FORKATTN_DTYPE_F32, FX_HQ, FX_HKV, FX_D, &path), FORKATTN_OK);
+  cr_assert_eq(forkattn_path_push(path, &fx.k, &fx.v), FORKATTN_OK, "%s", forkattn_ctx_last_error(fx.ctx));
+  expect_refused(forkattn_path_attend_fwd(path, &fx.q, &fx.o, f_off, fx.scale), "path_attend_fwd: lse 2 bytes off",
+                 "lse", &r);
+  expect_refused(forkattn_path_attend_bwd(path, &fx.q, &fx.o, &fx.dout, f_off, &fx.dq, fx.scale),
+                 "path_attend_bwd: lse 2 bytes off", "lse", &r);
+  forkattn_path_destroy(path);
+  /* cached prefix: queries are the responses' rows, keys the prompt's and theirs */
+  const int64_t rr = FX_T - FX_P;
+  const forkattn_tensor q = tc_buf_view(&fx.buf[BQ], 0, rr, FX_HQ, FX_D, FX_HQ * FX_D, FX_D);
+  const forkattn_tensor o = tc_buf_view(&fx.buf[BO], 0, rr, FX_HQ, FX_D, FX_HQ * FX_D, FX_D);
+  expect_refused(forkattn_prefix_cached_fwd(fx.ctx, &fx.lay, &q, &fx.k, &fx.v, &o, f_off, fx.scale,
+                                            FORKATTN_MEMORY_HOST),
+                 "prefix_cached_fwd: lse 2 bytes off", "lse", &r);
+  /* tries: every int64 array */
+  const int64_t *i_off = (const int64_t *)(const void *)(r.b + 4);
+  static const int64_t seq_off[2] = {0, 3}, tokens[3] = {1, 2, 3}, parents[1] = {-1}, lengths[1] = {3};
+  forkattn_trie *trie = NULL;
+  expect_refused(forkattn_trie_from_sequences(fx.ctx, 1, i_off, tokens, 0, &trie),
+                 "trie_from_sequences: seq_offsets 4 bytes off", "seq_offsets", &r);
+  expect_refused(forkattn_trie_from_sequences(fx.ctx, 1, seq_off, i_off, 0, &trie),
+                 "trie_from_sequences: tokens 4 bytes off", "tokens", &r);
+  expect_refused(forkattn_trie_from_parents(fx.ctx, 1, i_off, lengths, 0, &trie),
+                 "trie_from_parents: parents 4 bytes off", "parents", &r);
+  expect_refused(forkattn_trie_from_parents(fx.ctx, 1, parents, i_off, 0, &trie),
+                 "trie_from_parents: node_lengths 4 bytes off", "node_lengths", &r);
+  expect_refused(forkattn_trie_from_token_parents(fx.ctx, 1, i_off, 0, &trie),
+                 "trie_from_token_parents: token_parents 4 bytes off", "token_parents", &r);
+  cr_expect(trie == NULL, "a refused trie builder returned a trie");
+}
+
 /* ---- context API ---------------------------------------------------------- */
 
 TestSuite(context, .timeout = 60.0);

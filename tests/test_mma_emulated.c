@@ -240,16 +240,27 @@ static void run_case(const char *name, const emu_case *c) {
                    view(b.dout, dt, hq, d), view(b.dq, dt, hq, d), view(b.dk, dt, hkv, d),
                    view(b.dv, dt, hkv, d), b.lse, b.dsum, plan.seg, plan.pair, plan.q_pair_off,
                    plan.k_pair_idx, qb, kb, units, unit_off, part_k, part_v, nqb, nkb, nunits, T,
-                   plan.qshift, hq, hkv, d, FA_MMA_ROWS, (float)scale, {0}, 0, 0, NULL, NULL, 0, 0, NULL};
+                   plan.qshift, hq, hkv, d, FA_MMA_ROWS, (float)scale, {0}, 0, 0, NULL, NULL, 0, 0, NULL, 0};
   double edq = 0;
   static unsigned short smem_dq2[(2 * FA_WG2_ROWS + 2 * FA_WG2_DQ_STAGES(128) * FA_WG2_BK) * 128 + 2048];
   cr_assert_geq(sizeof smem_dq2, FA_WG2_DQ_SMEM(d));
   gb.kv_tma = maps2; /* K's and V's 128-key tiles (the two-warpgroup forward's maps) */
-  /* the two-warpgroup dQ (128-row blocks), the wgmma dQ, then the mma.sync one (its D feeds dK/dV) */
-  for (int pass = 2; pass >= 0; pass--) {
+  /* the two-warpgroup dQ (128-row blocks), the wgmma dQ, then the mma.sync one (its D feeds dK/dV);
+   * each again with D given (dsum_ready, as when some blocks take D from the inputs): with O
+   * zeroed it must read D, not compute it, and give the same bits */
+  uint16_t *dq_first = malloc(sizeof(uint16_t) * (size_t)nq), *o_saved = malloc(sizeof(uint16_t) * (size_t)nq);
+  cr_assert(dq_first && o_saved);
+  for (int pass = 2; pass >= 0; pass--)
+  for (int ready = 0; ready < 2; ready++) {
     const int wg = pass > 0;
     const char *kernel = pass == 2 ? "two-warpgroup wgmma dQ" : wg ? "wgmma dQ" : "mma dQ";
-    for (int64_t i = 0; i < T * hq; i++) b.dsum[i] = NAN;
+    gb.dsum_ready = ready;
+    if (ready) {
+      memcpy(o_saved, b.o, sizeof(uint16_t) * (size_t)nq);
+      memset(b.o, 0, sizeof(uint16_t) * (size_t)nq);
+    } else {
+      for (int64_t i = 0; i < T * hq; i++) b.dsum[i] = NAN;
+    }
     for (int64_t i = 0; i < nq; i++) b.dq[i] = 0x7fc1;
     if (pass == 2)
       EMU_QUERY_TEAMS(FA_WG2_THREADS, nqb2, hq,
@@ -259,6 +270,12 @@ static void run_case(const char *name, const emu_case *c) {
                       fa_wg_dq_team((int)d, FA_WG_DQ_BK, f16, gb, qb[blk], h, h / group, smem));
     else
       EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, hq, fa_mma_dq_team((int)d, bk, f16, gb, qb[blk], h, h / group, smem));
+    if (ready) {
+      memcpy(b.o, o_saved, sizeof(uint16_t) * (size_t)nq);
+      cr_assert(memcmp(b.dq, dq_first, sizeof(uint16_t) * (size_t)nq) == 0,
+                "%s %s with D given: dq differs from the run that computed D", name, kernel);
+      continue;
+    }
     for (int64_t r = 0; r < T; r++) /* D against float64 (every row here is a query row) */
       for (int64_t h = 0; h < hq; h++) {
         double s = 0, mag = 0;
@@ -274,7 +291,11 @@ static void run_case(const char *name, const emu_case *c) {
     edq = rel_err(b.dq, rdq, nq, f16, &nonfinite);
     cr_assert_eq(nonfinite, 0, "%s %s: %lld non-finite (or unwritten) dq elements", name, kernel, (long long)nonfinite);
     cr_assert_leq(edq, 1e-2, "%s %s: dq relative error %.3g", name, kernel, edq);
+    memcpy(dq_first, b.dq, sizeof(uint16_t) * (size_t)nq);
   }
+  gb.dsum_ready = 0;
+  free(dq_first);
+  free(o_saved);
   double edk = 0, edv = 0;
   /* the wgmma dK/dV with Q's and dO's full tiles by (emulated) bulk tensor copies, without
    * (which must give the same bits), then the mma.sync one */

@@ -172,8 +172,6 @@ FORKATTN_API void forkattn_ctx_options_init(forkattn_ctx_options *opt);
  * Requesting gpu when it is unavailable returns FORKATTN_ERR_BACKEND_UNAVAILABLE
  * (and *ctx = NULL); forkattn_ctx_create_error() then says why. Nothing is
  * printed unless opt->verbose is set.
- * @param[out] ctx receives the new context, or NULL on failure.
- * @param opt options, or NULL for the defaults (copied; not kept)
  * opt->threads must lie in 0..forkattn_max_threads(): every CPU call opens an
  * OpenMP team of that many threads, and the OpenMP runtime ends the process
  * when it cannot create one, so absurd counts are refused here instead.

@@ -21,11 +21,11 @@ int fa_plan_build_owned(fa_plan *p, int64_t rows, int64_t nseg, const fa_range *
   p->rows = rows;
   p->nseg = nseg;
   p->npairs = npairs;
-  p->seg = fa_malloc(sizeof *p->seg * (size_t)(nseg ? nseg : 1));
-  p->pair = fa_malloc(sizeof *p->pair * (size_t)(npairs ? npairs : 1));
+  p->seg = fa_malloc_array(nseg, sizeof *p->seg);
+  p->pair = fa_malloc_array(npairs, sizeof *p->pair);
   p->q_pair_off = fa_calloc((size_t)nseg + 1, sizeof *p->q_pair_off);
   p->k_pair_off = fa_calloc((size_t)nseg + 1, sizeof *p->k_pair_off);
-  p->k_pair_idx = fa_malloc(sizeof *p->k_pair_idx * (size_t)(npairs ? npairs : 1));
+  p->k_pair_idx = fa_malloc_array(npairs, sizeof *p->k_pair_idx);
   if (!p->seg || !p->pair || !p->q_pair_off || !p->k_pair_off || !p->k_pair_idx) {
     fa_plan_free(p);
     return -1;
@@ -90,11 +90,11 @@ static void fa_tree_keys_free(fa_tree_keys *t) {
 
 static int fa_tree_keys_build(fa_tree_keys *t, int64_t n, const int64_t *off, const int64_t *parents,
                               int causal) {
-  size_t cap = (size_t)(n ? n : 1);
-  int64_t *kids = fa_malloc(sizeof *kids * cap);
-  t->par = fa_malloc(sizeof *t->par * cap);
-  t->kseg = fa_malloc(sizeof *t->kseg * cap);
-  t->first = fa_malloc(sizeof *t->first * cap);
+  const int64_t cap = n;
+  int64_t *kids = fa_malloc_array(cap, sizeof *kids);
+  t->par = fa_malloc_array(cap, sizeof *t->par);
+  t->kseg = fa_malloc_array(cap, sizeof *t->kseg);
+  t->first = fa_malloc_array(cap, sizeof *t->first);
   t->nkseg = 0;
   if (!kids || !t->par || !t->kseg || !t->first) {
     fa_free(kids);
@@ -122,10 +122,10 @@ int fa_plan_tree(fa_plan *p, int64_t n, const int64_t *off, const int64_t *paren
    * then the views: one per node whose chain is read up to it by a node of
    * another chain, unless that is the whole chain. */
   int64_t nq = 0, npairs = 0;
-  int64_t *qseg = fa_malloc(sizeof *qseg * (size_t)(n ? n : 1));
-  int64_t *view = fa_malloc(sizeof *view * (size_t)(n ? n : 1));
-  int64_t *kseg_index = fa_malloc(sizeof *kseg_index * (size_t)(t.nkseg ? t.nkseg : 1));
-  fa_range *seg = fa_malloc(sizeof *seg * (size_t)(2 * n + t.nkseg + 1));
+  int64_t *qseg = fa_malloc_array(n, sizeof *qseg);
+  int64_t *view = fa_malloc_array(n, sizeof *view);
+  int64_t *kseg_index = fa_malloc_array(t.nkseg ? t.nkseg : 1, sizeof *kseg_index);
+  fa_range *seg = fa_malloc_array(2 * n + t.nkseg + 1, sizeof *seg);
   fa_pair *pair = NULL;
   int64_t *owner = NULL;
   if (!qseg || !view || !kseg_index || !seg) goto oom;
@@ -147,8 +147,8 @@ int fa_plan_tree(fa_plan *p, int64_t n, const int64_t *off, const int64_t *paren
     else
       seg[kseg_index[k] = ns++] = (fa_range){off[f], off[i + 1] - off[f]};
   }
-  pair = fa_malloc(sizeof *pair * (size_t)(npairs ? npairs : 1));
-  owner = fa_malloc(sizeof *owner * (size_t)(npairs ? npairs : 1));
+  pair = fa_malloc_array(npairs, sizeof *pair);
+  owner = fa_malloc_array(npairs, sizeof *owner);
   if (!pair || !owner) goto oom;
   int64_t np = 0;
   for (int64_t i = 0; i < n; i++) {
@@ -196,8 +196,8 @@ oom:
 
 int fa_plan_prefix(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off, int causal) {
   /* the depth-one tree: node 0 = prompt, node 1+i = response i */
-  int64_t *node_off = fa_malloc(sizeof *node_off * (size_t)(n + 2));
-  int64_t *parents = fa_malloc(sizeof *parents * (size_t)(n + 1));
+  int64_t *node_off = fa_malloc_array(n + 2, sizeof *node_off);
+  int64_t *parents = fa_malloc_array(n + 1, sizeof *parents);
   if (!node_off || !parents) {
     fa_free(node_off);
     fa_free(parents);
@@ -215,8 +215,8 @@ int fa_plan_prefix(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off
 
 int fa_plan_prefix_cached(fa_plan *p, int64_t prompt_len, int64_t n, const int64_t *off, int causal) {
   /* segments: 0 = prefix keys, then per response its keys and its queries */
-  fa_range *seg = fa_malloc(sizeof *seg * (size_t)(2 * n + 1));
-  fa_pair *pair = fa_malloc(sizeof *pair * (size_t)(2 * n + 1));
+  fa_range *seg = fa_malloc_array(2 * n + 1, sizeof *seg);
+  fa_pair *pair = fa_malloc_array(2 * n + 1, sizeof *pair);
   if (!seg || !pair) {
     fa_free(seg);
     fa_free(pair);
@@ -256,9 +256,9 @@ int fa_plan_prefix_cached_blocks(fa_plan *p, int64_t prompt_len, int64_t n, cons
     const int64_t len = off[i + 1] - off[i];
     nb += len / block + (len % block != 0);
   }
-  fa_range *seg = fa_malloc(sizeof *seg * (size_t)(1 + n + 2 * nb));
-  fa_pair *pair = fa_malloc(sizeof *pair * (size_t)(2 * nb + 1));
-  int64_t *owner = fa_malloc(sizeof *owner * (size_t)(2 * nb + 1));
+  fa_range *seg = fa_malloc_array(1 + n + 2 * nb, sizeof *seg);
+  fa_pair *pair = fa_malloc_array(2 * nb + 1, sizeof *pair);
+  int64_t *owner = fa_malloc_array(2 * nb + 1, sizeof *owner);
   if (!seg || !pair || !owner) {
     fa_free(seg);
     fa_free(pair);
@@ -330,7 +330,7 @@ int64_t fa_plan_blocks(const fa_plan *p, int64_t block_rows, int by_key, fa_bloc
   const int64_t *off = by_key ? p->k_pair_off : p->q_pair_off;
   /* key blocks: owner segments cut at their views first (cut[] holds one
    * segment's cuts, then its end) */
-  int64_t *cut = fa_malloc(sizeof *cut * (size_t)(2 * p->npairs + 1));
+  int64_t *cut = fa_malloc_array(2 * p->npairs + 1, sizeof *cut);
   if (!cut) {
     *out = NULL;
     return -1;
@@ -342,8 +342,8 @@ int64_t fa_plan_blocks(const fa_plan *p, int64_t block_rows, int by_key, fa_bloc
     cut[nc] = p->seg[s].len;
     for (int64_t c = 0, from = 0; c <= nc; from = cut[c++]) n += (cut[c] - from + block_rows - 1) / block_rows;
   }
-  fa_costed_block *cb = fa_malloc(sizeof *cb * (size_t)(n ? n : 1));
-  *out = fa_malloc(sizeof **out * (size_t)(n ? n : 1));
+  fa_costed_block *cb = fa_malloc_array(n, sizeof *cb);
+  *out = fa_malloc_array(n, sizeof **out);
   if (!cb || !*out) {
     fa_free(cut);
     fa_free(cb);
@@ -399,7 +399,7 @@ int64_t fa_plan_key_units(const fa_plan *p, const fa_block *blocks, int64_t nblo
                           fa_key_unit **units, int64_t **unit_off) {
   if (chunk < 1) chunk = 1;
   *units = NULL;
-  *unit_off = fa_malloc(sizeof **unit_off * (size_t)(nblocks + 1));
+  *unit_off = fa_malloc_array(nblocks + 1, sizeof **unit_off);
   if (!*unit_off) return -1;
   int64_t n = 0; /* pass 1: count; pass 2: fill */
   for (int pass = 0; pass < 2; pass++) {
@@ -433,7 +433,7 @@ int64_t fa_plan_key_units(const fa_plan *p, const fa_block *blocks, int64_t nblo
       }
     }
     if (!pass) {
-      *units = fa_malloc(sizeof **units * (size_t)(n ? n : 1));
+      *units = fa_malloc_array(n, sizeof **units);
       if (!*units) {
         fa_free(*unit_off);
         *unit_off = NULL;

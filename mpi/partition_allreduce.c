@@ -29,7 +29,7 @@ static int64_t fa_shared_rows(const forkattn_partition *pt, int64_t part, int64_
     for (int64_t r = 0; rows && r < n; r++)
       if (rows[r] + 1 > total) total = rows[r] + 1;
   }
-  int64_t *count = fa_calloc((size_t)total + 1, sizeof *count), *loc = fa_malloc(sizeof *loc * ((size_t)total + 1));
+  int64_t *count = fa_calloc((size_t)total + 1, sizeof *count), *loc = fa_malloc_array(total + 1, sizeof *loc);
   if (!count || !loc) {
     fa_free(count);
     fa_free(loc);

@@ -368,6 +368,11 @@ FORKATTN_API forkattn_status forkattn_prefix_fwd(forkattn_ctx *ctx,
  * that read it: identical to the replicated batch with the prompt copies'
  * gradients summed. Outputs are overwritten (not accumulated); deterministic
  * (no floating-point atomics). All tensors share one dtype.
+ * o enters only through D = rowsum(dout * o). With bf16/f16 tensors, rows whose
+ * query block sees at most 16 keys take D from q, k, v, dout and lse instead
+ * (sum_j exp(s_j - lse) dout . v_j): on so few keys the rounding of a 16-bit o
+ * would dominate their gradients (docs/numerics.md). The same holds for every
+ * attention backward of this header without a kept set.
  *
  * @param ctx the context
  * @param layout the packed group (host memory), as in the forward

@@ -162,7 +162,7 @@ static void fa_bwd_rowsum(const fa_attn_bwd *a, float *dsum, float *buf) {
 }
 
 /* D of a query block's rows from the inputs, sum_j exp(s_j - lse) (dO . v_j) over each
- * row's visible keys (lib/rowsum_exact.h says when and why); buf holds 3 d floats. */
+ * row's visible keys (lib/core/rowsum_exact.h says when and why); buf holds 3 d floats. */
 static void fa_bwd_rowsum_exact(const fa_attn_bwd *a, float *dsum, const fa_block *b, float *buf) {
   const fa_plan *p = a->plan;
   const int64_t d = a->d, group = a->hq / a->hkv;

@@ -57,7 +57,7 @@ static inline __attribute__((always_inline)) void fa_dq_rowsum_of(const fa_gpu_b
                                                                   int warp, int lane, float *dd0, float *dd1) {
   const int rr = warp * 16 + lane / 2, half = (lane & 1) * (D / 2), in = trow0 + rr < blk.len;
   float sum;
-  if (b.dsum_ready) { /* D computed before the launch (lib/rowsum_exact.h) */
+  if (b.dsum_ready) { /* D computed before the launch (lib/core/rowsum_exact.h) */
     sum = in ? b.dsum[(blk.start + trow0 + rr) * b.hq + h] : 0.0f;
   } else {
     float s0 = 0.0f, s1 = 0.0f;

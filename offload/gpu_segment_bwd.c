@@ -52,7 +52,7 @@ static void fa_gpu_rowsum(const fa_gpu_bwd *b, int dev) {
 
 /* D of every row, a team per query block, a warp per (row, query head), lanes over the columns,
  * shuffle trees in a fixed order (deterministic): blocks that see few keys from the inputs,
- * sum_j exp(s_j - lse) (dO . v_j) (lib/rowsum_exact.h), the others as dO . O. */
+ * sum_j exp(s_j - lse) (dO . v_j) (lib/core/rowsum_exact.h), the others as dO . O. */
 static void fa_gpu_rowsum_blocks(const fa_gpu_bwd *b, int dev) {
   const fa_dev_tensor q = b->q, k = b->k, v = b->v, o = b->o, dout = b->dout;
   const float *lse = b->lse;

@@ -1,5 +1,5 @@
 /* GPU per-head cosine similarity of two K/V tensors in device memory
- * (forkattn_kv_similarity(); the row rule: lib/kv_similarity.h).
+ * (forkattn_kv_similarity(); the row rule: lib/distill/kv_similarity.h).
  *
  * Plain `target teams distribute parallel for` loops (no ompx_bare, no team
  * memory): the pass is memory-bound.

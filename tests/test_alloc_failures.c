@@ -12,7 +12,7 @@
 
 #include "test_common.h"
 
-/* Exported by the library in FORKATTN_ALLOC_TEST builds only (lib/alloc.c). */
+/* Exported by the library in FORKATTN_ALLOC_TEST builds only (lib/core/alloc.c). */
 FORKATTN_API int64_t forkattn_test_fail_alloc_after(int64_t n);
 
 #define NT 8

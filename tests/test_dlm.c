@@ -1,5 +1,5 @@
 /*
- * test_dlm.c - the BiCache demo model (tools/dlm_model.c, dlm_prefix.c,
+ * test_dlm.c - the BiCache demo model (examples/dlm/dlm_model.c, dlm_prefix.c,
  * dlm_serve.c) on a tiny synthetic transformer (3 layers, width 64):
  * reuse depth 0 is bitwise the uncached forward, also through the serving
  * loop and the cache; per-request depths batched in one forward equal each

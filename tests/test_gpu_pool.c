@@ -20,7 +20,7 @@
 #include "gpu_stream.h"
 #include "test_common.h"
 
-/* gpu_stage.c's kept-mask staging refers to these (lib/kept_set.c, which would
+/* gpu_stage.c's kept-mask staging refers to these (lib/distill/kept_set.c, which would
  * pull in the whole library); no test here stages a kept mask. */
 int64_t fa_kept_keep_bytes(const fa_kept *k) {
   (void)k;

@@ -639,7 +639,7 @@ Test(cpu_exp, accurate_over_the_softmax_range_and_zero_when_masked) {
   cr_assert_eq(sub[2], 0.0f);
 }
 
-/* ---- online KL (StreamKL building block, lib/online_kl.h) --------------------- */
+/* ---- online KL (StreamKL building block, lib/distill/online_kl.h) --------------------- */
 
 /* float64 KL(T||S), KL(S||T) and the log-sum-exps, directly. */
 static void kl_direct(const float *t, const float *s, int n, double out[4]) {

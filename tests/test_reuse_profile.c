@@ -1001,7 +1001,7 @@ Test(profile, from_similarity) {
 
 /* ---- allocation failures (FORKATTN_ALLOC_TEST builds) ------------------------ */
 
-/* Exported by FORKATTN_ALLOC_TEST builds of the library only (lib/alloc.c). */
+/* Exported by FORKATTN_ALLOC_TEST builds of the library only (lib/core/alloc.c). */
 extern int64_t forkattn_test_fail_alloc_after(int64_t n) __attribute__((weak));
 
 /* Every allocation of create, load and similarity fails in turn: OUT_OF_MEMORY

@@ -35,7 +35,7 @@
 #include "test_common.h"
 #include "tree_builder.h"
 
-/* Exported by FORKATTN_ALLOC_TEST builds only (lib/alloc.c); NULL otherwise. */
+/* Exported by FORKATTN_ALLOC_TEST builds only (lib/core/alloc.c); NULL otherwise. */
 extern int64_t forkattn_test_fail_alloc_after(int64_t n) __attribute__((weak));
 
 #define F32 FORKATTN_DTYPE_F32

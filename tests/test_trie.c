@@ -24,7 +24,7 @@
 
 #include "test_common.h"
 
-/* Exported by FORKATTN_ALLOC_TEST builds of the library only (lib/alloc.c). */
+/* Exported by FORKATTN_ALLOC_TEST builds of the library only (lib/core/alloc.c). */
 extern int64_t forkattn_test_fail_alloc_after(int64_t n) __attribute__((weak));
 
 /* A non-NULL *trie before each failing call: the builder must reset it. */

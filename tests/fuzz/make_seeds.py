@@ -161,7 +161,7 @@ def tensor_seeds():
     write(t, "seed-bad-scale-inf", tv(scale=0xE4))
     # rows 0 with absurd heads: nothing to read, the library may accept or refuse
     # Bug: forkattn_tensor_contiguous computes heads * head_dim without an overflow
-    # check (UBSan: signed integer overflow in lib/tensor.c).
+    # check (UBSan: signed integer overflow in lib/core/tensor.c).
     write(t, "crash-tensor-contiguous-overflow", tv(tensors=tv_one(0, [2, 0, 0] + extreme(X_I64MAX) + [0])))
     write(t, "seed-empty-layout-huge-heads", tv(layout=1, tensors=[[0, 0, 0] + extreme(X_2P62) + [0, 0, 0]] * 8))
 

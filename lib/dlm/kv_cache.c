@@ -1,7 +1,7 @@
 /* Shared-prefix KV cache (forkattn_kv_cache_*, see forkattn.h and
  * docs/dlm-cache.md): argument checks, insert / lookup / release under one
  * mutex, LRU eviction of unheld entries within the byte budget, statistics.
- * The index is lib/kv_cache_index.c, the K/V copies lib/kv_cache_copy.c.
+ * The index is lib/dlm/kv_cache_index.c, the K/V copies lib/kv_cache_copy.c.
  *
  * Messages: the cache's calls may run on many threads at once, so they write
  * failures to the cache's context only under the cache's lock, and do not

@@ -1,8 +1,8 @@
 /* Shared-prefix KV cache (BiCache, forkattn_kv_cache_*): the object and the
  * pieces its files share.
- *   lib/kv_cache.c        API: validation, insert/lookup/release, LRU, refcounts
- *   lib/kv_cache_index.c  chained block hashes, hash multimaps, longest-prefix walk
- *   lib/kv_cache_copy.c   entry K/V buffers: allocation and copies (host/device, strided)
+ *   lib/dlm/kv_cache.c        API: validation, insert/lookup/release, LRU, refcounts
+ *   lib/dlm/kv_cache_index.c  chained block hashes, hash multimaps, longest-prefix walk
+ *   lib/dlm/kv_cache_copy.c   entry K/V buffers: allocation and copies (host/device, strided)
  *
  * Index. Tokens are hashed in blocks of B = block_tokens: the hash of block j
  * starts from the hash of the block-aligned prefix tokens[0..jB) (H_0 is a

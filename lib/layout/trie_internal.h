@@ -1,6 +1,6 @@
 /* Rollout tries: the object and the pieces the three builders share
- * (lib/trie.c: API and validation; lib/trie_pack.c: depth-first packing;
- * lib/trie_seq.c: the compressed trie of token sequences). */
+ * (lib/layout/trie.c: API and validation; lib/layout/trie_pack.c: depth-first packing;
+ * lib/layout/trie_seq.c: the compressed trie of token sequences). */
 #ifndef FORKATTN_TRIE_INTERNAL_H
 #define FORKATTN_TRIE_INTERNAL_H
 #include <stdint.h>

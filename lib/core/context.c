@@ -38,7 +38,9 @@ void forkattn_ctx_options_init(forkattn_ctx_options *opt) {
   opt->backend = FORKATTN_BACKEND_AUTO;
 }
 
-/* FORKATTN_BACKEND overrides the requested backend; -1 on an unknown value. */
+/* FORKATTN_BACKEND chooses the backend of a context whose options ask for
+ * AUTO (the caller's explicit choice stands); 1 when it is set, -1 on an
+ * unknown value. */
 static int fa_env_backend(forkattn_backend *b) {
   const char *e = getenv("FORKATTN_BACKEND");
   if (!e || !*e) return 0;
@@ -132,7 +134,7 @@ forkattn_status forkattn_ctx_create(forkattn_ctx **ctx, const forkattn_ctx_optio
                           fa_host_hw_threads());
 
   const char *src = "options";
-  int env = fa_env_backend(&o.backend);
+  const int env = o.backend == FORKATTN_BACKEND_AUTO ? fa_env_backend(&o.backend) : 0;
   if (env < 0)
     return fa_create_fail(FORKATTN_ERR_INVALID_ARGUMENT, o.verbose,
                           "ctx_create: FORKATTN_BACKEND='%s' is not one of cpu, gpu, auto",

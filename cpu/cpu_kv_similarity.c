@@ -5,7 +5,7 @@
  * FA_SIM_MAX_CHUNKS of them; sizes from the shape only) are spread over the
  * context's threads; a chunk walks its rows in order, converting each head's
  * two vectors to f32 (no copy for f32) and summing products in double in 8
- * fixed lanes (vectorizes; 1.3x faster than 4 lanes, 16 are no better). Then
+ * fixed lanes (vectorizes; fewer lanes are slower, more are no faster). Then
  * the chunks' per-head sums are added in chunk order. */
 #include "alloc.h"
 #include "cpu_backend.h"

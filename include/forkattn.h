@@ -150,7 +150,8 @@ typedef struct forkattn_ctx forkattn_ctx;
 
 /** Options for forkattn_ctx_create(). Initialize with forkattn_ctx_options_init(). */
 typedef struct forkattn_ctx_options {
-  forkattn_backend backend; /**< requested backend; FORKATTN_BACKEND env var overrides it */
+  forkattn_backend backend; /**< requested backend; with AUTO, the FORKATTN_BACKEND env var
+                                 may choose it (an explicit CPU or GPU stands) */
   int device;               /**< OpenMP device number for the GPU backend (default 0) */
   int threads;              /**< CPU threads; 0 = one per physical core (hwloc); at most
                                  forkattn_max_threads() */
@@ -164,11 +165,14 @@ typedef struct forkattn_ctx_options {
 FORKATTN_API void forkattn_ctx_options_init(forkattn_ctx_options *opt);
 
 /**
- * Create a context. @p opt may be NULL (defaults). The environment variable
- * FORKATTN_BACKEND=cpu|gpu|auto overrides opt->backend (an unknown value is an
- * error). With auto, the GPU is chosen only when the build has offload, a
- * device exists and a probe kernel from our device image really runs on it;
- * otherwise the CPU, and forkattn_ctx_backend_reason() says why.
+ * Create a context. @p opt may be NULL (defaults). When opt->backend is
+ * FORKATTN_BACKEND_AUTO, the environment variable FORKATTN_BACKEND=cpu|gpu|auto
+ * chooses the backend instead (an unknown value is an error); a backend the
+ * options name explicitly (CPU or GPU) is used whatever the environment says,
+ * and the variable is not read. With auto, the GPU is chosen only when the
+ * build has offload, a device exists and a probe kernel from our device image
+ * really runs on it; otherwise the CPU, and forkattn_ctx_backend_reason()
+ * says why.
  * Requesting gpu when it is unavailable returns FORKATTN_ERR_BACKEND_UNAVAILABLE
  * (and *ctx = NULL); forkattn_ctx_create_error() then says why. Nothing is
  * printed unless opt->verbose is set.
@@ -178,7 +182,8 @@ FORKATTN_API void forkattn_ctx_options_init(forkattn_ctx_options *opt);
  * @param[out] ctx receives the new context, or NULL on failure.
  * @param opt options, or NULL for the defaults (copied; not kept)
  * @return FORKATTN_OK, FORKATTN_ERR_INVALID_ARGUMENT (bad options, threads
- *         above forkattn_max_threads(), or a bad FORKATTN_BACKEND value),
+ *         above forkattn_max_threads(), or a bad FORKATTN_BACKEND value with
+ *         an auto request),
  *         FORKATTN_ERR_BACKEND_UNAVAILABLE or FORKATTN_ERR_OUT_OF_MEMORY
  */
 FORKATTN_API forkattn_status forkattn_ctx_create(forkattn_ctx **ctx,

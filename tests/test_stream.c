@@ -24,8 +24,7 @@ Test(stream, errors_without_a_gpu_context) {
   cr_assert_eq(forkattn_ctx_synchronize(NULL), FORKATTN_ERR_INVALID_ARGUMENT);
   forkattn_ctx_options opt;
   forkattn_ctx_options_init(&opt);
-  opt.backend = FORKATTN_BACKEND_CPU;
-  unsetenv("FORKATTN_BACKEND"); /* the GPU suite sets it, and it overrides the option */
+  opt.backend = FORKATTN_BACKEND_CPU; /* explicit: FORKATTN_BACKEND (the GPU suite's gpu) does not apply */
   forkattn_ctx *ctx = NULL;
   cr_assert_eq(forkattn_ctx_create(&ctx, &opt), FORKATTN_OK);
   cr_assert_eq(forkattn_ctx_set_stream(ctx, NULL), FORKATTN_ERR_BACKEND_UNAVAILABLE);

@@ -6,8 +6,10 @@
 #define FA_MSG_LEN 512
 
 typedef struct fa_gpu_pool fa_gpu_pool;
+struct fa_backend;
 struct forkattn_ctx {
-  forkattn_backend backend; /* CPU or GPU, never AUTO */
+  forkattn_backend backend;      /* CPU or GPU, never AUTO */
+  const struct fa_backend *ops;  /* that backend's operations (backend.h) */
   int device;               /* OpenMP device number (GPU backend) */
   int threads;              /* CPU worker threads */
   int bind_threads;         /* pin CPU workers with hwloc */

@@ -591,8 +591,8 @@ def _stream_handle(stream):
 class Context:
     """A forkattn context (``forkattn_ctx``): backend, device, CPU threads, last error.
 
-    ``backend`` is ``"auto"`` (GPU when usable, else CPU), ``"cpu"`` or ``"gpu"``; the
-    ``FORKATTN_BACKEND`` environment variable overrides it (C library rule). A context is not
+    ``backend`` is ``"auto"`` (GPU when usable, else CPU), ``"cpu"`` or ``"gpu"``; with
+    ``"auto"`` the ``FORKATTN_BACKEND`` environment variable may choose (C library rule). A context is not
     thread-safe: use one per thread. ``with ctx:`` makes it the current context of this thread
     for the calls inside the block (see :func:`use_context`).
     """

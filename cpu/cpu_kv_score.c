@@ -1,4 +1,6 @@
-/* Streaming attention-mass scores of the KV-cache policies (see kv_score.h).
+/* Streaming attention-mass scores of the KV-cache policies
+ * (fa_backend.kv_scores, contract in backend.h), on f32 tiles and OpenBLAS:
+ * no rows x keys buffer.
  *
  * Work is tiled like the CPU forward (cpu/cpu_segment_fwd.c): the query rows
  * of all `group` query heads of KV head g are stacked into one M = group*bq
@@ -9,13 +11,12 @@
  *    on, P = exp(S - lse) (causally masked), column sums added to the block's
  *    keys. A key's score is owned by one work item and summed over query
  *    blocks in ascending order, so the result does not depend on threads. */
-#include "kv_score.h"
-
 #include <cblas.h>
 #include <math.h>
 #include <string.h>
 
 #include "alloc.h"
+#include "cpu_backend.h"
 #include "cpu_team.h"
 #include "cpu_tile.h"
 #include "online_softmax.h"
@@ -63,19 +64,8 @@ static void fa_kv_lse_block(const fa_kv_job *j, int64_t g, int64_t qb, fa_kv_til
     const float *K = fa_cpu_rows_view(j->k, kb, nk, g, t->kbuf, &ldk);
     fa_kv_scores_tile(j, t->q, M, K, ldk, nk, t->s);
     if (kb + nk - 1 > q0) fa_cpu_mask_causal(t->s, nk, j->group, qn, q0, nk, kb);
-    for (int64_t i = 0; i < M; i++) {
-      float *srow = t->s + i * nk, mx = fa_cpu_row_max(srow, nk);
-      float m_new = mx > t->m[i] ? mx : t->m[i];
-      if (m_new == -INFINITY && fa_cpu_any_nan(srow, nk)) m_new = NAN; /* NaN rows stay NaN */
-      if (m_new == -INFINITY) continue;
-      const float alpha = fa_rescale(t->m[i], m_new);
-      fa_cpu_exp_sub(srow, nk, m_new);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t c = 0; c < nk; c++) sum += srow[c];
-      t->l[i] = t->l[i] * alpha + sum;
-      t->m[i] = m_new;
-    }
+    float alpha;
+    for (int64_t i = 0; i < M; i++) fa_cpu_online_row(t->s + i * nk, nk, &t->m[i], &t->l[i], &alpha);
   }
   for (int64_t hh = 0; hh < j->group; hh++)
     for (int64_t r = 0; r < qn; r++) {
@@ -135,8 +125,8 @@ static void fa_kv_score_team(fa_cpu_ws *ws, void *arg) {
   for (int64_t w = 0; w < j->nkb * j->hkv; w++) fa_kv_score_block(j, w % j->hkv, w / j->hkv, &t);
 }
 
-forkattn_status fa_kv_scores(forkattn_ctx *ctx, const forkattn_tensor *q, const forkattn_tensor *k,
-                             float scale, int64_t qlo, int64_t kend, double *score, size_t extra_bytes) {
+forkattn_status fa_cpu_kv_scores(forkattn_ctx *ctx, const forkattn_tensor *q, const forkattn_tensor *k,
+                                 float scale, int64_t qlo, int64_t kend, double *score, size_t extra_bytes) {
   const int64_t L = q->rows, hq = q->heads, hkv = k->heads, group = hq / hkv;
   fa_kv_job j = {q, k, scale, L, hq, hkv, q->head_dim, group, qlo, kend, fa_cpu_query_block(group),
                  FA_CPU_KEY_BLOCK, 0, 0, NULL, score};
@@ -159,23 +149,4 @@ forkattn_status fa_kv_scores(forkattn_ctx *ctx, const forkattn_tensor *q, const 
   fa_free(j.lse);
   if (rc) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "kv_select: cannot allocate CPU tiles");
   return FORKATTN_OK;
-}
-
-void fa_kv_pool(const double *a, int64_t n, int64_t kernel, double *out, double *scratch) {
-  const int64_t r = kernel / 2;
-  if (r <= 32) { /* narrow: direct sums */
-    for (int64_t j = 0; j < n; j++) {
-      const int64_t lo = j > r ? j - r : 0, hi = n - 1 - j > r ? j + r : n - 1;
-      double s = 0.0;
-      for (int64_t x = lo; x <= hi; x++) s += a[x];
-      out[j] = s;
-    }
-    return;
-  }
-  scratch[0] = 0.0; /* wide: prefix sums, O(n) whatever the kernel */
-  for (int64_t j = 0; j < n; j++) scratch[j + 1] = scratch[j] + a[j];
-  for (int64_t j = 0; j < n; j++) {
-    const int64_t lo = j > r ? j - r : 0, hi = n - 1 - j > r ? j + r : n - 1;
-    out[j] = scratch[hi + 1] - scratch[lo];
-  }
 }

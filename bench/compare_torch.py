@@ -577,7 +577,7 @@ def section(meta, cases):
             "implementation; speedup = the row's time / the first forkattn row's time. Errors: max abs difference from a float32 "
             "reference on the same bf16 inputs; forkattn passes when each is at most 2x PyTorch's bf16 error "
             "+ %g and it wrote every output (NaN-poisoned before)." % ABS_TOL)
-    return "\n".join(["## Side by side with PyTorch (bench/compare_torch.py)", "", head, "",
+    return "\n".join(["#### The latest run", "", head, "",
                       "Command: `%s`" % meta["command"], ""] + table(cases) + ["", expl, ""] + notes(cases)) + "\n"
 
 

@@ -341,7 +341,7 @@ _SIGNATURES = {
     "forkattn_batch_plan_rows": (_I64P, [c_void_p, c_int64, _I64P]),
     "forkattn_batch_plan_mode": (c_int, [c_void_p, c_int64]),
     "forkattn_batch_plan_reason": (c_char_p, [c_void_p, c_int64]),
-    # shared-prefix KV cache for diffusion LMs (issue 6; optional): cached-prefix attention, the
+    # shared-prefix KV cache for diffusion LMs (optional): cached-prefix attention, the
     # cache, K/V similarity, the reuse-depth profile. Tokens are int32 host arrays (c_void_p).
     "forkattn_prefix_cached_fwd": (
         c_int,

@@ -209,10 +209,10 @@ class CtxOptions(Structure):
 _T = POINTER(Tensor)
 _I64P = POINTER(c_int64)
 
-# name: (restype, argtypes); optional symbols are looked up lazily (trie_* came in 0.1.0 too,
-# but a stripped-down build may lack them: the binding then fails only when they are used; the
-# same holds for kept sets, StreamKL, kv_select, the DFS path stack, the tree cost model /
-# partition / batch plan and the diffusion-LM KV cache (BiCache), newer additions).
+# name: (restype, argtypes); optional symbols are looked up lazily: a stripped-down build may
+# lack the trie, kept-set, StreamKL, kv_select, DFS path stack, tree cost model / partition /
+# batch plan or diffusion-LM KV cache (BiCache) functions, and the binding then fails only when
+# they are used.
 _SIGNATURES = {
     "forkattn_version_number": (c_uint, []),
     "forkattn_version_string": (c_char_p, []),

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""forkattn's attention against PyTorch's on one GPU, side by side in one process (issue 5).
+"""forkattn's attention against PyTorch's on one GPU, side by side in one process.
 
 Cases (bf16 inputs, f32 lse, forkattn outputs in bf16, d = 128, softmax scale 1/sqrt(d)):
   1. dense causal attention, 16 heads x 4096 rows: SDPA(is_causal) vs forkattn_prefix_fwd/bwd on
@@ -19,7 +19,7 @@ speedups are relative to), and with synchronous calls, PyTorch's stream synchron
 (as compare_kl.py does). CUDA events around each call, then a synchronize; warm-up, median. The timed calls
 are spread over --rounds interleaved rounds (forkattn, then each PyTorch implementation, again),
 so that no implementation is timed only right after the float32 reference or only after another's
-runs. TFLOP/s count useful FLOPs (design.md): 4*d*Hq*(visible query-key pairs) forward, 3.5x that
+runs. TFLOP/s count useful FLOPs: 4*d*Hq*(visible query-key pairs) forward, 3.5x that
 forward+backward, the same count for every implementation.
 
 Correctness: a float32 reference from the same bf16 inputs, computed by the formulas in chunks of
@@ -577,7 +577,7 @@ def section(meta, cases):
             "implementation; speedup = the row's time / the first forkattn row's time. Errors: max abs difference from a float32 "
             "reference on the same bf16 inputs; forkattn passes when each is at most 2x PyTorch's bf16 error "
             "+ %g and it wrote every output (NaN-poisoned before)." % ABS_TOL)
-    return "\n".join(["## Side by side with PyTorch (bench/compare_torch.py)", "", head, "",
+    return "\n".join(["#### The latest run", "", head, "",
                       "Command: `%s`" % meta["command"], ""] + table(cases) + ["", expl, ""] + notes(cases)) + "\n"
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Run on the GPU machine: issue 5's tensor-core kernels (the default; FORKATTN_GPU_MMA=1 kept explicit)
+# Run on the GPU machine: the tensor-core kernels (the default; FORKATTN_GPU_MMA=1 kept explicit)
 # through the attention suites that have bf16/f16 cases at head_dim 64/128,
-# then case 1 and case 2 of bench/NOTES-gpu.md with `forkattn bench prefix`
+# then case 1 and case 2 of bench/RESULTS.md with `forkattn bench prefix`
 # on the tensor-core and on the FP32 kernels side by side, then PyTorch side
 # by side (bench/compare_torch.py). One summary: $OUT/summary.txt.
 # Usage: bash bench/gpu_mma.sh <offload build dir> [commit]

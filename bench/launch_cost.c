@@ -1,6 +1,6 @@
 /* launch_cost: what the host pays per OpenMP offload launch and copy, with
  * kernels that do nothing, so a synchronous library call's time outside its
- * kernels can be split into its parts (bench/NOTES-gpu.md, issue 5).
+ * kernels can be split into its parts (docs/gpu-kernels.md, "The launch path").
  *
  * Each line is the median over `reps` calls (after 20 warm-ups) of the wall
  * time of one step, in microseconds:

@@ -209,10 +209,10 @@ class CtxOptions(Structure):
 _T = POINTER(Tensor)
 _I64P = POINTER(c_int64)
 
-# name: (restype, argtypes); optional symbols are looked up lazily (trie_* came in 0.1.0 too,
-# but a stripped-down build may lack them: the binding then fails only when they are used; the
-# same holds for kept sets, StreamKL, kv_select, the DFS path stack, the tree cost model /
-# partition / batch plan and the diffusion-LM KV cache (BiCache), newer additions).
+# name: (restype, argtypes); optional symbols are looked up lazily: a stripped-down build may
+# lack the trie, kept-set, StreamKL, kv_select, DFS path stack, tree cost model / partition /
+# batch plan or diffusion-LM KV cache (BiCache) functions, and the binding then fails only when
+# they are used.
 _SIGNATURES = {
     "forkattn_version_number": (c_uint, []),
     "forkattn_version_string": (c_char_p, []),
@@ -341,7 +341,7 @@ _SIGNATURES = {
     "forkattn_batch_plan_rows": (_I64P, [c_void_p, c_int64, _I64P]),
     "forkattn_batch_plan_mode": (c_int, [c_void_p, c_int64]),
     "forkattn_batch_plan_reason": (c_char_p, [c_void_p, c_int64]),
-    # shared-prefix KV cache for diffusion LMs (issue 6; optional): cached-prefix attention, the
+    # shared-prefix KV cache for diffusion LMs (optional): cached-prefix attention, the
     # cache, K/V similarity, the reuse-depth profile. Tokens are int32 host arrays (c_void_p).
     "forkattn_prefix_cached_fwd": (
         c_int,

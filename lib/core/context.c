@@ -14,6 +14,7 @@
 #ifdef FORKATTN_HAVE_OFFLOAD
 #include "gpu_backend.h"
 #include "gpu_pool.h"
+#include "gpu_select_ctx.h"
 #include "gpu_stream.h"
 #endif
 
@@ -41,6 +42,7 @@ void forkattn_ctx_options_init(forkattn_ctx_options *opt) {
   if (!opt) return;
   memset(opt, 0, sizeof *opt);
   opt->backend = FORKATTN_BACKEND_AUTO;
+  opt->gpu_persist = -1;
 }
 
 /* FORKATTN_BACKEND overrides the requested backend; -1 on an unknown value. */
@@ -156,7 +158,15 @@ forkattn_status forkattn_ctx_create(forkattn_ctx **ctx, const forkattn_ctx_optio
     fa_free(c);
     return st;
   }
+#ifdef FORKATTN_HAVE_OFFLOAD
+  char err[FA_MSG_LEN];
+  if (c->backend == FORKATTN_BACKEND_GPU && (st = fa_gpu_choice_init(c, &o, err, sizeof err)) != FORKATTN_OK) {
+    fa_free(c);
+    return fa_create_fail(st, o.verbose, "ctx_create: %s", err);
+  }
+#endif
   if (o.verbose) fprintf(stderr, "forkattn: backend %s\n", c->reason);
+  if (o.verbose && c->gpu.summary[0]) fprintf(stderr, "forkattn: gpu kernels: %s\n", c->gpu.summary);
   *ctx = c;
   return FORKATTN_OK;
 }
@@ -178,6 +188,8 @@ forkattn_backend forkattn_ctx_backend(const forkattn_ctx *ctx) {
 const char *forkattn_ctx_backend_reason(const forkattn_ctx *ctx) {
   return ctx ? ctx->reason : "no context";
 }
+
+const char *forkattn_ctx_gpu_kernels(const forkattn_ctx *ctx) { return ctx ? ctx->gpu.summary : ""; }
 
 int forkattn_ctx_threads(const forkattn_ctx *ctx) { return ctx ? ctx->threads : 0; }
 

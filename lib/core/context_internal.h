@@ -2,6 +2,7 @@
 #ifndef FORKATTN_CONTEXT_INTERNAL_H
 #define FORKATTN_CONTEXT_INTERNAL_H
 #include "forkattn.h"
+#include "gpu_select.h"
 
 #define FA_MSG_LEN 512
 
@@ -18,6 +19,7 @@ struct forkattn_ctx {
   struct fa_gpu_pool *gpu_pool; /* GPU backend's cached device blocks (offload/gpu_pool.h) */
   int stream_set;               /* calls are ordered on `stream` (forkattn_ctx_set_stream) */
   void *stream;                 /* the caller's CUDA stream (offload/gpu_stream.h) */
+  fa_gpu_choice gpu;            /* GPU backend's kernel choice, fixed at creation (offload/gpu_select.h) */
 };
 
 /* Record a failure on ctx (may be NULL) and return status, printf-style. */

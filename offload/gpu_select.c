@@ -51,32 +51,38 @@ const char *fa_gpu_kernel_name(fa_gpu_pass pass, fa_gpu_kernel k) {
   }
 }
 
+/* A bf16/f16 call at head_dim d with aligned rows whose maps encode: what the summary describes. */
+static fa_gpu_call fa_select_typical(int64_t d) {
+  return (fa_gpu_call){.half = 1, .d = d, .rows16 = 1, .same_d = 1, .same_kv_heads = 1, .tma = 1};
+}
+
 void fa_gpu_select_describe(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, char *buf, size_t len) {
   static const char *const pass_names[FA_PASSES] = {"forward", "dQ", "dK/dV", "StreamKL forward",
                                                     "StreamKL backward"};
   size_t at = 0;
+  int n = 0;
   buf[0] = '\0';
   for (int p = 0; p < FA_PASSES; p++) {
     const char *k[2];
     for (int i = 0; i < 2; i++) {
-      const fa_gpu_call c = {.half = 1, .d = i ? 128 : 64, .rows16 = 1, .same_d = 1, .same_kv_heads = 1, .tma = 1};
+      const fa_gpu_call c = fa_select_typical(i ? 128 : 64);
       k[i] = fa_gpu_kernel_name((fa_gpu_pass)p, fa_gpu_select(caps, knobs, (fa_gpu_pass)p, &c));
     }
-    const int n = strcmp(k[0], k[1]) ? snprintf(buf + at, len - at, "%s%s %s (d=64), %s (d=128)", p ? "; " : "",
-                                                pass_names[p], k[0], k[1])
-                                     : snprintf(buf + at, len - at, "%s%s %s", p ? "; " : "", pass_names[p], k[0]);
+    n = strcmp(k[0], k[1]) ? snprintf(buf + at, len - at, "%s %s (d=64), %s (d=128); ", pass_names[p], k[0], k[1])
+                           : snprintf(buf + at, len - at, "%s %s; ", pass_names[p], k[0]);
     if (n < 0 || (size_t)n >= len - at) return;
     at += (size_t)n;
   }
-  const char *persist = knobs->persist < 0   ? "persistent teams from %d items an SM"
-                        : knobs->persist == 0 ? "no persistent teams"
-                        : knobs->persist == 1 ? "persistent teams, one an SM"
-                                              : "persistent teams, at most %d";
-  const int arg = knobs->persist < 0 ? FA_PERSIST_MIN_ITEMS_PER_SM : knobs->persist;
-  int n = snprintf(buf + at, len - at, "; ");
-  if (n > 0 && (size_t)n < len - at) at += (size_t)n, n = snprintf(buf + at, len - at, persist, arg);
-  if (n > 0 && (size_t)n < len - at) snprintf(buf + at + (size_t)n, len - at - (size_t)n,
-                                              "; other calls fp32");
+  const fa_gpu_call fwd = fa_select_typical(128);
+  if (fa_gpu_select(caps, knobs, FA_PASS_FWD, &fwd) != FA_KERNEL_WG2 || knobs->persist == 0)
+    n = snprintf(buf + at, len - at, "no persistent teams");
+  else if (knobs->persist < 0)
+    n = snprintf(buf + at, len - at, "persistent teams from %d items an SM", FA_PERSIST_MIN_ITEMS_PER_SM);
+  else if (knobs->persist == 1)
+    n = snprintf(buf + at, len - at, "persistent teams, one an SM");
+  else
+    n = snprintf(buf + at, len - at, "persistent teams, at most %d", knobs->persist);
+  if (n > 0 && (size_t)n < len - at) snprintf(buf + at + (size_t)n, len - at - (size_t)n, "; other calls fp32");
 }
 
 /* A count 0..2^20 in s: the value, or -1. */

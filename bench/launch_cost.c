@@ -75,7 +75,7 @@ static void lc_step(int step, int dev, lc_args *args, char *pageable, char *pinn
     break;
   case CARRY_4K:
   case CARRY_4K_PINNED:
-    /* gpu_launch_copy.h; FORKATTN_GPU_LAUNCH_COPY=0: a synchronous copy first */
+    /* gpu_launch_copy.h; without the launch forwarder: a synchronous copy first */
     if (!fa_gpu_launch_copy(dbuf, step == CARRY_4K ? pageable : pinned, 4096) &&
         omp_target_memcpy(dbuf, step == CARRY_4K ? pageable : pinned, 4096, 0, 0, dev, omp_get_initial_device()))
       abort();

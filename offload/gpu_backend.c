@@ -2,11 +2,17 @@
 #include "gpu_backend.h"
 
 #include "gpu_pool.h"
+#include "gpu_select_ctx.h"
 #include "gpu_stream.h"
 
 /* Waits that cannot be ordered on the stream (copies, frees, synchronous kernels). */
 static forkattn_status fa_gpu_stream_wait_call(forkattn_ctx *ctx, const char *what) {
   return fa_gpu_stream_enter(ctx, 0, what);
+}
+
+static void fa_gpu_ctx_teardown(forkattn_ctx *ctx) {
+  fa_gpu_pool_destroy(ctx);
+  fa_gpu_choice_free(ctx);
 }
 
 static int fa_gpu_stream_wait_quiet(const forkattn_ctx *ctx) { return fa_gpu_stream_wait(ctx); }
@@ -25,5 +31,6 @@ const fa_backend fa_gpu_backend = {
     .stream_check = fa_gpu_stream_check,
     .stream_wait = fa_gpu_stream_wait_call,
     .stream_wait_quiet = fa_gpu_stream_wait_quiet,
-    .ctx_teardown = fa_gpu_pool_destroy,
+    .ctx_init = fa_gpu_choice_init,
+    .ctx_teardown = fa_gpu_ctx_teardown,
 };

@@ -68,7 +68,11 @@ typedef struct fa_backend {
   forkattn_status (*stream_wait)(forkattn_ctx *ctx, const char *what);
   int (*stream_wait_quiet)(const forkattn_ctx *ctx);
 
-  /* Release what the backend cached on ctx (after its stream was waited for). */
+  /* Set up a new context's backend state from its options (NULL: nothing to set up);
+   * FORKATTN_OK, or a status with the reason in err. */
+  forkattn_status (*ctx_init)(forkattn_ctx *ctx, const forkattn_ctx_options *o, char *err, size_t len);
+  /* Release what the backend cached on ctx (after its stream was waited for); also after a
+   * failed ctx_init. */
   void (*ctx_teardown)(forkattn_ctx *ctx);
 } fa_backend;
 

@@ -36,6 +36,7 @@ void forkattn_ctx_options_init(forkattn_ctx_options *opt) {
   if (!opt) return;
   memset(opt, 0, sizeof *opt);
   opt->backend = FORKATTN_BACKEND_AUTO;
+  opt->gpu_persist = -1;
 }
 
 /* FORKATTN_BACKEND chooses the backend of a context whose options ask for
@@ -153,7 +154,13 @@ forkattn_status forkattn_ctx_create(forkattn_ctx **ctx, const forkattn_ctx_optio
     fa_free(c);
     return st;
   }
+  char err[FA_MSG_LEN];
+  if (c->ops->ctx_init && (st = c->ops->ctx_init(c, &o, err, sizeof err)) != FORKATTN_OK) {
+    forkattn_ctx_destroy(c);
+    return fa_create_fail(st, o.verbose, "ctx_create: %s", err);
+  }
   if (o.verbose) fprintf(stderr, "forkattn: backend %s\n", c->reason);
+  if (o.verbose && c->kernels[0]) fprintf(stderr, "forkattn: gpu kernels: %s\n", c->kernels);
   *ctx = c;
   return FORKATTN_OK;
 }
@@ -173,6 +180,8 @@ forkattn_backend forkattn_ctx_backend(const forkattn_ctx *ctx) {
 const char *forkattn_ctx_backend_reason(const forkattn_ctx *ctx) {
   return ctx ? ctx->reason : "no context";
 }
+
+const char *forkattn_ctx_gpu_kernels(const forkattn_ctx *ctx) { return ctx ? ctx->kernels : ""; }
 
 int forkattn_ctx_threads(const forkattn_ctx *ctx) { return ctx ? ctx->threads : 0; }
 

@@ -20,6 +20,8 @@ struct forkattn_ctx {
   struct fa_gpu_pool *gpu_pool; /* GPU backend's cached device blocks (offload/gpu_pool.h) */
   int stream_set;               /* calls are ordered on `stream` (forkattn_ctx_set_stream) */
   void *stream;                 /* the caller's CUDA stream (offload/gpu_stream.h) */
+  struct fa_gpu_choice *gpu;    /* GPU backend's kernel choice, fixed at creation (offload/gpu_select.h) */
+  char kernels[384];            /* the kernels its calls use, in words (forkattn_ctx_gpu_kernels) */
 };
 
 /* Record a failure on ctx (may be NULL) and return status, printf-style. */

@@ -203,6 +203,8 @@ class CtxOptions(Structure):
         ("threads", c_int),
         ("bind_threads", c_int),
         ("verbose", c_int),
+        ("gpu_kernels", c_int),
+        ("gpu_persist", c_int),
     ]
 
 
@@ -225,6 +227,7 @@ _SIGNATURES = {
     "forkattn_ctx_destroy": (None, [c_void_p]),
     "forkattn_ctx_backend": (c_int, [c_void_p]),
     "forkattn_ctx_backend_reason": (c_char_p, [c_void_p]),
+    "forkattn_ctx_gpu_kernels": (c_char_p, [c_void_p]),
     "forkattn_ctx_threads": (c_int, [c_void_p]),
     "forkattn_ctx_last_error": (c_char_p, [c_void_p]),
     "forkattn_ctx_peak_workspace": (c_size_t, [c_void_p]),
@@ -636,6 +639,11 @@ class Context:
     @property
     def backend_reason(self):
         return (self._lib.forkattn_ctx_backend_reason(self.handle) or b"").decode(errors="replace")
+
+    @property
+    def gpu_kernels(self):
+        """The GPU kernel family of each pass ("" on a CPU context; ``FORKATTN_GPU_KERNELS``)."""
+        return (self._lib.forkattn_ctx_gpu_kernels(self.handle) or b"").decode(errors="replace")
 
     @property
     def threads(self):

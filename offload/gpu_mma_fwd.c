@@ -22,7 +22,7 @@
 #include "dtype_convert.h"
 #include "gpu_fwd.h"
 #include "gpu_mma.h"
-#include "gpu_mma_fwd_team.h"
+#include "gpu_fwd_teams.h"
 #include "gpu_mma_tiles.h"
 #include "gpu_persist.h"
 #include "gpu_team_memory.h"

@@ -1,5 +1,5 @@
-/* The tensor-core kernels' team functions (offload/gpu_mma_fwd_team.h,
- * offload/gpu_mma_bwd_team.h) run on the host under the SIMT emulation of
+/* The tensor-core kernels' team functions (offload/gpu_fwd_teams.h,
+ * offload/gpu_bwd_teams.h) run on the host under the SIMT emulation of
  * offload/gpu_mma.h: each team is a 128-thread `omp parallel` region, every
  * warp-collective (ldmatrix, mma, shuffle, ballot) is computed from its
  * warp's operands as the PTX ISA defines it. That checks everything but the
@@ -28,8 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gpu_mma_bwd_team.h"
-#include "gpu_mma_fwd_team.h"
+#include "gpu_bwd_teams.h"
+#include "gpu_fwd_teams.h"
 #include "gpu_mma_kl_bwd_team.h"
 #include "gpu_mma_kl_team.h"
 #include "reference.h"

@@ -1,147 +1,37 @@
-/* The tensor-core forward's team function (one query block x one query
- * head), in a header so the host tests can run it under the SIMT emulation
- * of gpu_mma.h (tests/test_mma_emulated.c). Launched by gpu_mma_fwd.c. */
-#ifndef FORKATTN_GPU_MMA_FWD_TEAM_H
-#define FORKATTN_GPU_MMA_FWD_TEAM_H
+/* The forward's team functions (one query block x one query head), in a
+ * header so the host tests can run them under the SIMT emulation of
+ * gpu_mma.h (tests/test_mma_emulated.c); launched by gpu_mma_fwd.c. Each
+ * composes K/V loads, S = Q K^T, the online-softmax step of
+ * gpu_softmax_step.h, O += P V and the epilogue of gpu_epilogue.h:
+ *   fa_mma_fwd_team  mma.sync, 64 rows, K/V double-buffered by cp.async
+ *   fa_wg_fwd_team   the same walk with wgmma products (one warpgroup)
+ *   fa_wg2_fwd_team  two warpgroups, 128 rows, 128-key tiles through the
+ *                    ring of gpu_tile_ring.h (bulk tensor copies) */
+#ifndef FORKATTN_GPU_FWD_TEAMS_H
+#define FORKATTN_GPU_FWD_TEAMS_H
 #include <math.h>
 #include <stdint.h>
 
 #include "dtype_convert.h"
+#include "gpu_epilogue.h"
 #include "gpu_fwd.h"
 #include "gpu_mma.h"
 #include "gpu_mma_tiles.h"
+#include "gpu_products.h"
+#include "gpu_softmax_step.h"
+#include "gpu_tile_ring.h"
 #include "gpu_timeline.h"
 #include "gpu_tma.h"
-#include "gpu_wg2.h"
 #include "gpu_wgmma.h"
+#include "gpu_work_scheduler.h"
 
 #pragma omp declare target
-/* s (16 rows x BK keys of one warp) = Q K^T: Q's A fragments qf, K the
- * tile at element kt of team memory, [BK][P] rows through ldmatrix. */
-static inline __attribute__((always_inline)) void fa_mma_qk(fa_f4 *s, const fa_u4 *qf, fa_smem sm, int kt, int P,
-                                                            int BK, int D, int f16, int lane) {
-#pragma unroll
-  for (int n = 0; n < BK / 8; n++) s[n] = fa_f4_zero();
-  fa_mma_acc_abt(s, qf, sm, kt, P, BK, D, f16, lane);
-}
 
-/* The maximum of this lane's BK / 4 scores of one of its two rows (hi: the
- * row 8 down, elements z, w) as a pairwise tree: log2(BK / 4) dependent
- * steps instead of BK / 4, the row maxima being on the softmax's latency
- * path (bench/NOTES-gpu.md, v2.31). fmaxf is exact and skips NaN, so the
- * order does not change the result. BK / 8: a power of two, at most 16. */
-static inline __attribute__((always_inline)) float fa_fwd_lane_max(const fa_f4 *s, int BK, int hi) {
-  float t[FA_WG2_BK / 8];
-#pragma unroll
-  for (int n = 0; n < BK / 8; n++) t[n] = hi ? fmaxf(s[n].z, s[n].w) : fmaxf(s[n].x, s[n].y);
-#pragma unroll
-  for (int w = BK / 16; w > 0; w /= 2)
-#pragma unroll
-    for (int i = 0; i < w; i++) t[i] = fmaxf(t[i], t[i + w]);
-  return t[0];
-}
 
-/* Tile j's raw scores s (this warp's 16 rows x BK keys) masked to the keys
- * each row sees (lim0, lim1: fa_mma_row_keys), and this lane's share of the
- * row maxima folded into mx0, mx1. unmasked: every row of the warp sees
- * every key (warp-uniform), so the masks are skipped. vlo, vhi: the tile's
- * non-finite V rows 0-63 and 64-127 (fa_mma_scan_rows_by, zeroed there); a
- * row that sees one is marked bad. Raw scores: the scale (> 0, validated)
- * is applied in the exponent's fma, so it commutes with the max. */
-static inline __attribute__((always_inline)) void fa_fwd_tile_max(fa_f4 *s, int BK, int unmasked, int c0, int lim0,
-                                                                   int lim1, unsigned long long vlo,
-                                                                   unsigned long long vhi, float *mx0, float *mx1,
-                                                                   int *bad0, int *bad1) {
-  if (unmasked) {
-    *mx0 = fmaxf(*mx0, fa_fwd_lane_max(s, BK, 0));
-    *mx1 = fmaxf(*mx1, fa_fwd_lane_max(s, BK, 1));
-    if (vlo | vhi) *bad0 = *bad1 = 1; /* every row of the warp sees the tile's non-finite V row */
-    return;
-  }
-  /* keys relative to the lane's first column: the comparisons and bit tests
-   * below take constants, so no per-key value is kept live across the walk */
-  const int e0 = lim0 - c0, e1 = lim1 - c0;
-#pragma unroll
-  for (int n = 0; n < BK / 8; n++) {
-    s[n].x = fa_mma_mask(s[n].x, n * 8, e0), s[n].y = fa_mma_mask(s[n].y, n * 8 + 1, e0);
-    s[n].z = fa_mma_mask(s[n].z, n * 8, e1), s[n].w = fa_mma_mask(s[n].w, n * 8 + 1, e1);
-  }
-  *mx0 = fmaxf(*mx0, fa_fwd_lane_max(s, BK, 0));
-  *mx1 = fmaxf(*mx1, fa_fwd_lane_max(s, BK, 1));
-  if (vlo | vhi) {
-    const unsigned long long v0 = vlo >> c0, v1 = vhi >> c0;
-#pragma unroll
-    for (int n = 0; n < BK / 8; n++) {
-      const unsigned long long v = n < 8 ? v0 : v1; /* n is a constant after unrolling */
-      const int key = (n % 8) * 8;
-      *bad0 |= (s[n].x != -INFINITY && (v >> key & 1u)) || (s[n].y != -INFINITY && (v >> (key + 1) & 1u));
-      *bad1 |= (s[n].z != -INFINITY && (v >> key & 1u)) || (s[n].w != -INFINITY && (v >> (key + 1) & 1u));
-    }
-  }
-}
 
-/* The online-softmax step of a tile after fa_fwd_tile_max: the row maxima
- * reduced over the quad, the running maxima m (log2 units) and sums l
- * moved to them, s turned into P = exp2(s * mul - m), and O's rescale
- * factors returned in a0, a1 (1 where a row's maximum did not move). */
-static inline __attribute__((always_inline)) void fa_fwd_tile_exp(fa_f4 *s, int BK, float mx0, float mx1, float mul,
-                                                                   float *m0, float *m1, float *l0, float *l1,
-                                                                   float *a0, float *a1) {
-  mx0 = fmaxf(mx0, fa_mma_shfl_xor(mx0, 1));
-  mx0 = fmaxf(mx0, fa_mma_shfl_xor(mx0, 2));
-  mx1 = fmaxf(mx1, fa_mma_shfl_xor(mx1, 1));
-  mx1 = fmaxf(mx1, fa_mma_shfl_xor(mx1, 2));
-  const float n0 = fmaxf(*m0, mx0 * mul), n1 = fmaxf(*m1, mx1 * mul); /* log2 units */
-  const float u0 = n0 == -INFINITY ? 0.0f : n0, u1 = n1 == -INFINITY ? 0.0f : n1; /* empty so far */
-  *a0 = fa_mma_exp2(*m0 - u0), *a1 = fa_mma_exp2(*m1 - u1);
-  float r0 = *l0 * *a0, r1 = *l1 * *a1;
-#pragma unroll
-  for (int n = 0; n < BK / 8; n++) { /* a masked -inf stays -inf: exp2 gives 0 */
-    s[n].x = fa_mma_exp2(fmaf(s[n].x, mul, -u0)), s[n].y = fa_mma_exp2(fmaf(s[n].y, mul, -u0));
-    s[n].z = fa_mma_exp2(fmaf(s[n].z, mul, -u1)), s[n].w = fa_mma_exp2(fmaf(s[n].w, mul, -u1));
-    r0 += s[n].x + s[n].y;
-    r1 += s[n].z + s[n].w;
-  }
-  *l0 = r0, *l1 = r1, *m0 = n0, *m1 = n1;
-}
 
-/* O *= a per row, skipped warp-uniformly when no row maximum of the warp moved (most tiles, once they settle). */
-static inline __attribute__((always_inline)) void fa_fwd_rescale(fa_f4 *o, int D, float a0, float a1) {
-  if (fa_mma_ballot(a0 != 1.0f || a1 != 1.0f))
-#pragma unroll
-    for (int n = 0; n < D / 8; n++) o[n].x *= a0, o[n].y *= a0, o[n].z *= a1, o[n].w *= a1;
-}
 
-/* The end of a lane's two rows (row0, row0 + 8): their sums over the quad,
- * lse written (by the lanes of column 0), and O's factors: 1 / l (0 for an
- * empty row) in i[0], i[1], the flags OR-ed over the quad in bad[0], bad[1]. */
-static inline __attribute__((always_inline)) void fa_fwd_finish_rows(const fa_gpu_fwd_args ga, int64_t row0,
-                                                                      int64_t h, int c0, int lane, int ok0, int ok1,
-                                                                      float m0, float m1, float l0, float l1,
-                                                                      float i[2], int bad[2]) {
-  l0 += fa_mma_shfl_xor(l0, 1);
-  l0 += fa_mma_shfl_xor(l0, 2);
-  l1 += fa_mma_shfl_xor(l1, 1);
-  l1 += fa_mma_shfl_xor(l1, 2);
-  bad[0] = fa_mma_quad_any(bad[0], lane), bad[1] = fa_mma_quad_any(bad[1], lane);
-  i[0] = l0 > 0.0f ? fa_mma_rcp(l0) : 0.0f, i[1] = l1 > 0.0f ? fa_mma_rcp(l1) : 0.0f;
-  if (ga.lse && c0 == 0) {
-    if (ok0) ga.lse[row0 * ga.hq + h] = l0 > 0.0f ? (m0 + log2f(l0)) * FA_LN2 : -INFINITY;
-    if (ok1) ga.lse[(row0 + 8) * ga.hq + h] = l1 > 0.0f ? (m1 + log2f(l1)) * FA_LN2 : -INFINITY;
-  }
-}
 
-/* A warp's output rows row0 and row0 + 8 (ok0, ok1: inside the block):
- * O / l (NaN where bad) and lse = (m + log2 l) ln 2. */
-static inline __attribute__((always_inline)) void fa_fwd_finish(const fa_gpu_fwd_args ga, const fa_f4 *o, int D,
-                                                                 int64_t row0, int64_t h, int c0, int lane, int ok0,
-                                                                 int ok1, float m0, float m1, float l0, float l1,
-                                                                 int bad0, int bad1) {
-  float i[2];
-  int bad[2] = {bad0, bad1};
-  fa_fwd_finish_rows(ga, row0, h, c0, lane, ok0, ok1, m0, m1, l0, l1, i, bad);
-  fa_mma_store_rows(ga.o, row0, h, o, D, c0, ok0, ok1, i[0], i[1], bad[0], bad[1]);
-}
 
 /* One team: FA_MMA_ROWS query rows of block blk, query head h, KV head g.
  * D, BK and WG are compile-time constants after inlining (register arrays).
@@ -322,14 +212,12 @@ static inline __attribute__((always_inline)) void fa_wg_fwd_team(const int D, co
  * warpgroup to let a copy start), issues S(j) = Q K(j)^T and
  * O += P(j-1) V(j-1) together, waits for S(j), runs tile j's softmax while
  * P V runs, then waits for P V and rescales O. No product group is left pending across
- * the loop's back-edge (v2.16), and iteration 0 multiplies P(-1) = 0 by
+ * the loop's back-edge, and iteration 0 multiplies P(-1) = 0 by
  * zeros (buffer S - 1's V, "tile -1", released like any tile): a product
  * or a wait under a branch makes ptxas serialize every wgmma of the kernel
  * (C7518). FlashAttention-3's ping-pong (the warpgroups taking turns to
- * issue their products, by named barriers) was measured and removed: here
- * the softmax outlasts the other warpgroup's products, and the turns only
- * added waits (case 2 forward 2821 vs 2754 us, bench/logs/gpu_ab_wg2_bk128_h200.txt;
- * the code is in 78a9333).
+ * issue their products, by named barriers) does not pay here: the softmax
+ * outlasts the other warpgroup's products, and the turns only add waits.
  *
  * A tile that hides keys from some of the team's rows (causal, crossing the
  * team's first diagonal) or holds fewer than BK keys (the copy brings the
@@ -340,7 +228,7 @@ static inline __attribute__((always_inline)) void fa_wg_fwd_team(const int D, co
  * tile's keys are masked. */
 /* Buffers: as many as fit beside the Q tiles in the H100/H200's 227 KB of team memory. */
 #define FA_WG2_STAGES(D) ((D) == 128 ? 3 : 5)
-/* Team memory: two 64-row Q tiles, the ring (gpu_wg2.h), room to align the tiles. */
+/* Team memory: two 64-row Q tiles, the ring (gpu_tile_ring.h), room to align the tiles. */
 #define FA_WG2_FWD_SMEM(D)                                                                                         \
   ((size_t)(FA_WG2_ROWS + 2 * FA_WG2_STAGES(D) * FA_WG2_BK) * (D) * 2 + FA_WG2_RING_BYTES(FA_WG2_STAGES(D)) +        \
    FA_WG_BLOCK_BYTES)

@@ -1,5 +1,5 @@
-/* Teams of two warpgroups (sm_90a): the wgmma forward (gpu_mma_fwd_team.h),
- * dQ and dK/dV (gpu_mma_bwd_team.h). FA_WG2_THREADS threads, FA_WG2_ROWS
+/* Teams of two warpgroups (sm_90a): the wgmma forward (gpu_fwd_teams.h),
+ * dQ and dK/dV (gpu_bwd_teams.h). FA_WG2_THREADS threads, FA_WG2_ROWS
  * query rows a team (64 a warpgroup, each with its own query tiles), and
  * K/V tiles of FA_WG2_BK keys that both warpgroups read, copied once by bulk
  * tensor copies (gpu_tma.h) into a ring of buffers: tile t in buffer t % S,
@@ -10,8 +10,8 @@
  * team memory, one word per buffer): no thread waits for the other
  * warpgroup before a copy starts, and the copy starts as soon as both are
  * done with the buffer. Both warpgroups' thread 0 walk the tiles to copy. */
-#ifndef FORKATTN_GPU_WG2_H
-#define FORKATTN_GPU_WG2_H
+#ifndef FORKATTN_GPU_TILE_RING_H
+#define FORKATTN_GPU_TILE_RING_H
 #include <stdint.h>
 #include <ompx.h>
 
@@ -134,79 +134,7 @@ static inline void fa_wg2_scan(unsigned short *t, int BK, int D, int f16, fa_wg2
   f[1] = BK > 64 ? fa_mma_scan_rows_by(t, D, BK, 64, 64, D, f16, r.flags, tid, FA_WG2_THREADS) : 0;
 }
 
-/* A warpgroup's 64 output rows (each warp's 16-row accumulator fragments,
- * times m0 / m1, NaN where flagged) to rows [row0, row0 + nrows) of t (b16,
- * head `head`; nrows may exceed 64 or be <= 0), through 64 x D b16 of free
- * team memory at `stage` (the warpgroup's own query tile after its last
- * product: 1024-byte aligned). The fragments go in as b16 pairs, 16-byte
- * chunk c of row r at c ^ r % 8 (the eight rows of a store instruction hit
- * distinct banks); then each thread copies 16-byte chunks, consecutive
- * threads along a row, so a warp's store covers whole lines. A fragment's
- * own stores (fa_mma_store_rows) touch eight lines with 16 bytes each: in
- * the forward's epilogue ~4000 cycles a team (in-kernel timeline). t needs
- * 16-byte rows (fa_gpu_mma_out_ok). Named barrier `bar` of the warpgroup's
- * 128 threads between the halves; every thread of it calls this. */
-static inline __attribute__((always_inline)) void fa_wg_store_rows_staged(fa_dev_tensor t, int64_t row0,
-                                                                          int64_t nrows, int64_t head,
-                                                                          const fa_f4 *acc, int D,
-                                                                          unsigned short *stage, int wt, float m0,
-                                                                          float m1, int bad0, int bad1, int bar) {
-  const int r = (wt / 32) * 16 + fa_acc_row(wt % 32, 0), q = fa_acc_col(wt % 32, 0) / 2;
-  const int f16 = t.dtype == FORKATTN_DTYPE_F16;
-  const float s0 = bad0 ? NAN : m0, s1 = bad1 ? NAN : m1; /* NaN times anything is NaN */
-  uint32_t *w0 = (uint32_t *)stage + r * (D / 2) + q, *w1 = w0 + 8 * (D / 2); /* rows r and r + 8: same r % 8 */
-#pragma unroll
-  for (int n = 0; n < D / 8; n++) {
-    const int c = (n ^ (r & 7)) * 4;
-    w0[c] = fa_mma_pack(s0 * acc[n].x, s0 * acc[n].y, f16);
-    w1[c] = fa_mma_pack(s1 * acc[n].z, s1 * acc[n].w, f16);
-  }
-  fa_wg_bar_sync(bar, 128);
-  const int cpr = D / 8; /* 16-byte chunks a row */
-  unsigned short *out = (unsigned short *)t.data + row0 * t.rs + head * t.hs;
-#pragma unroll
-  for (int i = 0; i < 64 * (D / 8) / 128; i++) {
-    const int c = wt + 128 * i, row = c / cpr, cc = c % cpr;
-    if (row < nrows) fa_store_u4(out + row * t.rs + cc * 8, fa_load_u4(stage + row * D + ((cc ^ (row & 7)) * 8)));
-  }
-}
 #pragma omp end declare target
 
-/* Bytes of team memory past a team's SMEM for a persistent launch's two
- * next-item slots. */
-#define FA_WG2_PERSIST_AT(SMEM) (((SMEM) + 15) / 16 * 16)
-/* A persistent launch of a two-warpgroup query-side team (as
- * FA_MMA_QUERY_TEAMS_OF, with `grid` teams from the caller, at most one
- * an SM): each team runs items (query block x query head, heaviest blocks
- * first) from args.work, a counter the call's plan copy zeroes: its first
- * item is its team number, the next fetched by thread 0 when an item
- * starts (into a slot of the item's parity, read after the item's closing
- * barrier, so the atomic's latency hides under the item). RING(D, BK,
- * smem) names the team's ring, whose mbarriers are invalidated before the
- * team initialises them again. */
-#define FA_WG2_QUERY_TEAMS_PERSIST(TEAM, RING, BLOCKS, NBLOCKS, D, BK, F16, SMEM)                                 \
-  do {                                                                                                        \
-    const size_t smem = FA_WG2_PERSIST_AT(SMEM) + 16;                                                         \
-    FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(grid) thread_limit(FA_WG2_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) is_device_ptr(argp)) \
-    {                                                                                                         \
-      const __typeof__(*argp) args = *argp;                                                                   \
-      unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
-      volatile int *next = (volatile int *)((char *)sm + FA_WG2_PERSIST_AT(SMEM));                            \
-      unsigned short *al = sm + fa_wg_align(fa_smem_of(sm));                                                  \
-      const int hq = (int)args.hq, n = (int)args.NBLOCKS * hq, tid = ompx_thread_id_x();                      \
-      const int step = (int)ompx_grid_dim_x();                                                               \
-      int item = (int)ompx_block_id_x();                                                                      \
-      for (int it = 0; item < n; it++) {                                                                      \
-        if (tid == 0) {                                                                                       \
-          next[it & 1] = __atomic_fetch_add(args.work, 1, __ATOMIC_RELAXED) + step;                           \
-          if (it > 0) fa_wg2_ring_inval(fa_smem_of(al), RING((D), (BK), al));                                 \
-        }                                                                                                     \
-        const int h = item % hq;                                                                              \
-        TEAM((D), (BK), (F16), args, args.BLOCKS[item / hq], h, h / (hq / (int)args.hkv), sm);                \
-        ompx_sync_block_acq_rel(); /* the item's team memory and its next slot */                             \
-        item = next[it & 1];                                                                                  \
-      }                                                                                                       \
-    }                                                                                                         \
-  } while (0)
 
 #endif

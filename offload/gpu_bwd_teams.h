@@ -1,0 +1,7 @@
+/* The tensor-core backward's team functions: dQ (gpu_dq_teams.h) and
+ * dK/dV (gpu_dkv_teams.h), launched by gpu_mma_bwd.c. */
+#ifndef FORKATTN_GPU_BWD_TEAMS_H
+#define FORKATTN_GPU_BWD_TEAMS_H
+#include "gpu_dkv_teams.h"
+#include "gpu_dq_teams.h"
+#endif

@@ -3,7 +3,7 @@
  * fa_mma_load_query_stats, fa_wg_dkv_start: the key-major teams) or, for
  * the two-warpgroup query-major team, from the tile ring of
  * gpu_tile_ring.h with lse and D read into registers a tile ahead
- * (fa_wg2_dkv_stats, fa_wg2_dkv_scan, fa_wg2_dkv_next). The query side's
+ * (fa_wg_pair_dkv_stats, fa_wg_pair_dkv_scan, fa_wg_pair_dkv_next). The query side's
  * K/V tiles come through gpu_mma_tiles.h (cp.async) and gpu_tile_ring.h
  * (bulk tensor copies). */
 #ifndef FORKATTN_GPU_DKV_LOADS_H
@@ -63,7 +63,7 @@ static inline __attribute__((always_inline)) fa_query_walk fa_wg_dkv_start(fa_sm
 /* The lane's lse (natural log) and D of tile w's rows r0 and r0 + 8 (query
  * head h) from global memory: st[0], st[1] lse, st[2], st[3] D. A row past
  * the tile's queries reads its first (masked where used). */
-static inline __attribute__((always_inline)) void fa_wg2_dkv_stats(float *st, const fa_gpu_bwd *b, fa_query_walk w,
+static inline __attribute__((always_inline)) void fa_wg_pair_dkv_stats(float *st, const fa_gpu_bwd *b, fa_query_walk w,
                                                                    int h, int r0) {
   const int nq = w.qend - w.qb;
   const int64_t i0 = (int64_t)(w.qb + (r0 < nq ? r0 : 0)) * b->hq + h;
@@ -74,25 +74,25 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_stats(float *st, co
 /* The whole team's scan of tile w's Q and dO rows in the buffer at element
  * qt when it needs one (above; team-uniform): the non-finite rows among the
  * tile's queries. */
-static inline unsigned long long fa_wg2_dkv_scan(unsigned short *smem, int qt, int BQ, int D, int f16,
-                                                 fa_wg2_ring rg, fa_query_walk w, fa_block blk, int qsh, int tid) {
+static inline unsigned long long fa_wg_pair_dkv_scan(unsigned short *smem, int qt, int BQ, int D, int f16,
+                                                 fa_tile_ring rg, fa_query_walk w, fa_block blk, int qsh, int tid) {
   const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
   if (nq == BQ && !(w.causal && w.qb + qsh < (int)(blk.start + blk.len) - 1)) return 0;
-  const unsigned long long f = fa_mma_scan_rows_by(smem + qt, D, BQ, 0, BQ, D, f16, rg.flags, tid, FA_WG2_THREADS) |
+  const unsigned long long f = fa_mma_scan_rows_by(smem + qt, D, BQ, 0, BQ, D, f16, rg.flags, tid, FA_WG_PAIR_THREADS) |
                                fa_mma_scan_rows_by(smem + qt + BQ * D, D, BQ, 0, BQ, D, f16, rg.flags, tid,
-                                                   FA_WG2_THREADS);
+                                                   FA_WG_PAIR_THREADS);
   return nq < 64 ? f & ((1ull << nq) - 1) : f;
 }
 
 /* Tile t = w of the two-warpgroup dK/dV, in buffer i: its lse and D into st
- * (fa_wg2_dkv_stats), its arrival waited for, its scan (fa_wg2_dkv_scan,
+ * (fa_wg_pair_dkv_stats), its arrival waited for, its scan (fa_wg_pair_dkv_scan,
  * the whole team). Returns the scan's flags. */
 static inline __attribute__((always_inline)) unsigned long long
-fa_wg2_dkv_next(float *st, const fa_gpu_bwd *b, fa_query_walk w, int h, int r0, fa_smem sm, unsigned short *smem,
-                fa_wg2_ring rg, int i, int t, int BQ, int D, int f16, fa_block blk, int qsh, int tid) {
-  fa_wg2_dkv_stats(st, b, w, h, r0);
+fa_wg_pair_dkv_next(float *st, const fa_gpu_bwd *b, fa_query_walk w, int h, int r0, fa_smem sm, unsigned short *smem,
+                fa_tile_ring rg, int i, int t, int BQ, int D, int f16, fa_block blk, int qsh, int tid) {
+  fa_wg_pair_dkv_stats(st, b, w, h, r0);
   fa_mbar_wait(sm, rg.full + 4 * i, (t / rg.S) & 1);
-  return fa_wg2_dkv_scan(smem, fa_wg2_buf(rg, i), BQ, D, f16, rg, w, blk, qsh, tid);
+  return fa_wg_pair_dkv_scan(smem, fa_tile_ring_buf(rg, i), BQ, D, f16, rg, w, blk, qsh, tid);
 }
 #pragma omp end declare target
 

@@ -6,7 +6,7 @@
  * dV += P^T dO, dK += dS^T Q and the store of gpu_epilogue.h:
  *   fa_mma_dkv_team     mma.sync, key-major (S^T = K Q^T), 64 keys
  *   fa_wg_dkv_team      wgmma, key-major, 64 keys (head_dim 64)
- *   fa_wg2_dkv_qm_team  two warpgroups, query-major (S = Q K^T), 128 keys,
+ *   fa_wg_pair_dkv_query_major_team  two warpgroups, query-major (S = Q K^T), 128 keys,
  *                       query tiles through the ring of gpu_tile_ring.h */
 #ifndef FORKATTN_GPU_DKV_TEAMS_H
 #define FORKATTN_GPU_DKV_TEAMS_H
@@ -31,21 +31,21 @@
 
 #pragma omp declare target
 /* A dK/dV team accumulates dK and dV together. At head_dim 64 the K and V
- * fragments both live in registers (32-query tiles); at 128 (FA_MMA_DKV_VSM) V's tile
+ * fragments both live in registers (32-query tiles); at 128 (FA_MMA_DKV_V_IN_SMEM) V's tile
  * stays in team memory and its A fragments are read per 16-query tile: K and
  * V fragments in registers next to 64 + 64 accumulators spilled (ptxas: 160
  * local loads/stores per tile), and a dV pass plus a dK pass (5 products per
  * tile instead of 4) is slower.
  * Team memory at head_dim d: [V tile, vsm only] | three query buffers
  * (Q [BQ][P], dO [BQ][P]) | lse, D of each | scan flags. */
-#define FA_MMA_DKV_VSM(d) ((d) == 128)
+#define FA_MMA_DKV_V_IN_SMEM(d) ((d) == 128)
 #define FA_MMA_DKV_SMEM(d)                                                                                      \
-  ((size_t)((FA_MMA_DKV_VSM(d) ? FA_MMA_ROWS : 0) + 6 * (FA_MMA_DKV_VSM(d) ? 16 : FA_MMA_BQ)) * ((d) + 8) * 2 + \
-   6 * (FA_MMA_DKV_VSM(d) ? 16 : FA_MMA_BQ) * sizeof(float) + 4 * sizeof(unsigned))
+  ((size_t)((FA_MMA_DKV_V_IN_SMEM(d) ? FA_MMA_ROWS : 0) + 6 * (FA_MMA_DKV_V_IN_SMEM(d) ? 16 : FA_MMA_BQ)) * ((d) + 8) * 2 + \
+   6 * (FA_MMA_DKV_V_IN_SMEM(d) ? 16 : FA_MMA_BQ) * sizeof(float) + 4 * sizeof(unsigned))
 
 static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, const int f16, const fa_gpu_bwd b,
                                                                    int64_t ui, int64_t g, unsigned short *smem) {
-  const int vsm = FA_MMA_DKV_VSM(D), P = D + 8, BQ = vsm ? 16 : FA_MMA_BQ;
+  const int vsm = FA_MMA_DKV_V_IN_SMEM(D), P = D + 8, BQ = vsm ? 16 : FA_MMA_BQ;
   const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
   const fa_key_unit u = b.units[ui];
   const fa_block blk = b.kblocks[u.block];
@@ -295,9 +295,9 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, co
  * memory (FA_WG_DKV_QM_SMEM, elements from a 1024-byte aligned base):
  * K | V | two (Q, dO) buffers | P/dS | lse, D of each buffer | scan flags |
  * mbarrier. */
-#define FA_WG_DKV_QM_BQ 64
+#define FA_DKV_QUERY_MAJOR_BQ 64
 #define FA_WG_DKV_QM_SMEM(d)                                                                                    \
-  ((size_t)(6 * FA_MMA_ROWS * (d) + FA_WG_DKV_QM_BQ * 64) * 2 + 4 * FA_WG_DKV_QM_BQ * sizeof(float) +          \
+  ((size_t)(6 * FA_MMA_ROWS * (d) + FA_DKV_QUERY_MAJOR_BQ * 64) * 2 + 4 * FA_DKV_QUERY_MAJOR_BQ * sizeof(float) +          \
    4 * sizeof(unsigned) + 16 + FA_WG_BLOCK_BYTES)
 
 /* Tile w's Q and dO rows into the buffer at element `at` and its lse and D
@@ -347,7 +347,7 @@ fa_wg_dkv_qm_scores(fa_f4 *s, fa_f4 *dp, unsigned short *smem, int qt, int ktile
 
 static inline __attribute__((always_inline)) void fa_wg_dkv_qm_team(const int D, const int f16, const fa_gpu_bwd b,
                                                                      int64_t ui, int64_t g, unsigned short *smem) {
-  const int P = D, BQ = FA_WG_DKV_QM_BQ;
+  const int P = D, BQ = FA_DKV_QUERY_MAJOR_BQ;
   const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
   const fa_key_unit u = b.units[ui];
   const fa_block blk = b.kblocks[u.block];
@@ -401,7 +401,7 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_qm_team(const int D,
       bad0 |= fa_wg_flag_from(qflags, fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb + qsh, nq), nq);
       bad1 |= fa_wg_flag_from(qflags, fa_mma_key_first_query(ok1, w.causal, k_pos1, w.qb + qsh, nq), nq);
     }
-    fa_wg_dkv_qm_grads(s, dp, l0, l1, d0, d1, mul, all, r0, nq, w.causal, kq0, c0);
+    fa_dkv_query_major_grads(s, dp, l0, l1, d0, d1, mul, all, r0, nq, w.causal, kq0, c0);
     fa_wg_store_tile(fa_wg_opaque(sm), ptile, s, warp, lane, f16); /* P */
     fa_fence_proxy_async();
     ompx_sync_block_acq_rel();
@@ -442,10 +442,10 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_qm_team(const int D,
 
 /* The two-warpgroup query-major dK/dV (sm_90a; Q's and dO's tiles by bulk
  * copies only): fa_wg_dkv_qm_team's products, masks and flags in a team of
- * FA_WG2_THREADS per (unit of a key block of FA_WG2_ROWS keys, KV head).
+ * FA_WG_PAIR_THREADS per (unit of a key block of FA_WG_PAIR_ROWS keys, KV head).
  * Warpgroup wg owns keys [64 wg, 64 wg + 64) with its own K, V, P and dS
  * tiles; the (Q, dO) tiles both read come once a team into a ring of
- * FA_WG2_DKV_STAGES buffers (gpu_tile_ring.h: the second warpgroup to release a
+ * FA_WG_PAIR_DKV_STAGES buffers (gpu_tile_ring.h: the second warpgroup to release a
  * buffer refills it). Per tile and warpgroup: P and dS stored (stmatrix),
  * one proxy fence and one barrier of the warpgroup, the next tile waited
  * for and scanned, then in the warpgroup's turn (FlashAttention-3's
@@ -459,25 +459,25 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_qm_team(const int D,
  * the scans: a tile with queries that some of the block's keys do not see,
  * or with fewer than 64 queries (its rows past them are the tensor's next
  * rows, or zeros past its end), has its non-finite Q and dO rows zeroed and
- * flagged by the whole team first. Team memory (FA_WG2_DKV_SMEM, elements
+ * flagged by the whole team first. Team memory (FA_WG_PAIR_DKV_SMEM, elements
  * from a 1024-byte aligned base): K (two 64-row tiles) | V (two) | P, dS of
  * warpgroup 0, then of 1 | the ring. */
-#ifndef FA_WG2_DKV_STAGES /* a build may set 2 (161 KB) or 4 (225 KB of the H200's 227) */
-#define FA_WG2_DKV_STAGES 3
+#ifndef FA_WG_PAIR_DKV_STAGES /* a build may set 2 (161 KB) or 4 (225 KB of the H200's 227) */
+#define FA_WG_PAIR_DKV_STAGES 3
 #endif
-#define FA_WG2_DKV_SMEM(d)                                                                                      \
-  ((size_t)(4 * FA_MMA_ROWS * (d) + 4 * FA_WG_DKV_QM_BQ * 64 + 2 * FA_WG2_DKV_STAGES * FA_WG_DKV_QM_BQ * (d)) * \
+#define FA_WG_PAIR_DKV_SMEM(d)                                                                                      \
+  ((size_t)(4 * FA_MMA_ROWS * (d) + 4 * FA_DKV_QUERY_MAJOR_BQ * 64 + 2 * FA_WG_PAIR_DKV_STAGES * FA_DKV_QUERY_MAJOR_BQ * (d)) * \
        2 +                                                                                                      \
-   FA_WG2_RING_BYTES(FA_WG2_DKV_STAGES) + FA_WG_BLOCK_BYTES)
+   FA_TILE_RING_BYTES(FA_WG_PAIR_DKV_STAGES) + FA_WG_BLOCK_BYTES)
 
 
 
 
 
-static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D, const int f16, const fa_gpu_bwd b,
+static inline __attribute__((always_inline)) void fa_wg_pair_dkv_query_major_team(const int D, const int f16, const fa_gpu_bwd b,
                                                                       int64_t ui, int64_t g, unsigned short *smem) {
-  const int S = FA_WG2_DKV_STAGES, BQ = FA_WG_DKV_QM_BQ;
-  const int tid = ompx_thread_id_x(), wg = fa_wg2_index(tid), wt = tid % 128, warp = wt / 32, lane = tid % 32;
+  const int S = FA_WG_PAIR_DKV_STAGES, BQ = FA_DKV_QUERY_MAJOR_BQ;
+  const int tid = ompx_thread_id_x(), wg = fa_warpgroup_of(tid), wt = tid % 128, warp = wt / 32, lane = tid % 32;
   const fa_key_unit u = b.units[ui];
   const fa_block blk = b.kblocks[u.block];
   const int64_t group = (int)b.hq / (int)b.hkv, qshift = b.qshift; /* 32-bit: a 64-bit division is a call (C7509) */
@@ -486,7 +486,7 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D
   const fa_smem sm = fa_smem_of(smem);
   const int ktile = wg * FA_MMA_ROWS * D, vtile = (2 + wg) * FA_MMA_ROWS * D;
   const int ptile = 4 * FA_MMA_ROWS * D + wg * 2 * BQ * 64, dstile = ptile + BQ * 64;
-  const fa_wg2_ring rg = fa_wg2_ring_at(smem, 4 * FA_MMA_ROWS * D + 4 * BQ * 64, 2 * BQ * D, S);
+  const fa_tile_ring rg = fa_tile_ring_at(smem, 4 * FA_MMA_ROWS * D + 4 * BQ * 64, 2 * BQ * D, S);
   const fa_tma_map *tma = b.tma;
   const int hg = (int)(g * group), qsh = (int)qshift;
   FA_TL_DECL;
@@ -501,12 +501,12 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D
   fa_cp_async_commit();
   fa_query_walk w = {(int)u.j0, 0, 0, 0, 0, 0};
   w = fa_qwalk_seek(w, b.seg, b.pair, b.kidx, qshift, u, blk, group);
-  fa_wg2_ring_init(sm, rg, tid);
+  fa_tile_ring_init(sm, rg, tid);
   /* tiles 0 .. S - 1; wl: thread 0 of each warpgroup's next tile to copy (tile j + S after iteration j) */
   fa_query_walk wl = w;
   if (wt == 0)
     for (int i = 0; i < S && wl.j <= u.j1; i++) {
-      if (tid == 0) fa_wg2_copy(sm, rg, i, tma, hg + wl.hh, wl.qb, BQ, D);
+      if (tid == 0) fa_tile_ring_copy(sm, rg, i, tma, hg + wl.hh, wl.qb, BQ, D);
       wl = fa_qwalk_next(wl, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
     }
   fa_cp_async_wait(0);
@@ -525,22 +525,22 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D
   for (int n = 0; n < D / 8; n++) dk[n] = fa_f4_zero(), dv[n] = fa_f4_zero();
   int bad0 = 0, bad1 = 0, j = 0, bi = 0; /* tile j, in buffer bi */
   fa_f4 s[8], dp[8]; /* 16 queries x 64 keys: S and dP of tile j, multiplied in iteration j - 1 */
-  float st[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* tile j's lse and D (fa_wg2_dkv_stats) */
+  float st[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* tile j's lse and D (fa_wg_pair_dkv_stats) */
   unsigned long long qflags = 0;          /* tile j's non-finite Q/dO rows */
   if (w.j <= u.j1) {
-    qflags = fa_wg2_dkv_next(st, &b, w, hg + w.hh, r0, sm, smem, rg, 0, 0, BQ, D, f16, blk, qsh, tid);
+    qflags = fa_wg_pair_dkv_next(st, &b, w, hg + w.hh, r0, sm, smem, rg, 0, 0, BQ, D, f16, blk, qsh, tid);
     if (wg == 1) fa_wg_turn_pass(3); /* warpgroup 0 takes the first turn */
   }
   /* no wgmma under a branch: ptxas then serializes every one of the kernel
    * (C7518); a unit without tiles multiplies what the buffer holds */
-  fa_wg2_dkv_sdp(s, dp, sm, fa_wg2_buf(rg, 0), ktile, vtile, BQ, D, f16);
+  fa_dkv_query_major_sdp(s, dp, sm, fa_tile_ring_buf(rg, 0), ktile, vtile, BQ, D, f16);
   fa_wg_commit();
   fa_wg_wait(0);
   while (w.j <= u.j1) {
     fa_wg_pin(s, 8);
     fa_wg_pin(dp, 8);
     FA_TL(FA_TL_TILE);
-    const int qt = fa_wg2_buf(rg, bi), ot = qt + BQ * D;
+    const int qt = fa_tile_ring_buf(rg, bi), ot = qt + BQ * D;
     const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
     const int kq0 = kfirst - (w.qb + qsh);
     const int all = warp * 16 + 15 < nq && (!w.causal || klast + kq0 <= warp * 16);
@@ -548,7 +548,7 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D
       bad0 |= fa_wg_flag_from(qflags, fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb + qsh, nq), nq);
       bad1 |= fa_wg_flag_from(qflags, fa_mma_key_first_query(ok1, w.causal, k_pos1, w.qb + qsh, nq), nq);
     }
-    fa_wg_dkv_qm_grads(s, dp, st[0] * FA_LOG2E, st[1] * FA_LOG2E, st[2], st[3], mul, all, r0, nq, w.causal, kq0,
+    fa_dkv_query_major_grads(s, dp, st[0] * FA_LOG2E, st[1] * FA_LOG2E, st[2], st[3], mul, all, r0, nq, w.causal, kq0,
                        c0);
     FA_TL(FA_TL_COMPUTED);
     fa_wg_store_tile(fa_wg_opaque(sm), ptile, s, warp, lane, f16);   /* P */
@@ -562,7 +562,7 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D
     /* tile j + 1's lse and D (global loads, used next iteration), its buffer
      * waited for and scanned, before the turn: the scan's team barriers
      * cannot sit inside one */
-    qflags = more ? fa_wg2_dkv_next(st, &b, w1, hg + w1.hh, r0, sm, smem, rg, b1, j + 1, BQ, D, f16, blk, qsh, tid)
+    qflags = more ? fa_wg_pair_dkv_next(st, &b, w1, hg + w1.hh, r0, sm, smem, rg, b1, j + 1, BQ, D, f16, blk, qsh, tid)
                   : 0;
     FA_TL(FA_TL_NEXTQ);
     fa_wg_turn_wait(3 + wg);
@@ -571,8 +571,8 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D
     fa_wg_acc_atb_v(dk, fa_wg_opaque_at(sm, dstile), 0, fa_wg_opaque_at(sm, qt), 0, BQ, BQ, D, f16); /* dK += dS^T Q */
     fa_wg_commit();
     /* tile j + 1's S and dP behind dV's and dK's products */
-    const int nt = more ? fa_wg2_buf(rg, b1) : qt; /* else tile j's rows again, discarded */
-    fa_wg2_dkv_sdp(s, dp, sm, nt, ktile, vtile, BQ, D, f16);
+    const int nt = more ? fa_tile_ring_buf(rg, b1) : qt; /* else tile j's rows again, discarded */
+    fa_dkv_query_major_sdp(s, dp, sm, nt, ktile, vtile, BQ, D, f16);
     fa_wg_commit();
     if (wg == 0 || more) fa_wg_turn_pass(4 - wg); /* warpgroup 1's last: none to take */
     FA_TL(FA_TL_ISSUED);
@@ -583,7 +583,7 @@ static inline __attribute__((always_inline)) void fa_wg2_dkv_qm_team(const int D
     fa_wg_bar_sync(1 + wg, 128); /* every warp's products retired: P, dS and buffer bi free */
     /* buffer bi is free for this warpgroup; the second to say so copies tile j + S into it */
     if (wt == 0 && wl.j <= u.j1) {
-      if (fa_wg2_second(rg, bi)) fa_wg2_copy(sm, rg, bi, tma, hg + wl.hh, wl.qb, BQ, D);
+      if (fa_tile_ring_second(rg, bi)) fa_tile_ring_copy(sm, rg, bi, tma, hg + wl.hh, wl.qb, BQ, D);
       wl = fa_qwalk_next(wl, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
     }
     w = w1;

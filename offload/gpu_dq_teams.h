@@ -6,7 +6,7 @@
  * a store (gpu_epilogue.h):
  *   fa_mma_dq_team  mma.sync, 64 rows, K/V double-buffered by cp.async
  *   fa_wg_dq_team   the same walk with wgmma products (one warpgroup)
- *   fa_wg2_dq_team  two warpgroups, 128 rows, 128-key tiles by bulk copies */
+ *   fa_wg_pair_dq_team  two warpgroups, 128 rows, 128-key tiles by bulk copies */
 #ifndef FORKATTN_GPU_DQ_TEAMS_H
 #define FORKATTN_GPU_DQ_TEAMS_H
 #include <math.h>
@@ -186,7 +186,7 @@ static inline __attribute__((always_inline)) void fa_wg_dq_team(const int D, con
 }
 
 /* The two-warpgroup wgmma dQ (sm_90a, bulk tensor copies required; the
- * team shape of gpu_tile_ring.h). One team: FA_WG2_ROWS query rows of block blk,
+ * team shape of gpu_tile_ring.h). One team: FA_WG_PAIR_ROWS query rows of block blk,
  * warpgroup wg owning rows [64 wg, 64 wg + 64) with its own Q and dO
  * tiles; both read every 128-key K/V tile. A tile is taken in two 64-key
  * halves (S, dP and their dS of 128 keys at once would not fit the
@@ -199,27 +199,27 @@ static inline __attribute__((always_inline)) void fa_wg_dq_team(const int D, con
  * hides keys from some of the team's rows, or holds fewer than BK keys,
  * has its non-finite K rows zeroed and flagged by the whole team first
  * (dS = 0 times such a row would be NaN). */
-#define FA_WG2_DQ_STAGES(D) ((D) == 128 ? 2 : 5)
+#define FA_WG_PAIR_DQ_STAGES(D) ((D) == 128 ? 2 : 5)
 /* Team memory: the Q and dO tiles of both warpgroups, the ring (gpu_tile_ring.h), alignment room. */
-#define FA_WG2_DQ_SMEM(D)                                                                                          \
-  ((size_t)(2 * FA_WG2_ROWS + 2 * FA_WG2_DQ_STAGES(D) * FA_WG2_BK) * (D) * 2 +                                      \
-   FA_WG2_RING_BYTES(FA_WG2_DQ_STAGES(D)) + FA_WG_BLOCK_BYTES)
+#define FA_WG_PAIR_DQ_SMEM(D)                                                                                          \
+  ((size_t)(2 * FA_WG_PAIR_ROWS + 2 * FA_WG_PAIR_DQ_STAGES(D) * FA_WG_PAIR_BK) * (D) * 2 +                                      \
+   FA_TILE_RING_BYTES(FA_WG_PAIR_DQ_STAGES(D)) + FA_WG_BLOCK_BYTES)
 
 /* The dQ team's ring in its (aligned) team memory. */
-static inline fa_wg2_ring fa_wg2_dq_ring(const int D, const int BK, unsigned short *smem) {
-  return fa_wg2_ring_at(smem, 2 * FA_WG2_ROWS * D, 2 * BK * D, FA_WG2_DQ_STAGES(D));
+static inline fa_tile_ring fa_wg_pair_dq_ring(const int D, const int BK, unsigned short *smem) {
+  return fa_tile_ring_at(smem, 2 * FA_WG_PAIR_ROWS * D, 2 * BK * D, FA_WG_PAIR_DQ_STAGES(D));
 }
 
-static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, const int BK, const int f16,
+static inline __attribute__((always_inline)) void fa_wg_pair_dq_team(const int D, const int BK, const int f16,
                                                                   const fa_gpu_bwd b, fa_block blk, int64_t h,
                                                                   int64_t g, unsigned short *smem) {
-  const int S = FA_WG2_DQ_STAGES(D), KP = FA_WG_DQ_KP, HK = 64; /* keys a half */
+  const int S = FA_WG_PAIR_DQ_STAGES(D), KP = FA_WG_DQ_KP, HK = 64; /* keys a half */
   const int tid = ompx_thread_id_x(), wg = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
   smem += fa_wg_align(fa_smem_of(smem));
   const fa_smem sm = fa_smem_of(smem);
   /* element offsets of this warpgroup's Q and dO tiles; the ring follows both warpgroups' */
   const int qt = wg * FA_MMA_ROWS * D, ot = (2 + wg) * FA_MMA_ROWS * D;
-  const fa_wg2_ring rg = fa_wg2_dq_ring(D, BK, smem);
+  const fa_tile_ring rg = fa_wg_pair_dq_ring(D, BK, smem);
   const fa_tma_map *tma = b.kv_tma;
   const fa_range *seg = b.seg;
   const fa_pair *pair = b.pair;
@@ -235,7 +235,7 @@ static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, co
   fa_cp_async_commit();
   fa_tile_walk w = fa_walk_first(b.qoff, seg, pair, blk, qshift);
   /* tiles 0 .. S - 1; wl: thread 0 of each warpgroup's next tile to copy (tile j + S after iteration j) */
-  fa_tile_walk wl = fa_wg2_ring_start(sm, rg, S, tma, g, w, BK, D, seg, pair, blk, qshift);
+  fa_tile_walk wl = fa_tile_ring_start(sm, rg, S, tma, g, w, BK, D, seg, pair, blk, qshift);
   /* O's rows for D and the rows' lse: loads in flight while the copies land */
   const fa_dq_orow ov = fa_dq_rowsum_load(b, blk, wg * FA_MMA_ROWS, h, D, warp, lane);
   const int r0 = wg * FA_MMA_ROWS + warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
@@ -258,13 +258,13 @@ static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, co
   int bad0 = 0, bad1 = 0, j = 0, bi = 0; /* tile j, in buffer bi */
 
   while (w.pi < w.pend) {
-    const int kt = fa_wg2_buf(rg, bi), vt = kt + BK * D;
+    const int kt = fa_tile_ring_buf(rg, bi), vt = kt + BK * D;
     FA_TL(FA_TL_TILE);
     fa_mbar_wait(sm, rg.full + 4 * bi, (j / S) & 1);
     FA_TL(FA_TL_ARRIVED);
     const int nk = fa_walk_keys(w, BK);
     unsigned long long kf[2] = {0, 0}; /* bit r: K row 64 h + r of tile j was non-finite (zeroed) */
-    if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst)) fa_wg2_scan(smem + kt, BK, D, f16, rg, tid, kf);
+    if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst)) fa_tile_ring_scan(smem + kt, BK, D, f16, rg, tid, kf);
     const int all = nk == BK && (!w.causal || w.kb + BK - 1 <= wfirst);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
     const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
@@ -305,7 +305,7 @@ static inline __attribute__((always_inline)) void fa_wg2_dq_team(const int D, co
       }
     }
     /* tile j's buffer is free for this warpgroup; the second to say so copies tile j + S into it */
-    if (wt == 0) wl = fa_wg2_release(sm, rg, bi, tma, g, wl, BK, D, seg, pair, blk, qshift);
+    if (wt == 0) wl = fa_tile_ring_release(sm, rg, bi, tma, g, wl, BK, D, seg, pair, blk, qshift);
     w = fa_walk_next(w, BK, seg, pair, blk, qshift);
     bi = bi == S - 1 ? 0 : bi + 1;
     j++;

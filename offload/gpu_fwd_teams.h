@@ -5,7 +5,7 @@
  * gpu_softmax_step.h, O += P V and the epilogue of gpu_epilogue.h:
  *   fa_mma_fwd_team  mma.sync, 64 rows, K/V double-buffered by cp.async
  *   fa_wg_fwd_team   the same walk with wgmma products (one warpgroup)
- *   fa_wg2_fwd_team  two warpgroups, 128 rows, 128-key tiles through the
+ *   fa_wg_pair_fwd_team  two warpgroups, 128 rows, 128-key tiles through the
  *                    ring of gpu_tile_ring.h (bulk tensor copies) */
 #ifndef FORKATTN_GPU_FWD_TEAMS_H
 #define FORKATTN_GPU_FWD_TEAMS_H
@@ -198,13 +198,13 @@ static inline __attribute__((always_inline)) void fa_wg_fwd_team(const int D, co
 }
 
 /* The two-warpgroup wgmma forward (sm_90a, bulk tensor copies required).
- * One team of FA_WG2_THREADS: FA_WG2_ROWS query rows of block blk,
+ * One team of FA_WG_PAIR_THREADS: FA_WG_PAIR_ROWS query rows of block blk,
  * warpgroup wg owning rows [64 wg, 64 wg + 64) with its own Q tile; the
  * two share every K/V tile, so each tile is copied once for 128 rows, and
- * tiles are FA_WG2_BK keys: twice the one-warpgroup kernel's, halving the
+ * tiles are FA_WG_PAIR_BK keys: twice the one-warpgroup kernel's, halving the
  * per-tile work (waits, walk, reductions, release) per key.
  *
- * Tiles stream through S = FA_WG2_STAGES(D) buffers (K then V of one tile
+ * Tiles stream through S = FA_WG_PAIR_FWD_STAGES(D) buffers (K then V of one tile
  * each), tile t in buffer t % S, arriving on that buffer's mbarrier `full`.
  * In iteration j a warpgroup releases tile j - 2's buffer (the second
  * warpgroup to release it, by a counter in team memory, issues tile
@@ -227,26 +227,26 @@ static inline __attribute__((always_inline)) void fa_wg_fwd_team(const int D, co
  * so 0 * NaN cannot reach a row that does not see them. K rows past a
  * tile's keys are masked. */
 /* Buffers: as many as fit beside the Q tiles in the H100/H200's 227 KB of team memory. */
-#define FA_WG2_STAGES(D) ((D) == 128 ? 3 : 5)
+#define FA_WG_PAIR_FWD_STAGES(D) ((D) == 128 ? 3 : 5)
 /* Team memory: two 64-row Q tiles, the ring (gpu_tile_ring.h), room to align the tiles. */
-#define FA_WG2_FWD_SMEM(D)                                                                                         \
-  ((size_t)(FA_WG2_ROWS + 2 * FA_WG2_STAGES(D) * FA_WG2_BK) * (D) * 2 + FA_WG2_RING_BYTES(FA_WG2_STAGES(D)) +        \
+#define FA_WG_PAIR_FWD_SMEM(D)                                                                                         \
+  ((size_t)(FA_WG_PAIR_ROWS + 2 * FA_WG_PAIR_FWD_STAGES(D) * FA_WG_PAIR_BK) * (D) * 2 + FA_TILE_RING_BYTES(FA_WG_PAIR_FWD_STAGES(D)) +        \
    FA_WG_BLOCK_BYTES)
 
 /* The forward team's ring in its (aligned) team memory. */
-static inline fa_wg2_ring fa_wg2_fwd_ring(const int D, const int BK, unsigned short *smem) {
-  return fa_wg2_ring_at(smem, FA_WG2_ROWS * D, 2 * BK * D, FA_WG2_STAGES(D));
+static inline fa_tile_ring fa_wg_pair_fwd_ring(const int D, const int BK, unsigned short *smem) {
+  return fa_tile_ring_at(smem, FA_WG_PAIR_ROWS * D, 2 * BK * D, FA_WG_PAIR_FWD_STAGES(D));
 }
 
-static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, const int BK, const int f16,
+static inline __attribute__((always_inline)) void fa_wg_pair_fwd_team(const int D, const int BK, const int f16,
                                                                    const fa_gpu_fwd_args ga, fa_block blk,
                                                                    int64_t h, int64_t g, unsigned short *smem) {
-  const int S = FA_WG2_STAGES(D);
+  const int S = FA_WG_PAIR_FWD_STAGES(D);
   const int tid = ompx_thread_id_x(), wg = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
   smem += fa_wg_align(fa_smem_of(smem));
   const fa_smem sm = fa_smem_of(smem);
   const int qt = wg * FA_MMA_ROWS * D; /* element offset of this warpgroup's Q tile; the ring follows both */
-  const fa_wg2_ring rg = fa_wg2_fwd_ring(D, BK, smem);
+  const fa_tile_ring rg = fa_wg_pair_fwd_ring(D, BK, smem);
   const fa_tma_map *tma = ga.tma;
   const fa_range *seg = ga.seg;
   const fa_pair *pair = ga.pair;
@@ -263,17 +263,17 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
   fa_tile_walk w = fa_walk_first(ga.qoff, seg, pair, blk, qshift);
   /* tiles 0 .. S - 2 (buffer S - 1 holds "tile -1"); wl: thread 0 of each warpgroup's next tile to copy
    * (tile j - 1 + S in iteration j) */
-  fa_tile_walk wl = fa_wg2_ring_start(sm, rg, S - 1, tma, g, w, BK, D, seg, pair, blk, qshift);
-  const int zt = fa_wg2_buf(rg, S - 1) + BK * D; /* V of buffer S - 1: zeros, "tile -1" */
+  fa_tile_walk wl = fa_tile_ring_start(sm, rg, S - 1, tma, g, w, BK, D, seg, pair, blk, qshift);
+  const int zt = fa_tile_ring_buf(rg, S - 1) + BK * D; /* V of buffer S - 1: zeros, "tile -1" */
   const fa_u4 z4 = {0, 0, 0, 0};
-  for (int e = tid * 8; e < BK * D; e += FA_WG2_THREADS * 8) fa_store_u4(smem + zt + e, z4);
+  for (int e = tid * 8; e < BK * D; e += FA_WG_PAIR_THREADS * 8) fa_store_u4(smem + zt + e, z4);
   fa_cp_async_wait(0);
   fa_fence_proxy_async(); /* Q and the zeros for the tensor cores' reads */
   ompx_sync_block_acq_rel();
   FA_TL(FA_TL_READY);
 
-  fa_f4 s[FA_WG2_BK / 8], o[FA_MMA_MAX_D / 8];
-  fa_u4 pa[FA_WG2_BK / 16]; /* P(j - 1), packed */
+  fa_f4 s[FA_WG_PAIR_BK / 8], o[FA_MMA_MAX_D / 8];
+  fa_u4 pa[FA_WG_PAIR_BK / 16]; /* P(j - 1), packed */
 #pragma unroll
   for (int n = 0; n < D / 8; n++) o[n] = fa_f4_zero();
 #pragma unroll
@@ -287,7 +287,7 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
   int j = 0, b = 0, bp = S - 1, bpp = S - 1; /* tile j's buffer, tile j - 1's, tile j - 2's */
 
   while (w.pi < w.pend) {
-    const int kt = fa_wg2_buf(rg, b);
+    const int kt = fa_tile_ring_buf(rg, b);
     FA_TL(FA_TL_TILE);
     fa_mbar_wait(sm, rg.full + 4 * b, (j / S) & 1);
     FA_TL(FA_TL_ARRIVED);
@@ -295,17 +295,17 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
      * say so copies tile j - 2 + S into it. Here warp 0's release work (~500 cycles, which the other warps
      * waited for at the products' issue when it followed P V's wait) falls in the time the products wait
      * for the other warpgroup's anyway (in-kernel timeline) */
-    if (wt == 0 && j > 0) wl = fa_wg2_release(sm, rg, bpp, tma, g, wl, BK, D, seg, pair, blk, qshift);
+    if (wt == 0 && j > 0) wl = fa_tile_ring_release(sm, rg, bpp, tma, g, wl, BK, D, seg, pair, blk, qshift);
     const int nk = fa_walk_keys(w, BK);
     unsigned long long vf[2] = {0, 0}; /* bit r: V row r (64 + r) of tile j was non-finite (zeroed) */
-    if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst)) fa_wg2_scan(smem + kt + BK * D, BK, D, f16, rg, tid, vf);
+    if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst)) fa_tile_ring_scan(smem + kt + BK * D, BK, D, f16, rg, tid, vf);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
     const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
 
     fa_wg_acc_abt(s, qt, sm, kt, BK, D, f16);
     fa_wg_commit();
     FA_TL(FA_TL_ISSUED_S);
-    fa_wg_acc_ab(o, pa, sm, fa_wg2_buf(rg, bp) + BK * D, BK, BK, D, f16);
+    fa_wg_acc_ab(o, pa, sm, fa_tile_ring_buf(rg, bp) + BK * D, BK, BK, D, f16);
     fa_wg_commit();
     FA_TL(FA_TL_ISSUED);
     fa_wg_wait(1); /* S(j); P(j-1) V(j-1) runs on under the softmax */
@@ -332,7 +332,7 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
     FA_TL(FA_TL_NEXT);
   }
   /* P V of the last tile (no tile: P(-1) = 0 times the zeros) */
-  fa_wg_acc_ab(o, pa, sm, fa_wg2_buf(rg, bp) + BK * D, BK, BK, D, f16);
+  fa_wg_acc_ab(o, pa, sm, fa_tile_ring_buf(rg, bp) + BK * D, BK, BK, D, f16);
   fa_wg_commit();
   fa_wg_wait(0);
   fa_wg_pin(o, D / 8);
@@ -347,5 +347,10 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
   FA_TL(FA_TL_END);
 }
 #pragma omp end declare target
+
+/* The names the launcher (gpu_mma_fwd.c) uses. */
+#define FA_WG2_FWD_SMEM FA_WG_PAIR_FWD_SMEM
+#define fa_wg2_fwd_ring fa_wg_pair_fwd_ring
+#define fa_wg2_fwd_team fa_wg_pair_fwd_team
 
 #endif

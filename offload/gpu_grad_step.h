@@ -2,7 +2,7 @@
  * D = rowsum(dO * O) of a query tile (fa_dq_rowsum*), P = exp2(S - lse)
  * under the masks and dS = P (dP - D) for the dQ teams (fa_dq_tile_p,
  * fa_dq_tile_ds) and for the dK/dV teams, key-major (fa_mma_dkv_rows,
- * fa_mma_dkv_grads) or query-major (fa_wg_dkv_qm_grads), and the
+ * fa_mma_dkv_grads) or query-major (fa_dkv_query_major_grads), and the
  * non-finite-row flags they raise. lse arrives in natural log; every step
  * works in log2 units (exp2, the scale times log2 e in `mul`). */
 #ifndef FORKATTN_GPU_GRAD_STEP_H
@@ -208,7 +208,7 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_grads(fa_f4 *s, fa_
  * all (warp-uniform): every query of the warp sees every key; otherwise
  * query qi sees key column kc when qi < nq and, causal, kc + kq0 <= qi
  * (kq0: the block's first key minus the tile's first query, key frame). */
-static inline __attribute__((always_inline)) void fa_wg_dkv_qm_grads(fa_f4 *s, fa_f4 *dp, float l0, float l1,
+static inline __attribute__((always_inline)) void fa_dkv_query_major_grads(fa_f4 *s, fa_f4 *dp, float l0, float l1,
                                                                       float d0, float d1, float mul, int all,
                                                                       int qi0, int nq, int causal, int kq0, int c0) {
   if (all) {

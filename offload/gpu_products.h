@@ -2,7 +2,7 @@
  * gpu_mma.h / gpu_mma_tiles.h and the wgmma ones of gpu_wgmma.h: the
  * forward's S = Q K^T (fa_mma_qk), the key-major dK/dV's S^T = K Q^T and
  * dP^T = V dO^T (fa_mma_dkv_scores), the query-major dK/dV's S = Q K^T and
- * dP = dO V^T by wgmma (fa_wg2_dkv_sdp), and a warp's P or dS tile stored
+ * dP = dO V^T by wgmma (fa_dkv_query_major_sdp), and a warp's P or dS tile stored
  * for the MN-major products that read it (fa_wg_store_tile). */
 #ifndef FORKATTN_GPU_PRODUCTS_H
 #define FORKATTN_GPU_PRODUCTS_H
@@ -41,7 +41,7 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_scores(fa_f4 *s, fa
  * (fa_wg_opaque_at): a product group's descriptors are then one base and
  * constant k-step offsets, where offsets from the team memory's base cost
  * ptxas ~8 instructions a product and spill. */
-static inline __attribute__((always_inline)) void fa_wg2_dkv_sdp(fa_f4 *s, fa_f4 *dp, fa_smem sm, int qt, int ktile,
+static inline __attribute__((always_inline)) void fa_dkv_query_major_sdp(fa_f4 *s, fa_f4 *dp, fa_smem sm, int qt, int ktile,
                                                                   int vtile, int BQ, int D, int f16) {
   fa_wg_acc_abt_v(s, fa_wg_opaque_at(sm, qt), 0, fa_wg_opaque_at(sm, ktile), 0, 64, 64, D, f16);           /* S */
   fa_wg_acc_abt_v(dp, fa_wg_opaque_at(sm, qt + BQ * D), 0, fa_wg_opaque_at(sm, vtile), 0, 64, 64, D, f16); /* dP */

@@ -19,7 +19,7 @@
  * path. fmaxf is exact and skips NaN, so the
  * order does not change the result. BK / 8: a power of two, at most 16. */
 static inline __attribute__((always_inline)) float fa_fwd_lane_max(const fa_f4 *s, int BK, int hi) {
-  float t[FA_WG2_BK / 8];
+  float t[FA_WG_PAIR_BK / 8];
 #pragma unroll
   for (int n = 0; n < BK / 8; n++) t[n] = hi ? fmaxf(s[n].z, s[n].w) : fmaxf(s[n].x, s[n].y);
 #pragma unroll

@@ -1,7 +1,7 @@
 /* How a query-side kernel maps work to teams: one team an item
  * (FA_MMA_QUERY_TEAMS_OF: item = query block x query head, from the team
  * number) or persistent teams that fetch items from a counter
- * (FA_WG2_QUERY_TEAMS_PERSIST; when: gpu_persist.h). A team function has
+ * (FA_PERSISTENT_QUERY_TEAMS; when: gpu_persist.h). A team function has
  * the signature TEAM(D, BK, F16, args, block, h, g, smem). */
 #ifndef FORKATTN_GPU_WORK_SCHEDULER_H
 #define FORKATTN_GPU_WORK_SCHEDULER_H
@@ -33,7 +33,7 @@
 
 /* Bytes of team memory past a team's SMEM for a persistent launch's two
  * next-item slots. */
-#define FA_WG2_PERSIST_AT(SMEM) (((SMEM) + 15) / 16 * 16)
+#define FA_PERSIST_NEXT_AT(SMEM) (((SMEM) + 15) / 16 * 16)
 /* A persistent launch of a two-warpgroup query-side team (as
  * FA_MMA_QUERY_TEAMS_OF, with `grid` teams from the caller, at most one
  * an SM): each team runs items (query block x query head, heaviest blocks
@@ -43,14 +43,14 @@
  * barrier, so the atomic's latency hides under the item). RING(D, BK,
  * smem) names the team's ring, whose mbarriers are invalidated before the
  * team initialises them again. */
-#define FA_WG2_QUERY_TEAMS_PERSIST(TEAM, RING, BLOCKS, NBLOCKS, D, BK, F16, SMEM)                                 \
+#define FA_PERSISTENT_QUERY_TEAMS(TEAM, RING, BLOCKS, NBLOCKS, D, BK, F16, SMEM)                                 \
   do {                                                                                                        \
-    const size_t smem = FA_WG2_PERSIST_AT(SMEM) + 16;                                                         \
-    FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(grid) thread_limit(FA_WG2_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) is_device_ptr(argp)) \
+    const size_t smem = FA_PERSIST_NEXT_AT(SMEM) + 16;                                                         \
+    FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(grid) thread_limit(FA_WG_PAIR_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) is_device_ptr(argp)) \
     {                                                                                                         \
       const __typeof__(*argp) args = *argp;                                                                   \
       unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
-      volatile int *next = (volatile int *)((char *)sm + FA_WG2_PERSIST_AT(SMEM));                            \
+      volatile int *next = (volatile int *)((char *)sm + FA_PERSIST_NEXT_AT(SMEM));                            \
       unsigned short *al = sm + fa_wg_align(fa_smem_of(sm));                                                  \
       const int hq = (int)args.hq, n = (int)args.NBLOCKS * hq, tid = ompx_thread_id_x();                      \
       const int step = (int)ompx_grid_dim_x();                                                               \
@@ -58,7 +58,7 @@
       for (int it = 0; item < n; it++) {                                                                      \
         if (tid == 0) {                                                                                       \
           next[it & 1] = __atomic_fetch_add(args.work, 1, __ATOMIC_RELAXED) + step;                           \
-          if (it > 0) fa_wg2_ring_inval(fa_smem_of(al), RING((D), (BK), al));                                 \
+          if (it > 0) fa_tile_ring_inval(fa_smem_of(al), RING((D), (BK), al));                                 \
         }                                                                                                     \
         const int h = item % hq;                                                                              \
         TEAM((D), (BK), (F16), args, args.BLOCKS[item / hq], h, h / (hq / (int)args.hkv), sm);                \
@@ -67,5 +67,8 @@
       }                                                                                                       \
     }                                                                                                         \
   } while (0)
+
+/* The name the launchers (gpu_mma_fwd.c, gpu_mma_bwd.c) use. */
+#define FA_WG2_QUERY_TEAMS_PERSIST FA_PERSISTENT_QUERY_TEAMS
 
 #endif

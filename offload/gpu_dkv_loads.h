@@ -27,7 +27,7 @@
  * scales it. */
 static inline void fa_mma_load_query_stats(fa_smem m, int ld, int BQ, const fa_gpu_bwd *b, fa_query_walk w,
                                            int64_t h, int tid) {
-  const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
+  const int nq = fa_qwalk_rows(w, BQ);
   if (tid < 2 * BQ) { /* visible to the team after the wait and barrier that precede its use */
     const int i = tid % BQ, in = i < nq;
     const float *src = (tid < BQ ? b->lse : b->dsum) + ((int64_t)w.qb + (in ? i : 0)) * b->hq + h;
@@ -37,7 +37,7 @@ static inline void fa_mma_load_query_stats(fa_smem m, int ld, int BQ, const fa_g
 
 static inline void fa_mma_load_queries(fa_smem m, int at, int ld, int P, int D, int BQ, const fa_gpu_bwd *b,
                                        fa_query_walk w, int64_t h, int tid) {
-  const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
+  const int nq = fa_qwalk_rows(w, BQ);
   fa_mma_load_rows(m, at, P, BQ, D, b->q, w.qb, nq, h, tid);
   fa_mma_load_rows(m, at + BQ * P, P, BQ, D, b->dout, w.qb, nq, h, tid);
   fa_mma_load_query_stats(m, ld, BQ, b, w, h, tid);
@@ -76,7 +76,7 @@ static inline __attribute__((always_inline)) void fa_wg_pair_dkv_stats(float *st
  * tile's queries. */
 static inline unsigned long long fa_wg_pair_dkv_scan(unsigned short *smem, int qt, int BQ, int D, int f16,
                                                  fa_tile_ring rg, fa_query_walk w, fa_block blk, int qsh, int tid) {
-  const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
+  const int nq = fa_qwalk_rows(w, BQ);
   if (nq == BQ && !(w.causal && w.qb + qsh < (int)(blk.start + blk.len) - 1)) return 0;
   const unsigned long long f = fa_mma_scan_rows_by(smem + qt, D, BQ, 0, BQ, D, f16, rg.flags, tid, FA_WG_PAIR_THREADS) |
                                fa_mma_scan_rows_by(smem + qt + BQ * D, D, BQ, 0, BQ, D, f16, rg.flags, tid,

@@ -113,18 +113,9 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
     if (w2.j <= u.j1)
       fa_mma_load_queries(sm, qbuf0 + fb * qstep, ld0 + 4 * BQ * fb, P, D, BQ, &b, w2, g * group + w2.hh, tid);
     fa_cp_async_commit();
-    const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
-    const int lo0 = fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb + qsh, nq);
-    const int lo1 = fa_mma_key_first_query(ok1, w.causal, k_pos1, w.qb + qsh, nq);
-    /* dV += P^T dO and dK += dS^T Q multiply hidden queries' rows by 0: in a
-     * tile where some query cannot see some key, non-finite Q/dO rows are
-     * zeroed and flagged. S^T and dP^T, computed from the rows before the
-     * scan, see such a row only where the masks below select it away, or in a
-     * row that is flagged. */
-    const int masked = w.causal && w.qb + qsh < kfirst + (int)blk.len - 1;
-    const unsigned long long qflags =
-        masked ? fa_mma_scan_rows(smem + qt, P, BQ, D, f16, qbad, tid) | fa_mma_scan_rows(smem + ot, P, BQ, D, f16, qbad, tid)
-               : 0;
+    int nq, lo0, lo1;
+    const unsigned long long qflags = fa_dkv_tile_masks(smem, qt, ot, P, BQ, D, f16, qbad, w, qsh, kfirst, (int)blk.len,
+                                                        ok0, ok1, k_pos0, k_pos1, tid, &nq, &lo0, &lo1);
 
     float lq[FA_MMA_BQ / 4], dd[FA_MMA_BQ / 4];
     fa_mma_dkv_rows(lq, dd, ld, BQ, c0);
@@ -133,20 +124,7 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
     /* Tile j + 1's scores (after the last tile: tile j's rows again, discarded). */
     fa_f4 sn[FA_MMA_BQ / 8], dpn[FA_MMA_BQ / 8];
     fa_mma_dkv_scores(sn, dpn, kf, vf, vsm, vl, sm, w1.j <= u.j1 ? qbuf0 + nb * qstep : qt, P, BQ, D, f16, lane);
-    const int al = qt + ar * P + ac; /* .trans: B of [query][dim]; constant offsets from here fold */
-#pragma unroll
-    for (int kk = 0; kk < BQ / 16; kk++) { /* 16 queries: the k-step of dV and dK */
-      const fa_u4 pa = fa_mma_p_frag(s[2 * kk], s[2 * kk + 1], f16), da = fa_mma_p_frag(dp[2 * kk], dp[2 * kk + 1], f16);
-#pragma unroll
-      for (int np = 0; np < D / 16; np++) { /* .trans: B of [query][dim] */
-        const fa_u4 bo = fa_ldmatrix_x4(sm, al + BQ * P + kk * 16 * P + np * 16, 1);
-        dv[2 * np] = fa_mma_16816(dv[2 * np], pa, bo.x, bo.y, f16);
-        dv[2 * np + 1] = fa_mma_16816(dv[2 * np + 1], pa, bo.z, bo.w, f16);
-        const fa_u4 bq = fa_ldmatrix_x4(sm, al + kk * 16 * P + np * 16, 1);
-        dk[2 * np] = fa_mma_16816(dk[2 * np], da, bq.x, bq.y, f16);
-        dk[2 * np + 1] = fa_mma_16816(dk[2 * np + 1], da, bq.z, bq.w, f16);
-      }
-    }
+    fa_mma_dkv_acc(dv, dk, s, dp, sm, qt + ar * P + ac, P, BQ, D, f16);
 #pragma unroll
     for (int n = 0; n < BQ / 8; n++) s[n] = sn[n], dp[n] = dpn[n];
     cb = nb;
@@ -218,13 +196,9 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, co
     ompx_sync_block_acq_rel(); /* ... visible, and iteration j - 1's reads of the other buffer done */
     const int qt = qbuf0 + cb * qstep, ot = qt + BQ * P;
     const float *ld = (const float *)(smem + ld0 + 4 * BQ * cb);
-    const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
-    const int lo0 = fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb + qsh, nq);
-    const int lo1 = fa_mma_key_first_query(ok1, w.causal, k_pos1, w.qb + qsh, nq);
-    const int masked = w.causal && w.qb + qsh < kfirst + (int)blk.len - 1; /* as fa_mma_dkv_team */
-    const unsigned long long qflags = masked ? fa_mma_scan_rows(smem + qt, P, BQ, D, f16, qbad, tid) |
-                                                   fa_mma_scan_rows(smem + ot, P, BQ, D, f16, qbad, tid)
-                                             : 0;
+    int nq, lo0, lo1;
+    const unsigned long long qflags = fa_dkv_tile_masks(smem, qt, ot, P, BQ, D, f16, qbad, w, qsh, kfirst, (int)blk.len,
+                                                        ok0, ok1, k_pos0, k_pos1, tid, &nq, &lo0, &lo1);
     fa_f4 s[FA_MMA_MAX_BK / 8], dp[FA_MMA_MAX_BK / 8]; /* 16 keys x BQ queries */
     const int all = nq == BQ && (!w.causal || kfirst + warp * 16 + 15 <= w.qb + qsh);
     float lq[FA_MMA_MAX_BK / 4], dd[FA_MMA_MAX_BK / 4];
@@ -541,7 +515,7 @@ static inline __attribute__((always_inline)) void fa_wg_pair_dkv_query_major_tea
     fa_wg_pin(dp, 8);
     FA_TL(FA_TL_TILE);
     const int qt = fa_tile_ring_buf(rg, bi), ot = qt + BQ * D;
-    const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
+    const int nq = fa_qwalk_rows(w, BQ);
     const int kq0 = kfirst - (w.qb + qsh);
     const int all = warp * 16 + 15 < nq && (!w.causal || klast + kq0 <= warp * 16);
     if (qflags) { /* the keys that see a non-finite row get NaN gradients */

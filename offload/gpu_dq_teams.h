@@ -72,8 +72,7 @@ static inline __attribute__((always_inline)) void fa_dq_team(const int D, const 
   const int64_t row0 = blk.start + r0;
   const int qfirst = (int)(blk.start + qshift); /* key-frame position of the block's first row */
   const int q_pos0 = qfirst + r0, q_pos1 = q_pos0 + 8;
-  const float lse0 = ok0 ? b.lse[row0 * b.hq + h] * FA_LOG2E : 0.0f;
-  const float lse1 = ok1 ? b.lse[(row0 + 8) * b.hq + h] * FA_LOG2E : 0.0f;
+  const float lse0 = fa_row_lse_log2(&b, ok0, row0, h), lse1 = fa_row_lse_log2(&b, ok1, row0 + 8, h);
   fa_f4 dq[FA_MMA_MAX_D / 8];
 #pragma unroll
   for (int n = 0; n < D / 8; n++) dq[n] = fa_f4_zero();
@@ -103,7 +102,7 @@ static inline __attribute__((always_inline)) void fa_dq_team(const int D, const 
     const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
     /* dQ += dS K multiplies masked keys' rows by dS = 0: non-finite K rows of a
      * tile that hides keys from some rows are zeroed and flagged (fa_mma_scan_rows). */
-    const int masked = w.causal && w.kb + BK - 1 > qfirst;
+    const int masked = fa_tile_hides_keys(w, BK, qfirst);
     const unsigned long long kflags = masked ? fa_mma_scan_rows(smem + kt, P, BK, D, f16, kbad, tid) : 0;
 
     fa_f4 s[FA_MMA_MAX_BK / 8], dp[FA_MMA_MAX_BK / 8];
@@ -115,22 +114,8 @@ static inline __attribute__((always_inline)) void fa_dq_team(const int D, const 
       fa_wg_commit();
       fa_wg_wait(1);
       fa_wg_pin(s, BK / 8);
-    } else { /* S = Q K^T and dP = dO V^T in one loop: as two fa_mma_acc_abt calls, ptxas orders the loads
-       * differently and dQ runs slower */
-      const int kl = kt + fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane); /* constant offsets from here fold */
-#pragma unroll
-      for (int n = 0; n < BK / 8; n++) s[n] = fa_f4_zero(), dp[n] = fa_f4_zero();
-#pragma unroll
-      for (int ks = 0; ks < D / 16; ks++)
-#pragma unroll
-        for (int np = 0; np < BK / 16; np++) {
-          const fa_u4 bk = fa_ldmatrix_x4(sm, kl + np * 16 * P + ks * 16, 0);
-          const fa_u4 bv = fa_ldmatrix_x4(sm, kl + BK * P + np * 16 * P + ks * 16, 0);
-          s[2 * np] = fa_mma_16816(s[2 * np], qf[ks], bk.x, bk.y, f16);
-          s[2 * np + 1] = fa_mma_16816(s[2 * np + 1], qf[ks], bk.z, bk.w, f16);
-          dp[2 * np] = fa_mma_16816(dp[2 * np], of[ks], bv.x, bv.y, f16);
-          dp[2 * np + 1] = fa_mma_16816(dp[2 * np + 1], of[ks], bv.z, bv.w, f16);
-        }
+    } else {
+      fa_mma_sdp(s, dp, qf, of, sm, kt, P, BK, D, f16, lane);
     }
     const fa_tile_walk nx2 = fa_walk_next(nx, BK, seg, pair, blk, qshift);
     /* P = exp2(S - lse), then dS = P (dP - D), where visible; an exact 0
@@ -140,8 +125,8 @@ static inline __attribute__((always_inline)) void fa_dq_team(const int D, const 
      * wgmma, dQ += dS K in KP-key parts: part c's product runs while part
      * c + 1's dS is formed. */
     unsigned vis0, vis1;
-    fa_dq_tile_p(s, BK, nk == BK && (!w.causal || w.kb + BK - 1 <= qfirst + warp * 16), kflags, c0, lim0, lim1, mul,
-                 lse0, lse1, &vis0, &vis1, &bad0, &bad1);
+    fa_dq_tile_p(s, BK, fa_tile_all_visible(w, nk, BK, qfirst + warp * 16), kflags, c0, lim0, lim1, mul, lse0, lse1,
+                 &vis0, &vis1, &bad0, &bad1);
     if (WG) {
       fa_wg_wait(0);
       fa_wg_pin(dp, BK / 8);
@@ -241,8 +226,7 @@ static inline __attribute__((always_inline)) void fa_wg_pair_dq_team(const int D
   const int r0 = wg * FA_MMA_ROWS + warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
   const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
   const int64_t row0 = blk.start + r0;
-  const float lse0 = ok0 ? b.lse[row0 * b.hq + h] * FA_LOG2E : 0.0f;
-  const float lse1 = ok1 ? b.lse[(row0 + 8) * b.hq + h] * FA_LOG2E : 0.0f;
+  const float lse0 = fa_row_lse_log2(&b, ok0, row0, h), lse1 = fa_row_lse_log2(&b, ok1, row0 + 8, h);
   fa_cp_async_wait(0);
   fa_fence_proxy_async(); /* Q and dO for the tensor cores' reads */
   ompx_sync_block_acq_rel();

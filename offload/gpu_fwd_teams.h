@@ -33,6 +33,32 @@
 
 
 
+/* The one-warpgroup forward's copies in iteration j: K of tile j + 2 (walk
+ * w2) into the buffer at element kt, V of tile j + 1 (w1) to element vt,
+ * one copy group committed. With tensor maps (tma: K's, V's) full tiles
+ * come by bulk tensor copies that thread 0 issues on the mbarrier at mbar
+ * (one phase of it each call); a V tile with fewer
+ * keys than BK still comes by cp.async, zero-filled past its keys (0 * NaN
+ * in P V). K rows past a tile's keys are masked, so any value does. */
+static inline __attribute__((always_inline)) void fa_fwd_load_next(fa_smem sm, int kt, int vt, int P, int BK, int D,
+                                                                    const fa_gpu_fwd_args *ga, int64_t g,
+                                                                   const fa_tma_map *tma, int mbar, fa_tile_walk w1,
+                                                                   fa_tile_walk w2, int tid) {
+  if (tma) {
+    const int k_bulk = w2.pi < w2.pend, v_bulk = w1.pi < w1.pend && fa_walk_keys(w1, BK) == BK;
+    if (tid == 0) {
+      fa_mbar_expect_tx(sm, mbar, (k_bulk + v_bulk) * BK * D * 2); /* 0 bytes: completes at once */
+      if (k_bulk) fa_tma_tile(sm, kt, tma, (int)g, w2.kb, BK, D, mbar);
+      if (v_bulk) fa_tma_tile(sm, vt, tma + 1, (int)g, w1.kb, BK, D, mbar);
+    }
+    if (w1.pi < w1.pend && !v_bulk) fa_mma_load_rows(sm, vt, P, BK, D, ga->v, w1.kb, fa_walk_keys(w1, BK), g, tid);
+  } else {
+    if (w2.pi < w2.pend) fa_mma_load_rows(sm, kt, P, BK, D, ga->k, w2.kb, fa_walk_keys(w2, BK), g, tid);
+    if (w1.pi < w1.pend) fa_mma_load_rows(sm, vt, P, BK, D, ga->v, w1.kb, fa_walk_keys(w1, BK), g, tid);
+  }
+  fa_cp_async_commit();
+}
+
 /* One team: FA_MMA_ROWS query rows of block blk, query head h, KV head g.
  * D, BK and WG are compile-time constants after inlining (register arrays).
  * WG: the products by warpgroup wgmma (sm_90a; gpu_wgmma.h), K and V tiles
@@ -120,34 +146,21 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
     ompx_sync_block_acq_rel(); /* ... visible, and iteration j - 1's reads of K(j), V(j-1) done */
     const int kt = cur ? buf1 : buf0, kn = cur ? buf0 : buf1, vt = kt + BK * P;
     const fa_tile_walk w2 = fa_walk_next(w1, BK, seg, pair, blk, qshift);
-    if (tma) { /* K rows past a tile's keys are masked (any value), V's must be zeros */
-      const int k_bulk = w2.pi < w2.pend, v_bulk = w1.pi < w1.pend && fa_walk_keys(w1, BK) == BK;
-      if (tid == 0) {
-        fa_mbar_expect_tx(sm, mbar, (k_bulk + v_bulk) * BK * D * 2); /* 0 bytes: completes at once */
-        if (k_bulk) fa_tma_tile(sm, kt, tma, (int)g, w2.kb, BK, D, mbar);
-        if (v_bulk) fa_tma_tile(sm, kn + BK * P, tma + 1, (int)g, w1.kb, BK, D, mbar);
-      }
-      if (w1.pi < w1.pend && !v_bulk)
-        fa_mma_load_rows(sm, kn + BK * P, P, BK, D, ga.v, w1.kb, fa_walk_keys(w1, BK), g, tid);
-      phase++;
-    } else {
-      if (w2.pi < w2.pend) fa_mma_load_rows(sm, kt, P, BK, D, ga.k, w2.kb, fa_walk_keys(w2, BK), g, tid);
-      if (w1.pi < w1.pend) fa_mma_load_rows(sm, kn + BK * P, P, BK, D, ga.v, w1.kb, fa_walk_keys(w1, BK), g, tid);
-    }
-    fa_cp_async_commit();
+    fa_fwd_load_next(sm, kt, kn + BK * P, P, BK, D, &ga, g, tma, mbar, w1, w2, tid);
+    if (tma) phase++;
     const int nk = fa_walk_keys(w, BK);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
     const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
     /* Only a causal tile crossing the team's first diagonal hides keys from
      * some rows; there 0 * NaN in P V would leak a non-finite V row into rows
      * that cannot see it, so its non-finite V rows are flagged and zeroed. */
-    const int masked = w.causal && w.kb + BK - 1 > qfirst;
+    const int masked = fa_tile_hides_keys(w, BK, qfirst);
     unsigned long long vflags = 0; /* bit j: V row j of the tile was non-finite */
     if (masked) vflags = fa_mma_scan_rows(smem + vt, P, BK, D, f16, vbad, tid);
 
     float mx0 = -INFINITY, mx1 = -INFINITY;
-    fa_fwd_tile_max(s, BK, nk == BK && (!w.causal || w.kb + BK - 1 <= qfirst + warp * 16), c0, lim0, lim1, vflags,
-                    0, &mx0, &mx1, &bad0, &bad1);
+    fa_fwd_tile_max(s, BK, fa_tile_all_visible(w, nk, BK, qfirst + warp * 16), c0, lim0, lim1, vflags, 0, &mx0, &mx1,
+                    &bad0, &bad1);
     /* S of tile j + 1 (after the last tile: tile j's K again, discarded, so
      * no branch splits this block from the softmax it overlaps). wgmma:
      * issued here, waited with P V below. */

@@ -74,6 +74,12 @@ static inline __attribute__((always_inline)) void fa_dq_rowsum(const fa_gpu_bwd 
   fa_dq_rowsum_of(b, blk, trow0, h, &ov, dot, P, D, f16, warp, lane, dd0, dd1);
 }
 
+/* The lse of query row `row` (head h) in log2 units, 0 for a row outside
+ * the block (ok == 0). */
+static inline __attribute__((always_inline)) float fa_row_lse_log2(const fa_gpu_bwd *b, int ok, int64_t row, int64_t h) {
+  return ok ? b->lse[row * b->hq + h] * FA_LOG2E : 0.0f;
+}
+
 /* P = exp2(S - lse) of a warp's 16 rows x BK keys of S in s, where visible;
  * an exact 0 elsewhere (a select, not a product; vis0 / vis1: bit 2n + i for
  * column 8n + c0 + i of rows r0, r0 + 8). all: every row of the warp sees
@@ -143,6 +149,26 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_rows(float *lq, flo
     lq[2 * n] = ld[qi] * FA_LOG2E, lq[2 * n + 1] = ld[qi + 1] * FA_LOG2E;
     dd[2 * n] = ld[BQ + qi], dd[2 * n + 1] = ld[BQ + qi + 1];
   }
+}
+
+/* A key-major dK/dV tile's masks: its nq queries, the first query each of
+ * the lane's keys k_pos0, k_pos1 sees (lo0, lo1: fa_mma_key_first_query),
+ * and, where some key of the block (kfirst, klen) cannot see some query of
+ * the tile, its non-finite Q and dO rows (at elements qt, ot) zeroed and
+ * flagged: the returned flags (fa_mma_scan_rows; team-uniform, barriers).
+ * dV += P^T dO and dK += dS^T Q multiply hidden queries' rows by 0; S^T and
+ * dP^T, computed from the rows before the scan, see such a row only where
+ * the masks select it away, or in a row that is flagged. */
+static inline __attribute__((always_inline)) unsigned long long
+fa_dkv_tile_masks(unsigned short *smem, int qt, int ot, int P, int BQ, int D, int f16, unsigned *qbad, fa_query_walk w,
+                  int qsh, int kfirst, int klen, int ok0, int ok1, int k_pos0, int k_pos1, int tid, int *nq, int *lo0,
+                  int *lo1) {
+  *nq = fa_qwalk_rows(w, BQ);
+  *lo0 = fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb + qsh, *nq);
+  *lo1 = fa_mma_key_first_query(ok1, w.causal, k_pos1, w.qb + qsh, *nq);
+  const int masked = w.causal && w.qb + qsh < kfirst + klen - 1;
+  return masked ? fa_mma_scan_rows(smem + qt, P, BQ, D, f16, qbad, tid) | fa_mma_scan_rows(smem + ot, P, BQ, D, f16, qbad, tid)
+                : 0;
 }
 
 /* P = exp2(S mul - lse) and dS = P (dP - D) of one accumulator quad in

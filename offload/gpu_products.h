@@ -20,6 +20,29 @@ static inline __attribute__((always_inline)) void fa_mma_qk(fa_f4 *s, const fa_u
   fa_mma_acc_abt(s, qf, sm, kt, P, BK, D, f16, lane);
 }
 
+/* S = Q K^T and dP = dO V^T of a warp's 16 rows x BK keys (the dQ teams):
+ * Q's and dO's A fragments qf, of; K then V, [BK][P] each, at element kt.
+ * One loop for both: as two fa_mma_acc_abt calls, ptxas orders the loads
+ * differently and dQ runs slower. */
+static inline __attribute__((always_inline)) void fa_mma_sdp(fa_f4 *s, fa_f4 *dp, const fa_u4 *qf, const fa_u4 *of,
+                                                              fa_smem sm, int kt, int P, int BK, int D, int f16,
+                                                              int lane) {
+  const int kl = kt + fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane); /* constant offsets from here fold */
+#pragma unroll
+  for (int n = 0; n < BK / 8; n++) s[n] = fa_f4_zero(), dp[n] = fa_f4_zero();
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ks++)
+#pragma unroll
+    for (int np = 0; np < BK / 16; np++) {
+      const fa_u4 bk = fa_ldmatrix_x4(sm, kl + np * 16 * P + ks * 16, 0);
+      const fa_u4 bv = fa_ldmatrix_x4(sm, kl + BK * P + np * 16 * P + ks * 16, 0);
+      s[2 * np] = fa_mma_16816(s[2 * np], qf[ks], bk.x, bk.y, f16);
+      s[2 * np + 1] = fa_mma_16816(s[2 * np + 1], qf[ks], bk.z, bk.w, f16);
+      dp[2 * np] = fa_mma_16816(dp[2 * np], of[ks], bv.x, bv.y, f16);
+      dp[2 * np + 1] = fa_mma_16816(dp[2 * np + 1], of[ks], bv.z, bv.w, f16);
+    }
+}
+
 /* S^T (16 keys x BQ queries of one warp) = K Q^T and dP^T = V dO^T for the
  * query buffer at element qt (Q [BQ][P], then dO): K's A fragments kf, V's
  * vf or, when vsm, read from team memory at this lane's row vl. */
@@ -34,6 +57,27 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_scores(fa_f4 *s, fa
 #pragma unroll
   for (int ks = 0; ks < D / 16; ks++) va[ks] = vsm ? fa_ldmatrix_x4(sm, vl + ks * 16, 0) : vf[ks];
   fa_mma_acc_abt(dp, va, sm, qt + BQ * P, P, BQ, D, f16, lane); /* dP^T = V dO^T */
+}
+
+/* dV += P^T dO and dK += dS^T Q of a warp's 16 keys, P^T and dS^T in the
+ * accumulators s and dp (16 keys x BQ queries), Q then dO [BQ][P] read
+ * through ldmatrix .trans (B of [query][dim]) from al: the tile's element
+ * plus this lane's ldmatrix row and column, so constant offsets fold. */
+static inline __attribute__((always_inline)) void fa_mma_dkv_acc(fa_f4 *dv, fa_f4 *dk, const fa_f4 *s, const fa_f4 *dp,
+                                                                  fa_smem sm, int al, int P, int BQ, int D, int f16) {
+#pragma unroll
+  for (int kk = 0; kk < BQ / 16; kk++) { /* 16 queries: the k-step of dV and dK */
+    const fa_u4 pa = fa_mma_p_frag(s[2 * kk], s[2 * kk + 1], f16), da = fa_mma_p_frag(dp[2 * kk], dp[2 * kk + 1], f16);
+#pragma unroll
+    for (int np = 0; np < D / 16; np++) {
+      const fa_u4 bo = fa_ldmatrix_x4(sm, al + BQ * P + kk * 16 * P + np * 16, 1);
+      dv[2 * np] = fa_mma_16816(dv[2 * np], pa, bo.x, bo.y, f16);
+      dv[2 * np + 1] = fa_mma_16816(dv[2 * np + 1], pa, bo.z, bo.w, f16);
+      const fa_u4 bq = fa_ldmatrix_x4(sm, al + kk * 16 * P + np * 16, 1);
+      dk[2 * np] = fa_mma_16816(dk[2 * np], da, bq.x, bq.y, f16);
+      dk[2 * np + 1] = fa_mma_16816(dk[2 * np + 1], da, bq.z, bq.w, f16);
+    }
+  }
 }
 
 /* S = Q K^T and dP = dO V^T of the (Q, dO) tile at element qt (issued, not

@@ -64,7 +64,7 @@ static inline __attribute__((always_inline)) fa_query_walk fa_wg_dkv_start(fa_sm
  * head h) from global memory: st[0], st[1] lse, st[2], st[3] D. A row past
  * the tile's queries reads its first (masked where used). */
 static inline __attribute__((always_inline)) void fa_wg_pair_dkv_stats(float *st, const fa_gpu_bwd *b, fa_query_walk w,
-                                                                   int h, int r0) {
+                                                                       int h, int r0) {
   const int nq = w.qend - w.qb;
   const int64_t i0 = (int64_t)(w.qb + (r0 < nq ? r0 : 0)) * b->hq + h;
   const int64_t i1 = (int64_t)(w.qb + (r0 + 8 < nq ? r0 + 8 : 0)) * b->hq + h;
@@ -75,7 +75,7 @@ static inline __attribute__((always_inline)) void fa_wg_pair_dkv_stats(float *st
  * qt when it needs one (above; team-uniform): the non-finite rows among the
  * tile's queries. */
 static inline unsigned long long fa_wg_pair_dkv_scan(unsigned short *smem, int qt, int BQ, int D, int f16,
-                                                 fa_tile_ring rg, fa_query_walk w, fa_block blk, int qsh, int tid) {
+                                                     fa_tile_ring rg, fa_query_walk w, fa_block blk, int qsh, int tid) {
   const int nq = fa_qwalk_rows(w, BQ);
   if (nq == BQ && !(w.causal && w.qb + qsh < (int)(blk.start + blk.len) - 1)) return 0;
   const unsigned long long f = fa_mma_scan_rows_by(smem + qt, D, BQ, 0, BQ, D, f16, rg.flags, tid, FA_WG_PAIR_THREADS) |

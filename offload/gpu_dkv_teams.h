@@ -39,9 +39,10 @@
  * Team memory at head_dim d: [V tile, vsm only] | three query buffers
  * (Q [BQ][P], dO [BQ][P]) | lse, D of each | scan flags. */
 #define FA_MMA_DKV_V_IN_SMEM(d) ((d) == 128)
+#define FA_MMA_DKV_BQ_OF(d) (FA_MMA_DKV_V_IN_SMEM(d) ? 16 : FA_MMA_BQ) /* queries a tile at head_dim d */
 #define FA_MMA_DKV_SMEM(d)                                                                                      \
-  ((size_t)((FA_MMA_DKV_V_IN_SMEM(d) ? FA_MMA_ROWS : 0) + 6 * (FA_MMA_DKV_V_IN_SMEM(d) ? 16 : FA_MMA_BQ)) * ((d) + 8) * 2 + \
-   6 * (FA_MMA_DKV_V_IN_SMEM(d) ? 16 : FA_MMA_BQ) * sizeof(float) + 4 * sizeof(unsigned))
+  ((size_t)((FA_MMA_DKV_V_IN_SMEM(d) ? FA_MMA_ROWS : 0) + 6 * FA_MMA_DKV_BQ_OF(d)) * ((d) + 8) * 2 +              \
+   6 * FA_MMA_DKV_BQ_OF(d) * sizeof(float) + 4 * sizeof(unsigned))
 
 static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, const int f16, const fa_gpu_bwd b,
                                                                    int64_t ui, int64_t g, unsigned short *smem) {
@@ -271,7 +272,7 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, co
  * mbarrier. */
 #define FA_DKV_QUERY_MAJOR_BQ 64
 #define FA_WG_DKV_QM_SMEM(d)                                                                                    \
-  ((size_t)(6 * FA_MMA_ROWS * (d) + FA_DKV_QUERY_MAJOR_BQ * 64) * 2 + 4 * FA_DKV_QUERY_MAJOR_BQ * sizeof(float) +          \
+  ((size_t)(6 * FA_MMA_ROWS * (d) + FA_DKV_QUERY_MAJOR_BQ * 64) * 2 + 4 * FA_DKV_QUERY_MAJOR_BQ * sizeof(float) + \
    4 * sizeof(unsigned) + 16 + FA_WG_BLOCK_BYTES)
 
 /* Tile w's Q and dO rows into the buffer at element `at` and its lse and D
@@ -440,7 +441,8 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_qm_team(const int D,
 #define FA_WG_PAIR_DKV_STAGES 3
 #endif
 #define FA_WG_PAIR_DKV_SMEM(d)                                                                                      \
-  ((size_t)(4 * FA_MMA_ROWS * (d) + 4 * FA_DKV_QUERY_MAJOR_BQ * 64 + 2 * FA_WG_PAIR_DKV_STAGES * FA_DKV_QUERY_MAJOR_BQ * (d)) * \
+  ((size_t)(4 * FA_MMA_ROWS * (d) + 4 * FA_DKV_QUERY_MAJOR_BQ * 64 +                                             \
+            2 * FA_WG_PAIR_DKV_STAGES * FA_DKV_QUERY_MAJOR_BQ * (d)) *                                          \
        2 +                                                                                                      \
    FA_TILE_RING_BYTES(FA_WG_PAIR_DKV_STAGES) + FA_WG_BLOCK_BYTES)
 
@@ -448,8 +450,9 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_qm_team(const int D,
 
 
 
-static inline __attribute__((always_inline)) void fa_wg_pair_dkv_query_major_team(const int D, const int f16, const fa_gpu_bwd b,
-                                                                      int64_t ui, int64_t g, unsigned short *smem) {
+static inline __attribute__((always_inline)) void fa_wg_pair_dkv_query_major_team(const int D, const int f16,
+                                                                                  const fa_gpu_bwd b, int64_t ui,
+                                                                                  int64_t g, unsigned short *smem) {
   const int S = FA_WG_PAIR_DKV_STAGES, BQ = FA_DKV_QUERY_MAJOR_BQ;
   const int tid = ompx_thread_id_x(), wg = fa_warpgroup_of(tid), wt = tid % 128, warp = wt / 32, lane = tid % 32;
   const fa_key_unit u = b.units[ui];

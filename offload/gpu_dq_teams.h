@@ -187,7 +187,7 @@ static inline __attribute__((always_inline)) void fa_wg_dq_team(const int D, con
 #define FA_WG_PAIR_DQ_STAGES(D) ((D) == 128 ? 2 : 5)
 /* Team memory: the Q and dO tiles of both warpgroups, the ring (gpu_tile_ring.h), alignment room. */
 #define FA_WG_PAIR_DQ_SMEM(D)                                                                                          \
-  ((size_t)(2 * FA_WG_PAIR_ROWS + 2 * FA_WG_PAIR_DQ_STAGES(D) * FA_WG_PAIR_BK) * (D) * 2 +                                      \
+  ((size_t)(2 * FA_WG_PAIR_ROWS + 2 * FA_WG_PAIR_DQ_STAGES(D) * FA_WG_PAIR_BK) * (D) * 2 +                      \
    FA_TILE_RING_BYTES(FA_WG_PAIR_DQ_STAGES(D)) + FA_WG_BLOCK_BYTES)
 
 /* The dQ team's ring in its (aligned) team memory. */
@@ -196,8 +196,8 @@ static inline fa_tile_ring fa_wg_pair_dq_ring(const int D, const int BK, unsigne
 }
 
 static inline __attribute__((always_inline)) void fa_wg_pair_dq_team(const int D, const int BK, const int f16,
-                                                                  const fa_gpu_bwd b, fa_block blk, int64_t h,
-                                                                  int64_t g, unsigned short *smem) {
+                                                                     const fa_gpu_bwd b, fa_block blk, int64_t h,
+                                                                     int64_t g, unsigned short *smem) {
   const int S = FA_WG_PAIR_DQ_STAGES(D), KP = FA_WG_DQ_KP, HK = 64; /* keys a half */
   const int tid = ompx_thread_id_x(), wg = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
   smem += fa_wg_align(fa_smem_of(smem));

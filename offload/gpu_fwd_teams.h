@@ -41,7 +41,7 @@
  * keys than BK still comes by cp.async, zero-filled past its keys (0 * NaN
  * in P V). K rows past a tile's keys are masked, so any value does. */
 static inline __attribute__((always_inline)) void fa_fwd_load_next(fa_smem sm, int kt, int vt, int P, int BK, int D,
-                                                                    const fa_gpu_fwd_args *ga, int64_t g,
+                                                                   const fa_gpu_fwd_args *ga, int64_t g,
                                                                    const fa_tma_map *tma, int mbar, fa_tile_walk w1,
                                                                    fa_tile_walk w2, int tid) {
   if (tma) {
@@ -243,7 +243,8 @@ static inline __attribute__((always_inline)) void fa_wg_fwd_team(const int D, co
 #define FA_WG_PAIR_FWD_STAGES(D) ((D) == 128 ? 3 : 5)
 /* Team memory: two 64-row Q tiles, the ring (gpu_tile_ring.h), room to align the tiles. */
 #define FA_WG_PAIR_FWD_SMEM(D)                                                                                         \
-  ((size_t)(FA_WG_PAIR_ROWS + 2 * FA_WG_PAIR_FWD_STAGES(D) * FA_WG_PAIR_BK) * (D) * 2 + FA_TILE_RING_BYTES(FA_WG_PAIR_FWD_STAGES(D)) +        \
+  ((size_t)(FA_WG_PAIR_ROWS + 2 * FA_WG_PAIR_FWD_STAGES(D) * FA_WG_PAIR_BK) * (D) * 2 +                         \
+   FA_TILE_RING_BYTES(FA_WG_PAIR_FWD_STAGES(D)) +                                                               \
    FA_WG_BLOCK_BYTES)
 
 /* The forward team's ring in its (aligned) team memory. */
@@ -252,8 +253,8 @@ static inline fa_tile_ring fa_wg_pair_fwd_ring(const int D, const int BK, unsign
 }
 
 static inline __attribute__((always_inline)) void fa_wg_pair_fwd_team(const int D, const int BK, const int f16,
-                                                                   const fa_gpu_fwd_args ga, fa_block blk,
-                                                                   int64_t h, int64_t g, unsigned short *smem) {
+                                                                      const fa_gpu_fwd_args ga, fa_block blk,
+                                                                      int64_t h, int64_t g, unsigned short *smem) {
   const int S = FA_WG_PAIR_FWD_STAGES(D);
   const int tid = ompx_thread_id_x(), wg = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
   smem += fa_wg_align(fa_smem_of(smem));

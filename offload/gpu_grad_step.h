@@ -76,7 +76,8 @@ static inline __attribute__((always_inline)) void fa_dq_rowsum(const fa_gpu_bwd 
 
 /* The lse of query row `row` (head h) in log2 units, 0 for a row outside
  * the block (ok == 0). */
-static inline __attribute__((always_inline)) float fa_row_lse_log2(const fa_gpu_bwd *b, int ok, int64_t row, int64_t h) {
+static inline __attribute__((always_inline)) float fa_row_lse_log2(const fa_gpu_bwd *b, int ok, int64_t row,
+                                                                    int64_t h) {
   return ok ? b->lse[row * b->hq + h] * FA_LOG2E : 0.0f;
 }
 
@@ -167,7 +168,8 @@ fa_dkv_tile_masks(unsigned short *smem, int qt, int ot, int P, int BQ, int D, in
   *lo0 = fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb + qsh, *nq);
   *lo1 = fa_mma_key_first_query(ok1, w.causal, k_pos1, w.qb + qsh, *nq);
   const int masked = w.causal && w.qb + qsh < kfirst + klen - 1;
-  return masked ? fa_mma_scan_rows(smem + qt, P, BQ, D, f16, qbad, tid) | fa_mma_scan_rows(smem + ot, P, BQ, D, f16, qbad, tid)
+  return masked ? fa_mma_scan_rows(smem + qt, P, BQ, D, f16, qbad, tid) |
+                      fa_mma_scan_rows(smem + ot, P, BQ, D, f16, qbad, tid)
                 : 0;
 }
 
@@ -235,8 +237,9 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_grads(fa_f4 *s, fa_
  * query qi sees key column kc when qi < nq and, causal, kc + kq0 <= qi
  * (kq0: the block's first key minus the tile's first query, key frame). */
 static inline __attribute__((always_inline)) void fa_dkv_query_major_grads(fa_f4 *s, fa_f4 *dp, float l0, float l1,
-                                                                      float d0, float d1, float mul, int all,
-                                                                      int qi0, int nq, int causal, int kq0, int c0) {
+                                                                           float d0, float d1, float mul, int all,
+                                                                           int qi0, int nq, int causal, int kq0,
+                                                                           int c0) {
   if (all) {
 #pragma unroll
     for (int n = 0; n < 8; n++) {

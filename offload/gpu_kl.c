@@ -84,7 +84,9 @@ static inline float fa_gpu_shfl(float v, unsigned delta) {
 }
 
 /* The state of the lane `delta` above (FA_GPU_LANES-wide segments). */
-static inline fa_kl_state fa_gpu_kl_shfl(fa_kl_state s, unsigned delta) { return FA_KL_STATE_SHFL(s, fa_gpu_shfl, delta); }
+static inline fa_kl_state fa_gpu_kl_shfl(fa_kl_state s, unsigned delta) {
+  return FA_KL_STATE_SHFL(s, fa_gpu_shfl, delta);
+}
 
 #pragma omp end declare target
 

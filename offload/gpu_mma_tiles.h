@@ -189,7 +189,9 @@ static inline void fa_mma_kv_step(fa_smem m, int next, int P, int BK, int D, fa_
 /* Tile w (BK keys a full tile) hides keys from some rows of a team whose
  * first row sits at key-frame position first: causal, and crossing that
  * row's diagonal. */
-static inline __attribute__((always_inline)) int fa_tile_hides_keys(fa_tile_walk w, int BK, int first) { return w.causal && w.kb + BK - 1 > first; }
+static inline __attribute__((always_inline)) int fa_tile_hides_keys(fa_tile_walk w, int BK, int first) {
+  return w.causal && w.kb + BK - 1 > first;
+}
 
 /* Every row from key-frame position first on sees every one of tile w's nk
  * keys (a full tile not crossing that row's diagonal); with a warp's first
@@ -199,7 +201,9 @@ static inline __attribute__((always_inline)) int fa_tile_all_visible(fa_tile_wal
 }
 
 /* Queries of tile w (at most bq). */
-static inline __attribute__((always_inline)) int fa_qwalk_rows(fa_query_walk w, int bq) { return w.qend - w.qb < bq ? w.qend - w.qb : bq; }
+static inline __attribute__((always_inline)) int fa_qwalk_rows(fa_query_walk w, int bq) {
+  return w.qend - w.qb < bq ? w.qend - w.qb : bq;
+}
 
 /* Keys [0, n) of a tile (kb, nk) that a query row at key-frame position
  * q_pos sees: all nk, or for a causal pair those up to its diagonal; 0 for

@@ -25,8 +25,8 @@ static inline __attribute__((always_inline)) void fa_mma_qk(fa_f4 *s, const fa_u
  * One loop for both: as two fa_mma_acc_abt calls, ptxas orders the loads
  * differently and dQ runs slower. */
 static inline __attribute__((always_inline)) void fa_mma_sdp(fa_f4 *s, fa_f4 *dp, const fa_u4 *qf, const fa_u4 *of,
-                                                              fa_smem sm, int kt, int P, int BK, int D, int f16,
-                                                              int lane) {
+                                                             fa_smem sm, int kt, int P, int BK, int D, int f16,
+                                                             int lane) {
   const int kl = kt + fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane); /* constant offsets from here fold */
 #pragma unroll
   for (int n = 0; n < BK / 8; n++) s[n] = fa_f4_zero(), dp[n] = fa_f4_zero();
@@ -64,7 +64,7 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_scores(fa_f4 *s, fa
  * through ldmatrix .trans (B of [query][dim]) from al: the tile's element
  * plus this lane's ldmatrix row and column, so constant offsets fold. */
 static inline __attribute__((always_inline)) void fa_mma_dkv_acc(fa_f4 *dv, fa_f4 *dk, const fa_f4 *s, const fa_f4 *dp,
-                                                                  fa_smem sm, int al, int P, int BQ, int D, int f16) {
+                                                                 fa_smem sm, int al, int P, int BQ, int D, int f16) {
 #pragma unroll
   for (int kk = 0; kk < BQ / 16; kk++) { /* 16 queries: the k-step of dV and dK */
     const fa_u4 pa = fa_mma_p_frag(s[2 * kk], s[2 * kk + 1], f16), da = fa_mma_p_frag(dp[2 * kk], dp[2 * kk + 1], f16);
@@ -85,8 +85,8 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_acc(fa_f4 *dv, fa_f
  * (fa_wg_opaque_at): a product group's descriptors are then one base and
  * constant k-step offsets, where offsets from the team memory's base cost
  * ptxas ~8 instructions a product and spill. */
-static inline __attribute__((always_inline)) void fa_dkv_query_major_sdp(fa_f4 *s, fa_f4 *dp, fa_smem sm, int qt, int ktile,
-                                                                  int vtile, int BQ, int D, int f16) {
+static inline __attribute__((always_inline)) void fa_dkv_query_major_sdp(fa_f4 *s, fa_f4 *dp, fa_smem sm, int qt,
+                                                                         int ktile, int vtile, int BQ, int D, int f16) {
   fa_wg_acc_abt_v(s, fa_wg_opaque_at(sm, qt), 0, fa_wg_opaque_at(sm, ktile), 0, 64, 64, D, f16);           /* S */
   fa_wg_acc_abt_v(dp, fa_wg_opaque_at(sm, qt + BQ * D), 0, fa_wg_opaque_at(sm, vtile), 0, 64, 64, D, f16); /* dP */
 }

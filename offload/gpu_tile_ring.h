@@ -72,8 +72,9 @@ static inline int fa_tile_ring_buf(fa_tile_ring r, int b) { return r.st0 + b * r
 /* Thread 0 of a warpgroup: rows [row, row + R) of head `head` of the two
  * tensors of maps tma[0], tma[1] (K and V; the dK/dV's Q and dO) into buffer
  * b (the second R rows later), completing on its full barrier. */
-static inline __attribute__((always_inline)) void fa_tile_ring_copy(fa_smem sm, fa_tile_ring r, int b, const fa_tma_map *tma,
-                                                              int head, int row, int R, int D) {
+static inline __attribute__((always_inline)) void fa_tile_ring_copy(fa_smem sm, fa_tile_ring r, int b,
+                                                                    const fa_tma_map *tma, int head, int row, int R,
+                                                                    int D) {
   const int dst = fa_tile_ring_buf(r, b), full = r.full + 4 * b;
   fa_mbar_expect_tx(sm, full, 2 * R * D * 2);
   fa_tma_tile(sm, dst, tma, head, row, R, D, full);
@@ -102,11 +103,11 @@ static inline __attribute__((always_inline)) int fa_tile_ring_second(fa_tile_rin
  * Returns, to both warpgroups' thread 0, the walk past those tiles: the
  * next tile to copy. */
 static inline __attribute__((always_inline)) fa_tile_walk fa_tile_ring_start(fa_smem sm, fa_tile_ring r, int n,
-                                                                            const fa_tma_map *tma, int64_t g,
-                                                                            fa_tile_walk w, int BK, int D,
-                                                                            const fa_range *seg,
-                                                                            const fa_pair *pair, fa_block blk,
-                                                                            int64_t qshift) {
+                                                                             const fa_tma_map *tma, int64_t g,
+                                                                             fa_tile_walk w, int BK, int D,
+                                                                             const fa_range *seg,
+                                                                             const fa_pair *pair, fa_block blk,
+                                                                             int64_t qshift) {
   const int tid = ompx_thread_id_x();
   fa_tile_ring_init(sm, r, tid);
   if (tid % 128 == 0)
@@ -121,10 +122,10 @@ static inline __attribute__((always_inline)) fa_tile_walk fa_tile_ring_start(fa_
  * the second of the two to call copies tile wl (if any) into it. Returns
  * the walk one tile on. */
 static inline __attribute__((always_inline)) fa_tile_walk fa_tile_ring_release(fa_smem sm, fa_tile_ring r, int b,
-                                                                         const fa_tma_map *tma, int64_t g,
-                                                                         fa_tile_walk wl, int BK, int D,
-                                                                         const fa_range *seg, const fa_pair *pair,
-                                                                         fa_block blk, int64_t qshift) {
+                                                                               const fa_tma_map *tma, int64_t g,
+                                                                               fa_tile_walk wl, int BK, int D,
+                                                                               const fa_range *seg, const fa_pair *pair,
+                                                                               fa_block blk, int64_t qshift) {
   if (wl.pi >= wl.pend) return wl;
   if (fa_tile_ring_second(r, b)) fa_tile_ring_copy(sm, r, b, tma, (int)g, wl.kb, BK, D);
   return fa_walk_next(wl, BK, seg, pair, blk, qshift);
@@ -134,7 +135,7 @@ static inline __attribute__((always_inline)) fa_tile_walk fa_tile_ring_release(f
  * or 128 rows) in 64-row parts, with the ring's flag words: f[0], f[1] flag
  * rows 0-63 and 64-127 (0 when absent). Contains team barriers. */
 static inline void fa_tile_ring_scan(unsigned short *t, int BK, int D, int f16, fa_tile_ring r, int tid,
-                               unsigned long long f[2]) {
+                                     unsigned long long f[2]) {
   f[0] = fa_mma_scan_rows_by(t, D, BK, 0, 64, D, f16, r.flags, tid, FA_WG_PAIR_THREADS);
   f[1] = BK > 64 ? fa_mma_scan_rows_by(t, D, BK, 64, 64, D, f16, r.flags, tid, FA_WG_PAIR_THREADS) : 0;
 }

@@ -1,9 +1,10 @@
-/* Teams of two warpgroups (sm_90a): the wgmma forward (gpu_fwd_teams.h),
- * dQ and dK/dV (gpu_bwd_teams.h). FA_WG_PAIR_THREADS threads, FA_WG_PAIR_ROWS
- * query rows a team (64 a warpgroup, each with its own query tiles), and
- * K/V tiles of FA_WG_PAIR_BK keys that both warpgroups read, copied once by bulk
- * tensor copies (gpu_tma.h) into a ring of buffers: tile t in buffer t % S,
- * its arrival on that buffer's mbarrier `full`. The dK/dV turns it around:
+/* The producer of the warpgroup-pair teams (sm_90a): the wgmma forward
+ * (gpu_fwd_teams.h), dQ and dK/dV (gpu_bwd_teams.h). A team is
+ * FA_WG_PAIR_THREADS threads, FA_WG_PAIR_ROWS query rows (64 a warpgroup,
+ * each with its own query tiles); the K/V tiles of FA_WG_PAIR_BK keys that
+ * both warpgroups read are copied once by bulk tensor copies (gpu_tma.h)
+ * into a ring of S team-memory buffers: tile t in buffer t % S, its arrival
+ * on that buffer's mbarrier `full`. The dK/dV turns it around:
  * FA_WG_PAIR_ROWS keys a team, and the ring carries the query tiles (Q, dO).
  *
  * A buffer is refilled by the second warpgroup to release it (a counter in

@@ -86,14 +86,7 @@ static inline float fa_gpu_shfl(float v, unsigned delta) {
 
 /* The state of the lane `delta` above (FA_GPU_LANES-wide segments). */
 static inline fa_kl_state fa_gpu_kl_shfl(fa_kl_state s, unsigned delta) {
-  fa_kl_state o;
-  o.mt = fa_gpu_shfl(s.mt, delta);
-  o.lt = fa_gpu_shfl(s.lt, delta);
-  o.ms = fa_gpu_shfl(s.ms, delta);
-  o.ls = fa_gpu_shfl(s.ls, delta);
-  o.a = fa_gpu_shfl(s.a, delta);
-  o.b = fa_gpu_shfl(s.b, delta);
-  return o;
+  return FA_KL_STATE_SHFL(s, fa_gpu_shfl, delta);
 }
 
 #pragma omp end declare target

@@ -9,6 +9,13 @@
 #include "segment_plan.h"
 #include "streamkl.h"
 
+/* A lane's StreamKL state (fa_kl_state, online_kl.h) from another lane,
+ * field by field through SHFL(x, ARG): the FP32 kernels' segment shuffle
+ * (gpu_kl.c) and the tensor-core teams' quad shuffle (gpu_mma_kl_team.h). */
+#define FA_KL_STATE_SHFL(S, SHFL, ARG)                                                                          \
+  ((fa_kl_state){.mt = SHFL((S).mt, ARG), .lt = SHFL((S).lt, ARG), .ms = SHFL((S).ms, ARG),                       \
+                 .ls = SHFL((S).ls, ARG), .a = SHFL((S).a, ARG), .b = SHFL((S).b, ARG)})
+
 /* One call's device views and launch sizes. */
 typedef struct fa_gpu_kl {
   fa_dev_tensor qt, kt, qs, ks, dqs, dks, dqt, dkt;

@@ -35,7 +35,7 @@ typedef struct fa_u4 {
  * shared-window address (the nvptx variants use s + 2 off). Addressing by
  * element offset keeps the address arithmetic 32-bit and lets constant
  * offsets fold into the instructions; through generic pointers every operand
- * cost a 64-bit add chain and a window conversion (SASS of v1.4). */
+ * cost a 64-bit add chain and a window conversion. */
 typedef struct fa_smem {
   unsigned short *p;
   uint32_t s;
@@ -130,7 +130,7 @@ static inline void fa_cp_async_wait(int n) { (void)n; }
  * reader of it has passed. Valid because every collective in the kernels is
  * reached by all the team's threads in the same order. */
 #include <omp.h>
-#define FA_EMU_THREADS 256 /* the largest team: two warpgroups (gpu_mma_fwd_team.h); most teams run 128 */
+#define FA_EMU_THREADS 256 /* the largest team: two warpgroups (gpu_fwd_teams.h); most teams run 128 */
 typedef struct fa_emu_lanes {
   const unsigned short *addr[FA_EMU_THREADS];
   fa_u4 a[FA_EMU_THREADS];

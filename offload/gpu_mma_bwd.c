@@ -31,7 +31,7 @@
 #include "dtype_convert.h"
 #include "gpu_bwd.h"
 #include "gpu_mma.h"
-#include "gpu_mma_bwd_team.h"
+#include "gpu_bwd_teams.h"
 #include "gpu_mma_tiles.h"
 #include "gpu_wgmma.h"
 

@@ -24,7 +24,7 @@
 #include "dtype_convert.h"
 #include "gpu_fwd.h"
 #include "gpu_mma.h"
-#include "gpu_mma_fwd_team.h"
+#include "gpu_fwd_teams.h"
 #include "gpu_mma_tiles.h"
 #include "gpu_tma.h"
 #include "gpu_wgmma.h"

@@ -132,7 +132,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dq_team(const int D,
  * element `rd`, by cp.async in the caller's copy group. */
 static inline void fa_mma_kl_load_queries(fa_smem m, int at, int rd, int P, int D, int BQ, const fa_gpu_kl *b,
                                           fa_query_walk w, int64_t h, int tid) {
-  const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
+  const int nq = fa_qwalk_rows(w, BQ);
   fa_mma_load_rows(m, at, P, BQ, D, b->qt, w.qb, nq, h, tid);
   fa_mma_load_rows(m, at + BQ * P, P, BQ, D, b->qs, w.qb, nq, h, tid);
   for (int e = tid; e < (FORKATTN_KL_STATS + 1) * BQ; e += FA_MMA_THREADS) {
@@ -179,7 +179,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dk_team(const int D,
     if (nx.j <= u.j1)
       fa_mma_kl_load_queries(sm, cur ? qbuf0 : qbuf1, cur ? rd0 : rd1, P, D, BQ, &b, nx, g * group + nx.hh, tid);
     fa_mma_tile_ready(nx.j <= u.j1, 0);
-    const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
+    const int nq = fa_qwalk_rows(w, BQ);
     const int lo0 = fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb, nq);
     const int lo1 = fa_mma_key_first_query(ok1, w.causal, k_pos1, w.qb, nq);
     const int masked = w.causal && w.qb < kfirst + (int)blk.len - 1;

@@ -22,16 +22,7 @@
 
 #pragma omp declare target
 /* The state of lane ^ mask (a row's states are spread over a quad). */
-static inline fa_kl_state fa_mma_kl_shfl(fa_kl_state s, int mask) {
-  fa_kl_state o;
-  o.mt = fa_mma_shfl_xor(s.mt, mask);
-  o.lt = fa_mma_shfl_xor(s.lt, mask);
-  o.ms = fa_mma_shfl_xor(s.ms, mask);
-  o.ls = fa_mma_shfl_xor(s.ls, mask);
-  o.a = fa_mma_shfl_xor(s.a, mask);
-  o.b = fa_mma_shfl_xor(s.b, mask);
-  return o;
-}
+static inline fa_kl_state fa_mma_kl_shfl(fa_kl_state s, int mask) { return FA_KL_STATE_SHFL(s, fa_mma_shfl_xor, mask); }
 
 /* Both sides' A fragments of a warp's 16 rows (Q_t and Q_s, or K_t and
  * K_s), and both sides' scores of those rows against a key tile (by value,

@@ -186,6 +186,25 @@ static inline void fa_mma_kv_step(fa_smem m, int next, int P, int BK, int D, fa_
   fa_mma_tile_ready(nx.pi < nx.pend, P == D);
 }
 
+/* Tile w (BK keys a full tile) hides keys from some rows of a team whose
+ * first row sits at key-frame position first: causal, and crossing that
+ * row's diagonal. */
+static inline __attribute__((always_inline)) int fa_tile_hides_keys(fa_tile_walk w, int BK, int first) {
+  return w.causal && w.kb + BK - 1 > first;
+}
+
+/* Every row from key-frame position first on sees every one of tile w's nk
+ * keys (a full tile not crossing that row's diagonal); with a warp's first
+ * row, warp-uniform: its masks can be skipped. */
+static inline __attribute__((always_inline)) int fa_tile_all_visible(fa_tile_walk w, int nk, int BK, int first) {
+  return nk == BK && (!w.causal || w.kb + BK - 1 <= first);
+}
+
+/* Queries of tile w (at most bq). */
+static inline __attribute__((always_inline)) int fa_qwalk_rows(fa_query_walk w, int bq) {
+  return w.qend - w.qb < bq ? w.qend - w.qb : bq;
+}
+
 /* Keys [0, n) of a tile (kb, nk) that a query row at key-frame position
  * q_pos sees: all nk, or for a causal pair those up to its diagonal; 0 for
  * a row outside the block. Computed once per tile so the per-element test
@@ -266,7 +285,7 @@ static inline fa_dev_tensor fa_mma_part_view(float *slot, int64_t d) {
  * or a b16 pair packed by the hardware conversion (round to nearest even,
  * as fa_store). One element at a time, with fa_store's dtype test and
  * software rounding, the forward's epilogue took ~9300 cycles a team
- * (in-kernel timeline, bench/NOTES-gpu.md v2.37). Needs t's data 8-byte
+ * (in-kernel timeline). Needs t's data 8-byte
  * (f32) or 4-byte (b16) aligned and even strides (fa_gpu_mma_out_ok asks
  * more). */
 typedef struct fa_f2 {
@@ -364,29 +383,6 @@ static inline unsigned long long fa_mma_scan_rows(unsigned short *t, int P, int 
  * flag words. */
 #define FA_MMA_QUERY_SMEM(BK, PITCH) ((size_t)(4 * (BK) * (PITCH)) * 2 + 4 * sizeof(unsigned))
 
-/* Launch TEAM(D, BK, F16, args, block, h, g, smem) on one team per (query
- * block of args.BLOCKS, query head), THREADS threads (a constant: the
- * kernel's launch bound) and SMEM bytes of team memory. Needs `argp` (a
- * device copy of the call's arguments, staged with the plan so that its
- * copy rides on the launch: gpu_launch_copy.h; the kernels read their
- * arguments from device memory either way, firstprivate's copy costing the
- * runtime one more), `nteams` and `dev` in scope. FA_MMA_QUERY_TEAMS:
- * FA_MMA_THREADS. */
-#define FA_MMA_PRAGMA(x) _Pragma(#x)
-#define FA_MMA_QUERY_TEAMS_OF(TEAM, BLOCKS, D, BK, F16, SMEM, THREADS)                                          \
-  do {                                                                                                        \
-    const size_t smem = (SMEM);                                                                               \
-    FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(nteams) thread_limit(THREADS) ompx_dyn_cgroup_mem(smem) device(dev) is_device_ptr(argp)) \
-    {                                                                                                         \
-      const __typeof__(*argp) args = *argp;                                                                   \
-      unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
-      /* 32-bit: a 64-bit division is a subroutine call, which makes ptxas serialize wgmma */                 \
-      const int team = (int)ompx_block_id_x(), hq = (int)args.hq, h = team % hq;                              \
-      TEAM((D), (BK), (F16), args, args.BLOCKS[team / hq], h, h / (hq / (int)args.hkv), sm);                  \
-    }                                                                                                         \
-  } while (0)
-#define FA_MMA_QUERY_TEAMS(TEAM, BLOCKS, D, BK, F16, SMEM)                                                      \
-  FA_MMA_QUERY_TEAMS_OF(TEAM, BLOCKS, D, BK, F16, SMEM, FA_MMA_THREADS)
 
 /* L(D, F16) for the call's head_dim (64 or 128) and dtype: one kernel per
  * pair, so register arrays have fixed sizes and no dtype branch runs in the

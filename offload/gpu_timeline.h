@@ -46,7 +46,7 @@ enum {
   FA_TL_ISSUED_S = 15, /* forward: S's products issued (P V's follow) */
   FA_TL_MAX = 16,      /* forward: the tile's row maxima */
   FA_TL_EXP = 17,      /* forward: the tile's exponentials and sums */
-  FA_TL_RELEASED = 18, /* forward until v2.40: the previous tile's buffer released (old timelines) */
+  FA_TL_RELEASED = 18, /* no kernel records it; reserved so recorded timelines decode */
   FA_TL_COMPUTED = 19, /* dK/dV: P and dS formed in registers */
   FA_TL_STORED = 20    /* dK/dV: P and dS stored to team memory and fenced */
 };

@@ -13,8 +13,8 @@
  * Rows past the tensor's last row arrive as zeros; rows past a segment's
  * end inside the tensor arrive as they are (the caller masks or zeroes them).
  *
- * The wgmma forward loads its K and V tiles this way (gpu_mma_fwd_team.h),
- * the wgmma dK/dV its Q and dO tiles (gpu_mma_bwd_team.h); tests/test_tma.c
+ * The wgmma forward loads its K and V tiles this way (gpu_fwd_teams.h),
+ * the wgmma dK/dV its Q and dO tiles (gpu_bwd_teams.h); tests/test_tma.c
  * checks on the GPU that a copy lands bit for bit where fa_mma_load_rows
  * (cp.async) puts the same rows, and that a barrier serves consecutive
  * phases; tests/test_mma_emulated.c runs the forward and dK/dV with
@@ -55,7 +55,7 @@ int fa_gpu_tma_encode(fa_tma_map *map, const void *base, int f16, int64_t rows, 
  *  fa_mbar_try_wait   1 once the barrier's phase of this parity (0, 1, 0, ...)
  *                     completed;
  *  fa_mbar_arrive     this thread arrives (no transfer): a consumer's
- *                     release of a buffer (gpu_mma_fwd_team.h's two-warpgroup
+ *                     release of a buffer (gpu_fwd_teams.h's two-warpgroup
  *                     forward).
  * Bases: with FORKATTN_MMA_EMULATE (host tests) the copy happens at once,
  * from the map fa_tma_emulated_map wrote, into the wgmma layout the

@@ -195,7 +195,7 @@ static inline fa_smem fa_wg_opaque(fa_smem m) { return m; }
 /* The view of m from element off on, its address hidden as fa_wg_opaque
  * hides m's: a product group's descriptors are built from it once, with
  * each k-step's offset a constant added to them, and nothing of it can be
- * hoisted out of a loop (v2.30). */
+ * hoisted out of a loop. */
 static inline fa_smem fa_wg_opaque_at(fa_smem m, int off) {
   m.p += off, m.s += 2u * (uint32_t)off;
   return m;
@@ -435,7 +435,7 @@ static inline __attribute__((always_inline)) void fa_wg_mma(fa_f4 *c, int N, fa_
  * the sm_90a build), so no wgmma here takes A from registers that must
  * outlive it. Issued, not waited. Views: the team memory (fa_wg_opaque), or
  * each operand's own tile (fa_wg_opaque_at, offsets 0), which the
- * two-warpgroup dK/dV takes (v2.30). */
+ * two-warpgroup dK/dV takes. */
 static inline __attribute__((always_inline)) void fa_wg_acc_abt_v(fa_f4 *acc, fa_smem ma, int atile, fa_smem mb,
                                                                   int tile, int N, int R, int D, int f16) {
   fa_wg_pin(acc, N / 8);

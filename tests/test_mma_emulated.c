@@ -1,5 +1,5 @@
-/* The tensor-core kernels' team functions (offload/gpu_mma_fwd_team.h,
- * offload/gpu_mma_bwd_team.h) run on the host under the SIMT emulation of
+/* The tensor-core kernels' team functions (offload/gpu_fwd_teams.h,
+ * offload/gpu_bwd_teams.h) run on the host under the SIMT emulation of
  * offload/gpu_mma.h: each team is a 128-thread `omp parallel` region, every
  * warp-collective (ldmatrix, mma, shuffle, ballot) is computed from its
  * warp's operands as the PTX ISA defines it. That checks everything but the
@@ -28,8 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gpu_mma_bwd_team.h"
-#include "gpu_mma_fwd_team.h"
+#include "gpu_bwd_teams.h"
+#include "gpu_fwd_teams.h"
 #include "gpu_mma_kl_bwd_team.h"
 #include "gpu_mma_kl_team.h"
 #include "reference.h"
@@ -165,13 +165,13 @@ static void run_case(const char *name, const emu_case *c) {
   cr_assert(o_tma && lse_tma);
   /* the two-warpgroup forward: 128-row blocks, bulk copies only */
   fa_block *qb2;
-  const int64_t nqb2 = fa_plan_blocks(&plan, FA_WG2_ROWS, 0, &qb2);
+  const int64_t nqb2 = fa_plan_blocks(&plan, FA_WG_PAIR_ROWS, 0, &qb2);
   cr_assert(nqb2 > 0);
-  static unsigned short smem2[(FA_WG2_ROWS + 2 * FA_WG2_STAGES(128) * FA_WG2_BK) * 128 + 2048];
-  cr_assert_geq(sizeof smem2, FA_WG2_FWD_SMEM(d));
+  static unsigned short smem2[(FA_WG_PAIR_ROWS + 2 * FA_WG_PAIR_FWD_STAGES(128) * FA_WG_PAIR_BK) * 128 + 2048];
+  cr_assert_geq(sizeof smem2, FA_WG_PAIR_FWD_SMEM(d));
   fa_tma_map maps2[2]; /* its tiles are 128 keys */
-  fa_tma_emulated_map(&maps2[0], b.k, T, hkv, d, hkv * d, d, FA_WG2_BK);
-  fa_tma_emulated_map(&maps2[1], b.v, T, hkv, d, hkv * d, d, FA_WG2_BK);
+  fa_tma_emulated_map(&maps2[0], b.k, T, hkv, d, hkv * d, d, FA_WG_PAIR_BK);
+  fa_tma_emulated_map(&maps2[1], b.v, T, hkv, d, hkv * d, d, FA_WG_PAIR_BK);
   for (int pass = 3; pass >= 0; pass--) {
     const int wg = pass > 0;
     const char *kernel = pass == 3   ? "two-warpgroup wgmma forward"
@@ -182,8 +182,8 @@ static void run_case(const char *name, const emu_case *c) {
     for (int64_t i = 0; i < nq; i++) b.o[i] = 0x7fc1; /* poison: NaN in both dtypes */
     for (int64_t i = 0; i < T * hq; i++) b.lse[i] = NAN;
     if (pass == 3)
-      EMU_QUERY_TEAMS(FA_WG2_THREADS, nqb2, hq,
-                      fa_wg2_fwd_team((int)d, FA_WG2_BK, f16, ga, qb2[blk], h, h / group, smem2));
+      EMU_QUERY_TEAMS(FA_WG_PAIR_THREADS, nqb2, hq,
+                      fa_wg_pair_fwd_team((int)d, FA_WG_PAIR_BK, f16, ga, qb2[blk], h, h / group, smem2));
     else if (wg)
       EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, hq, fa_wg_fwd_team((int)d, FA_WG_BK, f16, ga, qb[blk], h, h / group, smem));
     else
@@ -242,8 +242,8 @@ static void run_case(const char *name, const emu_case *c) {
                    plan.k_pair_idx, qb, kb, units, unit_off, part_k, part_v, nqb, nkb, nunits, T,
                    plan.qshift, hq, hkv, d, FA_MMA_ROWS, (float)scale, {0}, 0, 0, NULL, NULL, 0, 0, NULL, 0};
   double edq = 0;
-  static unsigned short smem_dq2[(2 * FA_WG2_ROWS + 2 * FA_WG2_DQ_STAGES(128) * FA_WG2_BK) * 128 + 2048];
-  cr_assert_geq(sizeof smem_dq2, FA_WG2_DQ_SMEM(d));
+  static unsigned short smem_dq2[(2 * FA_WG_PAIR_ROWS + 2 * FA_WG_PAIR_DQ_STAGES(128) * FA_WG_PAIR_BK) * 128 + 2048];
+  cr_assert_geq(sizeof smem_dq2, FA_WG_PAIR_DQ_SMEM(d));
   gb.kv_tma = maps2; /* K's and V's 128-key tiles (the two-warpgroup forward's maps) */
   /* the two-warpgroup dQ (128-row blocks), the wgmma dQ, then the mma.sync one (its D feeds dK/dV);
    * each again with D given (dsum_ready, as when some blocks take D from the inputs): with O
@@ -263,8 +263,8 @@ static void run_case(const char *name, const emu_case *c) {
     }
     for (int64_t i = 0; i < nq; i++) b.dq[i] = 0x7fc1;
     if (pass == 2)
-      EMU_QUERY_TEAMS(FA_WG2_THREADS, nqb2, hq,
-                      fa_wg2_dq_team((int)d, FA_WG2_BK, f16, gb, qb2[blk], h, h / group, smem_dq2));
+      EMU_QUERY_TEAMS(FA_WG_PAIR_THREADS, nqb2, hq,
+                      fa_wg_pair_dq_team((int)d, FA_WG_PAIR_BK, f16, gb, qb2[blk], h, h / group, smem_dq2));
     else if (wg)
       EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, hq,
                       fa_wg_dq_team((int)d, FA_WG_DQ_BK, f16, gb, qb[blk], h, h / group, smem));
@@ -302,8 +302,8 @@ static void run_case(const char *name, const emu_case *c) {
   fa_tma_map qmaps[2], qmaps_qm[2];
   fa_tma_emulated_map(&qmaps[0], b.q, T, hq, d, hq * d, d, FA_WG_DKV_BQ(d));
   fa_tma_emulated_map(&qmaps[1], b.dout, T, hq, d, hq * d, d, FA_WG_DKV_BQ(d));
-  fa_tma_emulated_map(&qmaps_qm[0], b.q, T, hq, d, hq * d, d, FA_WG_DKV_QM_BQ);
-  fa_tma_emulated_map(&qmaps_qm[1], b.dout, T, hq, d, hq * d, d, FA_WG_DKV_QM_BQ);
+  fa_tma_emulated_map(&qmaps_qm[0], b.q, T, hq, d, hq * d, d, FA_DKV_QUERY_MAJOR_BQ);
+  fa_tma_emulated_map(&qmaps_qm[1], b.dout, T, hq, d, hq * d, d, FA_DKV_QUERY_MAJOR_BQ);
   static unsigned short smem_qm[(6 * 64 * 128 + 64 * 64 + 1024) + 2048];
   cr_assert_geq(sizeof smem_qm, FA_WG_DKV_QM_SMEM(d));
   uint16_t *dk_tma = malloc(sizeof(uint16_t) * (size_t)nk), *dv_tma = malloc(sizeof(uint16_t) * (size_t)nk);
@@ -316,13 +316,13 @@ static void run_case(const char *name, const emu_case *c) {
   float *part_k2 = NULL, *part_v2 = NULL;
   static unsigned short smem_dkv2[(4 * 64 * 128 + 4 * 64 * 64 + 6 * 64 * 128) + 2048];
   if (d == 128) {
-    cr_assert_geq(sizeof smem_dkv2, FA_WG2_DKV_SMEM(d));
-    nkb2 = fa_plan_blocks(&plan, FA_WG2_ROWS, 1, &kb2);
+    cr_assert_geq(sizeof smem_dkv2, FA_WG_PAIR_DKV_SMEM(d));
+    nkb2 = fa_plan_blocks(&plan, FA_WG_PAIR_ROWS, 1, &kb2);
     nunits2 = fa_plan_key_units(&plan, kb2, nkb2, 64, &units2, &unit_off2);
     cr_assert(nkb2 > 0 && nunits2 >= nkb2);
     if (nunits2 > nkb2) {
-      part_k2 = malloc(sizeof(float) * (size_t)(nunits2 * hkv * FA_WG2_ROWS * d));
-      part_v2 = malloc(sizeof(float) * (size_t)(nunits2 * hkv * FA_WG2_ROWS * d));
+      part_k2 = malloc(sizeof(float) * (size_t)(nunits2 * hkv * FA_WG_PAIR_ROWS * d));
+      part_v2 = malloc(sizeof(float) * (size_t)(nunits2 * hkv * FA_WG_PAIR_ROWS * d));
     }
   }
   /* passes 5: the two-warpgroup query-major dK/dV (d = 128); 4, 3: the query-major wgmma dK/dV with and
@@ -339,12 +339,12 @@ static void run_case(const char *name, const emu_case *c) {
     gk.tma = bulk || wg2 ? (qm ? qmaps_qm : qmaps) : NULL;
     if (wg2) {
       gk.kblocks = kb2, gk.units = units2, gk.unit_off = unit_off2, gk.part_k = part_k2, gk.part_v = part_v2;
-      gk.nkb = nkb2, gk.nunits = nunits2, gk.krows = FA_WG2_ROWS, gk.dkv_wg2 = 1;
+      gk.nkb = nkb2, gk.nunits = nunits2, gk.krows = FA_WG_PAIR_ROWS, gk.dkv_wg2 = 1;
     }
     for (int64_t i = 0; i < nk; i++) b.dk[i] = b.dv[i] = 0x7fc1;
     for (int64_t u = 0; u < gk.nunits; u++) /* head_dim 128: V in team memory */
       for (int64_t g = 0; g < hkv; g++) {
-        if (wg2) EMU_TEAM_OF(FA_WG2_THREADS, fa_wg2_dkv_qm_team((int)d, f16, gk, u, g, smem_dkv2));
+        if (wg2) EMU_TEAM_OF(FA_WG_PAIR_THREADS, fa_wg_pair_dkv_query_major_team((int)d, f16, gk, u, g, smem_dkv2));
         else if (qm) EMU_TEAM(fa_wg_dkv_qm_team((int)d, f16, gk, u, g, smem_qm));
         else if (wg) EMU_TEAM(fa_wg_dkv_team((int)d, f16, gk, u, g, smem));
         else EMU_TEAM(fa_mma_dkv_team((int)d, f16, gk, u, g, smem));

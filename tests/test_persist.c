@@ -1,5 +1,5 @@
 /* The two-warpgroup forward and dQ as persistent teams (one an SM, items
- * from a counter: gpu_wg2.h, gpu_persist.h) give bitwise the outputs of a
+ * from a counter: gpu_tile_ring.h, gpu_persist.h) give bitwise the outputs of a
  * team an item, on layouts of several items an SM, alternating so that each
  * call's counter is the one the previous call left in the pool block; once
  * with a team an SM and once with three teams for the whole launch. The

@@ -1,146 +1,62 @@
-/* The tensor-core forward's team function (one query block x one query
- * head), in a header so the host tests can run it under the SIMT emulation
- * of gpu_mma.h (tests/test_mma_emulated.c). Launched by gpu_mma_fwd.c. */
-#ifndef FORKATTN_GPU_MMA_FWD_TEAM_H
-#define FORKATTN_GPU_MMA_FWD_TEAM_H
+/* The forward's team functions (one query block x one query head), in a
+ * header so the host tests can run them under the SIMT emulation of
+ * gpu_mma.h (tests/test_mma_emulated.c); launched by gpu_mma_fwd.c. Each
+ * composes K/V loads, S = Q K^T, the online-softmax step of
+ * gpu_softmax_step.h, O += P V and the epilogue of gpu_epilogue.h:
+ *   fa_mma_fwd_team  mma.sync, 64 rows, K/V double-buffered by cp.async
+ *   fa_wg_fwd_team   the same walk with wgmma products (one warpgroup)
+ *   fa_wg_pair_fwd_team  two warpgroups, 128 rows, 128-key tiles through the
+ *                    ring of gpu_tile_ring.h (bulk tensor copies) */
+#ifndef FORKATTN_GPU_FWD_TEAMS_H
+#define FORKATTN_GPU_FWD_TEAMS_H
 #include <math.h>
 #include <stdint.h>
 
 #include "dtype_convert.h"
+#include "gpu_epilogue.h"
 #include "gpu_fwd.h"
 #include "gpu_mma.h"
 #include "gpu_mma_tiles.h"
+#include "gpu_products.h"
+#include "gpu_softmax_step.h"
+#include "gpu_tile_ring.h"
 #include "gpu_timeline.h"
 #include "gpu_tma.h"
-#include "gpu_wg2.h"
 #include "gpu_wgmma.h"
+#include "gpu_work_scheduler.h"
 
 #pragma omp declare target
-/* s (16 rows x BK keys of one warp) = Q K^T: Q's A fragments qf, K the
- * tile at element kt of team memory, [BK][P] rows through ldmatrix. */
-static inline __attribute__((always_inline)) void fa_mma_qk(fa_f4 *s, const fa_u4 *qf, fa_smem sm, int kt, int P,
-                                                            int BK, int D, int f16, int lane) {
-#pragma unroll
-  for (int n = 0; n < BK / 8; n++) s[n] = fa_f4_zero();
-  fa_mma_acc_abt(s, qf, sm, kt, P, BK, D, f16, lane);
-}
 
-/* The maximum of this lane's BK / 4 scores of one of its two rows (hi: the
- * row 8 down, elements z, w) as a pairwise tree: log2(BK / 4) dependent
- * steps instead of BK / 4, the row maxima being on the softmax's latency
- * path (bench/NOTES-gpu.md, v2.31). fmaxf is exact and skips NaN, so the
- * order does not change the result. BK / 8: a power of two, at most 16. */
-static inline __attribute__((always_inline)) float fa_fwd_lane_max(const fa_f4 *s, int BK, int hi) {
-  float t[FA_WG2_BK / 8];
-#pragma unroll
-  for (int n = 0; n < BK / 8; n++) t[n] = hi ? fmaxf(s[n].z, s[n].w) : fmaxf(s[n].x, s[n].y);
-#pragma unroll
-  for (int w = BK / 16; w > 0; w /= 2)
-#pragma unroll
-    for (int i = 0; i < w; i++) t[i] = fmaxf(t[i], t[i + w]);
-  return t[0];
-}
 
-/* Tile j's raw scores s (this warp's 16 rows x BK keys) masked to the keys
- * each row sees (lim0, lim1: fa_mma_row_keys), and this lane's share of the
- * row maxima folded into mx0, mx1. unmasked: every row of the warp sees
- * every key (warp-uniform), so the masks are skipped. vlo, vhi: the tile's
- * non-finite V rows 0-63 and 64-127 (fa_mma_scan_rows_by, zeroed there); a
- * row that sees one is marked bad. Raw scores: the scale (> 0, validated)
- * is applied in the exponent's fma, so it commutes with the max. */
-static inline __attribute__((always_inline)) void fa_fwd_tile_max(fa_f4 *s, int BK, int unmasked, int c0, int lim0,
-                                                                   int lim1, unsigned long long vlo,
-                                                                   unsigned long long vhi, float *mx0, float *mx1,
-                                                                   int *bad0, int *bad1) {
-  if (unmasked) {
-    *mx0 = fmaxf(*mx0, fa_fwd_lane_max(s, BK, 0));
-    *mx1 = fmaxf(*mx1, fa_fwd_lane_max(s, BK, 1));
-    if (vlo | vhi) *bad0 = *bad1 = 1; /* every row of the warp sees the tile's non-finite V row */
-    return;
-  }
-  /* keys relative to the lane's first column: the comparisons and bit tests
-   * below take constants, so no per-key value is kept live across the walk */
-  const int e0 = lim0 - c0, e1 = lim1 - c0;
-#pragma unroll
-  for (int n = 0; n < BK / 8; n++) {
-    s[n].x = fa_mma_mask(s[n].x, n * 8, e0), s[n].y = fa_mma_mask(s[n].y, n * 8 + 1, e0);
-    s[n].z = fa_mma_mask(s[n].z, n * 8, e1), s[n].w = fa_mma_mask(s[n].w, n * 8 + 1, e1);
-  }
-  *mx0 = fmaxf(*mx0, fa_fwd_lane_max(s, BK, 0));
-  *mx1 = fmaxf(*mx1, fa_fwd_lane_max(s, BK, 1));
-  if (vlo | vhi) {
-    const unsigned long long v0 = vlo >> c0, v1 = vhi >> c0;
-#pragma unroll
-    for (int n = 0; n < BK / 8; n++) {
-      const unsigned long long v = n < 8 ? v0 : v1; /* n is a constant after unrolling */
-      const int key = (n % 8) * 8;
-      *bad0 |= (s[n].x != -INFINITY && (v >> key & 1u)) || (s[n].y != -INFINITY && (v >> (key + 1) & 1u));
-      *bad1 |= (s[n].z != -INFINITY && (v >> key & 1u)) || (s[n].w != -INFINITY && (v >> (key + 1) & 1u));
+
+
+
+
+
+/* The one-warpgroup forward's copies in iteration j: K of tile j + 2 (walk
+ * w2) into the buffer at element kt, V of tile j + 1 (w1) to element vt,
+ * one copy group committed. With tensor maps (tma: K's, V's) full tiles
+ * come by bulk tensor copies that thread 0 issues on the mbarrier at mbar
+ * (one phase of it each call); a V tile with fewer
+ * keys than BK still comes by cp.async, zero-filled past its keys (0 * NaN
+ * in P V). K rows past a tile's keys are masked, so any value does. */
+static inline __attribute__((always_inline)) void fa_fwd_load_next(fa_smem sm, int kt, int vt, int P, int BK, int D,
+                                                                   const fa_gpu_fwd_args *ga, int64_t g,
+                                                                   const fa_tma_map *tma, int mbar, fa_tile_walk w1,
+                                                                   fa_tile_walk w2, int tid) {
+  if (tma) {
+    const int k_bulk = w2.pi < w2.pend, v_bulk = w1.pi < w1.pend && fa_walk_keys(w1, BK) == BK;
+    if (tid == 0) {
+      fa_mbar_expect_tx(sm, mbar, (k_bulk + v_bulk) * BK * D * 2); /* 0 bytes: completes at once */
+      if (k_bulk) fa_tma_tile(sm, kt, tma, (int)g, w2.kb, BK, D, mbar);
+      if (v_bulk) fa_tma_tile(sm, vt, tma + 1, (int)g, w1.kb, BK, D, mbar);
     }
+    if (w1.pi < w1.pend && !v_bulk) fa_mma_load_rows(sm, vt, P, BK, D, ga->v, w1.kb, fa_walk_keys(w1, BK), g, tid);
+  } else {
+    if (w2.pi < w2.pend) fa_mma_load_rows(sm, kt, P, BK, D, ga->k, w2.kb, fa_walk_keys(w2, BK), g, tid);
+    if (w1.pi < w1.pend) fa_mma_load_rows(sm, vt, P, BK, D, ga->v, w1.kb, fa_walk_keys(w1, BK), g, tid);
   }
-}
-
-/* The online-softmax step of a tile after fa_fwd_tile_max: the row maxima
- * reduced over the quad, the running maxima m (log2 units) and sums l
- * moved to them, s turned into P = exp2(s * mul - m), and O's rescale
- * factors returned in a0, a1 (1 where a row's maximum did not move). */
-static inline __attribute__((always_inline)) void fa_fwd_tile_exp(fa_f4 *s, int BK, float mx0, float mx1, float mul,
-                                                                   float *m0, float *m1, float *l0, float *l1,
-                                                                   float *a0, float *a1) {
-  mx0 = fmaxf(mx0, fa_mma_shfl_xor(mx0, 1));
-  mx0 = fmaxf(mx0, fa_mma_shfl_xor(mx0, 2));
-  mx1 = fmaxf(mx1, fa_mma_shfl_xor(mx1, 1));
-  mx1 = fmaxf(mx1, fa_mma_shfl_xor(mx1, 2));
-  const float n0 = fmaxf(*m0, mx0 * mul), n1 = fmaxf(*m1, mx1 * mul); /* log2 units */
-  const float u0 = n0 == -INFINITY ? 0.0f : n0, u1 = n1 == -INFINITY ? 0.0f : n1; /* empty so far */
-  *a0 = fa_mma_exp2(*m0 - u0), *a1 = fa_mma_exp2(*m1 - u1);
-  float r0 = *l0 * *a0, r1 = *l1 * *a1;
-#pragma unroll
-  for (int n = 0; n < BK / 8; n++) { /* a masked -inf stays -inf: exp2 gives 0 */
-    s[n].x = fa_mma_exp2(fmaf(s[n].x, mul, -u0)), s[n].y = fa_mma_exp2(fmaf(s[n].y, mul, -u0));
-    s[n].z = fa_mma_exp2(fmaf(s[n].z, mul, -u1)), s[n].w = fa_mma_exp2(fmaf(s[n].w, mul, -u1));
-    r0 += s[n].x + s[n].y;
-    r1 += s[n].z + s[n].w;
-  }
-  *l0 = r0, *l1 = r1, *m0 = n0, *m1 = n1;
-}
-
-/* O *= a per row, skipped warp-uniformly when no row maximum of the warp moved (most tiles, once they settle). */
-static inline __attribute__((always_inline)) void fa_fwd_rescale(fa_f4 *o, int D, float a0, float a1) {
-  if (fa_mma_ballot(a0 != 1.0f || a1 != 1.0f))
-#pragma unroll
-    for (int n = 0; n < D / 8; n++) o[n].x *= a0, o[n].y *= a0, o[n].z *= a1, o[n].w *= a1;
-}
-
-/* The end of a lane's two rows (row0, row0 + 8): their sums over the quad,
- * lse written (by the lanes of column 0), and O's factors: 1 / l (0 for an
- * empty row) in i[0], i[1], the flags OR-ed over the quad in bad[0], bad[1]. */
-static inline __attribute__((always_inline)) void fa_fwd_finish_rows(const fa_gpu_fwd_args ga, int64_t row0,
-                                                                      int64_t h, int c0, int lane, int ok0, int ok1,
-                                                                      float m0, float m1, float l0, float l1,
-                                                                      float i[2], int bad[2]) {
-  l0 += fa_mma_shfl_xor(l0, 1);
-  l0 += fa_mma_shfl_xor(l0, 2);
-  l1 += fa_mma_shfl_xor(l1, 1);
-  l1 += fa_mma_shfl_xor(l1, 2);
-  bad[0] = fa_mma_quad_any(bad[0], lane), bad[1] = fa_mma_quad_any(bad[1], lane);
-  i[0] = l0 > 0.0f ? fa_mma_rcp(l0) : 0.0f, i[1] = l1 > 0.0f ? fa_mma_rcp(l1) : 0.0f;
-  if (ga.lse && c0 == 0) {
-    if (ok0) ga.lse[row0 * ga.hq + h] = l0 > 0.0f ? (m0 + log2f(l0)) * FA_LN2 : -INFINITY;
-    if (ok1) ga.lse[(row0 + 8) * ga.hq + h] = l1 > 0.0f ? (m1 + log2f(l1)) * FA_LN2 : -INFINITY;
-  }
-}
-
-/* A warp's output rows row0 and row0 + 8 (ok0, ok1: inside the block):
- * O / l (NaN where bad) and lse = (m + log2 l) ln 2. */
-static inline __attribute__((always_inline)) void fa_fwd_finish(const fa_gpu_fwd_args ga, const fa_f4 *o, int D,
-                                                                 int64_t row0, int64_t h, int c0, int lane, int ok0,
-                                                                 int ok1, float m0, float m1, float l0, float l1,
-                                                                 int bad0, int bad1) {
-  float i[2];
-  int bad[2] = {bad0, bad1};
-  fa_fwd_finish_rows(ga, row0, h, c0, lane, ok0, ok1, m0, m1, l0, l1, i, bad);
-  fa_mma_store_rows(ga.o, row0, h, o, D, c0, ok0, ok1, i[0], i[1], bad[0], bad[1]);
+  fa_cp_async_commit();
 }
 
 /* One team: FA_MMA_ROWS query rows of block blk, query head h, KV head g.
@@ -230,34 +146,21 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
     ompx_sync_block_acq_rel(); /* ... visible, and iteration j - 1's reads of K(j), V(j-1) done */
     const int kt = cur ? buf1 : buf0, kn = cur ? buf0 : buf1, vt = kt + BK * P;
     const fa_tile_walk w2 = fa_walk_next(w1, BK, seg, pair, blk, qshift);
-    if (tma) { /* K rows past a tile's keys are masked (any value), V's must be zeros */
-      const int k_bulk = w2.pi < w2.pend, v_bulk = w1.pi < w1.pend && fa_walk_keys(w1, BK) == BK;
-      if (tid == 0) {
-        fa_mbar_expect_tx(sm, mbar, (k_bulk + v_bulk) * BK * D * 2); /* 0 bytes: completes at once */
-        if (k_bulk) fa_tma_tile(sm, kt, tma, (int)g, w2.kb, BK, D, mbar);
-        if (v_bulk) fa_tma_tile(sm, kn + BK * P, tma + 1, (int)g, w1.kb, BK, D, mbar);
-      }
-      if (w1.pi < w1.pend && !v_bulk)
-        fa_mma_load_rows(sm, kn + BK * P, P, BK, D, ga.v, w1.kb, fa_walk_keys(w1, BK), g, tid);
-      phase++;
-    } else {
-      if (w2.pi < w2.pend) fa_mma_load_rows(sm, kt, P, BK, D, ga.k, w2.kb, fa_walk_keys(w2, BK), g, tid);
-      if (w1.pi < w1.pend) fa_mma_load_rows(sm, kn + BK * P, P, BK, D, ga.v, w1.kb, fa_walk_keys(w1, BK), g, tid);
-    }
-    fa_cp_async_commit();
+    fa_fwd_load_next(sm, kt, kn + BK * P, P, BK, D, &ga, g, tma, mbar, w1, w2, tid);
+    if (tma) phase++;
     const int nk = fa_walk_keys(w, BK);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
     const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
     /* Only a causal tile crossing the team's first diagonal hides keys from
      * some rows; there 0 * NaN in P V would leak a non-finite V row into rows
      * that cannot see it, so its non-finite V rows are flagged and zeroed. */
-    const int masked = w.causal && w.kb + BK - 1 > qfirst;
+    const int masked = fa_tile_hides_keys(w, BK, qfirst);
     unsigned long long vflags = 0; /* bit j: V row j of the tile was non-finite */
     if (masked) vflags = fa_mma_scan_rows(smem + vt, P, BK, D, f16, vbad, tid);
 
     float mx0 = -INFINITY, mx1 = -INFINITY;
-    fa_fwd_tile_max(s, BK, nk == BK && (!w.causal || w.kb + BK - 1 <= qfirst + warp * 16), c0, lim0, lim1, vflags,
-                    0, &mx0, &mx1, &bad0, &bad1);
+    fa_fwd_tile_max(s, BK, fa_tile_all_visible(w, nk, BK, qfirst + warp * 16), c0, lim0, lim1, vflags, 0, &mx0, &mx1,
+                    &bad0, &bad1);
     /* S of tile j + 1 (after the last tile: tile j's K again, discarded, so
      * no branch splits this block from the softmax it overlaps). wgmma:
      * issued here, waited with P V below. */
@@ -308,13 +211,13 @@ static inline __attribute__((always_inline)) void fa_wg_fwd_team(const int D, co
 }
 
 /* The two-warpgroup wgmma forward (sm_90a, bulk tensor copies required).
- * One team of FA_WG2_THREADS: FA_WG2_ROWS query rows of block blk,
+ * One team of FA_WG_PAIR_THREADS: FA_WG_PAIR_ROWS query rows of block blk,
  * warpgroup wg owning rows [64 wg, 64 wg + 64) with its own Q tile; the
  * two share every K/V tile, so each tile is copied once for 128 rows, and
- * tiles are FA_WG2_BK keys: twice the one-warpgroup kernel's, halving the
+ * tiles are FA_WG_PAIR_BK keys: twice the one-warpgroup kernel's, halving the
  * per-tile work (waits, walk, reductions, release) per key.
  *
- * Tiles stream through S = FA_WG2_STAGES(D) buffers (K then V of one tile
+ * Tiles stream through S = FA_WG_PAIR_FWD_STAGES(D) buffers (K then V of one tile
  * each), tile t in buffer t % S, arriving on that buffer's mbarrier `full`.
  * In iteration j a warpgroup releases tile j - 2's buffer (the second
  * warpgroup to release it, by a counter in team memory, issues tile
@@ -322,14 +225,12 @@ static inline __attribute__((always_inline)) void fa_wg_fwd_team(const int D, co
  * warpgroup to let a copy start), issues S(j) = Q K(j)^T and
  * O += P(j-1) V(j-1) together, waits for S(j), runs tile j's softmax while
  * P V runs, then waits for P V and rescales O. No product group is left pending across
- * the loop's back-edge (v2.16), and iteration 0 multiplies P(-1) = 0 by
+ * the loop's back-edge, and iteration 0 multiplies P(-1) = 0 by
  * zeros (buffer S - 1's V, "tile -1", released like any tile): a product
  * or a wait under a branch makes ptxas serialize every wgmma of the kernel
  * (C7518). FlashAttention-3's ping-pong (the warpgroups taking turns to
- * issue their products, by named barriers) was measured and removed: here
- * the softmax outlasts the other warpgroup's products, and the turns only
- * added waits (case 2 forward 2821 vs 2754 us, bench/logs/gpu_ab_wg2_bk128_h200.txt;
- * the code is in 78a9333).
+ * issue their products, by named barriers) does not pay here: the softmax
+ * outlasts the other warpgroup's products, and the turns only add waits.
  *
  * A tile that hides keys from some of the team's rows (causal, crossing the
  * team's first diagonal) or holds fewer than BK keys (the copy brings the
@@ -339,26 +240,27 @@ static inline __attribute__((always_inline)) void fa_wg_fwd_team(const int D, co
  * so 0 * NaN cannot reach a row that does not see them. K rows past a
  * tile's keys are masked. */
 /* Buffers: as many as fit beside the Q tiles in the H100/H200's 227 KB of team memory. */
-#define FA_WG2_STAGES(D) ((D) == 128 ? 3 : 5)
-/* Team memory: two 64-row Q tiles, the ring (gpu_wg2.h), room to align the tiles. */
-#define FA_WG2_FWD_SMEM(D)                                                                                         \
-  ((size_t)(FA_WG2_ROWS + 2 * FA_WG2_STAGES(D) * FA_WG2_BK) * (D) * 2 + FA_WG2_RING_BYTES(FA_WG2_STAGES(D)) +        \
+#define FA_WG_PAIR_FWD_STAGES(D) ((D) == 128 ? 3 : 5)
+/* Team memory: two 64-row Q tiles, the ring (gpu_tile_ring.h), room to align the tiles. */
+#define FA_WG_PAIR_FWD_SMEM(D)                                                                                         \
+  ((size_t)(FA_WG_PAIR_ROWS + 2 * FA_WG_PAIR_FWD_STAGES(D) * FA_WG_PAIR_BK) * (D) * 2 +                         \
+   FA_TILE_RING_BYTES(FA_WG_PAIR_FWD_STAGES(D)) +                                                               \
    FA_WG_BLOCK_BYTES)
 
 /* The forward team's ring in its (aligned) team memory. */
-static inline fa_wg2_ring fa_wg2_fwd_ring(const int D, const int BK, unsigned short *smem) {
-  return fa_wg2_ring_at(smem, FA_WG2_ROWS * D, 2 * BK * D, FA_WG2_STAGES(D));
+static inline fa_tile_ring fa_wg_pair_fwd_ring(const int D, const int BK, unsigned short *smem) {
+  return fa_tile_ring_at(smem, FA_WG_PAIR_ROWS * D, 2 * BK * D, FA_WG_PAIR_FWD_STAGES(D));
 }
 
-static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, const int BK, const int f16,
-                                                                   const fa_gpu_fwd_args ga, fa_block blk,
-                                                                   int64_t h, int64_t g, unsigned short *smem) {
-  const int S = FA_WG2_STAGES(D);
+static inline __attribute__((always_inline)) void fa_wg_pair_fwd_team(const int D, const int BK, const int f16,
+                                                                      const fa_gpu_fwd_args ga, fa_block blk,
+                                                                      int64_t h, int64_t g, unsigned short *smem) {
+  const int S = FA_WG_PAIR_FWD_STAGES(D);
   const int tid = ompx_thread_id_x(), wg = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
   smem += fa_wg_align(fa_smem_of(smem));
   const fa_smem sm = fa_smem_of(smem);
   const int qt = wg * FA_MMA_ROWS * D; /* element offset of this warpgroup's Q tile; the ring follows both */
-  const fa_wg2_ring rg = fa_wg2_fwd_ring(D, BK, smem);
+  const fa_tile_ring rg = fa_wg_pair_fwd_ring(D, BK, smem);
   const fa_tma_map *tma = ga.tma;
   const fa_range *seg = ga.seg;
   const fa_pair *pair = ga.pair;
@@ -375,17 +277,17 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
   fa_tile_walk w = fa_walk_first(ga.qoff, seg, pair, blk, qshift);
   /* tiles 0 .. S - 2 (buffer S - 1 holds "tile -1"); wl: thread 0 of each warpgroup's next tile to copy
    * (tile j - 1 + S in iteration j) */
-  fa_tile_walk wl = fa_wg2_ring_start(sm, rg, S - 1, tma, g, w, BK, D, seg, pair, blk, qshift);
-  const int zt = fa_wg2_buf(rg, S - 1) + BK * D; /* V of buffer S - 1: zeros, "tile -1" */
+  fa_tile_walk wl = fa_tile_ring_start(sm, rg, S - 1, tma, g, w, BK, D, seg, pair, blk, qshift);
+  const int zt = fa_tile_ring_buf(rg, S - 1) + BK * D; /* V of buffer S - 1: zeros, "tile -1" */
   const fa_u4 z4 = {0, 0, 0, 0};
-  for (int e = tid * 8; e < BK * D; e += FA_WG2_THREADS * 8) fa_store_u4(smem + zt + e, z4);
+  for (int e = tid * 8; e < BK * D; e += FA_WG_PAIR_THREADS * 8) fa_store_u4(smem + zt + e, z4);
   fa_cp_async_wait(0);
   fa_fence_proxy_async(); /* Q and the zeros for the tensor cores' reads */
   ompx_sync_block_acq_rel();
   FA_TL(FA_TL_READY);
 
-  fa_f4 s[FA_WG2_BK / 8], o[FA_MMA_MAX_D / 8];
-  fa_u4 pa[FA_WG2_BK / 16]; /* P(j - 1), packed */
+  fa_f4 s[FA_WG_PAIR_BK / 8], o[FA_MMA_MAX_D / 8];
+  fa_u4 pa[FA_WG_PAIR_BK / 16]; /* P(j - 1), packed */
 #pragma unroll
   for (int n = 0; n < D / 8; n++) o[n] = fa_f4_zero();
 #pragma unroll
@@ -399,7 +301,7 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
   int j = 0, b = 0, bp = S - 1, bpp = S - 1; /* tile j's buffer, tile j - 1's, tile j - 2's */
 
   while (w.pi < w.pend) {
-    const int kt = fa_wg2_buf(rg, b);
+    const int kt = fa_tile_ring_buf(rg, b);
     FA_TL(FA_TL_TILE);
     fa_mbar_wait(sm, rg.full + 4 * b, (j / S) & 1);
     FA_TL(FA_TL_ARRIVED);
@@ -407,17 +309,17 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
      * say so copies tile j - 2 + S into it. Here warp 0's release work (~500 cycles, which the other warps
      * waited for at the products' issue when it followed P V's wait) falls in the time the products wait
      * for the other warpgroup's anyway (in-kernel timeline) */
-    if (wt == 0 && j > 0) wl = fa_wg2_release(sm, rg, bpp, tma, g, wl, BK, D, seg, pair, blk, qshift);
+    if (wt == 0 && j > 0) wl = fa_tile_ring_release(sm, rg, bpp, tma, g, wl, BK, D, seg, pair, blk, qshift);
     const int nk = fa_walk_keys(w, BK);
     unsigned long long vf[2] = {0, 0}; /* bit r: V row r (64 + r) of tile j was non-finite (zeroed) */
-    if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst)) fa_wg2_scan(smem + kt + BK * D, BK, D, f16, rg, tid, vf);
+    if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst)) fa_tile_ring_scan(smem + kt + BK * D, BK, D, f16, rg, tid, vf);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
     const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
 
     fa_wg_acc_abt(s, qt, sm, kt, BK, D, f16);
     fa_wg_commit();
     FA_TL(FA_TL_ISSUED_S);
-    fa_wg_acc_ab(o, pa, sm, fa_wg2_buf(rg, bp) + BK * D, BK, BK, D, f16);
+    fa_wg_acc_ab(o, pa, sm, fa_tile_ring_buf(rg, bp) + BK * D, BK, BK, D, f16);
     fa_wg_commit();
     FA_TL(FA_TL_ISSUED);
     fa_wg_wait(1); /* S(j); P(j-1) V(j-1) runs on under the softmax */
@@ -444,7 +346,7 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
     FA_TL(FA_TL_NEXT);
   }
   /* P V of the last tile (no tile: P(-1) = 0 times the zeros) */
-  fa_wg_acc_ab(o, pa, sm, fa_wg2_buf(rg, bp) + BK * D, BK, BK, D, f16);
+  fa_wg_acc_ab(o, pa, sm, fa_tile_ring_buf(rg, bp) + BK * D, BK, BK, D, f16);
   fa_wg_commit();
   fa_wg_wait(0);
   fa_wg_pin(o, D / 8);
@@ -459,5 +361,10 @@ static inline __attribute__((always_inline)) void fa_wg2_fwd_team(const int D, c
   FA_TL(FA_TL_END);
 }
 #pragma omp end declare target
+
+/* The names the launcher (gpu_mma_fwd.c) uses. */
+#define FA_WG2_FWD_SMEM FA_WG_PAIR_FWD_SMEM
+#define fa_wg2_fwd_ring fa_wg_pair_fwd_ring
+#define fa_wg2_fwd_team fa_wg_pair_fwd_team
 
 #endif

@@ -1,0 +1,307 @@
+/* The dQ team functions (one query block x one query head), in a header so
+ * the host tests can run them under the SIMT emulation of gpu_mma.h
+ * (tests/test_mma_emulated.c); launched by gpu_mma_bwd.c. Each composes
+ * the K/V loads (gpu_mma_tiles.h, or the tile ring of gpu_tile_ring.h),
+ * S and dP products, the gradient steps of gpu_grad_step.h, dQ += dS K and
+ * a store (gpu_epilogue.h):
+ *   fa_mma_dq_team  mma.sync, 64 rows, K/V double-buffered by cp.async
+ *   fa_wg_dq_team   the same walk with wgmma products (one warpgroup)
+ *   fa_wg_pair_dq_team  two warpgroups, 128 rows, 128-key tiles by bulk copies */
+#ifndef FORKATTN_GPU_DQ_TEAMS_H
+#define FORKATTN_GPU_DQ_TEAMS_H
+#include <math.h>
+#include <stdint.h>
+
+#include "dtype_convert.h"
+#include "gpu_bwd.h"
+#include "gpu_epilogue.h"
+#include "gpu_grad_step.h"
+#include "gpu_mma.h"
+#include "gpu_mma_tiles.h"
+#include "gpu_products.h"
+#include "gpu_tile_ring.h"
+#include "gpu_timeline.h"
+#include "gpu_tma.h"
+#include "gpu_wgmma.h"
+#include "gpu_work_scheduler.h"
+
+#define FA_WG_DQ_BK 64 /* keys per tile of the wgmma dQ (S and dP m64n64 products) */
+#define FA_WG_DQ_KP 32 /* keys a part of the wgmma dQ's dS K (fa_dq_team) */
+
+#pragma omp declare target
+/* One dQ team: FA_MMA_ROWS query rows of block blk, query head h, KV head g.
+ * WG: S, dP and dQ += dS K by wgmma (gpu_wgmma.h; pitch P = D selects its
+ * tile layout in the loads and the scan), else mma.sync. */
+static inline __attribute__((always_inline)) void fa_dq_team(const int D, const int BK, const int f16, const int WG,
+                                                              const fa_gpu_bwd b, fa_block blk, int64_t h, int64_t g,
+                                                              unsigned short *smem) {
+  const int P = WG ? D : D + 8;
+  const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
+  if (WG) smem += fa_wg_align(fa_smem_of(smem)); /* swizzled tiles start 1024-byte aligned */
+  const fa_smem sm = fa_smem_of(smem);
+  /* element offsets; each: K [BK][P], V [BK][P]. WG keeps Q's and dO's tiles in front of them. */
+  const int buf0 = WG ? 2 * FA_MMA_ROWS * P : 0, buf1 = buf0 + 2 * BK * P;
+  unsigned *kbad = (unsigned *)(smem + buf0 + 4 * BK * P);
+  const fa_range *seg = b.seg;
+  const fa_pair *pair = b.pair;
+  const int64_t qshift = b.qshift;
+  const float mul = b.scale * FA_LOG2E;
+
+  /* Q and dO (64 rows each) fill the team memory first; the walk starts after. */
+  fa_mma_load_rows(sm, 0, P, FA_MMA_ROWS, D, b.q, blk.start, blk.len, h, tid);
+  fa_mma_load_rows(sm, FA_MMA_ROWS * P, P, FA_MMA_ROWS, D, b.dout, blk.start, blk.len, h, tid);
+  fa_cp_async_commit();
+  fa_cp_async_wait(0);
+  if (WG) fa_fence_proxy_async(); /* the products read Q and dO from their tiles */
+  ompx_sync_block_acq_rel();
+  fa_u4 qf[FA_MMA_MAX_D / 16], of[FA_MMA_MAX_D / 16];
+  if (!WG) {
+    const int r = warp * 16 + fa_ldsm_a_row(lane), c = fa_ldsm_a_col(lane);
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks++) {
+      qf[ks] = fa_ldmatrix_x4(sm, r * P + ks * 16 + c, 0);
+      of[ks] = fa_ldmatrix_x4(sm, (FA_MMA_ROWS + r) * P + ks * 16 + c, 0);
+    }
+  }
+  const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
+  float dd0, dd1;
+  fa_dq_rowsum(b, blk, 0, h, smem + FA_MMA_ROWS * P, P, D, f16, warp, lane, &dd0, &dd1);
+  ompx_sync_block_acq_rel();
+
+  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
+  const int64_t row0 = blk.start + r0;
+  const int qfirst = (int)(blk.start + qshift); /* key-frame position of the block's first row */
+  const int q_pos0 = qfirst + r0, q_pos1 = q_pos0 + 8;
+  const float lse0 = fa_row_lse_log2(&b, ok0, row0, h), lse1 = fa_row_lse_log2(&b, ok1, row0 + 8, h);
+  fa_f4 dq[FA_MMA_MAX_D / 8];
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) dq[n] = fa_f4_zero();
+  int bad0 = 0, bad1 = 0;
+
+  fa_tile_walk w = fa_walk_first(b.qoff, seg, pair, blk, qshift);
+  if (w.pi < w.pend) fa_mma_load_kv(sm, buf0, P, BK, D, b.k, g, b.v, g, w, tid);
+  fa_cp_async_commit();
+  int cur = 0;
+  /* The walk runs a tile ahead of the loads: tile j + 1's position (nx) is
+   * known when iteration j starts, and tile j + 2's is computed after tile
+   * j's S and dP are issued, so the plan reads it takes (global memory) do
+   * not stall the copies in front of the products (ncu; dQ -6 % at case 2).
+   * Issuing the copies after the products instead, as the dK/dV team does,
+   * is slower here. */
+  fa_tile_walk nx = fa_walk_next(w, BK, seg, pair, blk, qshift);
+  while (w.pi < w.pend) {
+    const int kt = cur ? buf1 : buf0; /* K [BK][P], then V */
+    /* Tile j landed and every warp is done with iteration j - 1 (its products
+     * waited for), so tile j + 1 may stream into that buffer: one barrier a
+     * tile. */
+    fa_mma_tile_ready(0, WG);
+    if (nx.pi < nx.pend) fa_mma_load_kv(sm, cur ? buf0 : buf1, P, BK, D, b.k, g, b.v, g, nx, tid);
+    fa_cp_async_commit();
+    const int nk = fa_walk_keys(w, BK);
+    const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
+    const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
+    /* dQ += dS K multiplies masked keys' rows by dS = 0: non-finite K rows of a
+     * tile that hides keys from some rows are zeroed and flagged (fa_mma_scan_rows). */
+    const int masked = fa_tile_hides_keys(w, BK, qfirst);
+    const unsigned long long kflags = masked ? fa_mma_scan_rows(smem + kt, P, BK, D, f16, kbad, tid) : 0;
+
+    fa_f4 s[FA_MMA_MAX_BK / 8], dp[FA_MMA_MAX_BK / 8];
+    if (WG) { /* the first k-step of each ignores the accumulator's old value; two groups, so P is
+               * formed while dP still multiplies */
+      fa_wg_acc_abt(s, 0, sm, kt, BK, D, f16);
+      fa_wg_commit();
+      fa_wg_acc_abt(dp, FA_MMA_ROWS * P, sm, kt + BK * P, BK, D, f16);
+      fa_wg_commit();
+      fa_wg_wait(1);
+      fa_wg_pin(s, BK / 8);
+    } else {
+      fa_mma_sdp(s, dp, qf, of, sm, kt, P, BK, D, f16, lane);
+    }
+    const fa_tile_walk nx2 = fa_walk_next(nx, BK, seg, pair, blk, qshift);
+    /* P = exp2(S - lse), then dS = P (dP - D), where visible; an exact 0
+     * elsewhere (a select, not a product; vis0 / vis1: bit 2n + i for column
+     * 8n + c0 + i of rows r0, r0 + 8). A tile whose keys every row of this
+     * warp sees (warp-uniform, as in the forward) skips the masks. With
+     * wgmma, dQ += dS K in KP-key parts: part c's product runs while part
+     * c + 1's dS is formed. */
+    unsigned vis0, vis1;
+    fa_dq_tile_p(s, BK, fa_tile_all_visible(w, nk, BK, qfirst + warp * 16), kflags, c0, lim0, lim1, mul, lse0, lse1,
+                 &vis0, &vis1, &bad0, &bad1);
+    if (WG) {
+      fa_wg_wait(0);
+      fa_wg_pin(dp, BK / 8);
+    }
+    const int KP = WG ? FA_WG_DQ_KP : BK;
+    fa_u4 pa[FA_MMA_MAX_BK / 16];
+#pragma unroll
+    for (int k0 = 0; k0 < BK; k0 += KP) {
+      fa_dq_tile_ds(s, dp, k0 / 8, (k0 + KP) / 8, vis0, vis1, dd0, dd1);
+      if (WG) { /* dQ += dS K, K of [key][dim] read N-major */
+        fa_wg_pack(pa + k0 / 16, s + k0 / 8, KP, f16);
+        fa_wg_acc_ab(dq, pa + k0 / 16, sm, kt + k0 * 64, KP, BK, D, f16);
+        fa_wg_commit();
+      }
+    }
+    if (WG) {
+      fa_wg_wait(0);
+      fa_wg_pin(dq, D / 8);
+      fa_wg_pin_u4(pa, BK / 16);
+    } else {
+      fa_mma_acc_ab(dq, s, sm, kt, P, BK, D, f16, lane); /* dQ += dS K, K of [key][dim] */
+    }
+    cur ^= 1;
+    w = nx;
+    nx = nx2;
+  }
+  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
+  fa_mma_store_rows(b.dq, row0, h, dq, D, c0, ok0, ok1, b.scale, b.scale, bad0, bad1);
+}
+
+static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, const int BK, const int f16,
+                                                                  const fa_gpu_bwd b, fa_block blk, int64_t h,
+                                                                  int64_t g, unsigned short *smem) {
+  fa_dq_team(D, BK, f16, 0, b, blk, h, g, smem);
+}
+
+/* The wgmma dQ (sm_90a builds; host tests under the emulation). */
+static inline __attribute__((always_inline)) void fa_wg_dq_team(const int D, const int BK, const int f16,
+                                                                 const fa_gpu_bwd b, fa_block blk, int64_t h,
+                                                                 int64_t g, unsigned short *smem) {
+  fa_dq_team(D, BK, f16, 1, b, blk, h, g, smem);
+}
+
+/* The two-warpgroup wgmma dQ (sm_90a, bulk tensor copies required; the
+ * team shape of gpu_tile_ring.h). One team: FA_WG_PAIR_ROWS query rows of block blk,
+ * warpgroup wg owning rows [64 wg, 64 wg + 64) with its own Q and dO
+ * tiles; both read every 128-key K/V tile. A tile is taken in two 64-key
+ * halves (S, dP and their dS of 128 keys at once would not fit the
+ * registers beside dQ's accumulator): S_h and dP_h issued together, P_h
+ * formed while dP_h runs, then dQ += dS_h K_h in 32-key parts, each part's
+ * product running while the next part's dS is formed. Every group is
+ * retired before the next half's products are issued (a wgmma issued while
+ * others that followed non-wgmma writes to its registers are in flight
+ * makes ptxas serialize them) and before the loop's back-edge. A tile that
+ * hides keys from some of the team's rows, or holds fewer than BK keys,
+ * has its non-finite K rows zeroed and flagged by the whole team first
+ * (dS = 0 times such a row would be NaN). */
+#define FA_WG_PAIR_DQ_STAGES(D) ((D) == 128 ? 2 : 5)
+/* Team memory: the Q and dO tiles of both warpgroups, the ring (gpu_tile_ring.h), alignment room. */
+#define FA_WG_PAIR_DQ_SMEM(D)                                                                                          \
+  ((size_t)(2 * FA_WG_PAIR_ROWS + 2 * FA_WG_PAIR_DQ_STAGES(D) * FA_WG_PAIR_BK) * (D) * 2 +                      \
+   FA_TILE_RING_BYTES(FA_WG_PAIR_DQ_STAGES(D)) + FA_WG_BLOCK_BYTES)
+
+/* The dQ team's ring in its (aligned) team memory. */
+static inline fa_tile_ring fa_wg_pair_dq_ring(const int D, const int BK, unsigned short *smem) {
+  return fa_tile_ring_at(smem, 2 * FA_WG_PAIR_ROWS * D, 2 * BK * D, FA_WG_PAIR_DQ_STAGES(D));
+}
+
+static inline __attribute__((always_inline)) void fa_wg_pair_dq_team(const int D, const int BK, const int f16,
+                                                                     const fa_gpu_bwd b, fa_block blk, int64_t h,
+                                                                     int64_t g, unsigned short *smem) {
+  const int S = FA_WG_PAIR_DQ_STAGES(D), KP = FA_WG_DQ_KP, HK = 64; /* keys a half */
+  const int tid = ompx_thread_id_x(), wg = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
+  smem += fa_wg_align(fa_smem_of(smem));
+  const fa_smem sm = fa_smem_of(smem);
+  /* element offsets of this warpgroup's Q and dO tiles; the ring follows both warpgroups' */
+  const int qt = wg * FA_MMA_ROWS * D, ot = (2 + wg) * FA_MMA_ROWS * D;
+  const fa_tile_ring rg = fa_wg_pair_dq_ring(D, BK, smem);
+  const fa_tma_map *tma = b.kv_tma;
+  const fa_range *seg = b.seg;
+  const fa_pair *pair = b.pair;
+  const int64_t qshift = b.qshift;
+  const float mul = b.scale * FA_LOG2E;
+  const int64_t qrows = blk.len - wg * FA_MMA_ROWS, nq = qrows < 0 ? 0 : qrows > FA_MMA_ROWS ? FA_MMA_ROWS : qrows;
+  FA_TL_DECL;
+  FA_TL(FA_TL_START);
+  FA_TL(FA_TL_BEGIN);
+
+  fa_mma_load_rows(sm, qt, D, FA_MMA_ROWS, D, b.q, blk.start + wg * FA_MMA_ROWS, nq, h, wt);
+  fa_mma_load_rows(sm, ot, D, FA_MMA_ROWS, D, b.dout, blk.start + wg * FA_MMA_ROWS, nq, h, wt);
+  fa_cp_async_commit();
+  fa_tile_walk w = fa_walk_first(b.qoff, seg, pair, blk, qshift);
+  /* tiles 0 .. S - 1; wl: thread 0 of each warpgroup's next tile to copy (tile j + S after iteration j) */
+  fa_tile_walk wl = fa_tile_ring_start(sm, rg, S, tma, g, w, BK, D, seg, pair, blk, qshift);
+  /* O's rows for D and the rows' lse: loads in flight while the copies land */
+  const fa_dq_orow ov = fa_dq_rowsum_load(b, blk, wg * FA_MMA_ROWS, h, D, warp, lane);
+  const int r0 = wg * FA_MMA_ROWS + warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
+  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
+  const int64_t row0 = blk.start + r0;
+  const float lse0 = fa_row_lse_log2(&b, ok0, row0, h), lse1 = fa_row_lse_log2(&b, ok1, row0 + 8, h);
+  fa_cp_async_wait(0);
+  fa_fence_proxy_async(); /* Q and dO for the tensor cores' reads */
+  ompx_sync_block_acq_rel();
+  FA_TL(FA_TL_READY);
+
+  float dd0, dd1;
+  fa_dq_rowsum_of(b, blk, wg * FA_MMA_ROWS, h, &ov, smem + ot, D, D, f16, warp, lane, &dd0, &dd1);
+  const int qfirst = (int)(blk.start + qshift); /* key-frame position of the team's first row */
+  const int q_pos0 = qfirst + r0, q_pos1 = q_pos0 + 8, wfirst = qfirst + wg * FA_MMA_ROWS + warp * 16;
+  fa_f4 dq[FA_MMA_MAX_D / 8];
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) dq[n] = fa_f4_zero();
+  int bad0 = 0, bad1 = 0, j = 0, bi = 0; /* tile j, in buffer bi */
+
+  while (w.pi < w.pend) {
+    const int kt = fa_tile_ring_buf(rg, bi), vt = kt + BK * D;
+    FA_TL(FA_TL_TILE);
+    fa_mbar_wait(sm, rg.full + 4 * bi, (j / S) & 1);
+    FA_TL(FA_TL_ARRIVED);
+    const int nk = fa_walk_keys(w, BK);
+    unsigned long long kf[2] = {0, 0}; /* bit r: K row 64 h + r of tile j was non-finite (zeroed) */
+    if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst)) fa_tile_ring_scan(smem + kt, BK, D, f16, rg, tid, kf);
+    const int all = nk == BK && (!w.causal || w.kb + BK - 1 <= wfirst);
+    const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
+    const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
+    fa_u4 pa[FA_WG_DQ_BK / 16];
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+      fa_f4 s[FA_WG_DQ_BK / 8], dp[FA_WG_DQ_BK / 8];
+      fa_wg_acc_abt_of(s, qt, sm, kt + hh * HK * 64, HK, BK, D, f16);
+      fa_wg_commit();
+      fa_wg_acc_abt_of(dp, ot, sm, vt + hh * HK * 64, HK, BK, D, f16);
+      fa_wg_commit();
+      FA_TL(FA_TL_ISSUED);
+      fa_wg_wait(1);
+      fa_wg_pin(s, HK / 8);
+      FA_TL(FA_TL_S);
+      unsigned vis0, vis1;
+      fa_dq_tile_p(s, HK, all, kf[hh], c0, lim0 - hh * HK, lim1 - hh * HK, mul, lse0, lse1, &vis0, &vis1, &bad0,
+                   &bad1);
+      fa_wg_wait(0);
+      fa_wg_pin(dp, HK / 8);
+      FA_TL(FA_TL_PV);
+#pragma unroll
+      for (int k0 = 0; k0 < HK; k0 += KP) {
+        fa_dq_tile_ds(s, dp, k0 / 8, (k0 + KP) / 8, vis0, vis1, dd0, dd1);
+        fa_wg_pack(pa + k0 / 16, s + k0 / 8, KP, f16);
+        fa_wg_acc_ab(dq, pa + k0 / 16, sm, kt + (hh * HK + k0) * 64, KP, BK, D, f16); /* K read N-major */
+        fa_wg_commit();
+      }
+      /* The first half's dS K runs on under the second half's S and dP (its
+       * wait(1) retires it, the groups retiring in order); only the second
+       * half's is waited for here, none being left pending across the
+       * loop's back-edge. hh is a constant after unrolling, so no
+       * wait sits under a branch (C7518). */
+      if (hh == 1) {
+        fa_wg_wait(0);
+        fa_wg_pin(dq, D / 8);
+        fa_wg_pin_u4(pa, HK / 16);
+      }
+    }
+    /* tile j's buffer is free for this warpgroup; the second to say so copies tile j + S into it */
+    if (wt == 0) wl = fa_tile_ring_release(sm, rg, bi, tma, g, wl, BK, D, seg, pair, blk, qshift);
+    w = fa_walk_next(w, BK, seg, pair, blk, qshift);
+    bi = bi == S - 1 ? 0 : bi + 1;
+    j++;
+    FA_TL(FA_TL_NEXT);
+  }
+  FA_TL(FA_TL_FINISH);
+  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
+  /* dQ through this warpgroup's Q tile: its last reader, S of the last tile, has retired */
+  fa_wg_store_rows_staged(b.dq, blk.start + wg * FA_MMA_ROWS, nq, h, dq, D, smem + qt, wt, b.scale, b.scale, bad0, bad1,
+                          1 + wg);
+  FA_TL(FA_TL_END);
+}
+#pragma omp end declare target
+
+#endif

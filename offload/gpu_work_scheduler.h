@@ -1,0 +1,74 @@
+/* How a query-side kernel maps work to teams: one team an item
+ * (FA_MMA_QUERY_TEAMS_OF: item = query block x query head, from the team
+ * number) or persistent teams that fetch items from a counter
+ * (FA_PERSISTENT_QUERY_TEAMS; when: gpu_persist.h). A team function has
+ * the signature TEAM(D, BK, F16, args, block, h, g, smem). */
+#ifndef FORKATTN_GPU_WORK_SCHEDULER_H
+#define FORKATTN_GPU_WORK_SCHEDULER_H
+#include <ompx.h>
+
+/* Launch TEAM(D, BK, F16, args, block, h, g, smem) on one team per (query
+ * block of args.BLOCKS, query head), THREADS threads (a constant: the
+ * kernel's launch bound) and SMEM bytes of team memory. Needs `argp` (a
+ * device copy of the call's arguments, staged with the plan so that its
+ * copy rides on the launch: gpu_launch_copy.h; the kernels read their
+ * arguments from device memory either way, firstprivate's copy costing the
+ * runtime one more), `nteams` and `dev` in scope. FA_MMA_QUERY_TEAMS:
+ * FA_MMA_THREADS. */
+#define FA_MMA_PRAGMA(x) _Pragma(#x)
+#define FA_MMA_QUERY_TEAMS_OF(TEAM, BLOCKS, D, BK, F16, SMEM, THREADS)                                          \
+  do {                                                                                                        \
+    const size_t smem = (SMEM);                                                                               \
+    FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(nteams) thread_limit(THREADS) ompx_dyn_cgroup_mem(smem) device(dev) is_device_ptr(argp)) \
+    {                                                                                                         \
+      const __typeof__(*argp) args = *argp;                                                                   \
+      unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
+      /* 32-bit: a 64-bit division is a subroutine call, which makes ptxas serialize wgmma */                 \
+      const int team = (int)ompx_block_id_x(), hq = (int)args.hq, h = team % hq;                              \
+      TEAM((D), (BK), (F16), args, args.BLOCKS[team / hq], h, h / (hq / (int)args.hkv), sm);                  \
+    }                                                                                                         \
+  } while (0)
+#define FA_MMA_QUERY_TEAMS(TEAM, BLOCKS, D, BK, F16, SMEM)                                                      \
+  FA_MMA_QUERY_TEAMS_OF(TEAM, BLOCKS, D, BK, F16, SMEM, FA_MMA_THREADS)
+
+/* Bytes of team memory past a team's SMEM for a persistent launch's two
+ * next-item slots. */
+#define FA_PERSIST_NEXT_AT(SMEM) (((SMEM) + 15) / 16 * 16)
+/* A persistent launch of a two-warpgroup query-side team (as
+ * FA_MMA_QUERY_TEAMS_OF, with `grid` teams from the caller, at most one
+ * an SM): each team runs items (query block x query head, heaviest blocks
+ * first) from args.work, a counter the call's plan copy zeroes: its first
+ * item is its team number, the next fetched by thread 0 when an item
+ * starts (into a slot of the item's parity, read after the item's closing
+ * barrier, so the atomic's latency hides under the item). RING(D, BK,
+ * smem) names the team's ring, whose mbarriers are invalidated before the
+ * team initialises them again. */
+#define FA_PERSISTENT_QUERY_TEAMS(TEAM, RING, BLOCKS, NBLOCKS, D, BK, F16, SMEM)                                 \
+  do {                                                                                                        \
+    const size_t smem = FA_PERSIST_NEXT_AT(SMEM) + 16;                                                         \
+    FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(grid) thread_limit(FA_WG_PAIR_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) is_device_ptr(argp)) \
+    {                                                                                                         \
+      const __typeof__(*argp) args = *argp;                                                                   \
+      unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
+      volatile int *next = (volatile int *)((char *)sm + FA_PERSIST_NEXT_AT(SMEM));                            \
+      unsigned short *al = sm + fa_wg_align(fa_smem_of(sm));                                                  \
+      const int hq = (int)args.hq, n = (int)args.NBLOCKS * hq, tid = ompx_thread_id_x();                      \
+      const int step = (int)ompx_grid_dim_x();                                                               \
+      int item = (int)ompx_block_id_x();                                                                      \
+      for (int it = 0; item < n; it++) {                                                                      \
+        if (tid == 0) {                                                                                       \
+          next[it & 1] = __atomic_fetch_add(args.work, 1, __ATOMIC_RELAXED) + step;                           \
+          if (it > 0) fa_tile_ring_inval(fa_smem_of(al), RING((D), (BK), al));                                 \
+        }                                                                                                     \
+        const int h = item % hq;                                                                              \
+        TEAM((D), (BK), (F16), args, args.BLOCKS[item / hq], h, h / (hq / (int)args.hkv), sm);                \
+        ompx_sync_block_acq_rel(); /* the item's team memory and its next slot */                             \
+        item = next[it & 1];                                                                                  \
+      }                                                                                                       \
+    }                                                                                                         \
+  } while (0)
+
+/* The name the launchers (gpu_mma_fwd.c, gpu_mma_bwd.c) use. */
+#define FA_WG2_QUERY_TEAMS_PERSIST FA_PERSISTENT_QUERY_TEAMS
+
+#endif

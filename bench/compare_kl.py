@@ -21,12 +21,17 @@ import argparse
 import ctypes as C
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
 import time
 
 import torch
+
+# The binding's copies of the option structs (they set struct_size, docs/api.md ABI rules).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
+from forkattn._lib import CtxOptions as CtxOpt, KlOptions as Opt  # noqa: E402
 
 HOST, DEVICE = 0, 1
 
@@ -42,16 +47,6 @@ class Prefix(C.Structure):
 
 class Layout(C.Structure):
     _fields_ = [("prefix", C.c_void_p), ("tree", C.c_void_p)]
-
-
-class Opt(C.Structure):
-    _fields_ = [("direction", C.c_int), ("scale_teacher", C.c_float), ("scale_student", C.c_float),
-                ("temperature", C.c_float), ("scale_by_tau2", C.c_int)]
-
-
-class CtxOpt(C.Structure):
-    _fields_ = [("backend", C.c_int), ("device", C.c_int), ("threads", C.c_int), ("bind", C.c_int),
-                ("verbose", C.c_int)]
 
 
 def load(path):

@@ -28,7 +28,8 @@ extern "C" {
  * its arguments before it allocates, sets pointer outputs to NULL on any error,
  * and returns FORKATTN_ERR_OUT_OF_MEMORY (having freed everything) when an
  * allocation fails. Accessors accept NULL and out-of-range indices (they
- * return empty values). See docs/tree.md. */
+ * return empty values; the layout accessors also return
+ * FORKATTN_ERR_INVALID_ARGUMENT). See docs/tree.md. */
 /**@{*/
 
 /** Linear cost model of one forward + backward of tree attention:

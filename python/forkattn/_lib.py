@@ -222,10 +222,10 @@ class CtxOptions(_Options):
 _T = POINTER(Tensor)
 _I64P = POINTER(c_int64)
 
-# name: (restype, argtypes); optional symbols are looked up lazily (trie_* came in 0.1.0 too,
-# but a stripped-down build may lack them: the binding then fails only when they are used; the
-# same holds for kept sets, StreamKL, kv_select, the DFS path stack, the tree cost model /
-# partition / batch plan and the diffusion-LM KV cache (BiCache), newer additions).
+# name: (restype, argtypes). Only _REQUIRED symbols must exist: a stripped-down build may lack
+# the others (tries, kept sets, StreamKL, kv_select, the DFS path stack, the experimental tree
+# cost model / partition / batch plan, the diffusion-LM KV cache), and the binding then fails
+# only when they are used.
 _SIGNATURES = {
     "forkattn_version_number": (c_uint, []),
     "forkattn_version_string": (c_char_p, []),
@@ -283,8 +283,8 @@ _SIGNATURES = {
     "forkattn_trie_row_positions": (_I64P, [c_void_p]),
     "forkattn_trie_node_depths": (_I64P, [c_void_p]),
     "forkattn_trie_row_tokens": (_I64P, [c_void_p]),
-    # kept sets, kept-set attention, StreamKL (0.1 additions; optional: an older build lacks them
-    # and only these functions fail, with FORKATTN_ERR_UNSUPPORTED)
+    # kept sets, kept-set attention, StreamKL (optional: without them only these functions fail,
+    # with FORKATTN_ERR_UNSUPPORTED)
     "forkattn_kept_fwd": (
         c_int,
         [c_void_p, POINTER(LayoutC), POINTER(KeptSetC), _T, _T, _T, _T, c_void_p, c_float, c_int],
@@ -324,7 +324,7 @@ _SIGNATURES = {
     "forkattn_path_depth": (c_int64, [c_void_p]),
     "forkattn_path_rows": (c_int64, [c_void_p]),
     "forkattn_path_peak_bytes": (c_size_t, [c_void_p]),
-    # tree cost model, partition, batch plan (optional)
+    # tree cost model, partition, batch plan (experimental, optional)
     "forkattn_tree_cost_model_calibrate": (
         c_int,
         [c_void_p, c_int64, c_int64, c_int64, c_int, POINTER(TreeCostModelC)],
@@ -354,8 +354,8 @@ _SIGNATURES = {
     "forkattn_batch_plan_rows": (_I64P, [c_void_p, c_int64, _I64P]),
     "forkattn_batch_plan_mode": (c_int, [c_void_p, c_int64]),
     "forkattn_batch_plan_reason": (c_char_p, [c_void_p, c_int64]),
-    # shared-prefix KV cache for diffusion LMs (issue 6; optional): cached-prefix attention, the
-    # cache, K/V similarity, the reuse-depth profile. Tokens are int32 host arrays (c_void_p).
+    # shared-prefix KV cache for diffusion LMs (optional): cached-prefix attention, the cache,
+    # K/V similarity, the reuse-depth profile (experimental). Tokens are int32 host arrays (c_void_p).
     "forkattn_prefix_cached_fwd": (
         c_int,
         [c_void_p, POINTER(PrefixLayout), _T, _T, _T, _T, c_void_p, c_float, c_int],

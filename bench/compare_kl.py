@@ -51,6 +51,7 @@ class Layout(C.Structure):
 
 def load(path):
     lib = C.CDLL(path)
+    lib.forkattn_ctx_options_init.argtypes = [C.POINTER(CtxOpt)]
     lib.forkattn_ctx_create.argtypes = [C.POINTER(C.c_void_p), C.POINTER(CtxOpt)]
     lib.forkattn_ctx_last_error.restype = C.c_char_p
     lib.forkattn_ctx_last_error.argtypes = [C.c_void_p]
@@ -60,6 +61,14 @@ def load(path):
     lib.forkattn_kl_fwd.argtypes = [C.c_void_p] * 11 + [C.c_int]
     lib.forkattn_kl_bwd.argtypes = [C.c_void_p] * 14 + [C.c_int]
     return lib
+
+
+def ctx_options(lib, backend):
+    """forkattn_ctx_options_init()'s defaults with the given backend."""
+    opt = CtxOpt()
+    lib.forkattn_ctx_options_init(C.byref(opt))
+    opt.backend = backend
+    return opt
 
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # forkattn_dtype
@@ -210,7 +219,7 @@ def main():
     a = ap.parse_args()
     lib = load(a.lib)
     ctx = C.c_void_p()
-    o = CtxOpt(2, 0, 0, 0, 0)
+    o = ctx_options(lib, 2)
     if lib.forkattn_ctx_create(C.byref(ctx), C.byref(o)):
         sys.exit("no GPU context: %s" % lib.forkattn_ctx_create_error())
     rows = []

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""forkattn's attention against PyTorch's on one GPU, side by side in one process (issue 5).
+"""forkattn's attention against PyTorch's on one GPU, side by side in one process.
 
 Cases (bf16 inputs, f32 lse, forkattn outputs in bf16, d = 128, softmax scale 1/sqrt(d)):
   1. dense causal attention, 16 heads x 4096 rows: SDPA(is_causal) vs forkattn_prefix_fwd/bwd on
@@ -19,7 +19,7 @@ speedups are relative to), and with synchronous calls, PyTorch's stream synchron
 (as compare_kl.py does). CUDA events around each call, then a synchronize; warm-up, median. The timed calls
 are spread over --rounds interleaved rounds (forkattn, then each PyTorch implementation, again),
 so that no implementation is timed only right after the float32 reference or only after another's
-runs. TFLOP/s count useful FLOPs (design.md): 4*d*Hq*(visible query-key pairs) forward, 3.5x that
+runs. TFLOP/s count useful FLOPs: 4*d*Hq*(visible query-key pairs) forward, 3.5x that
 forward+backward, the same count for every implementation.
 
 Correctness: a float32 reference from the same bf16 inputs, computed by the formulas in chunks of
@@ -55,7 +55,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from compare_kl import DEVICE, HOST, CtxOpt, Prefix, Tensor
+from compare_kl import DEVICE, HOST, CtxOpt, Prefix, Tensor, ctx_options
 
 BACKEND_CPU, BACKEND_GPU = 1, 2  # forkattn_backend
 BF16 = 1  # FORKATTN_DTYPE_BF16
@@ -81,6 +81,7 @@ class LibraryError(RuntimeError):
 
 def load(path):
     lib = C.CDLL(path)
+    lib.forkattn_ctx_options_init.argtypes = [C.POINTER(CtxOpt)]
     lib.forkattn_ctx_create.argtypes = [C.POINTER(C.c_void_p), C.POINTER(CtxOpt)]
     for name in ("forkattn_ctx_last_error", "forkattn_ctx_backend_reason"):
         getattr(lib, name).restype = C.c_char_p
@@ -121,7 +122,7 @@ class Forkattn:
         self.name = "forkattn, on torch's stream" if stream else "forkattn"
         self.memory = DEVICE if cuda else HOST
         self.ctx = C.c_void_p()
-        opt = CtxOpt(BACKEND_GPU if cuda else BACKEND_CPU, 0, 0, 0, 0)
+        opt = ctx_options(self.lib, BACKEND_GPU if cuda else BACKEND_CPU)
         if self.lib.forkattn_ctx_create(C.byref(self.ctx), C.byref(opt)):
             sys.exit("no forkattn context: %s" % self.lib.forkattn_ctx_create_error().decode())
         self.version = self.lib.forkattn_version_string().decode()
@@ -577,7 +578,7 @@ def section(meta, cases):
             "implementation; speedup = the row's time / the first forkattn row's time. Errors: max abs difference from a float32 "
             "reference on the same bf16 inputs; forkattn passes when each is at most 2x PyTorch's bf16 error "
             "+ %g and it wrote every output (NaN-poisoned before)." % ABS_TOL)
-    return "\n".join(["## Side by side with PyTorch (bench/compare_torch.py)", "", head, "",
+    return "\n".join(["#### The latest run", "", head, "",
                       "Command: `%s`" % meta["command"], ""] + table(cases) + ["", expl, ""] + notes(cases)) + "\n"
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The v0.1 CPU targets, measured side by side in one run (bench, not tests):
+# The CPU targets, measured side by side in one run (bench, not tests):
 #  - N=16, P=2048, R=256, 8/2 heads, d=128, f32: shared fwd+bwd speedup over
 #    replicated >= 0.8 x ideal (ideal = replicated / shared useful FLOPs);
 #  - shared forward useful FLOP rate >= 50% of OpenBLAS sgemm (same run).

@@ -2,7 +2,7 @@
 # Run on the GPU machine: A/B of library builds in one device call. Each
 # variant is a folder holding a libforkattn.so.0 (label=folder); the build's
 # own `forkattn` binary loads it through LD_LIBRARY_PATH. For ROUNDS rounds
-# (default 2), every variant in turn runs issue 5's case 1 and case 2 (and
+# (default 2), every variant in turn runs case 1 and case 2 of bench/RESULTS.md (and
 # case 1 at head_dim 64, "case64") with
 # `forkattn bench prefix` and FORKATTN_GPU_TRACE=1, so the variants alternate
 # and share the card's state. $OUT/ab.txt: forward and forward+backward per

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run on the GPU machine: issue 4's tests (StreamKL, kept-set attention, KV
+# Run on the GPU machine: the distillation tests (StreamKL, kept-set attention, KV
 # policies, determinism) and the attention suites the kept mask touched, with
 # OMP_TARGET_OFFLOAD=mandatory and FORKATTN_BACKEND=gpu; the Python binding's
 # tests; `forkattn bench kl` on device memory.

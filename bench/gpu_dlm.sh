@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Run on the GPU machine: issue 6's tests (cached-prefix attention, KV cache
+# Run on the GPU machine: the diffusion-LM tests (cached-prefix attention, KV cache
 # with device entries, similarity on device memory, the demo model) and the
-# suites issue 4 added, the Python binding's tests on CUDA tensors, then
+# distillation suites, the Python binding's tests on CUDA tensors, then
 # `forkattn demo dlm` and `forkattn bench dlm` on the GPU backend.
 # Usage: bash bench/gpu_dlm.sh <offload build dir>; logs to $OUT (or ./gpu-logs).
 set -uo pipefail

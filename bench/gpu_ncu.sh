@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine: Nsight Compute on the tensor-core kernels
-# (FORKATTN_GPU_MMA=1) of `forkattn bench prefix` at case 1 of
-# bench/NOTES-gpu.md, clocks left as found (--clock-control none). Writes
+# (the default) of `forkattn bench prefix` at case 1 of
+# bench/RESULTS.md, clocks left as found (--clock-control none). Writes
 # $OUT/ncu_case1.txt (the sections below, per kernel launch).
 # Usage: bash bench/gpu_ncu.sh <offload build dir> [max launches, default 6]
 set -uo pipefail
@@ -9,7 +9,7 @@ b=${1:-build-gpu}
 count=${2:-6}
 final=${OUT:-gpu-logs}
 mkdir -p "$final"
-export OMP_TARGET_OFFLOAD=mandatory FORKATTN_BACKEND=gpu FORKATTN_GPU_MMA=1
+export OMP_TARGET_OFFLOAD=mandatory FORKATTN_BACKEND=gpu
 sections=""
 for s in SpeedOfLight LaunchStats Occupancy WarpStateStats SchedulerStats ComputeWorkloadAnalysis \
   InstructionStats MemoryWorkloadAnalysis_Tables; do sections="$sections --section $s"; done

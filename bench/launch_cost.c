@@ -1,6 +1,6 @@
 /* launch_cost: what the host pays per OpenMP offload launch and copy, with
  * kernels that do nothing, so a synchronous library call's time outside its
- * kernels can be split into its parts (bench/NOTES-gpu.md, issue 5).
+ * kernels can be split into its parts (docs/gpu-kernels.md, "The launch path").
  *
  * Each line is the median over `reps` calls (after 20 warm-ups) of the wall
  * time of one step, in microseconds:
@@ -75,7 +75,7 @@ static void lc_step(int step, int dev, lc_args *args, char *pageable, char *pinn
     break;
   case CARRY_4K:
   case CARRY_4K_PINNED:
-    /* gpu_launch_copy.h; FORKATTN_GPU_LAUNCH_COPY=0: a synchronous copy first */
+    /* gpu_launch_copy.h; without the launch forwarder: a synchronous copy first */
     if (!fa_gpu_launch_copy(dbuf, step == CARRY_4K ? pageable : pinned, 4096) &&
         omp_target_memcpy(dbuf, step == CARRY_4K ? pageable : pinned, 4096, 0, 0, dev, omp_get_initial_device()))
       abort();

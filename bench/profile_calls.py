@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where a forkattn GPU call's time goes (issue 5): kernels against everything else.
+"""Where a forkattn GPU call's time goes: kernels against everything else.
 
 Runs compare_torch.py's cases on device pointers under torch.profiler (CUPTI records every
 kernel of the process, the library's too, and the CUDA driver calls the offload runtime makes),

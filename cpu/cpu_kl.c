@@ -18,6 +18,7 @@
 #include "alloc.h"
 #include "cpu_team.h"
 #include "cpu_tile.h"
+#include "cpu_backend.h"
 #include "streamkl.h"
 
 #define FA_KL_QB 64
@@ -186,7 +187,8 @@ static void fa_kl_fwd_team(fa_cpu_ws *ws, void *arg) {
   for (int64_t w = 0; w < j->nq * H; w++) fa_kl_fwd_block(j->c, &j->qblocks[w / H], w % H, &t);
 }
 
-forkattn_status fa_cpu_kl_fwd(forkattn_ctx *ctx, const fa_kl_call *c) {
+forkattn_status fa_cpu_kl_fwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_memory memory) {
+  (void)memory; /* host */
   fa_block *qblocks;
   const int64_t nq = fa_plan_blocks(c->plan, FA_KL_QB, 0, &qblocks);
   if (nq < 0) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "kl_fwd: cannot allocate blocks");
@@ -322,7 +324,8 @@ static void fa_kl_bwd_team(fa_cpu_ws *ws, void *arg) {
   }
 }
 
-forkattn_status fa_cpu_kl_bwd(forkattn_ctx *ctx, const fa_kl_call *c) {
+forkattn_status fa_cpu_kl_bwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_memory memory) {
+  (void)memory; /* host */
   const fa_plan *p = c->plan;
   fa_block *qblocks = NULL, *kblocks = NULL;
   const int64_t nq = fa_plan_blocks(p, FA_KL_QB, 0, &qblocks);

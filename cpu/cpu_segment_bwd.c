@@ -15,7 +15,7 @@
 #include "cpu_team.h"
 #include "online_softmax.h"
 #include "rowsum_exact.h"
-#include "segment_attn.h"
+#include "cpu_backend.h"
 
 typedef struct {
   float *q, *dout, *lse, *dd, *s, *dp, *acc, *acc2, *kbuf, *vbuf;
@@ -220,7 +220,8 @@ static void fa_bwd_team(fa_cpu_ws *ws, void *arg) {
     fa_bwd_dkv_block(a, j->dsum, &j->kblocks[w / hkv], w % hkv, j->bq, &t);
 }
 
-forkattn_status fa_cpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a) {
+forkattn_status fa_cpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkattn_memory memory) {
+  (void)memory; /* host */
   const int64_t group = a->hq / a->hkv, d = a->d, bq = fa_cpu_query_block(group);
   const int64_t bk = FA_CPU_KEY_BLOCK;
   int64_t M; /* an absurd GQA group saturates M: the scratch size below refuses it */

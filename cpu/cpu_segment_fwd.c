@@ -13,7 +13,7 @@
 #include "cpu_tile.h"
 #include "cpu_team.h"
 #include "online_softmax.h"
-#include "segment_attn.h"
+#include "cpu_backend.h"
 
 typedef struct {
   float *q, *o, *s, *kbuf, *vbuf, *m, *l;
@@ -48,21 +48,8 @@ static void fa_fwd_block(const fa_attn_fwd *a, const fa_block *b, int64_t g, fa_
       if (crossing) fa_cpu_mask_causal(t->s, nk, group, qn, q_pos0, nk, kb);
       if (a->kept) fa_cpu_mask_kept(t->s, nk, a->kept, g, group, qn, b->start, nk, kb);
       for (int64_t i = 0; i < M; i++) {
-        float *srow = t->s + i * nk, mx = fa_cpu_row_max(srow, nk);
-        float m_new = mx > t->m[i] ? mx : t->m[i];
-        /* only NaN and masked scores: a NaN query must give a NaN row, not an empty one */
-        if (m_new == -INFINITY && fa_cpu_any_nan(srow, nk)) m_new = NAN;
-        if (m_new == -INFINITY) { /* nothing visible yet: P row is 0 */
-          memset(srow, 0, sizeof(float) * (size_t)nk);
-          continue;
-        }
-        float alpha = fa_rescale(t->m[i], m_new);
-        fa_cpu_exp_sub(srow, nk, m_new);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < nk; j++) sum += srow[j];
-        t->l[i] = t->l[i] * alpha + sum;
-        t->m[i] = m_new;
+        float alpha;
+        if (!fa_cpu_online_row(t->s + i * nk, nk, &t->m[i], &t->l[i], &alpha)) continue; /* P row is 0 */
         if (alpha != 1.0f) {
           float *orow = t->o + i * d;
 #pragma omp simd
@@ -110,7 +97,8 @@ static void fa_fwd_team(fa_cpu_ws *ws, void *arg) {
   for (int64_t w = 0; w < j->nwork; w++) fa_fwd_block(j->a, &j->blocks[w / hkv], w % hkv, &t);
 }
 
-forkattn_status fa_cpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a) {
+forkattn_status fa_cpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkattn_memory memory) {
+  (void)memory; /* host */
   const int64_t group = a->hq / a->hkv, d = a->d, bq = fa_cpu_query_block(group);
   const int64_t bk = FA_CPU_KEY_BLOCK;
   int64_t M; /* an absurd GQA group saturates M: the scratch size below refuses it */

@@ -3,10 +3,13 @@
  * and single-threaded OpenBLAS inside our OpenMP workers. */
 #ifndef FORKATTN_CPU_TILE_H
 #define FORKATTN_CPU_TILE_H
+#include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "forkattn.h"
 #include "kept_mask.h"
+#include "online_softmax.h"
 #include "segment_plan.h"
 
 /* dst[r*ld + c] = mul * t[row0 + r, head, c] for r < nrows, c < d. */
@@ -30,6 +33,30 @@ void fa_cpu_exp_sub(float *x, int64_t n, float sub);
 float fa_cpu_row_max(const float *x, int64_t n);
 /* Non-zero when x[0..n) holds a NaN. */
 int fa_cpu_any_nan(const float *x, int64_t n);
+
+/* One score row's step of the online softmax over a key tile: the running
+ * (*m, *l) absorb srow[0..n), which becomes exp(srow - new max), and *alpha
+ * receives the factor the row's earlier accumulations take (fa_rescale).
+ * Returns 0, with the row zeroed and nothing else touched, while nothing is
+ * visible yet. Only NaN and masked scores make a NaN row (a NaN query must
+ * not give an empty one). */
+static inline int fa_cpu_online_row(float *srow, int64_t n, float *m, float *l, float *alpha) {
+  const float mx = fa_cpu_row_max(srow, n);
+  float m_new = mx > *m ? mx : *m;
+  if (m_new == -INFINITY && fa_cpu_any_nan(srow, n)) m_new = NAN;
+  if (m_new == -INFINITY) {
+    memset(srow, 0, sizeof(float) * (size_t)n);
+    return 0;
+  }
+  *alpha = fa_rescale(*m, m_new);
+  fa_cpu_exp_sub(srow, n, m_new);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; j++) sum += srow[j];
+  *l = *l * *alpha + sum;
+  *m = m_new;
+  return 1;
+}
 
 /* Causal mask of a tile whose rows are `group` stacked copies of the query rows
  * q_pos0 .. q_pos0+qn-1 (key-frame rows, see segment_plan.h) against keys

@@ -183,29 +183,55 @@ FORKATTN_API int forkattn_build_has_offload(void);
 /** Opaque context: backend, device, threads, last error, workspace. */
 typedef struct forkattn_ctx forkattn_ctx;
 
+/** Kernel families a GPU context may use (forkattn_ctx_options.gpu_kernels). Each call runs
+ *  the fastest family allowed that its shape and the device support: the wgmma kernels
+ *  (sm_90a builds; bf16/f16, head_dim 64 or 128, no kept set, 16-byte rows, team memory past
+ *  48 KB, tensor maps the driver encodes), else the mma.sync tensor-core kernels (the same
+ *  shapes), else the FP32 kernels (every call). `forkattn info` and forkattn_ctx_gpu_kernels()
+ *  say which family each pass gets. */
+typedef enum forkattn_gpu_kernels {
+  FORKATTN_GPU_KERNELS_AUTO = 0, /**< the fastest the build, device and call allow (default) */
+  FORKATTN_GPU_KERNELS_MMA = 1,  /**< no wgmma: mma.sync tensor-core kernels where a call fits them */
+  FORKATTN_GPU_KERNELS_FP32 = 2  /**< the FP32 CUDA-core kernels only */
+} forkattn_gpu_kernels;
+
 /** Options for forkattn_ctx_create(). Initialize with forkattn_ctx_options_init(). */
 typedef struct forkattn_ctx_options {
   size_t struct_size;       /**< sizeof(forkattn_ctx_options), set by forkattn_ctx_options_init() */
-  forkattn_backend backend; /**< requested backend; FORKATTN_BACKEND env var overrides it */
+  forkattn_backend backend; /**< requested backend; with AUTO, the FORKATTN_BACKEND env var
+                                 may choose it (an explicit CPU or GPU stands) */
   int device;               /**< OpenMP device number for the GPU backend (default 0) */
   int threads;              /**< CPU threads; 0 = one per physical core (hwloc); at most
                                  forkattn_max_threads() */
   int bind_threads;         /**< non-zero: pin CPU worker threads to cores (hwloc) during a
                                  call; previous affinities are restored when it returns */
-  int verbose;              /**< non-zero: log the backend decision to stderr */
+  int verbose;              /**< non-zero: log the backend decision to stderr and, on a GPU
+                                 context, the kernels each call runs */
+  forkattn_gpu_kernels gpu_kernels; /**< GPU contexts: the kernel families allowed (default
+                                         AUTO); FORKATTN_GPU_KERNELS=auto|mma|fp32 overrides it */
+  int gpu_persist;          /**< GPU contexts: the wgmma two-warpgroup forward and dQ as
+                                 persistent teams (one an SM taking items from a counter):
+                                 -1 when a launch has at least 8 items an SM (default), 0 never,
+                                 1 always, n > 1 always with at most n teams (at most 2^20);
+                                 FORKATTN_GPU_PERSIST=auto|0|1|n overrides it */
 } forkattn_ctx_options;
 
-/** Fill @p opt with defaults: struct_size, auto backend, device 0, threads 0,
- *  no binding, quiet.
+/** Fill @p opt with defaults: struct_size, auto backend, device 0, threads 0, no
+ *  binding, quiet, GPU kernels AUTO, gpu_persist -1.
  *  @param opt options to initialize (NULL is ignored) */
 FORKATTN_API void forkattn_ctx_options_init(forkattn_ctx_options *opt);
 
 /**
- * Create a context. @p opt may be NULL (defaults). The environment variable
- * FORKATTN_BACKEND=cpu|gpu|auto overrides opt->backend (an unknown value is an
- * error). With auto, the GPU is chosen only when the build has offload, a
- * device exists and a probe kernel from our device image really runs on it;
- * otherwise the CPU, and forkattn_ctx_backend_reason() says why.
+ * Create a context. @p opt may be NULL (defaults). When opt->backend is
+ * FORKATTN_BACKEND_AUTO, the environment variable FORKATTN_BACKEND=cpu|gpu|auto
+ * chooses the backend instead (an unknown value is an error); a backend the
+ * options name explicitly (CPU or GPU) is used whatever the environment says,
+ * and the variable is not read. With auto, the GPU is chosen only when the
+ * build has offload, a device exists and a probe kernel from our device image
+ * really runs on it; otherwise the CPU, and forkattn_ctx_backend_reason()
+ * says why.
+ * A GPU context reads its kernel choice (opt->gpu_kernels, opt->gpu_persist and their
+ * environment variables) here, once; its calls never read the environment.
  * Requesting gpu when it is unavailable returns FORKATTN_ERR_BACKEND_UNAVAILABLE
  * (and *ctx = NULL); forkattn_ctx_create_error() then says why. Nothing is
  * printed unless opt->verbose is set.
@@ -216,7 +242,9 @@ FORKATTN_API void forkattn_ctx_options_init(forkattn_ctx_options *opt);
  * @param opt options, or NULL for the defaults (copied; not kept)
  * @return FORKATTN_OK, FORKATTN_ERR_INVALID_ARGUMENT (bad options or a
  *         struct_size this library does not know, threads above
- *         forkattn_max_threads(), or a bad FORKATTN_BACKEND value),
+ *         forkattn_max_threads(), or a bad FORKATTN_BACKEND value with an auto
+ *         request; on a GPU context also a bad FORKATTN_GPU_KERNELS or
+ *         FORKATTN_GPU_PERSIST value),
  *         FORKATTN_ERR_BACKEND_UNAVAILABLE or FORKATTN_ERR_OUT_OF_MEMORY
  */
 FORKATTN_API forkattn_status forkattn_ctx_create(forkattn_ctx **ctx,
@@ -240,6 +268,11 @@ FORKATTN_API forkattn_backend forkattn_ctx_backend(const forkattn_ctx *ctx);
 /** @param ctx the context
  *  @return one line saying why that backend was chosen; owned by the context */
 FORKATTN_API const char *forkattn_ctx_backend_reason(const forkattn_ctx *ctx);
+/** @param ctx the context
+ *  @return one line naming the kernel family each GPU pass (forward, dQ, dK/dV, StreamKL
+ *  forward and backward) runs for bf16/f16 calls at head_dim 64 and 128 with 16-byte rows,
+ *  and the persistent-teams choice; "" on a CPU context. Owned by the context. */
+FORKATTN_API const char *forkattn_ctx_gpu_kernels(const forkattn_ctx *ctx);
 /** @param ctx the context
  *  @return the number of threads the CPU kernels use */
 FORKATTN_API int forkattn_ctx_threads(const forkattn_ctx *ctx);

@@ -1,11 +1,15 @@
-/* GPU backend (OpenMP offload, LLVM/Clang): probe, memory, segment attention.
- * Only compiled in offload builds (FORKATTN_HAVE_OFFLOAD). Never relies on the
- * OpenMP host fallback: without a usable device the context picks cpu/. */
+/* GPU backend (OpenMP offload, LLVM/Clang): its table (backend.h) and the
+ * entry points it holds. Only compiled in offload builds
+ * (FORKATTN_HAVE_OFFLOAD). Never relies on the OpenMP host fallback: without
+ * a usable device the context picks the CPU backend. */
 #ifndef FORKATTN_GPU_BACKEND_H
 #define FORKATTN_GPU_BACKEND_H
 #include <stddef.h>
 
+#include "backend.h"
 #include "segment_attn.h"
+
+extern const fa_backend fa_gpu_backend;
 
 /* 1 when OpenMP device `device` exists and a probe kernel from our device
  * image really ran on it; *why says what was found either way. */
@@ -25,5 +29,10 @@ int64_t fa_gpu_dkv_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int6
 
 forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkattn_memory memory);
 forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkattn_memory memory);
+forkattn_status fa_gpu_kl_fwd(forkattn_ctx *ctx, const struct fa_kl_call *c, forkattn_memory memory);
+forkattn_status fa_gpu_kl_bwd(forkattn_ctx *ctx, const struct fa_kl_call *c, forkattn_memory memory);
+/* Tensors in device memory of ctx->device (gpu_similarity.c). */
+forkattn_status fa_gpu_kv_similarity(forkattn_ctx *ctx, const forkattn_tensor *a, const forkattn_tensor *b,
+                                     double *sum);
 
 #endif

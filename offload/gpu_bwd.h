@@ -28,31 +28,28 @@ typedef struct fa_gpu_bwd {
   fa_kept kept; /* device copy, used when has_kept */
   int has_kept;
   int device;
-  const struct fa_tma_map *tma; /* device copies of Q's and dO's tensor maps for the wgmma dK/dV, or NULL */
+  const struct fa_tma_map *tma; /* device copies of Q's and dO's tensor maps: the wgmma dK/dV runs; or NULL */
   const struct fa_tma_map *kv_tma; /* K's and V's for the two-warpgroup dQ (dq_wg2), or NULL */
-  int dq_wg2; /* qblocks are FA_WG2_ROWS rows for the two-warpgroup dQ (fa_gpu_mma_dq_tma) */
-  int dkv_wg2; /* kblocks are FA_WG2_ROWS rows for the two-warpgroup dK/dV (fa_gpu_mma_dkv_wg2, tma set) */
+  int dq_wg2; /* the two-warpgroup dQ runs: qblocks of FA_WG2_ROWS rows */
+  int dkv_wg2; /* the two-warpgroup dK/dV runs (head_dim 128): kblocks of FA_WG2_ROWS rows, tma set */
   int *work;   /* device counter of the persistent dQ's items, zeroed by the plan copy */
   int dsum_ready; /* dsum holds D before the tensor-core dQ runs (some rows' D from the inputs) */
 } fa_gpu_bwd;
 
-/* 1 when the tensor-core backward runs this call: the forward's conditions
- * (fa_gpu_mma_fwd_ok) for q, k, v, and dout of the same dtype and alignment. */
-int fa_gpu_mma_bwd_ok(const fa_attn_bwd *a, forkattn_memory memory);
-/* The tensor-core dQ and dK/dV of b; argp: b's device copy (fa_stage_array), which the kernels read. */
-void fa_gpu_mma_dq(const fa_gpu_bwd *b, const fa_gpu_bwd *argp);
+/* The backward's call shape (fa_gpu_call_of): q, k, v, dout, o in; dq, dk, dv out. */
+fa_gpu_call fa_gpu_bwd_call(const fa_attn_bwd *a, forkattn_memory memory);
+/* Team memory of the wgmma dQ (two warpgroups) and dK/dV (key-major at head_dim 64, two
+ * warpgroups at 128) at head_dim 64 and 128 (fa_gpu_caps.wg_smem). */
+void fa_gpu_mma_bwd_smem(size_t dq[2], size_t dkv[2]);
+/* The tensor-core dQ and dK/dV of b; argp: b's device copy (fa_stage_array), which the kernels
+ * read; grid: the dQ's persistent teams (fa_gpu_select_grid), 0 for a team an item. */
+void fa_gpu_mma_dq(const fa_gpu_bwd *b, const fa_gpu_bwd *argp, int grid);
 void fa_gpu_mma_dkv(const fa_gpu_bwd *b, const fa_gpu_bwd *argp);
-/* fa_gpu_mma_tma_pair (gpu_fwd.h) for the wgmma dK/dV: Q's and dO's maps, boxes of its query tiles. */
+/* The wgmma dK/dV's maps of Q and dO (boxes of its query tiles) and the two-warpgroup dQ's maps of
+ * K and V (128-key boxes): fa_gpu_mma_tma_pair (gpu_fwd.h). */
 int fa_gpu_mma_dkv_tma(struct fa_tma_map *maps, const fa_dev_tensor *q, int64_t q_rows, const fa_dev_tensor *dout,
-                       int64_t dout_rows, int64_t hq, int64_t d, int device);
-/* 1 when the wgmma dK/dV may run as the two-warpgroup kernel (gpu_mma_bwd_team.h:
- * 128-row key blocks, Q's and dO's tiles by bulk copies): FORKATTN_GPU_WG2 is
- * not 0 and its team memory fits. It runs when the maps were encoded too. */
-int fa_gpu_mma_dkv_wg2(int64_t d, int device);
-/* 1 when the wgmma dQ runs as the two-warpgroup kernel (gpu_mma_bwd_team.h:
- * 128-row query blocks, 128-key tiles): FORKATTN_GPU_WG2 is not 0, its team
- * memory fits, and the driver encoded K's and V's maps into maps[0..1]. */
+                       int64_t dout_rows, int64_t hq, int64_t d);
 int fa_gpu_mma_dq_tma(struct fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
-                      int64_t v_rows, int64_t hkv, int64_t d, int device);
+                      int64_t v_rows, int64_t hkv, int64_t d);
 
 #endif

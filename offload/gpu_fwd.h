@@ -1,10 +1,11 @@
-/* The GPU forward's staged arguments, shared by its two kernels: the FP32
+/* The GPU forward's staged arguments, shared by its kernels: the FP32
  * CUDA-core kernel (any dtype, head_dim, stride, kept set: gpu_segment_fwd.c)
- * and the tensor-core kernel (bf16/f16, head_dim 64 or 128: gpu_mma_fwd.c). */
+ * and the tensor-core kernels (bf16/f16, head_dim 64 or 128: gpu_mma_fwd.c). */
 #ifndef FORKATTN_GPU_FWD_H
 #define FORKATTN_GPU_FWD_H
 #include <stdint.h>
 
+#include "gpu_select.h"
 #include "gpu_stage.h"
 #include "segment_attn.h"
 
@@ -22,8 +23,8 @@ typedef struct fa_gpu_fwd_args {
   fa_kept kept; /* device copy (maps staged) */
   int has_kept;
   int device;
-  const struct fa_tma_map *tma; /* device copies of K's and V's tensor maps (gpu_tma.h), or NULL: cp.async */
-  int wg2; /* blocks of FA_WG2_ROWS for the two-warpgroup wgmma kernel (fa_gpu_mma_fwd_tma) */
+  const struct fa_tma_map *tma; /* device copies of K's and V's tensor maps (gpu_tma.h) for the wgmma kernel */
+  int wg2; /* the two-warpgroup wgmma kernel runs: blocks of FA_WG2_ROWS, tma set */
   int *work; /* device counter of a persistent launch's items, zeroed by the plan copy */
 } fa_gpu_fwd_args;
 
@@ -34,38 +35,25 @@ typedef struct fa_gpu_fwd_args {
 /* Keys per tile of the wgmma forward (its S is one m64n64 product a k-step). */
 #define FA_WG_BK 64
 
-/* 1 when the tensor-core forward runs this call: FORKATTN_GPU_MMA is not 0
- * in the environment, q, k, v all bf16 or
- * all f16, head_dim 64 or 128, no kept set, 16-byte aligned rows in device
- * memory (host tensors are staged dense), o as fa_gpu_mma_out_ok (gpu_mma_tiles.h) asks. */
-int fa_gpu_mma_fwd_ok(const fa_attn_fwd *a, forkattn_memory memory);
-/* The shared rule: tensors t[0..n) all bf16 or all f16 (the dtype of t[0])
- * and, in device memory, 16-byte aligned rows; head_dim d; no kept set; the
- * plan's rows (with qshift) and pairs below FA_MMA_MAX_POS (32-bit walks). */
-int fa_gpu_mma_ok(const forkattn_tensor *const *t, int n, int64_t d, int has_kept, const fa_plan *plan,
-                  forkattn_memory memory);
-/* The tensor-core forward of g; argp: g's device copy (fa_stage_array), which the kernels read. */
-void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g, const fa_gpu_fwd_args *argp);
-/* 1 when a tensor-core launch of a call that passes fa_gpu_mma_ok takes its
- * wgmma kernel (team memory `smem`) with bulk tensor copies (sm_90a build,
- * device team memory, FORKATTN_GPU_TMA not 0) and the driver encoded the
- * tensor maps of a and b (device views of [rows][heads][d]) into maps[0],
- * maps[1], boxes of box_rows rows: the forward's K and V, the dK/dV's Q and
- * dO. A shape the driver refuses keeps the cp.async loads. */
+/* The shape of a call with inputs in[0..nin) and outputs out[0..nout) (NULL data: absent) as the
+ * kernel choice sees it (gpu_select.h): dtypes (all bf16 or all f16, that of in[0]), head_dim d,
+ * a kept set, 16-byte rows in device memory (host tensors are staged dense; outputs as
+ * fa_gpu_mma_out_ok in gpu_mma_tiles.h asks), plan positions in 32 bits (fa_mma_plan_fits). */
+fa_gpu_call fa_gpu_call_of(const forkattn_tensor *const *in, int nin, const forkattn_tensor *const *out, int nout,
+                           int64_t d, int has_kept, const fa_plan *plan, forkattn_memory memory);
+/* The forward's: q, k, v in, o out. */
+fa_gpu_call fa_gpu_fwd_call(const fa_attn_fwd *a, forkattn_memory memory);
+/* Team memory of the two-warpgroup wgmma forward at head_dim 64 and 128 (fa_gpu_caps.wg_smem). */
+void fa_gpu_mma_fwd_smem(size_t smem[2]);
+/* The tensor-core forward of g; argp: g's device copy (fa_stage_array), which the kernels read;
+ * grid: persistent teams of the two-warpgroup kernel (fa_gpu_select_grid), 0 for a team an item. */
+void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g, const fa_gpu_fwd_args *argp, int grid);
+/* 1 when the driver encoded the tensor maps of a and b (device views of [rows][heads][d]) into
+ * maps[0], maps[1], boxes of box_rows rows: the wgmma kernels' bulk tensor copies. */
 int fa_gpu_mma_tma_pair(struct fa_tma_map *maps, const fa_dev_tensor *a, int64_t a_rows, const fa_dev_tensor *b,
-                        int64_t b_rows, int64_t heads, int64_t d, int box_rows, size_t smem, int device);
-/* 1 unless FORKATTN_GPU_WG2=0 asks for the one-warpgroup wgmma kernels
- * instead of the two-warpgroup forward and dQ. Host code. */
-int fa_gpu_wg2_on(void);
-/* Teams of a persistent launch of nteams items (the two-warpgroup forward and dQ): one an SM, at
- * most nteams; 0 for a team an item (gpu_persist.h's choice; FORKATTN_GPU_PERSIST=0 or 1 forces
- * either, n > 1 persistent teams, at most n). */
-int fa_gpu_persist_grid(int device, int nteams);
-/* The wgmma forward's tensor maps of K and V (fa_gpu_mma_tma_pair): for the
- * two-warpgroup kernel (gpu_mma_fwd_team.h: 128-row blocks, 128-key tiles;
- * *wg2 = 1) when FORKATTN_GPU_WG2 is not 0 and its team memory fits, else
- * for the one-warpgroup kernel (64-key tiles). 0: no maps (cp.async loads). */
+                        int64_t b_rows, int64_t heads, int64_t d, int box_rows);
+/* The two-warpgroup forward's maps of K and V (128-key boxes): fa_gpu_mma_tma_pair. */
 int fa_gpu_mma_fwd_tma(struct fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
-                       int64_t v_rows, int64_t hkv, int64_t d, int device, int *wg2);
+                       int64_t v_rows, int64_t hkv, int64_t d);
 
 #endif

@@ -25,6 +25,7 @@
 #include "gpu_backend.h"
 #include "gpu_fwd.h" /* FA_MMA_ROWS */
 #include "gpu_kl.h"
+#include "gpu_select_ctx.h"
 #include "gpu_stage.h"
 #include "gpu_tiles.h"
 #include "online_softmax.h"
@@ -426,7 +427,9 @@ static forkattn_status fa_gpu_kl_stage_failed(forkattn_ctx *ctx, fa_stage *st, c
 forkattn_status fa_gpu_kl_fwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_memory memory) {
   const fa_plan *p = c->plan;
   fa_block *qb_h;
-  const int mma = fa_gpu_mma_kl_ok(c, memory);
+  const fa_gpu_call call = fa_gpu_kl_call(c, memory, 0);
+  const fa_gpu_kernel kern = fa_gpu_choose(ctx, FA_PASS_KL_FWD, &call);
+  const int mma = kern != FA_KERNEL_FP32;
   const int64_t nqb = fa_plan_blocks(p, mma ? FA_MMA_ROWS : FA_GPU_ROWS, 0, &qb_h);
   if (nqb < 0) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "gpu kl_fwd: cannot allocate blocks");
   if (nqb * c->h > INT_MAX) {
@@ -449,6 +452,7 @@ forkattn_status fa_gpu_kl_fwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_m
   fa_free(qb_h);
   if (bad) return fa_gpu_kl_stage_failed(ctx, &st, "kl_fwd");
   fa_note_workspace(ctx, st.bytes);
+  fa_gpu_log_kernels(ctx, "kl_fwd", "StreamKL forward %s", fa_gpu_kernel_name(FA_PASS_KL_FWD, kern));
   if (mma) fa_gpu_mma_kl_fwd(&b, ctx->device);
   else fa_gpu_kl_fwd_kernel(&b, ctx->device);
   int rc = fa_stage_floats_back(&st, c->kl, b.kl, n);
@@ -504,7 +508,9 @@ forkattn_status fa_gpu_kl_bwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_m
   fa_block *qb_h = NULL, *kb_h = NULL;
   fa_key_unit *units_h = NULL;
   int64_t *unit_off_h = NULL, nunits = -1;
-  const int mma = fa_gpu_mma_kl_bwd_ok(c, memory);
+  const fa_gpu_call call = fa_gpu_kl_call(c, memory, 1);
+  const fa_gpu_kernel kern = fa_gpu_choose(ctx, FA_PASS_KL_BWD, &call);
+  const int mma = kern != FA_KERNEL_FP32;
   const int64_t krows = mma ? FA_MMA_ROWS : FA_GPU_ROWS;
   const int64_t nqb = fa_plan_blocks(p, krows, 0, &qb_h);
   const int64_t nkb = fa_plan_blocks(p, krows, 1, &kb_h);
@@ -545,6 +551,7 @@ forkattn_status fa_gpu_kl_bwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_m
   if (bad) return fa_gpu_kl_stage_failed(ctx, &st, "kl_bwd");
   fa_note_workspace(ctx, st.bytes);
   const int dev = ctx->device;
+  fa_gpu_log_kernels(ctx, "kl_bwd", "StreamKL backward %s", fa_gpu_kernel_name(FA_PASS_KL_BWD, kern));
   if (!mma) {
     fa_gpu_kl_dq_kernel(&b, dev);
   } else {

@@ -4,6 +4,7 @@
 #define FORKATTN_GPU_KL_H
 #include <stdint.h>
 
+#include "gpu_select.h"
 #include "gpu_stage.h"
 #include "segment_plan.h"
 #include "streamkl.h"
@@ -26,15 +27,11 @@ typedef struct fa_gpu_kl {
   float st, ss, loss_mul;
 } fa_gpu_kl;
 
-/* 1 when the tensor-core forward runs this call: FORKATTN_GPU_MMA not 0, the
- * four score tensors all bf16 or all f16 with one head_dim, 64 or 128, no
- * kept set, 16-byte aligned rows in device memory (fa_gpu_mma_ok). */
-int fa_gpu_mma_kl_ok(const fa_kl_call *c, forkattn_memory memory);
+/* A StreamKL call's shape for the kernel choice (fa_gpu_call_of): the four score tensors in
+ * (all bf16 or all f16), the teacher's head_dim and whether the student's is the same, whether
+ * both sides share KV heads; bwd: the four gradients out too. */
+fa_gpu_call fa_gpu_kl_call(const fa_kl_call *c, forkattn_memory memory, int bwd);
 void fa_gpu_mma_kl_fwd(const fa_gpu_kl *b, int dev);
-/* 1 when the tensor-core backward runs this call: fa_gpu_mma_kl_ok, and both
- * sides with the same KV heads (a team's K tiles of both sides then belong to
- * one KV head). */
-int fa_gpu_mma_kl_bwd_ok(const fa_kl_call *c, forkattn_memory memory);
 /* dQ of one side (teacher != 0: the teacher's) by 64-row query block x query
  * head; dK of one side by key unit x KV head (b->part: partial sums). */
 void fa_gpu_mma_kl_dq(const fa_gpu_kl *b, int teacher, int dev);

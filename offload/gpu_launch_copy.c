@@ -1,7 +1,5 @@
 /* Host-to-device copies issued on the next launch's stream (gpu_launch_copy.h). */
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
 #include "gpu_launch_copy.h"
 
@@ -20,8 +18,7 @@ static _Thread_local void *fa_lc_route; /* valid while fa_lc_routed */
 static _Thread_local int fa_lc_routed;
 
 void fa_gpu_launch_copy_init(void *cu_memcpy_htod_async) {
-  const char *e = getenv("FORKATTN_GPU_LAUNCH_COPY");
-  fa_lc_copy = e && !strcmp(e, "0") ? NULL : (fa_cu_htod_async)(uintptr_t)cu_memcpy_htod_async;
+  fa_lc_copy = (fa_cu_htod_async)(uintptr_t)cu_memcpy_htod_async;
 }
 
 int fa_gpu_launch_copy_room(void) { return fa_lc_copy && fa_lc_n < FA_LAUNCH_COPIES; }

@@ -1,9 +1,9 @@
 /* Host-to-device copies that ride on the next kernel launch.
  *
- * A call's plan (segments, pairs, blocks, tensor maps) used to reach the
- * device through omp_target_memcpy: one synchronous copy, whose wait costs
- * about as much as a whole empty launch (bench/launch_cost.c). Instead the
- * stage queues the copy here, and the cuLaunchKernel forwarder of
+ * A call's plan (segments, pairs, blocks, tensor maps) through
+ * omp_target_memcpy would be one synchronous copy, whose wait costs about as
+ * much as a whole empty launch (bench/launch_cost.c). Instead the stage
+ * queues the copy here, and the cuLaunchKernel forwarder of
  * gpu_team_memory.c issues it with cuMemcpyHtoDAsync on the launch's own
  * stream just before the kernel: stream order puts the data in place before
  * the kernel starts, and the launch's synchronization covers the copy.
@@ -13,8 +13,7 @@
  * this thread is the calling library function's own. The host bytes must
  * stay valid and unchanged until that launch returns (gpu_stage.c holds a
  * packed copy until the call ends). Copies still queued when a call ends
- * (it launched nothing) are dropped: no kernel reads them.
- * FORKATTN_GPU_LAUNCH_COPY=0 keeps the synchronous copies. */
+ * (it launched nothing) are dropped: no kernel reads them. */
 #ifndef FORKATTN_GPU_LAUNCH_COPY_H
 #define FORKATTN_GPU_LAUNCH_COPY_H
 #include <stddef.h>

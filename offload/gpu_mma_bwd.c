@@ -17,15 +17,14 @@
  * Q/dO tiles are double-buffered with cp.async. No atomics: each key block's
  * units are summed in order afterwards.
  *
- * sm_90a builds run wgmma teams instead (gpu_mma_bwd_team.h): the dQ as two
- * warpgroups (fa_wg2_dq_team), the dK/dV at head_dim 128 query-major
- * (the queries as the products' rows, P and dS through team memory) as two
- * warpgroups of a 128-key block (fa_wg2_dkv_qm_team; one warpgroup,
- * fa_wg_dkv_qm_team, without bulk copies), at 64 key-major (fa_wg_dkv_team). */
+ * sm_90a builds run wgmma teams instead when the context's choice
+ * (gpu_select.h) says so (gpu_mma_bwd_team.h): the dQ as two warpgroups
+ * (fa_wg2_dq_team), the dK/dV at head_dim 128 query-major (the queries as the
+ * products' rows, P and dS through team memory) as two warpgroups of a
+ * 128-key block (fa_wg2_dkv_qm_team), at 64 key-major (fa_wg_dkv_team); all
+ * with their tiles by bulk tensor copies. */
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 #include <omp.h>
 #include <ompx.h>
 
@@ -36,18 +35,21 @@
 #include "gpu_mma_tiles.h"
 #include "gpu_wgmma.h"
 
-int fa_gpu_mma_bwd_ok(const fa_attn_bwd *a, forkattn_memory memory) {
+fa_gpu_call fa_gpu_bwd_call(const fa_attn_bwd *a, forkattn_memory memory) {
   /* o too: the dQ teams read it in 16-byte chunks for D */
-  const forkattn_tensor *t[5] = {&a->q, &a->k, &a->v, &a->dout, &a->o}, *out[3] = {&a->dq, &a->dk, &a->dv};
-  return fa_gpu_mma_ok(t, 5, a->d, a->kept != NULL, a->plan, memory) && fa_gpu_mma_out_ok(out, 3, memory);
+  const forkattn_tensor *in[5] = {&a->q, &a->k, &a->v, &a->dout, &a->o}, *out[3] = {&a->dq, &a->dk, &a->dv};
+  return fa_gpu_call_of(in, 5, out, 3, a->d, a->kept != NULL, a->plan, memory);
 }
 
+void fa_gpu_mma_bwd_smem(size_t dq[2], size_t dkv[2]) {
+  dq[0] = FA_WG2_DQ_SMEM(64);
+  dq[1] = FA_WG2_DQ_SMEM(128);
+  dkv[0] = FA_WG_DKV_SMEM(64);   /* key-major */
+  dkv[1] = FA_WG2_DKV_SMEM(128); /* two-warpgroup query-major */
+}
 
 #define FA_MMA_DQ(D, F16) \
   FA_MMA_QUERY_TEAMS(fa_mma_dq_team, qblocks, D, FA_MMA_BK(D), F16, FA_MMA_QUERY_SMEM(FA_MMA_BK(D), (D) + 8))
-
-#define FA_WG_DQ(D, F16) \
-  FA_MMA_QUERY_TEAMS(fa_wg_dq_team, qblocks, D, FA_WG_DQ_BK, F16, FA_WG_QUERY_SMEM(FA_WG_DQ_BK, D, 2))
 
 #define FA_WG2_DQ(D, F16) \
   FA_MMA_QUERY_TEAMS_OF(fa_wg2_dq_team, qblocks, D, FA_WG2_BK, F16, FA_WG2_DQ_SMEM(D), FA_WG2_THREADS)
@@ -55,22 +57,22 @@ int fa_gpu_mma_bwd_ok(const fa_attn_bwd *a, forkattn_memory memory) {
   FA_WG2_QUERY_TEAMS_PERSIST(fa_wg2_dq_team, fa_wg2_dq_ring, qblocks, nqb, D, FA_WG2_BK, F16, FA_WG2_DQ_SMEM(D))
 
 int fa_gpu_mma_dq_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
-                      int64_t v_rows, int64_t hkv, int64_t d, int device) {
-  return fa_gpu_wg2_on() &&
-         fa_gpu_mma_tma_pair(maps, k, k_rows, v, v_rows, hkv, d, FA_WG2_BK, FA_WG2_DQ_SMEM(d), device);
+                      int64_t v_rows, int64_t hkv, int64_t d) {
+  return fa_gpu_mma_tma_pair(maps, k, k_rows, v, v_rows, hkv, d, FA_WG2_BK);
 }
 
-void fa_gpu_mma_dq(const fa_gpu_bwd *b, const fa_gpu_bwd *argp) {
+void fa_gpu_mma_dq(const fa_gpu_bwd *b, const fa_gpu_bwd *argp, int grid) {
   const int nteams = (int)(b->nqb * b->hq), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
 #ifdef FORKATTN_HAVE_WGMMA
-  if (b->dq_wg2) { /* fa_gpu_mma_dq_tma chose it, and the query blocks are FA_WG2_ROWS */
-    const int grid = fa_gpu_persist_grid(dev, nteams);
+  if (b->dq_wg2) { /* the query blocks are FA_WG2_ROWS, K's and V's maps encoded */
     if (grid) FA_TL_LAUNCH(dev, "wg2_dq", FA_MMA_BY_HEAD_DIM(FA_WG2_DQ_PERSIST, b->d, f16));
     else FA_TL_LAUNCH(dev, "wg2_dq", FA_MMA_BY_HEAD_DIM(FA_WG2_DQ, b->d, f16));
     return;
   }
+#else
+  (void)grid;
 #endif
-  FA_WG_OR_MMA(FA_WG_DQ, FA_MMA_DQ, FA_WG_QUERY_SMEM(FA_WG_DQ_BK, b->d, 2), b->d, f16);
+  FA_MMA_BY_HEAD_DIM(FA_MMA_DQ, b->d, f16);
 }
 
 /* One team per (key unit, KV head); at head_dim 128 V's tile stays in team
@@ -92,45 +94,26 @@ void fa_gpu_mma_dq(const fa_gpu_bwd *b, const fa_gpu_bwd *argp) {
 #define FA_MMA_DKV(D, F16) FA_MMA_DKV_TEAMS(fa_mma_dkv_team, D, F16, FA_MMA_DKV_SMEM(D))
 #define FA_WG_DKV(D, F16) FA_MMA_DKV_TEAMS(fa_wg_dkv_team, D, F16, FA_WG_DKV_SMEM(D))
 
-#define FA_WG_DKV_QM(D, F16) FA_MMA_DKV_TEAMS(fa_wg_dkv_qm_team, D, F16, FA_WG_DKV_QM_SMEM(D))
 #define FA_WG2_DKV_QM(D, F16) \
   FA_MMA_DKV_TEAMS_OF(fa_wg2_dkv_qm_team, D, F16, FA_WG2_DKV_SMEM(D), FA_WG2_THREADS)
 
-/* The query-major wgmma dK/dV at head_dim 128 (at 64 the key-major one was
- * faster: bench/NOTES-gpu.md, v2.22), unless FORKATTN_GPU_DKV_QM=0 keeps
- * the key-major one (comparison and diagnosis). */
-static int fa_gpu_dkv_qm_on(int64_t d) {
-  const char *env = getenv("FORKATTN_GPU_DKV_QM");
-  return d == 128 && !(env && strcmp(env, "0") == 0);
-}
-
 int fa_gpu_mma_dkv_tma(fa_tma_map *maps, const fa_dev_tensor *q, int64_t q_rows, const fa_dev_tensor *dout,
-                       int64_t dout_rows, int64_t hq, int64_t d, int device) {
-  if (fa_gpu_dkv_qm_on(d))
-    return fa_gpu_mma_tma_pair(maps, q, q_rows, dout, dout_rows, hq, d, FA_WG_DKV_QM_BQ, FA_WG_DKV_QM_SMEM(d),
-                               device);
-  return fa_gpu_mma_tma_pair(maps, q, q_rows, dout, dout_rows, hq, d, FA_WG_DKV_BQ(d), FA_WG_DKV_SMEM(d), device);
-}
-
-int fa_gpu_mma_dkv_wg2(int64_t d, int device) {
-  /* FORKATTN_GPU_DKV_WG2=0 keeps the one-warpgroup query-major kernel (comparison and diagnosis) */
-  const char *env = getenv("FORKATTN_GPU_DKV_WG2");
-  return fa_gpu_dkv_qm_on(d) && fa_gpu_wg2_on() && !(env && strcmp(env, "0") == 0) &&
-         fa_gpu_wgmma_on(device, FA_WG2_DKV_SMEM(d));
+                       int64_t dout_rows, int64_t hq, int64_t d) {
+  return fa_gpu_mma_tma_pair(maps, q, q_rows, dout, dout_rows, hq, d, d == 128 ? FA_WG_DKV_QM_BQ : FA_WG_DKV_BQ(d));
 }
 
 void fa_gpu_mma_dkv(const fa_gpu_bwd *b, const fa_gpu_bwd *argp) {
   const int nteams = (int)(b->nunits * b->hkv), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
 #ifdef FORKATTN_HAVE_WGMMA
-  if (b->dkv_wg2) { /* fa_gpu_mma_dkv_wg2 chose it, the key blocks are FA_WG2_ROWS, Q's and dO's maps encoded */
+  if (b->dkv_wg2) { /* head_dim 128: the key blocks are FA_WG2_ROWS, Q's and dO's maps encoded */
     FA_TL_LAUNCH(dev, "wg2_dkv", if (f16) FA_WG2_DKV_QM(128, 1); else FA_WG2_DKV_QM(128, 0));
     return;
   }
-  if (fa_gpu_dkv_qm_on(b->d) && fa_gpu_wgmma_on(dev, FA_WG_DKV_QM_SMEM(128))) {
-    if (f16) FA_WG_DKV_QM(128, 1);
-    else FA_WG_DKV_QM(128, 0);
+  if (b->tma) { /* head_dim 64: the key-major kernel, Q's and dO's maps encoded */
+    if (f16) FA_WG_DKV(64, 1);
+    else FA_WG_DKV(64, 0);
     return;
   }
 #endif
-  FA_WG_OR_MMA(FA_WG_DKV, FA_MMA_DKV, FA_WG_DKV_SMEM(b->d), b->d, f16);
+  FA_MMA_BY_HEAD_DIM(FA_MMA_DKV, b->d, f16);
 }

@@ -1,4 +1,4 @@
-/* Tensor-core StreamKL: eligibility and launches of the forward
+/* Tensor-core StreamKL: call shapes and launches of the forward
  * (gpu_mma_kl_team.h) and the backward's dQ and dK (gpu_mma_kl_bwd_team.h);
  * gpu_kl.c stages the arguments, sums split units and runs the FP32 kernels
  * for the other calls. */
@@ -11,14 +11,12 @@
 #include "gpu_mma_kl_team.h"
 #include "gpu_mma_tiles.h"
 
-int fa_gpu_mma_kl_ok(const fa_kl_call *c, forkattn_memory memory) {
-  const forkattn_tensor *t[4] = {&c->qt, &c->kt, &c->qs, &c->ks};
-  return c->ds == c->dt && fa_gpu_mma_ok(t, 4, c->dt, c->kept != NULL, c->plan, memory);
-}
-
-int fa_gpu_mma_kl_bwd_ok(const fa_kl_call *c, forkattn_memory memory) {
-  const forkattn_tensor *out[4] = {&c->dqs, &c->dks, &c->dqt, &c->dkt};
-  return c->hkv_t == c->hkv_s && fa_gpu_mma_kl_ok(c, memory) && fa_gpu_mma_out_ok(out, 4, memory);
+fa_gpu_call fa_gpu_kl_call(const fa_kl_call *c, forkattn_memory memory, int bwd) {
+  const forkattn_tensor *in[4] = {&c->qt, &c->kt, &c->qs, &c->ks}, *out[4] = {&c->dqs, &c->dks, &c->dqt, &c->dkt};
+  fa_gpu_call g = fa_gpu_call_of(in, 4, out, bwd ? 4 : 0, c->dt, c->kept != NULL, c->plan, memory);
+  g.same_d = c->ds == c->dt;
+  g.same_kv_heads = c->hkv_t == c->hkv_s;
+  return g;
 }
 
 /* One team per (64-row query block, query head); two buffers of both sides' K tiles. */

@@ -5,7 +5,7 @@
  * atomic, a barrier and the ring's re-initialisation an item; on the H200
  * (bench/NOTES-gpu.md, v2.47) that gained 2.6 % (forward) and 2.2 % (dQ) at
  * case 2's ~39 items an SM and lost 2-4 % at case 1's ~4, hence the
- * threshold. Host code, tested in test_gpu_pool. */
+ * threshold. Host code, tested in test_gpu_pool and test_gpu_select. */
 #ifndef FORKATTN_GPU_PERSIST_H
 #define FORKATTN_GPU_PERSIST_H
 #include <stdint.h>
@@ -14,9 +14,9 @@
 #define FA_PERSIST_MIN_ITEMS_PER_SM 8
 
 /* Teams of the launch for nteams items on `sms` multiprocessors; 0: a team
- * an item. mode: 0 never (FORKATTN_GPU_PERSIST=0), 1 always (=1), n > 1
- * always with at most n teams (=n: many items a team on small launches, for
- * the sanitizers and test_persist), -1 auto. */
+ * an item. mode (the context's gpu_persist, gpu_select.h): 0 never, 1 always,
+ * n > 1 always with at most n teams (many items a team on small launches,
+ * for the sanitizers and test_persist), -1 auto. */
 static inline int fa_persist_grid_for(int sms, int64_t nteams, int mode) {
   if (mode == 0 || sms <= 0 || nteams <= 0) return 0;
   if (mode < 0 && nteams < (int64_t)FA_PERSIST_MIN_ITEMS_PER_SM * sms) return 0;

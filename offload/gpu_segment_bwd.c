@@ -18,6 +18,7 @@
 #include "gpu_stream.h"
 #include "gpu_trace.h"
 #include "gpu_tiles.h"
+#include "gpu_select_ctx.h"
 #include "gpu_tma.h"
 #include "online_softmax.h"
 #include "rowsum_exact.h"
@@ -342,7 +343,7 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
   fa_key_unit *units_h = NULL;
   int64_t *unit_off_h = NULL;
   fa_gpu_trace tr;
-  fa_gpu_trace_begin(&tr);
+  fa_gpu_trace_begin(&tr, ctx->gpu->knobs.trace);
   fa_stage st;
   fa_stage_init(&st, ctx, memory == FORKATTN_MEMORY_HOST);
   fa_gpu_bwd b = {.rows = p->rows, .qshift = p->qshift, .hq = a->hq, .hkv = a->hkv, .d = a->d, .scale = a->scale,
@@ -360,10 +361,18 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
    * krows rows (the dK/dV teams'), query blocks of the dQ teams' rows. maps: the dK/dV's Q and dO maps,
    * the two-warpgroup dQ's K and V maps, uploaded with the plan, first (64-byte aligned). */
   fa_tma_map maps[4];
-  const int tma = !bad && mma &&
-                  fa_gpu_mma_dkv_tma(maps, &b.q, a->q.rows, &b.dout, a->dout.rows, a->hq, a->d, ctx->device);
-  b.dq_wg2 = !bad && mma && fa_gpu_mma_dq_tma(maps + 2, &b.k, a->k.rows, &b.v, a->v.rows, a->hkv, a->d, ctx->device);
-  b.dkv_wg2 = tma && fa_gpu_mma_dkv_wg2(a->d, ctx->device);
+  const fa_gpu_call call = fa_gpu_bwd_call(a, memory);
+  fa_gpu_kernel kdq = mma ? fa_gpu_choose(ctx, FA_PASS_DQ, &call) : FA_KERNEL_FP32;
+  fa_gpu_kernel kdkv = mma ? fa_gpu_choose(ctx, FA_PASS_DKV, &call) : FA_KERNEL_FP32;
+  kdkv = fa_gpu_choose_mapped(ctx, FA_PASS_DKV, &call, kdkv,
+                              !bad && fa_gpu_select_needs_tma(kdkv) &&
+                                  fa_gpu_mma_dkv_tma(maps, &b.q, a->q.rows, &b.dout, a->dout.rows, a->hq, a->d));
+  kdq = fa_gpu_choose_mapped(ctx, FA_PASS_DQ, &call, kdq,
+                             !bad && fa_gpu_select_needs_tma(kdq) &&
+                                 fa_gpu_mma_dq_tma(maps + 2, &b.k, a->k.rows, &b.v, a->v.rows, a->hkv, a->d));
+  const int tma = fa_gpu_select_needs_tma(kdkv);
+  b.dq_wg2 = kdq == FA_KERNEL_WG2;
+  b.dkv_wg2 = kdkv == FA_KERNEL_WG2;
   b.krows = b.dkv_wg2 ? FA_WG2_ROWS : mma ? FA_MMA_ROWS : FA_GPU_ROWS;
   const int64_t qrows = b.dq_wg2 ? FA_WG2_ROWS : mma ? FA_MMA_ROWS : FA_GPU_ROWS;
   fa_gpu_trace_mark(&tr, "maps");
@@ -433,8 +442,11 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
     fa_gpu_rowsum(&b, ctx->device);
     fa_gpu_trace_mark(&tr, "rowsum");
   }
+  const int grid = fa_gpu_choose_grid(ctx, FA_PASS_DQ, kdq, b.nqb * a->hq);
+  fa_gpu_log_kernels(ctx, "attn_bwd", "dQ %s%s, dK/dV %s", fa_gpu_kernel_name(FA_PASS_DQ, kdq),
+                     grid ? ", persistent teams" : "", fa_gpu_kernel_name(FA_PASS_DKV, kdkv));
   if (mma) {
-    fa_gpu_mma_dq(&b, b_dev);
+    fa_gpu_mma_dq(&b, b_dev, grid);
     fa_gpu_trace_mark(&tr, "mma_dq");
     fa_gpu_mma_dkv(&b, b_dev);
     fa_gpu_trace_mark(&tr, "mma_dkv");
@@ -456,5 +468,7 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
 
 forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkattn_memory memory) {
   /* the tensor-core kernels and the reduce take their arguments from the staged copy: routable */
-  return fa_gpu_stream_run(ctx, fa_gpu_attn_bwd_run, a, memory, fa_gpu_mma_bwd_ok(a, memory), "gpu bwd");
+  const fa_gpu_call call = fa_gpu_bwd_call(a, memory);
+  return fa_gpu_stream_run(ctx, fa_gpu_attn_bwd_run, a, memory, fa_gpu_choose(ctx, FA_PASS_DQ, &call) != FA_KERNEL_FP32,
+                           "gpu bwd");
 }

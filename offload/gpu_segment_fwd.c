@@ -18,6 +18,7 @@
 #include "dtype_convert.h"
 #include "gpu_backend.h"
 #include "gpu_fwd.h"
+#include "gpu_select_ctx.h"
 #include "gpu_tma.h"
 #include "gpu_stage.h"
 #include "gpu_stream.h"
@@ -117,7 +118,7 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
   const fa_plan *p = a->plan;
   fa_block *blocks_h = NULL;
   fa_gpu_trace tr;
-  fa_gpu_trace_begin(&tr);
+  fa_gpu_trace_begin(&tr, ctx->gpu->knobs.trace);
   fa_stage st;
   fa_stage_init(&st, ctx, memory == FORKATTN_MEMORY_HOST);
   fa_dev_tensor q, k, v, o;
@@ -130,10 +131,14 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
             fa_stage_tensor(&st, &a->o, 0, &o);
   fa_gpu_trace_mark(&tr, "views");
   /* the plan and, for bulk tensor copies, K's and V's tensor maps in one upload; the maps first,
-   * at the block's start (64-byte aligned) */
+   * at the block's start (64-byte aligned); maps the driver refuses select again without them */
   fa_tma_map maps[2];
-  int wg2 = 0;
-  const int tma = !bad && mma && fa_gpu_mma_fwd_tma(maps, &k, a->k.rows, &v, a->v.rows, hkv, d, ctx->device, &wg2);
+  const fa_gpu_call call = fa_gpu_fwd_call(a, memory);
+  fa_gpu_kernel kern = mma ? fa_gpu_choose(ctx, FA_PASS_FWD, &call) : FA_KERNEL_FP32;
+  kern = fa_gpu_choose_mapped(ctx, FA_PASS_FWD, &call, kern,
+                              !bad && fa_gpu_select_needs_tma(kern) &&
+                                  fa_gpu_mma_fwd_tma(maps, &k, a->k.rows, &v, a->v.rows, hkv, d));
+  const int wg2 = kern == FA_KERNEL_WG2, tma = wg2;
   fa_gpu_trace_mark(&tr, "maps");
   /* query blocks: the tensor-core kernels' teams (two warpgroups: 128 rows), or the FP32 kernel's */
   const int64_t nb = bad ? 0 : fa_plan_blocks(p, wg2 ? FA_WG2_ROWS : mma ? FA_MMA_ROWS : FA_GPU_ROWS, 0, &blocks_h);
@@ -173,7 +178,10 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
   fa_note_workspace(ctx, st.bytes);
   fa_gpu_trace_mark(&tr, "upload");
 
-  if (mma) fa_gpu_mma_fwd(&ga, ga_dev);
+  const int grid = fa_gpu_choose_grid(ctx, FA_PASS_FWD, kern, nb * hq);
+  fa_gpu_log_kernels(ctx, "attn_fwd", "forward %s%s", fa_gpu_kernel_name(FA_PASS_FWD, kern),
+                     grid ? ", persistent teams" : "");
+  if (mma) fa_gpu_mma_fwd(&ga, ga_dev, grid);
   else fa_gpu_fp32_fwd(&ga);
   fa_gpu_trace_mark(&tr, mma ? "mma_fwd" : "fp32_fwd");
 
@@ -186,5 +194,7 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
 }
 
 forkattn_status fa_gpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkattn_memory memory) {
-  return fa_gpu_stream_run(ctx, fa_gpu_attn_fwd_run, a, memory, fa_gpu_mma_fwd_ok(a, memory), "gpu fwd");
+  const fa_gpu_call call = fa_gpu_fwd_call(a, memory);
+  return fa_gpu_stream_run(ctx, fa_gpu_attn_fwd_run, a, memory, fa_gpu_choose(ctx, FA_PASS_FWD, &call) != FA_KERNEL_FP32,
+                           "gpu fwd");
 }

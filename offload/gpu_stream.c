@@ -81,7 +81,7 @@ int fa_gpu_stream_check(int device, void *stream, int *invalid, char *why, size_
   *invalid = 0;
   if (!fa_gpu_launch_forwarded()) {
     snprintf(why, len, "this offload runtime's launches cannot be routed (no cuLaunchKernel forwarder: "
-                       "FORKATTN_GPU_TEAM_MEMORY=runtime, or the runtime's driver table was not found)");
+                       "the runtime's driver table was not found)");
     return -1;
   }
   if (fa_cu_primary(device, &pctx)) {

@@ -137,8 +137,7 @@ size_t fa_gpu_team_memory_init(int device) {
     return fa_tm_bytes[device];
   }
   size_t bytes = FA_GPU_TEAM_MEMORY_DEFAULT;
-  const char *e = getenv("FORKATTN_GPU_TEAM_MEMORY");
-  void *cuda = (e && !strcmp(e, "runtime")) ? NULL : dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
   if (cuda) {
     fa_cu_device_get get = (fa_cu_device_get)dlsym(cuda, "cuDeviceGet");
     fa_cu_device_attr attr = (fa_cu_device_attr)dlsym(cuda, "cuDeviceGetAttribute");

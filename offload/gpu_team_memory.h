@@ -12,8 +12,7 @@
  * next launch (gpu_launch_copy.h) on the launch's stream, before the kernel,
  * and moves a routed call's launches to the caller's stream (gpu_stream.h).
  * A table it cannot find leaves the 48 KB limit (the kernels keep their
- * 48 KB shapes) and the copies synchronous; a failed check, the limit.
- * FORKATTN_GPU_TEAM_MEMORY=runtime leaves the runtime alone. */
+ * 48 KB shapes) and the copies synchronous; a failed check, the limit. */
 #ifndef FORKATTN_GPU_TEAM_MEMORY_H
 #define FORKATTN_GPU_TEAM_MEMORY_H
 #include <stddef.h>

@@ -1,14 +1,11 @@
 /* Phase timing of GPU calls (gpu_trace.h). */
 #include <omp.h>
 #include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 
 #include "gpu_trace.h"
 
-void fa_gpu_trace_begin(fa_gpu_trace *tr) {
-  const char *e = getenv("FORKATTN_GPU_TRACE");
-  tr->on = e && !strcmp(e, "1");
+void fa_gpu_trace_begin(fa_gpu_trace *tr, int on) {
+  tr->on = on;
   tr->len = 0;
   tr->line[0] = '\0';
   tr->t = tr->on ? omp_get_wtime() : 0.0;

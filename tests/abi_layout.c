@@ -45,6 +45,8 @@ int main(void) {
   FIELD(forkattn_ctx_options, threads);
   FIELD(forkattn_ctx_options, bind_threads);
   FIELD(forkattn_ctx_options, verbose);
+  FIELD(forkattn_ctx_options, gpu_kernels);
+  FIELD(forkattn_ctx_options, gpu_persist);
   end();
 
   BEGIN(forkattn_prefix_layout);

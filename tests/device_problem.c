@@ -1,4 +1,5 @@
 /* One GRPO-like problem in device memory for the GPU tests (device_problem.h). */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <criterion/criterion.h>
 #include <stdlib.h>
 #include <string.h>
@@ -128,21 +129,25 @@ void dp_queue_prologue(dp_problem *p, const dp_lay *a) {
 
 static forkattn_ctx *dp_gpu_ctx_with_mma(const char *name) {
   forkattn_ctx *ctx = tc_gpu_ctx_or_skip(name);
-  const char *e = getenv("FORKATTN_GPU_MMA");
-  if (e && !strcmp(e, "0")) {
+  if (strstr(forkattn_ctx_gpu_kernels(ctx), "forward fp32")) {
     forkattn_ctx_destroy(ctx);
-    cr_skip_test("%s: FORKATTN_GPU_MMA=0: no tensor-core call to compare", name);
+    cr_skip_test("%s: FORKATTN_GPU_KERNELS=fp32: no tensor-core call to compare", name);
   }
   return ctx;
 }
 
-void dp_duo_init(dp_duo *d, const char *name) {
+void dp_duo_init_env(dp_duo *d, const char *name, const char *var, const char *ref_value, const char *value) {
+  if (var) setenv(var, ref_value, 1);
   d->sync_ctx = dp_gpu_ctx_with_mma(name);
+  if (var) setenv(var, value, 1);
   d->ctx = tc_gpu_ctx_or_skip(name);
+  if (var) unsetenv(var);
   dp_make_lays(&d->a, &d->b);
   dp_problem_init(&d->ps, d->sync_ctx, d->a.T, name);
   dp_problem_init(&d->pq, d->ctx, d->a.T, name); /* the same seed: the same inputs */
 }
+
+void dp_duo_init(dp_duo *d, const char *name) { dp_duo_init_env(d, name, NULL, NULL, NULL); }
 
 void dp_duo_free(dp_duo *d) {
   dp_problem_free(&d->pq);

@@ -58,8 +58,11 @@ typedef struct dp_duo {
   dp_problem ps, pq;
 } dp_duo;
 
-/* Skips the test on a CPU context, or when FORKATTN_GPU_MMA=0 leaves no tensor-core call. */
+/* Skips the test on a CPU context, or when FORKATTN_GPU_KERNELS=fp32 leaves no tensor-core call. */
 void dp_duo_init(dp_duo *d, const char *name);
+/* dp_duo_init with environment variable var (unless NULL) set to ref_value while the reference's
+ * context is created and to value while the other's is (contexts read their GPU knobs then). */
+void dp_duo_init_env(dp_duo *d, const char *name, const char *var, const char *ref_value, const char *value);
 void dp_duo_free(dp_duo *d);
 /* Output set i of layout L: the reference's every element written, the other's bitwise the same. */
 void dp_assert_same(dp_duo *d, int i, const dp_lay *L, const char *what);

@@ -413,8 +413,7 @@ Test(blas, threads_restored, .timeout = CC_TIMEOUT) {
   forkattn_ctx *ctx = NULL;
   cr_assert_eq(forkattn_ctx_create(&ctx, &opt), FORKATTN_OK, "%s: %s", name, forkattn_ctx_create_error());
   tc_print_where(ctx, name);
-  if (forkattn_ctx_backend(ctx) != FORKATTN_BACKEND_CPU)
-    cr_skip_test("%s: FORKATTN_BACKEND overrides the cpu backend this test needs", name);
+  cr_assert_eq(forkattn_ctx_backend(ctx), FORKATTN_BACKEND_CPU, "%s: %s", name, forkattn_ctx_backend_reason(ctx));
 
   cc_problem p[2];
   cc_out want[2];

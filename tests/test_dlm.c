@@ -23,8 +23,7 @@
 
 static forkattn_ctx *td_ctx(void) {
   forkattn_ctx_options co;
-  forkattn_ctx_options_init(&co);
-  co.backend = FORKATTN_BACKEND_CPU;
+  forkattn_ctx_options_init(&co); /* auto: FORKATTN_BACKEND picks it (the GPU suite sets gpu) */
   forkattn_ctx *ctx = NULL;
   cr_assert_eq(forkattn_ctx_create(&ctx, &co), FORKATTN_OK);
   return ctx;

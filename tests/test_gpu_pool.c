@@ -265,27 +265,20 @@ Test(gpu_launch_copy, a_failed_copy_fails_the_launch_and_empties_the_queue) {
   carry_case_end(&k);
 }
 
-Test(gpu_launch_copy, off_without_the_driver_or_when_asked) {
+Test(gpu_launch_copy, off_without_the_driver) {
   forkattn_ctx c = host_ctx();
   tc_rng rng = tc_rng_for("gpu_launch_copy/off");
-  for (int mode = 0; mode < 2; mode++) {
-    fake_calls = 0;
-    if (mode == 0) fa_gpu_launch_copy_init(NULL); /* no forwarder: the runtime's table was not found */
-    else {
-      setenv("FORKATTN_GPU_LAUNCH_COPY", "0", 1);
-      fa_gpu_launch_copy_init((void *)(uintptr_t)fake_htod);
-      unsetenv("FORKATTN_GPU_LAUNCH_COPY");
-    }
-    fa_stage st;
-    fa_stage_init(&st, &c, 0);
-    int64_t want[3][4];
-    void *dev[3];
-    stage_random(&st, &rng, want, dev);
-    assert_in_place(dev, want, mode == 0 ? "no forwarder" : "FORKATTN_GPU_LAUNCH_COPY=0");
-    cr_assert_eq(fa_gpu_launch_copies_issue(NULL), 0);
-    cr_assert_eq(fake_calls, 0, "mode %d: nothing queued", mode);
-    fa_stage_free(&st);
-  }
+  fake_calls = 0;
+  fa_gpu_launch_copy_init(NULL); /* no forwarder: the runtime's table was not found */
+  fa_stage st;
+  fa_stage_init(&st, &c, 0);
+  int64_t want[3][4];
+  void *dev[3];
+  stage_random(&st, &rng, want, dev);
+  assert_in_place(dev, want, "no forwarder");
+  cr_assert_eq(fa_gpu_launch_copies_issue(NULL), 0);
+  cr_assert_eq(fake_calls, 0, "nothing queued");
+  fa_stage_free(&st);
   fa_gpu_pool_destroy(&c);
 }
 
@@ -376,12 +369,12 @@ Test(gpu_persist, persistent_teams_only_where_an_sm_gets_many_items) {
   cr_assert_eq(fa_persist_grid_for(sms, 512, -1), 0, "case 1: ~4 items an SM, a team an item");
   cr_assert_eq(fa_persist_grid_for(sms, FA_PERSIST_MIN_ITEMS_PER_SM * sms, -1), sms, "the threshold itself");
   cr_assert_eq(fa_persist_grid_for(sms, FA_PERSIST_MIN_ITEMS_PER_SM * sms - 1, -1), 0, "just below it");
-  cr_assert_eq(fa_persist_grid_for(sms, 5120, 0), 0, "FORKATTN_GPU_PERSIST=0");
-  cr_assert_eq(fa_persist_grid_for(sms, 512, 1), sms, "FORKATTN_GPU_PERSIST=1");
+  cr_assert_eq(fa_persist_grid_for(sms, 5120, 0), 0, "gpu_persist 0");
+  cr_assert_eq(fa_persist_grid_for(sms, 512, 1), sms, "gpu_persist 1");
   cr_assert_eq(fa_persist_grid_for(sms, 40, 1), 40, "never more teams than items");
-  cr_assert_eq(fa_persist_grid_for(sms, 40, 3), 3, "FORKATTN_GPU_PERSIST=3: at most 3 teams");
-  cr_assert_eq(fa_persist_grid_for(sms, 2, 3), 2, "FORKATTN_GPU_PERSIST=3, two items");
-  cr_assert_eq(fa_persist_grid_for(sms, 5120, 1000), sms, "FORKATTN_GPU_PERSIST=1000: one an SM at most");
+  cr_assert_eq(fa_persist_grid_for(sms, 40, 3), 3, "gpu_persist 3: at most 3 teams");
+  cr_assert_eq(fa_persist_grid_for(sms, 2, 3), 2, "gpu_persist 3, two items");
+  cr_assert_eq(fa_persist_grid_for(sms, 5120, 1000), sms, "gpu_persist 1000: one an SM at most");
   cr_assert_eq(fa_persist_grid_for(0, 5120, 1), 0, "unknown multiprocessors: a team an item");
   cr_assert_eq(fa_persist_grid_for(sms, 0, 1), 0, "no items");
 }

@@ -467,7 +467,7 @@ Test(segment_plan, key_units_cover_every_reader_row_once) {
 
 /* The key-unit chunk for the GPU dK/dV teams: no split when every (key block,
  * team) is within a slot's share; otherwise the share, so no unit carries
- * more than its share. Both shapes of issue 5's case 1 and 2 by their plans. */
+ * more than its share. Both shapes of bench/RESULTS.md's cases 1 and 2 by their plans. */
 static int64_t kl_block_rows(const fa_plan *p, const fa_block *b) {
   int64_t rows = 0;
   for (int64_t j = p->k_pair_off[b->seg]; j < p->k_pair_off[b->seg + 1]; j++)

@@ -7,10 +7,10 @@
  * entry, a wrong length, a stale or torn copy all show. Checked: the longest
  * cached prefix wins (nested prefixes, divergence inside a block, exact
  * length, no longer entry serving a shorter prefix); collisions forced by a
- * 2-bit hash (FORKATTN_TEST_KV_HASH_BITS) never return a wrong entry; LRU
- * order and recency bumps; the byte budget after every operation of long
- * random sequences run against a model implementation; held entries survive
- * eviction pressure intact; refresh; rejection; f32/bf16/f16; strided inputs;
+ * 2-bit hash (the cache's hash mask, set through kv_cache_internal.h) never
+ * return a wrong entry; LRU order and recency bumps; the byte budget after
+ * every operation of long random sequences run against a model
+ * implementation; held entries survive eviction pressure intact; refresh; rejection; f32/bf16/f16; strided inputs;
  * 8 threads at once; every bad argument; allocation failures
  * (FORKATTN_ALLOC_TEST builds); device memory (GPU backend; skips on the CPU).
  */
@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kv_cache_internal.h" /* white box: the index's hash mask */
 #include "test_common.h"
 
 /* Exported by FORKATTN_ALLOC_TEST builds of the library only (lib/core/alloc.c). */
@@ -311,14 +312,11 @@ static int64_t brute_longest(const int32_t (*ins)[MAXN], const int64_t *ins_len,
 /* Many similar prefixes over a 2-letter alphabet, random lookups; block size
  * and hash width as given (bits 0: the full hash). */
 static void similar_prefixes(const char *name, int64_t block, int bits) {
-  char env[8];
-  snprintf(env, sizeof env, "%d", bits);
-  if (bits) setenv("FORKATTN_TEST_KV_HASH_BITS", env, 1);
   forkattn_ctx *ctx = cpu_ctx(name);
   tc_rng rng = tc_rng_for(name);
   forkattn_kv_cache_options o = opts((size_t)1 << 26, block, 1, 1, 4, FORKATTN_DTYPE_BF16);
   forkattn_kv_cache *c = make_cache(ctx, &o);
-  unsetenv("FORKATTN_TEST_KV_HASH_BITS");
+  if (bits) c->hash_mask = ((uint64_t)1 << bits) - 1; /* before the first insert: every key hashes narrow */
   enum { NINS = 300 };
   static int32_t ins[NINS][MAXN];
   int64_t ins_len[NINS];
@@ -336,6 +334,9 @@ static void similar_prefixes(const char *name, int64_t block, int bits) {
   }
   forkattn_kv_cache_stats s = stats_of(c);
   cr_assert_eq(s.entries, nins, "%s: entries %lld, want %d", name, (long long)s.entries, nins);
+  for (size_t bk = 0; bk < c->entries.nbuckets; bk++) /* the keys were hashed under the mask */
+    for (const fa_kv_link *l = c->entries.buckets[bk]; l; l = l->next)
+      cr_assert_leq(l->hash, c->hash_mask, "%s: key hash %llx outside the mask", name, (unsigned long long)l->hash);
   int32_t req[MAXN];
   for (int q = 0; q < 3000; q++) {
     const int64_t n = tc_randint(&rng, 0, 18);

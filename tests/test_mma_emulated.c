@@ -546,7 +546,7 @@ static void kl_case(const char *name, int64_t P, int64_t N, const int64_t *lens,
 
 /* teacher 4 query / 2 KV heads, student 4 / 1; forward and reverse KL */
 /* The kernels keep positions and pair indices in 32 bits; larger plans go to
- * the FP32 kernels (fa_gpu_mma_ok). */
+ * the FP32 kernels (fa_gpu_call_of, offload/gpu_select.h). */
 /* The masked tiles' scan (fa_mma_scan_rows) zeroes exactly the non-finite halves of a b16x2 word: every
  * bf16 and f16 bit pattern, in either half, next to a finite and a non-finite neighbour. */
 Test(mma_emulated, b16x2_finite_zeroes_exactly_the_non_finite_halves) {

@@ -3,30 +3,25 @@
  * team an item, on layouts of several items an SM, alternating so that each
  * call's counter is the one the previous call left in the pool block; once
  * with a team an SM and once with three teams for the whole launch. The
- * choice itself is unit-tested on the host (test_gpu_pool). Skipped on a CPU
- * context. [device only] */
-#define _POSIX_C_SOURCE 200809L /* setenv */
+ * choice itself is unit-tested on the host (test_gpu_pool, test_gpu_select).
+ * Skipped on a CPU context. [device only] */
 #include <criterion/criterion.h>
-#include <stdlib.h>
 
 #include "device_problem.h"
 #include "test_common.h"
 
-/* Each set run as a team an item, then as persistent teams under
- * FORKATTN_GPU_PERSIST=mode, and compared bitwise. */
+/* Each set run as a team an item (the reference context, FORKATTN_GPU_PERSIST=0), then as
+ * persistent teams (the other, FORKATTN_GPU_PERSIST=mode), and compared bitwise. */
 static void persistent_matches(const char *mode, const char *name) {
   dp_duo d;
-  dp_duo_init(&d, name);
+  dp_duo_init_env(&d, name, "FORKATTN_GPU_PERSIST", "0", mode);
   for (int i = 0; i < DP_SETS; i++) {
     const dp_lay *L = i % 2 ? &d.b : &d.a;
-    setenv("FORKATTN_GPU_PERSIST", "0", 1); /* the reference: a team an item */
     dp_fwd(&d.ps, L, &d.ps.set[i]);
     dp_bwd(&d.ps, L, &d.ps.set[i]);
-    setenv("FORKATTN_GPU_PERSIST", mode, 1);
     dp_fwd(&d.pq, L, &d.pq.set[i]);
     dp_bwd(&d.pq, L, &d.pq.set[i]);
   }
-  unsetenv("FORKATTN_GPU_PERSIST");
   for (int i = 0; i < DP_SETS; i++)
     dp_assert_same(&d, i, i % 2 ? &d.b : &d.a, "persistent teams differ from a team an item");
   dp_duo_free(&d);

@@ -1,4 +1,4 @@
-/* forkattn_prefix_cached_fwd/bwd (issue 6): responses attending to a cached
+/* forkattn_prefix_cached_fwd/bwd: responses attending to a cached
  * prefix's K/V, checked against the float64 shared-prompt reference run on
  * the full packed rows [prefix ; responses] with the prefix rows' dout = 0
  * (so the prefix's own queries contribute nothing, as in the cached call).

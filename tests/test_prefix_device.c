@@ -81,11 +81,7 @@ Test(memory, team_memory_past_48kb) {
   const char *why = forkattn_ctx_backend_reason(ctx), *at = strstr(why, "team memory up to ");
   cr_assert_not_null(at, "backend reason without team memory: %s", why);
   const long kb = strtol(at + strlen("team memory up to "), NULL, 10);
-  const char *e = getenv("FORKATTN_GPU_TEAM_MEMORY");
-  if (e && !strcmp(e, "runtime"))
-    cr_assert_eq(kb, 48, "%s", why);
-  else
-    cr_assert_gt(kb, 48, "team memory not unlocked: %s", why);
+  cr_assert_gt(kb, 48, "team memory not unlocked: %s", why);
   forkattn_ctx_destroy(ctx);
 }
 

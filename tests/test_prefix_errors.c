@@ -877,17 +877,39 @@ Test(context, env_cpu_gives_cpu) {
   cr_expect(reason && reason[0]);
   fprintf(stderr, "  FORKATTN_BACKEND=cpu: %s\n", reason ? reason : "(null)");
   forkattn_ctx_destroy(ctx);
-  /* the environment overrides the options */
-  st = create_with_env("cpu", FORKATTN_BACKEND_GPU, &ctx);
-  cr_assert_eq(st, FORKATTN_OK, "FORKATTN_BACKEND=cpu with opt gpu: %s",
-               forkattn_status_string(st));
+}
+
+/* FORKATTN_BACKEND applies only to contexts whose options ask for auto: a
+ * backend the caller chose explicitly stands, whatever the environment says. */
+Test(context, env_applies_to_auto_only) {
+  forkattn_ctx *ctx;
+  forkattn_status st = create_with_env("gpu", FORKATTN_BACKEND_CPU, &ctx);
+  cr_assert_eq(st, FORKATTN_OK, "FORKATTN_BACKEND=gpu with opt cpu: %s (%s)", forkattn_status_string(st),
+               forkattn_ctx_create_error());
   cr_expect_eq(forkattn_ctx_backend(ctx), FORKATTN_BACKEND_CPU);
+  cr_expect(strstr(forkattn_ctx_backend_reason(ctx), "requested by options"), "reason: %s",
+            forkattn_ctx_backend_reason(ctx));
   forkattn_ctx_destroy(ctx);
+  /* an explicit gpu request is not turned into cpu either */
+  st = create_with_env(NULL, FORKATTN_BACKEND_GPU, &ctx);
+  const forkattn_status want_gpu = st;
+  if (st == FORKATTN_OK) forkattn_ctx_destroy(ctx);
+  st = create_with_env("cpu", FORKATTN_BACKEND_GPU, &ctx);
+  cr_expect_eq(st, want_gpu, "FORKATTN_BACKEND=cpu with opt gpu: %s, without the variable %s",
+               forkattn_status_string(st), forkattn_status_string(want_gpu));
+  if (st == FORKATTN_OK) {
+    cr_expect_eq(forkattn_ctx_backend(ctx), FORKATTN_BACKEND_GPU);
+    forkattn_ctx_destroy(ctx);
+  }
+  /* an unknown value is not read for an explicit backend */
+  st = create_with_env("banana", FORKATTN_BACKEND_CPU, &ctx);
+  cr_expect_eq(st, FORKATTN_OK, "FORKATTN_BACKEND=banana with opt cpu: %s", forkattn_status_string(st));
+  if (st == FORKATTN_OK) forkattn_ctx_destroy(ctx);
 }
 
 Test(context, env_auto) {
   forkattn_ctx *ctx;
-  forkattn_status st = create_with_env("auto", FORKATTN_BACKEND_CPU, &ctx);
+  forkattn_status st = create_with_env("auto", FORKATTN_BACKEND_AUTO, &ctx);
   cr_assert_eq(st, FORKATTN_OK, "%s", forkattn_status_string(st));
   const forkattn_backend b = forkattn_ctx_backend(ctx);
   cr_expect(b == FORKATTN_BACKEND_CPU || b == FORKATTN_BACKEND_GPU);
@@ -933,7 +955,7 @@ Test(context, gpu_request_when_unavailable) {
   }
   if (st == FORKATTN_OK)
     forkattn_ctx_destroy(ctx);
-  st = create_with_env("gpu", FORKATTN_BACKEND_CPU, &ctx);
+  st = create_with_env("gpu", FORKATTN_BACKEND_AUTO, &ctx);
   if (auto_choice == FORKATTN_BACKEND_CPU) {
     cr_expect_eq(st, FORKATTN_ERR_BACKEND_UNAVAILABLE, "FORKATTN_BACKEND=gpu: %s",
                  forkattn_status_string(st));

@@ -6,8 +6,7 @@
  * in pool blocks the previous calls' kernels read), give bitwise the results
  * of the same calls made synchronously; a copy, and a call that runs
  * synchronously (the FP32 kernels), wait for the queued work they read; a
- * stream of another CUDA context is refused, and so is any stream where the
- * launch forwarder is not installed. */
+ * stream of another CUDA context is refused. */
 #define _POSIX_C_SOURCE 200809L /* setenv */
 #include <criterion/criterion.h>
 #include <dlfcn.h>
@@ -24,8 +23,7 @@ Test(stream, errors_without_a_gpu_context) {
   cr_assert_eq(forkattn_ctx_synchronize(NULL), FORKATTN_ERR_INVALID_ARGUMENT);
   forkattn_ctx_options opt;
   forkattn_ctx_options_init(&opt);
-  opt.backend = FORKATTN_BACKEND_CPU;
-  unsetenv("FORKATTN_BACKEND"); /* the GPU suite sets it, and it overrides the option */
+  opt.backend = FORKATTN_BACKEND_CPU; /* explicit: FORKATTN_BACKEND (the GPU suite's gpu) does not apply */
   forkattn_ctx *ctx = NULL;
   cr_assert_eq(forkattn_ctx_create(&ctx, &opt), FORKATTN_OK);
   cr_assert_eq(forkattn_ctx_set_stream(ctx, NULL), FORKATTN_ERR_BACKEND_UNAVAILABLE);
@@ -70,8 +68,8 @@ static void *new_stream(void *cu_ctx) {
 
 static void destroy_stream(void *s) { cr_assert_eq(((cu_stream_destroy)cuda_sym("cuStreamDestroy_v2"))(s), 0); }
 
-/* forkattn_ctx_set_stream, or skip where this runtime's launches cannot be routed (UNSUPPORTED, e.g.
- * FORKATTN_GPU_TEAM_MEMORY=runtime: the test below checks that case). */
+/* forkattn_ctx_set_stream, or skip where this runtime's launches cannot be routed (UNSUPPORTED: the
+ * launch forwarder could not be installed, offload/gpu_team_memory.h). */
 static void set_stream_or_skip(forkattn_ctx *ctx, void *stream, const char *name) {
   const forkattn_status st = forkattn_ctx_set_stream(ctx, stream);
   if (st == FORKATTN_ERR_UNSUPPORTED) cr_skip_test("%s: %s", name, forkattn_ctx_last_error(ctx));
@@ -104,19 +102,27 @@ Test(stream, queued_calls_match_synchronous_calls_bitwise) {
   dp_duo_free(&d);
 }
 
-/* A call that cannot be queued (here the FP32 backward, FORKATTN_GPU_MMA=0) waits for the queued forward
- * whose o and lse it reads; on CUDA's legacy default stream (NULL). */
+/* A call that cannot be queued (here the FP32 backward, on a context created with
+ * FORKATTN_GPU_KERNELS=fp32 and the same stream) waits for the queued forward whose o and lse it
+ * reads; on CUDA's legacy default stream (NULL). */
 Test(stream, a_synchronous_call_waits_for_the_queued_work_it_reads) {
   dp_duo d;
   dp_duo_init(&d, "stream/wait");
   set_stream_or_skip(d.ctx, NULL, "stream/wait");
+  setenv("FORKATTN_GPU_KERNELS", "fp32", 1);
+  forkattn_ctx *fp32 = tc_gpu_ctx_or_skip("stream/wait");
+  unsetenv("FORKATTN_GPU_KERNELS");
+  set_stream_or_skip(fp32, NULL, "stream/wait");
   dp_queue_prologue(&d.pq, &d.a);
   dp_fwd(&d.pq, &d.a, &d.pq.set[0]);
   dp_fwd(&d.ps, &d.a, &d.ps.set[0]);
-  setenv("FORKATTN_GPU_MMA", "0", 1);
+  forkattn_ctx *const queued = d.pq.ctx, *const sync = d.ps.ctx;
+  d.pq.ctx = d.ps.ctx = fp32; /* both backwards on the FP32 kernels, the first behind the queued forward */
   dp_bwd(&d.pq, &d.a, &d.pq.set[0]);
   dp_bwd(&d.ps, &d.a, &d.ps.set[0]);
-  unsetenv("FORKATTN_GPU_MMA");
+  d.pq.ctx = queued, d.ps.ctx = sync;
+  cr_assert_eq(forkattn_ctx_clear_stream(fp32), FORKATTN_OK);
+  forkattn_ctx_destroy(fp32);
   cr_assert_eq(forkattn_ctx_clear_stream(d.ctx), FORKATTN_OK);
   dp_assert_same(&d, 0, &d.a, "the FP32 backward read the queued forward's o and lse too early");
   dp_duo_free(&d);
@@ -145,13 +151,3 @@ Test(stream, a_stream_of_another_cuda_context_is_refused) {
   forkattn_ctx_destroy(ctx);
 }
 
-/* Without the launch forwarder (the runtime's driver table left alone) nothing can move a launch to
- * another stream: set_stream says so, and the context stays synchronous. [device only] */
-Test(stream, without_the_launch_forwarder_a_stream_is_unsupported) {
-  setenv("FORKATTN_GPU_TEAM_MEMORY", "runtime", 1); /* before this process's first probe */
-  forkattn_ctx *ctx = tc_gpu_ctx_or_skip("stream/no_forwarder");
-  cr_assert_eq(forkattn_ctx_set_stream(ctx, NULL), FORKATTN_ERR_UNSUPPORTED);
-  cr_assert(strstr(forkattn_ctx_last_error(ctx), "cannot be routed"), "%s", forkattn_ctx_last_error(ctx));
-  cr_assert_eq(forkattn_ctx_synchronize(ctx), FORKATTN_OK, "no stream was set");
-  forkattn_ctx_destroy(ctx);
-}

@@ -13,7 +13,7 @@
  * The reference itself is checked first: its hand-derived gradients against
  * float64 central finite differences of its forward on small problems.
  *
- * Cases (issue 4): odd sizes (3 x 423 rows; dense causal 512 x d128 and
+ * Cases: odd sizes (3 x 423 rows; dense causal 512 x d128 and
  * 2048 x d128 with one head here, 4 heads and bf16 in test_streamkl_slow);
  * forests with empty nodes, head dims 1, 33, 255, 256; peaked rows (q x10,
  * x30, x30 with a block mask); tau = 2 with

@@ -4,7 +4,7 @@
  * so every root-to-leaf path equals causal attention on that path and a
  * node's dk/dv is summed over all its descendants).
  *
- * Shapes (issue 3): a chain of 1024 one-token nodes (also checked against the
+ * Shapes: a chain of 1024 one-token nodes (also checked against the
  * library's plain causal attention); a star (256-token root, 64 one-token
  * leaves); a 63-node speculative-decoding tree of depth 4 under a 512-token
  * prompt; a random RL trie (1024-token prompt, 16 leaves, random branch

@@ -2,7 +2,7 @@
  * tree attention on the packed trie; every root-to-leaf path replicated as its
  * own sequence (one varlen batch, forkattn_prefix with no prompt); prompt-only
  * sharing (forkattn_prefix with the root as prompt, the rest of each path as a
- * response: the v0.1 kernel). Times, peak memory, forward FLOPs of the visible
+ * response). Times, peak memory, forward FLOPs of the visible
  * (query, key) pairs, dedup ratio, achieved vs ideal speedup over replicated,
  * and the errors of the baselines against the tree. A table and a JSON line;
  * --sweep runs it per size or shape, --plot draws the sweep (plot.c). */

@@ -37,10 +37,6 @@ int cmd_info(int argc, char **argv) {
   printf("forkattn:      %s (version number %u)\n", forkattn_version_string(), forkattn_version_number());
   printf("gpu offload:   %s\n", forkattn_build_has_offload() ? "built in" : "not built (CPU-only build)");
   if (forkattn_build_has_offload()) {
-    const char *mma = getenv("FORKATTN_GPU_MMA");
-    printf("tensor cores:  %s\n", mma && strcmp(mma, "0") == 0
-                                       ? "off (FORKATTN_GPU_MMA=0: FP32 GPU kernels only)"
-                                       : "on for bf16/f16 at head_dim 64 or 128 (FORKATTN_GPU_MMA=0 turns them off)");
     const char *sync = getenv("FORKATTN_GPU_SYNC");
     const int known = sync && (!strcmp(sync, "auto") || !strcmp(sync, "spin") || !strcmp(sync, "yield") ||
                                !strcmp(sync, "blocking") || !strcmp(sync, "runtime"));
@@ -55,6 +51,10 @@ int cmd_info(int argc, char **argv) {
   } else {
     printf("auto backend:  %s\n", forkattn_backend_name(forkattn_ctx_backend(ctx)));
     printf("  because:     %s\n", forkattn_ctx_backend_reason(ctx));
+    if (forkattn_ctx_backend(ctx) == FORKATTN_BACKEND_GPU)
+      printf("gpu kernels:   %s\n               (bf16/f16, head_dim 64 or 128, 16-byte rows, no kept set; "
+             "FORKATTN_GPU_KERNELS=auto|mma|fp32, FORKATTN_GPU_PERSIST=auto|0|1|n)\n",
+             forkattn_ctx_gpu_kernels(ctx));
     printf("cpu threads:   %d\n", forkattn_ctx_threads(ctx));
     forkattn_ctx_destroy(ctx);
   }

@@ -56,8 +56,8 @@ static void dlm_cli_usage(const dlm_cli *o) {
          "  --calib-seq T    tokens per calibration sequence (default %lld)\n"
          "  --cache-mib M    capacity of the KV cache (default %lld)\n"
          "  --warm | --cold  prompts cached before the timed serving, or not (default %s)\n"
-         "  --backend B      cpu | gpu | auto (default cpu; FORKATTN_BACKEND overrides; tensors stay\n"
-         "                   in host memory, the GPU backend stages attention)\n"
+         "  --backend B      cpu | gpu | auto (default cpu; FORKATTN_BACKEND chooses for auto;\n"
+         "                   tensors stay in host memory, the GPU backend stages attention)\n"
          "  --seed S         seed of weights and workload (default %llu)\n"
          "  --json           JSON lines only\n",
          (long long)o->serve.batch, (long long)o->serve.steps, o->threshold, (long long)o->calib_seq,

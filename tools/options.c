@@ -45,7 +45,7 @@ void tool_usage(const char *cmd, const tool_opts *o) {
          "  --d D          head_dim (default %lld)\n"
          "  --dtype T      f32 | bf16 | f16 (default %s)\n"
          "  --mask M       causal | bidirectional (default %s)\n"
-         "  --backend B    auto | cpu | gpu (default auto; FORKATTN_BACKEND overrides)\n"
+         "  --backend B    auto | cpu | gpu (default auto; FORKATTN_BACKEND chooses for auto)\n"
          "  --repeats K    timed repetitions, median reported (default %d)\n"
          "  --seed S       random seed (default %llu)\n"
          "  --no-replicated  skip the replicated baseline\n"

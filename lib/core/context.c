@@ -1,6 +1,6 @@
 /* Context life cycle, backend choice (made once, never silent) and errors. */
 #include "alloc.h"
-#include "context_internal.h"
+#include "backend.h"
 
 #include <limits.h>
 #include <omp.h>
@@ -12,11 +12,6 @@
 
 #include "hostinfo.h"
 #include "struct_size.h"
-#ifdef FORKATTN_HAVE_OFFLOAD
-#include "gpu_backend.h"
-#include "gpu_pool.h"
-#include "gpu_stream.h"
-#endif
 
 forkattn_status fa_fail(forkattn_ctx *ctx, forkattn_status status, const char *fmt, ...) {
   if (ctx) {
@@ -43,9 +38,12 @@ void forkattn_ctx_options_init(forkattn_ctx_options *opt) {
   memset(opt, 0, sizeof *opt);
   opt->struct_size = sizeof *opt;
   opt->backend = FORKATTN_BACKEND_AUTO;
+  opt->gpu_persist = -1;
 }
 
-/* FORKATTN_BACKEND overrides the requested backend; -1 on an unknown value. */
+/* FORKATTN_BACKEND chooses the backend of a context whose options ask for
+ * AUTO (the caller's explicit choice stands); 1 when it is set, -1 on an
+ * unknown value. */
 static int fa_env_backend(forkattn_backend *b) {
   const char *e = getenv("FORKATTN_BACKEND");
   if (!e || !*e) return 0;
@@ -60,16 +58,15 @@ static int fa_env_backend(forkattn_backend *b) {
 static forkattn_status fa_choose_backend(forkattn_ctx *c, forkattn_backend want, const char *src) {
   if (want == FORKATTN_BACKEND_CPU) {
     c->backend = FORKATTN_BACKEND_CPU;
+    c->ops = fa_backend_get(FORKATTN_BACKEND_CPU);
     snprintf(c->reason, sizeof c->reason, "cpu: requested by %s", src);
     return FORKATTN_OK;
   }
   char why[FA_MSG_LEN] = "this build has no GPU offload (configure with -DFORKATTN_OFFLOAD=nvptx:sm_90)";
-  int gpu_ok = 0;
-#ifdef FORKATTN_HAVE_OFFLOAD
-  gpu_ok = fa_gpu_probe(c->device, why, sizeof why);
-#endif
-  if (gpu_ok) {
+  const fa_backend *gpu = fa_backend_get(FORKATTN_BACKEND_GPU);
+  if (gpu && gpu->probe(c->device, why, sizeof why)) {
     c->backend = FORKATTN_BACKEND_GPU;
+    c->ops = gpu;
     snprintf(c->reason, sizeof c->reason, "gpu: %s (%s by %s)", why,
              want == FORKATTN_BACKEND_AUTO ? "auto" : "requested", src);
     return FORKATTN_OK;
@@ -79,6 +76,7 @@ static forkattn_status fa_choose_backend(forkattn_ctx *c, forkattn_backend want,
     return FORKATTN_ERR_BACKEND_UNAVAILABLE;
   }
   c->backend = FORKATTN_BACKEND_CPU;
+  c->ops = fa_backend_get(FORKATTN_BACKEND_CPU);
   snprintf(c->reason, sizeof c->reason, "cpu: auto fell back to the CPU kernels because %s", why);
   return FORKATTN_OK;
 }
@@ -144,7 +142,7 @@ forkattn_status forkattn_ctx_create(forkattn_ctx **ctx, const forkattn_ctx_optio
                           fa_host_hw_threads());
 
   const char *src = "options";
-  int env = fa_env_backend(&o.backend);
+  const int env = o.backend == FORKATTN_BACKEND_AUTO ? fa_env_backend(&o.backend) : 0;
   if (env < 0)
     return fa_create_fail(FORKATTN_ERR_INVALID_ARGUMENT, o.verbose,
                           "ctx_create: FORKATTN_BACKEND='%s' is not one of cpu, gpu, auto",
@@ -163,18 +161,22 @@ forkattn_status forkattn_ctx_create(forkattn_ctx **ctx, const forkattn_ctx_optio
     fa_free(c);
     return st;
   }
+  char err[FA_MSG_LEN];
+  if (c->ops->ctx_init && (st = c->ops->ctx_init(c, &o, err, sizeof err)) != FORKATTN_OK) {
+    forkattn_ctx_destroy(c);
+    return fa_create_fail(st, o.verbose, "ctx_create: %s", err);
+  }
   if (o.verbose) fprintf(stderr, "forkattn: backend %s\n", c->reason);
+  if (o.verbose && c->kernels[0]) fprintf(stderr, "forkattn: gpu kernels: %s\n", c->kernels);
   *ctx = c;
   return FORKATTN_OK;
 }
 
 void forkattn_ctx_destroy(forkattn_ctx *ctx) {
-#ifdef FORKATTN_HAVE_OFFLOAD
-  if (ctx) {
-    forkattn_ctx_clear_stream(ctx); /* its queued kernels may read the pool's blocks */
-    fa_gpu_pool_destroy(ctx);
+  if (ctx && ctx->ops->ctx_teardown) {
+    forkattn_ctx_clear_stream(ctx); /* its queued kernels may read what the backend cached */
+    ctx->ops->ctx_teardown(ctx);
   }
-#endif
   fa_free(ctx);
 }
 
@@ -186,6 +188,8 @@ const char *forkattn_ctx_backend_reason(const forkattn_ctx *ctx) {
   return ctx ? ctx->reason : "no context";
 }
 
+const char *forkattn_ctx_gpu_kernels(const forkattn_ctx *ctx) { return ctx ? ctx->kernels : ""; }
+
 int forkattn_ctx_threads(const forkattn_ctx *ctx) { return ctx ? ctx->threads : 0; }
 
 const char *forkattn_ctx_last_error(const forkattn_ctx *ctx) {
@@ -193,12 +197,7 @@ const char *forkattn_ctx_last_error(const forkattn_ctx *ctx) {
 }
 
 forkattn_status fa_ctx_wait_stream(forkattn_ctx *ctx, const char *what) {
-#ifdef FORKATTN_HAVE_OFFLOAD
-  return fa_gpu_stream_enter(ctx, 0, what);
-#else
-  (void)ctx, (void)what;
-  return FORKATTN_OK;
-#endif
+  return ctx->ops->stream_wait ? ctx->ops->stream_wait(ctx, what) : FORKATTN_OK;
 }
 
 forkattn_status forkattn_ctx_set_stream(forkattn_ctx *ctx, void *stream) {
@@ -207,10 +206,9 @@ forkattn_status forkattn_ctx_set_stream(forkattn_ctx *ctx, void *stream) {
   if (ctx->backend != FORKATTN_BACKEND_GPU)
     return fa_fail(ctx, FORKATTN_ERR_BACKEND_UNAVAILABLE, "ctx_set_stream: a CPU context has no stream (%s)",
                    ctx->reason);
-#ifdef FORKATTN_HAVE_OFFLOAD
   char why[FA_MSG_LEN / 2];
   int invalid = 0;
-  if (fa_gpu_stream_check(ctx->device, stream, &invalid, why, sizeof why))
+  if (ctx->ops->stream_check(ctx->device, stream, &invalid, why, sizeof why))
     return fa_fail(ctx, invalid ? FORKATTN_ERR_INVALID_ARGUMENT : FORKATTN_ERR_UNSUPPORTED, "ctx_set_stream: %s",
                    why);
   const forkattn_status st = fa_ctx_wait_stream(ctx, "ctx_set_stream");
@@ -218,10 +216,6 @@ forkattn_status forkattn_ctx_set_stream(forkattn_ctx *ctx, void *stream) {
   ctx->stream = stream;
   ctx->stream_set = 1;
   return FORKATTN_OK;
-#else
-  (void)stream;
-  return fa_fail(ctx, FORKATTN_ERR_BACKEND_UNAVAILABLE, "ctx_set_stream: this build has no GPU offload");
-#endif
 }
 
 forkattn_status forkattn_ctx_synchronize(forkattn_ctx *ctx) {

@@ -6,8 +6,10 @@
 #define FA_MSG_LEN 512
 
 typedef struct fa_gpu_pool fa_gpu_pool;
+struct fa_backend;
 struct forkattn_ctx {
-  forkattn_backend backend; /* CPU or GPU, never AUTO */
+  forkattn_backend backend;      /* CPU or GPU, never AUTO */
+  const struct fa_backend *ops;  /* that backend's operations (backend.h) */
   int device;               /* OpenMP device number (GPU backend) */
   int threads;              /* CPU worker threads */
   int bind_threads;         /* pin CPU workers with hwloc */
@@ -18,6 +20,8 @@ struct forkattn_ctx {
   struct fa_gpu_pool *gpu_pool; /* GPU backend's cached device blocks (offload/gpu_pool.h) */
   int stream_set;               /* calls are ordered on `stream` (forkattn_ctx_set_stream) */
   void *stream;                 /* the caller's CUDA stream (offload/gpu_stream.h) */
+  struct fa_gpu_choice *gpu;    /* GPU backend's kernel choice, fixed at creation (offload/gpu_select.h) */
+  char kernels[384];            /* the kernels its calls use, in words (forkattn_ctx_gpu_kernels) */
 };
 
 /* Record a failure on ctx (may be NULL) and return status, printf-style. */

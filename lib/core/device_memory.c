@@ -1,10 +1,7 @@
-/* Device memory entry points; real work lives in offload/gpu_memory.c. */
+/* Device memory entry points, on the context's backend (backend.h). */
 #include <string.h>
 
-#include "context_internal.h"
-#ifdef FORKATTN_HAVE_OFFLOAD
-#include "gpu_backend.h"
-#endif
+#include "backend.h"
 
 static forkattn_status fa_need_gpu(forkattn_ctx *ctx, const char *fn) {
   if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
@@ -19,23 +16,16 @@ forkattn_status forkattn_device_malloc(forkattn_ctx *ctx, size_t bytes, void **p
   forkattn_status st = fa_need_gpu(ctx, "device_malloc");
   if (st) return st;
   if (!ptr) return fa_fail(ctx, FORKATTN_ERR_INVALID_ARGUMENT, "device_malloc: ptr is NULL");
-  *ptr = NULL;
-#ifdef FORKATTN_HAVE_OFFLOAD
-  *ptr = fa_gpu_malloc(ctx->device, bytes ? bytes : 1);
-#endif
+  *ptr = ctx->ops->mem_alloc(ctx->device, bytes ? bytes : 1);
   return *ptr ? FORKATTN_OK
               : fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "device_malloc: %zu bytes failed", bytes);
 }
 
 forkattn_status forkattn_device_free(forkattn_ctx *ctx, void *ptr) {
   forkattn_status st = fa_need_gpu(ctx, "device_free");
-  if (st) return st;
-#ifdef FORKATTN_HAVE_OFFLOAD
-  if (ptr && (st = fa_ctx_wait_stream(ctx, "device_free"))) return st; /* queued kernels may still read it */
-  if (ptr) fa_gpu_free(ctx->device, ptr);
-#else
-  (void)ptr;
-#endif
+  if (st || !ptr) return st;
+  if ((st = fa_ctx_wait_stream(ctx, "device_free"))) return st; /* queued kernels may still read it */
+  ctx->ops->mem_free(ctx->device, ptr);
   return FORKATTN_OK;
 }
 
@@ -54,10 +44,8 @@ forkattn_status forkattn_memcpy(forkattn_ctx *ctx, void *dst, forkattn_memory ds
   }
   forkattn_status st = fa_need_gpu(ctx, "memcpy");
   if (st) return st;
-#ifdef FORKATTN_HAVE_OFFLOAD
   if (bytes && (st = fa_ctx_wait_stream(ctx, "memcpy"))) return st;
-  if (fa_gpu_memcpy(ctx->device, dst, dev_dst, src, dev_src, bytes))
+  if (ctx->ops->mem_copy(ctx->device, dst, dev_dst, src, dev_src, bytes))
     return fa_fail(ctx, FORKATTN_ERR_DEVICE, "memcpy: device copy of %zu bytes failed", bytes);
-#endif
   return FORKATTN_OK;
 }

@@ -33,8 +33,4 @@ forkattn_status fa_check_memory(forkattn_ctx *ctx, forkattn_memory memory);
 forkattn_status fa_attn_fwd_run(forkattn_ctx *ctx, const fa_attn_fwd *a, forkattn_memory memory);
 forkattn_status fa_attn_bwd_run(forkattn_ctx *ctx, const fa_attn_bwd *a, forkattn_memory memory);
 
-/* CPU kernels (cpu/). Host pointers only. */
-forkattn_status fa_cpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a);
-forkattn_status fa_cpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a);
-
 #endif

@@ -1,5 +1,5 @@
 /* Version, status and backend names. */
-#include "forkattn.h"
+#include "backend.h"
 
 #define FA_STR2(x) #x
 #define FA_STR(x) FA_STR2(x)
@@ -33,10 +33,4 @@ const char *forkattn_backend_name(forkattn_backend backend) {
   return "unknown";
 }
 
-int forkattn_build_has_offload(void) {
-#ifdef FORKATTN_HAVE_OFFLOAD
-  return 1;
-#else
-  return 0;
-#endif
-}
+int forkattn_build_has_offload(void) { return fa_backend_get(FORKATTN_BACKEND_GPU) != NULL; }

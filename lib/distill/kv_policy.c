@@ -1,7 +1,7 @@
 /* KV-cache compression policies (forkattn_kv_select): StreamingLLM keeps
  * sinks + recent keys; H2O and SnapKV rank keys by accumulated causal
- * attention mass (kv_score.c streams it, no L x L buffer) and keep the top
- * ones with a recent window.
+ * attention mass (the CPU backend's kv_scores streams it, no L x L buffer)
+ * and keep the top ones with a recent window.
  *
  * The work is CPU work on any backend. With FORKATTN_MEMORY_DEVICE (GPU
  * backend) q and k are first copied whole to host buffers (forkattn_memcpy of
@@ -15,7 +15,7 @@
 #include <string.h>
 
 #include "alloc.h"
-#include "kv_score.h"
+#include "backend.h"
 #include "segment_attn.h"
 #include "struct_size.h"
 #include "validate.h"
@@ -123,6 +123,28 @@ static void fa_kv_bufs_free(fa_kv_bufs *b) {
   fa_free(b->q_host), fa_free(b->k_host);
 }
 
+/* out[j] = sum of a[j'] over |j' - j| <= kernel / 2 and 0 <= j' < n (kernel
+ * odd >= 1). scratch: n + 1 doubles (prefix sums for wide kernels). Windows
+ * clamped to the same range give bitwise equal sums. */
+static void fa_kv_pool(const double *a, int64_t n, int64_t kernel, double *out, double *scratch) {
+  const int64_t r = kernel / 2;
+  if (r <= 32) { /* narrow: direct sums */
+    for (int64_t j = 0; j < n; j++) {
+      const int64_t lo = j > r ? j - r : 0, hi = n - 1 - j > r ? j + r : n - 1;
+      double s = 0.0;
+      for (int64_t x = lo; x <= hi; x++) s += a[x];
+      out[j] = s;
+    }
+    return;
+  }
+  scratch[0] = 0.0; /* wide: prefix sums, O(n) whatever the kernel */
+  for (int64_t j = 0; j < n; j++) scratch[j + 1] = scratch[j] + a[j];
+  for (int64_t j = 0; j < n; j++) {
+    const int64_t lo = j > r ? j - r : 0, hi = n - 1 - j > r ? j + r : n - 1;
+    out[j] = scratch[hi + 1] - scratch[lo];
+  }
+}
+
 /* H2O / SnapKV with L > budget: per head, top budget - window of the keys
  * [0, L - window) by (pooled) score, then the window [L - window, L). */
 static forkattn_status fa_kv_ranked(forkattn_ctx *ctx, const forkattn_kv_policy *p, const forkattn_tensor *q,
@@ -151,7 +173,9 @@ static forkattn_status fa_kv_ranked(forkattn_ctx *ctx, const forkattn_kv_policy 
       st = fa_kv_stage(ctx, "q", q, &qh, &b.q_host, &bytes);
       if (!st) st = fa_kv_stage(ctx, "k", k, &kh, &b.k_host, &bytes);
     }
-    if (!st) st = fa_kv_scores(ctx, &qh, &kh, scale, snap ? L - w : 0, kend, b.score, bytes);
+    if (!st)
+      st = fa_backend_get(FORKATTN_BACKEND_CPU)->kv_scores(ctx, &qh, &kh, scale, snap ? L - w : 0, kend, b.score,
+                                                             bytes);
     if (st) {
       fa_kv_bufs_free(&b);
       return st;

@@ -1,95 +1,16 @@
-/* forkattn_kv_similarity(): argument checks, the empty case, the choice of
- * backend, and the CPU kernel (row rule and fixed-order sums: kv_similarity.h).
+/* forkattn_kv_similarity(): argument checks, the empty case and the choice of
+ * backend (row rule and fixed-order sums: kv_similarity.h).
  *
  * Where it runs: tensors in device memory (FORKATTN_MEMORY_DEVICE, GPU backend
- * only) are read on the GPU (offload/gpu_similarity.c); tensors in host memory
- * are read on the CPU whatever the backend. The call is one streaming pass with
- * a few flops per element, so staging both tensors to the device would cost
- * more than the pass itself.
- *
- * CPU: chunks of rows (at least FA_SIM_MIN_ELEMS elements each, at most
- * FA_SIM_MAX_CHUNKS of them; sizes from the shape only) are spread over the
- * context's threads; a chunk walks its rows in order, converting each head's
- * two vectors to f32 (no copy for f32) and summing products in double in 8
- * fixed lanes (vectorizes; 1.3x faster than 4 lanes, 16 are no better). Then
- * the chunks' per-head sums are added in chunk order. */
+ * only) are read by the GPU backend; tensors in host memory by the CPU backend
+ * whatever the context's. The call is one streaming pass with a few flops per
+ * element, so staging both tensors to the device would cost more than the
+ * pass itself. */
 #include "kv_similarity.h"
 
 #include "alloc.h"
-#include "segment_attn.h"
+#include "backend.h"
 #include "validate.h"
-
-#define FA_SIM_MIN_ELEMS 32768
-#define FA_SIM_MAX_CHUNKS 4096
-
-/* Row r, head h of t as f32: a pointer into t (f32) or into buf (converted). */
-static const float *fa_sim_vec(const forkattn_tensor *t, int64_t r, int64_t h, float *buf) {
-  const int64_t off = r * t->row_stride + h * t->head_stride, d = t->head_dim;
-  if (t->dtype == FORKATTN_DTYPE_F32) return (const float *)t->data + off;
-  const uint16_t *p = (const uint16_t *)t->data + off;
-  if (t->dtype == FORKATTN_DTYPE_BF16)
-    for (int64_t c = 0; c < d; c++) buf[c] = fa_bf16_to_f32(p[c]);
-  else
-    for (int64_t c = 0; c < d; c++) buf[c] = fa_f16_to_f32(p[c]);
-  return buf;
-}
-
-/* Sums in double over FA_SIM_LANES fixed lanes (c mod FA_SIM_LANES), combined
- * in a fixed tree. */
-#define FA_SIM_LANES 8
-static double fa_sim_cpu_row(const float *x, const float *y, int64_t d) {
-  double ab[FA_SIM_LANES] = {0}, aa[FA_SIM_LANES] = {0}, bb[FA_SIM_LANES] = {0};
-  int64_t c = 0;
-  for (; c + FA_SIM_LANES <= d; c += FA_SIM_LANES)
-    for (int l = 0; l < FA_SIM_LANES; l++) {
-      const double u = (double)x[c + l], v = (double)y[c + l];
-      ab[l] += u * v;
-      aa[l] += u * u;
-      bb[l] += v * v;
-    }
-  for (int l = 0; c < d; c++, l++) {
-    const double u = (double)x[c], v = (double)y[c];
-    ab[l] += u * v;
-    aa[l] += u * u;
-    bb[l] += v * v;
-  }
-  for (int w = FA_SIM_LANES / 2; w > 0; w /= 2)
-    for (int l = 0; l < w; l++) {
-      ab[l] += ab[l + w];
-      aa[l] += aa[l + w];
-      bb[l] += bb[l + w];
-    }
-  return fa_sim_finish(ab[0], aa[0], bb[0]);
-}
-
-forkattn_status fa_cpu_kv_similarity(forkattn_ctx *ctx, const forkattn_tensor *a, const forkattn_tensor *b,
-                                     double *sum) {
-  const int64_t rows = a->rows, heads = a->heads, d = a->head_dim, hd = heads * d;
-  const int64_t rpc = fa_sim_chunk_rows(rows, hd >= FA_SIM_MIN_ELEMS ? 1 : (FA_SIM_MIN_ELEMS + hd - 1) / hd,
-                                        FA_SIM_MAX_CHUNKS);
-  const int64_t nchunks = (rows + rpc - 1) / rpc;
-  const size_t bytes = sizeof(double) * (size_t)(nchunks * heads); /* nchunks <= rows */
-  double *part = fa_malloc_array(nchunks * heads, sizeof(double));
-  if (!part)
-    return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "kv_similarity: cannot allocate %zu bytes of partial sums", bytes);
-  fa_note_workspace(ctx, bytes);
-#pragma omp parallel for num_threads(ctx->threads) schedule(static) if (nchunks > 1)
-  for (int64_t ch = 0; ch < nchunks; ch++) {
-    float xa[FA_MAX_HEAD_DIM], xb[FA_MAX_HEAD_DIM];
-    double *p = part + ch * heads;
-    const int64_t r1 = rows - ch * rpc < rpc ? rows : (ch + 1) * rpc;
-    for (int64_t h = 0; h < heads; h++) p[h] = 0.0;
-    for (int64_t r = ch * rpc; r < r1; r++)
-      for (int64_t h = 0; h < heads; h++) p[h] += fa_sim_cpu_row(fa_sim_vec(a, r, h, xa), fa_sim_vec(b, r, h, xb), d);
-  }
-  for (int64_t h = 0; h < heads; h++) {
-    double s = 0.0;
-    for (int64_t ch = 0; ch < nchunks; ch++) s += part[ch * heads + h];
-    sum[h] = s;
-  }
-  fa_free(part);
-  return FORKATTN_OK;
-}
 
 static forkattn_status fa_sim_check(forkattn_ctx *ctx, const forkattn_tensor *a, const forkattn_tensor *b,
                                     const float *sim, forkattn_memory memory) {
@@ -125,12 +46,10 @@ forkattn_status forkattn_kv_similarity(forkattn_ctx *ctx, const forkattn_tensor 
   const size_t bytes = sizeof(double) * (size_t)heads;
   double *sum = fa_malloc_array(heads, sizeof(double)); /* heads up to 2^63 / rows / d: checked */
   if (!sum) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "kv_similarity: cannot allocate %zu bytes", bytes);
-#ifdef FORKATTN_HAVE_OFFLOAD
   if (memory == FORKATTN_MEMORY_DEVICE)
-    st = (st = fa_ctx_wait_stream(ctx, "kv_similarity")) ? st : fa_gpu_kv_similarity(ctx, a, b, sum);
+    st = (st = fa_ctx_wait_stream(ctx, "kv_similarity")) ? st : ctx->ops->kv_similarity(ctx, a, b, sum);
   else
-#endif
-    st = fa_cpu_kv_similarity(ctx, a, b, sum);
+    st = fa_backend_get(FORKATTN_BACKEND_CPU)->kv_similarity(ctx, a, b, sum);
   if (!st) {
     double all = 0.0;
     for (int64_t h = 0; h < heads; h++) {

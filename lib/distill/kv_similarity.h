@@ -1,6 +1,6 @@
 /* Fused per-head cosine similarity of two K/V tensors
- * (forkattn_kv_similarity(), kv_similarity.c): the row rule CPU and GPU
- * share, and the two backends' entry points.
+ * (forkattn_kv_similarity(), kv_similarity.c): the row rule and the chunking
+ * the CPU and GPU kernels (fa_backend.kv_similarity) share.
  *
  * Both backends cut the rows into chunks whose size depends only on the shape
  * (never on the thread count), sum each (chunk, head)'s row cosines in double
@@ -11,7 +11,6 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "context_internal.h"
 #include "dtype_convert.h"
 
 #pragma omp declare target
@@ -51,17 +50,5 @@ static inline int64_t fa_sim_chunk_rows(int64_t rows, int64_t min_rows, int64_t 
   if (rpc < min_rows) rpc = min_rows;
   return rpc < rows ? rpc : rows;
 }
-
-/* sum[h] = sum over rows r of fa_sim_row(a[r, h], b[r, h]) for validated,
- * non-empty tensors of one shape. Host pointers. FORKATTN_OK or
- * OUT_OF_MEMORY (message recorded). */
-forkattn_status fa_cpu_kv_similarity(forkattn_ctx *ctx, const forkattn_tensor *a, const forkattn_tensor *b,
-                                     double *sum);
-#ifdef FORKATTN_HAVE_OFFLOAD
-/* The same with device pointers of ctx->device (offload/gpu_similarity.c).
- * FORKATTN_OK, OUT_OF_MEMORY or DEVICE (message recorded). */
-forkattn_status fa_gpu_kv_similarity(forkattn_ctx *ctx, const forkattn_tensor *a, const forkattn_tensor *b,
-                                     double *sum);
-#endif
 
 #endif

@@ -1,17 +1,15 @@
 /* StreamKL API: validate, resolve options, compile the layout to a segment
- * plan, build the kept mask, dispatch to the CPU or GPU kernels. Also the
+ * plan, build the kept mask, run it on the context's backend. Also the
  * rows-mean reduction helper. */
 #include <math.h>
 #include <string.h>
 
 #include "alloc.h"
+#include "backend.h"
 #include "layout_attn.h"
 #include "streamkl.h"
 #include "struct_size.h"
 #include "validate.h"
-#ifdef FORKATTN_HAVE_OFFLOAD
-#include "gpu_backend.h"
-#endif
 
 void forkattn_kl_options_init(forkattn_kl_options *opt) {
   if (!opt) return;
@@ -97,15 +95,9 @@ static forkattn_status fa_kl_run(forkattn_ctx *ctx, const fa_layout_ops *ops, co
   }
   c->plan = &plan;
   c->kept = kept ? &km : NULL;
-#ifdef FORKATTN_HAVE_OFFLOAD
-  if (ctx->backend == FORKATTN_BACKEND_GPU)
-    st = (st = fa_ctx_wait_stream(ctx, backward ? "streamkl_bwd" : "streamkl_fwd")) ? st
-         : backward ? fa_gpu_kl_bwd(ctx, c, memory)
-                    : fa_gpu_kl_fwd(ctx, c, memory);
-  else
-#endif
-    st = backward ? fa_cpu_kl_bwd(ctx, c) : fa_cpu_kl_fwd(ctx, c);
-  (void)memory;
+  st = (st = fa_ctx_wait_stream(ctx, backward ? "streamkl_bwd" : "streamkl_fwd")) ? st
+       : backward ? ctx->ops->kl_bwd(ctx, c, memory)
+                  : ctx->ops->kl_fwd(ctx, c, memory);
   fa_plan_free(&plan);
   fa_free(owned);
   return st;

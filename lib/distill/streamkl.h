@@ -88,11 +88,4 @@ static inline void fa_kl_elem_grad(float t, float s, int vt, int vs, const float
 }
 #pragma omp end declare target
 
-forkattn_status fa_cpu_kl_fwd(forkattn_ctx *ctx, const fa_kl_call *c);
-forkattn_status fa_cpu_kl_bwd(forkattn_ctx *ctx, const fa_kl_call *c);
-#ifdef FORKATTN_HAVE_OFFLOAD
-forkattn_status fa_gpu_kl_fwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_memory memory);
-forkattn_status fa_gpu_kl_bwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_memory memory);
-#endif
-
 #endif

@@ -110,17 +110,6 @@ static forkattn_status fa_kv_check_options(forkattn_ctx *ctx, const forkattn_kv_
   return FORKATTN_OK;
 }
 
-/* FA_KV_HASH_BITS_ENV=b (1..63) narrows the index's hash to b bits: tests use
- * it to make collisions common. Anything else: the full 64 bits. */
-static uint64_t fa_kv_hash_mask(void) {
-  const char *e = getenv(FA_KV_HASH_BITS_ENV);
-  if (!e || !*e) return ~0ull;
-  char *end;
-  long b = strtol(e, &end, 10);
-  if (*end || b < 1 || b > 63) return ~0ull;
-  return (1ull << b) - 1;
-}
-
 void forkattn_kv_cache_options_init(forkattn_kv_cache_options *opt) {
   if (!opt) return;
   memset(opt, 0, sizeof *opt);
@@ -146,7 +135,7 @@ forkattn_status forkattn_kv_cache_create(forkattn_ctx *ctx, const forkattn_kv_ca
   c->opt = *opt;
   if (!c->opt.block_tokens) c->opt.block_tokens = FA_KV_DEFAULT_BLOCK;
   c->row_bytes = row_bytes;
-  c->hash_mask = fa_kv_hash_mask();
+  c->hash_mask = ~0ull;
   if (fa_kv_map_init(&c->entries, FA_KV_INITIAL_BUCKETS) || fa_kv_map_init(&c->nodes, FA_KV_INITIAL_BUCKETS)) {
     fa_kv_map_free(&c->entries);
     fa_kv_map_free(&c->nodes);

@@ -1,28 +1,21 @@
 /* K/V buffers of the KV cache's entries: allocation in the cache's memory and
  * copies of (possibly strided) host or device tensors into them. No lock, no
  * context messages: concurrent inserts call these at the same time. Device
- * memory goes through the GPU backend's allocator and copies directly rather
- * than forkattn_device_malloc()/forkattn_memcpy(), which clear the context's
- * message (a write other threads' cache calls would race with). */
+ * memory goes through the backend's allocator and copies directly rather than
+ * forkattn_device_malloc()/forkattn_memcpy(), which clear the context's
+ * message (a write other threads' cache calls would race with). Device work
+ * waits for the context's stream first: queued kernels may write what it
+ * copies or read what it frees. Device caches exist on the GPU backend only. */
 #include <string.h>
 
 #include "alloc.h"
-#include "context_internal.h"
+#include "backend.h"
 #include "dtype_convert.h"
 #include "kv_cache_internal.h"
-#ifdef FORKATTN_HAVE_OFFLOAD
-#include "gpu_backend.h"
-#include "gpu_stream.h" /* device work of the cache waits for the context's stream: queued kernels may
-                          * write what it copies or read what it frees (no message, see above) */
-#endif
 
 void *fa_kv_data_alloc(const forkattn_kv_cache *c, size_t bytes) {
   if (c->opt.memory == FORKATTN_MEMORY_HOST) return fa_aligned_alloc(bytes);
-#ifdef FORKATTN_HAVE_OFFLOAD
-  return fa_gpu_malloc(c->ctx->device, bytes);
-#else
-  return NULL; /* unreachable: device caches need the gpu backend */
-#endif
+  return c->ctx->ops->mem_alloc(c->ctx->device, bytes);
 }
 
 void fa_kv_data_free(const forkattn_kv_cache *c, void *data) {
@@ -31,10 +24,9 @@ void fa_kv_data_free(const forkattn_kv_cache *c, void *data) {
     fa_free(data);
     return;
   }
-#ifdef FORKATTN_HAVE_OFFLOAD
-  fa_gpu_stream_wait(c->ctx); /* a failed wait: the device is lost, the free goes ahead */
-  fa_gpu_free(c->ctx->device, data);
-#endif
+  const fa_backend *ops = c->ctx->ops;
+  ops->stream_wait_quiet(c->ctx); /* a failed wait: the device is lost, the free goes ahead */
+  ops->mem_free(c->ctx->device, data);
 }
 
 /* bytes from src to dst, each side host or device; 0 or -1. */
@@ -43,12 +35,8 @@ static int fa_kv_move(const forkattn_kv_cache *c, void *dst, int dst_dev, const 
     memcpy(dst, src, bytes);
     return 0;
   }
-#ifdef FORKATTN_HAVE_OFFLOAD
-  return fa_gpu_stream_wait(c->ctx) || fa_gpu_memcpy(c->ctx->device, dst, dst_dev, src, src_dev, bytes) ? -1 : 0;
-#else
-  (void)c;
-  return -1;
-#endif
+  const fa_backend *ops = c->ctx->ops;
+  return ops->stream_wait_quiet(c->ctx) || ops->mem_copy(c->ctx->device, dst, dst_dev, src, src_dev, bytes) ? -1 : 0;
 }
 
 /* Copy t into dst ([rows, heads, d] contiguous) in the fewest pieces its

@@ -80,17 +80,13 @@ struct forkattn_kv_cache {
   forkattn_ctx *ctx;
   forkattn_kv_cache_options opt; /* block_tokens resolved (> 0) */
   size_t row_bytes;              /* kv_heads * head_dim * element size */
-  uint64_t hash_mask;            /* all ones; fewer bits only to test collisions */
+  uint64_t hash_mask;            /* all ones; white-box tests narrow it to force collisions */
   pthread_mutex_t lock;
   fa_kv_map entries, nodes;
   forkattn_kv_entry *lru_head, *lru_tail; /* unheld entries: head most recently used */
   size_t held_bytes;                      /* K/V bytes of held entries */
   forkattn_kv_cache_stats stats;
 };
-
-/* The environment variable that narrows the hash to its value's number of
- * bits (1..63) for the cache created next: tests force collisions with it. */
-#define FA_KV_HASH_BITS_ENV "FORKATTN_TEST_KV_HASH_BITS"
 
 /* Set the keys of e (tokens, n, nodes and num_nodes filled in): its key to
  * (hash of tokens[0..n), n), nodes[j-1] to (H_j, jB) for j = 1..num_nodes. */

@@ -1,14 +1,12 @@
-/* Attention of new rows against a cached shared prefix (issue 6): the
+/* Attention of new rows against a cached shared prefix: the
  * responses' queries only, keys = [prefix ; responses]. The same segment
  * primitive with queries in their own row space (segment_plan.h, qshift). */
 #include <string.h>
 
 #include "alloc.h"
+#include "backend.h"
 #include "layout_attn.h"
 #include "validate.h"
-#ifdef FORKATTN_HAVE_OFFLOAD
-#include "gpu_backend.h"
-#endif
 
 /* Layout, shapes and scale; *r = response rows, *t = P + r key rows. */
 static forkattn_status fa_cached_begin(forkattn_ctx *ctx, const forkattn_prefix_layout *l, const forkattn_tensor *q,
@@ -41,10 +39,8 @@ static forkattn_status fa_tensor_zero(forkattn_ctx *ctx, const forkattn_tensor *
       char *dst = (char *)t->data + es * (size_t)(r * t->row_stride + h * t->head_stride);
       if (memory == FORKATTN_MEMORY_HOST)
         memset(dst, 0, bytes);
-#ifdef FORKATTN_HAVE_OFFLOAD
       else
-        failed = fa_gpu_memcpy(ctx->device, dst, 1, zero, 0, bytes) != 0;
-#endif
+        failed = ctx->ops->mem_copy(ctx->device, dst, 1, zero, 0, bytes) != 0;
     }
   fa_free(zero);
   return failed ? fa_fail(ctx, FORKATTN_ERR_DEVICE, "prefix_cached_bwd: zeroing dk/dv failed") : FORKATTN_OK;

@@ -216,6 +216,8 @@ class CtxOptions(_Options):
         ("threads", c_int),
         ("bind_threads", c_int),
         ("verbose", c_int),
+        ("gpu_kernels", c_int),
+        ("gpu_persist", c_int),
     ]
 
 
@@ -238,6 +240,7 @@ _SIGNATURES = {
     "forkattn_ctx_destroy": (None, [c_void_p]),
     "forkattn_ctx_backend": (c_int, [c_void_p]),
     "forkattn_ctx_backend_reason": (c_char_p, [c_void_p]),
+    "forkattn_ctx_gpu_kernels": (c_char_p, [c_void_p]),
     "forkattn_ctx_threads": (c_int, [c_void_p]),
     "forkattn_ctx_last_error": (c_char_p, [c_void_p]),
     "forkattn_ctx_peak_workspace": (c_size_t, [c_void_p]),
@@ -604,8 +607,8 @@ def _stream_handle(stream):
 class Context:
     """A forkattn context (``forkattn_ctx``): backend, device, CPU threads, last error.
 
-    ``backend`` is ``"auto"`` (GPU when usable, else CPU), ``"cpu"`` or ``"gpu"``; the
-    ``FORKATTN_BACKEND`` environment variable overrides it (C library rule). A context is not
+    ``backend`` is ``"auto"`` (GPU when usable, else CPU), ``"cpu"`` or ``"gpu"``; with
+    ``"auto"`` the ``FORKATTN_BACKEND`` environment variable may choose (C library rule). A context is not
     thread-safe: use one per thread. ``with ctx:`` makes it the current context of this thread
     for the calls inside the block (see :func:`use_context`).
     """
@@ -649,6 +652,11 @@ class Context:
     @property
     def backend_reason(self):
         return (self._lib.forkattn_ctx_backend_reason(self.handle) or b"").decode(errors="replace")
+
+    @property
+    def gpu_kernels(self):
+        """The GPU kernel family of each pass ("" on a CPU context; ``FORKATTN_GPU_KERNELS``)."""
+        return (self._lib.forkattn_ctx_gpu_kernels(self.handle) or b"").decode(errors="replace")
 
     @property
     def threads(self):

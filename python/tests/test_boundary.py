@@ -90,7 +90,7 @@ def test_numpy_prefix_rows(causal):
 
 
 def test_numpy_prefix_bidirectional_groups_reproducer():
-    # The reviewed case: two bidirectional groups need 14 rows, q has 10.
+    # Two bidirectional groups need 14 rows, q has 10: refused, and repeated calls stay refused.
     q = _a(10)
     with pytest.raises(INVALID, match="14"):
         fnp.prefix_attention(q, q, q, prompt_lens=[4, 4], response_lens=[3, 3], group_sizes=[1, 1], causal=False)

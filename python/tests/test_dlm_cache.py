@@ -19,7 +19,7 @@ from conftest import TOL, abs_err, make_qkv, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not _lib.has_symbol("forkattn_prefix_cached_fwd")
                                 or not _lib.has_symbol("forkattn_kv_cache_create"),
-                                reason="the loaded libforkattn has no diffusion-LM KV cache (issue 6)")
+                                reason="the loaded libforkattn has no diffusion-LM KV cache")
 
 PYDIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HQ, HKV, D = 4, 2, 16

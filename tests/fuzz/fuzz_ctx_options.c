@@ -114,7 +114,9 @@ static void fuzz_create(fz_reader *r) {
                  (eff.backend != FORKATTN_BACKEND_AUTO && eff.backend != FORKATTN_BACKEND_CPU &&
                   eff.backend != FORKATTN_BACKEND_GPU) ||
                  eff.threads < 0 || eff.threads > forkattn_max_threads() || eff.device < 0;
-  int eb = env_backend(flags & 4 ? env : NULL), backend = (int)eff.backend;
+  /* the environment applies to an auto request only */
+  int eb = eff.backend == FORKATTN_BACKEND_AUTO ? env_backend(flags & 4 ? env : NULL) : -1;
+  int backend = (int)eff.backend;
   if (eb == -2) want_bad = 1;
   if (eb >= 0) backend = eb;
 

@@ -1,0 +1,120 @@
+/* The GPU kernel decision table (gpu_select.h). Host code, no device headers:
+ * the kernels' team memory comes in through fa_gpu_caps. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "gpu_persist.h"
+#include "gpu_select.h"
+
+/* Tensor-core kernels exist for bf16/f16 at head_dim 64 and 128 without a kept set, on 16-byte rows. */
+static int fa_select_tensor_cores(fa_gpu_pass pass, const fa_gpu_call *c) {
+  if (!c->half || c->kept || !c->rows16 || !c->same_d || (c->d != 64 && c->d != 128)) return 0;
+  return pass != FA_PASS_KL_BWD || c->same_kv_heads; /* a team's K tiles of both sides: one KV head */
+}
+
+/* The wgmma kernel of an attention pass: fits the build, the device's team memory and the call's maps. */
+static fa_gpu_kernel fa_select_wgmma(const fa_gpu_caps *caps, fa_gpu_pass pass, const fa_gpu_call *c) {
+  if (pass != FA_PASS_FWD && pass != FA_PASS_DQ && pass != FA_PASS_DKV) return FA_KERNEL_MMA; /* StreamKL */
+  const size_t need = caps->wg_smem[pass][c->d == 128];
+  if (!caps->wgmma || !c->tma || !need || need > caps->team_memory) return FA_KERNEL_MMA;
+  /* the dK/dV at head_dim 64 is key-major: faster there than the query-major kernel (bench/NOTES-gpu.md) */
+  return pass == FA_PASS_DKV && c->d == 64 ? FA_KERNEL_WG_KEY_MAJOR : FA_KERNEL_WG2;
+}
+
+fa_gpu_kernel fa_gpu_select(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, fa_gpu_pass pass,
+                            const fa_gpu_call *call) {
+  if (knobs->kernels == FORKATTN_GPU_KERNELS_FP32 || !fa_select_tensor_cores(pass, call)) return FA_KERNEL_FP32;
+  if (knobs->kernels == FORKATTN_GPU_KERNELS_MMA) return FA_KERNEL_MMA;
+  return fa_select_wgmma(caps, pass, call);
+}
+
+int fa_gpu_select_needs_tma(fa_gpu_kernel k) { return k == FA_KERNEL_WG2 || k == FA_KERNEL_WG_KEY_MAJOR; }
+
+int fa_gpu_select_grid(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, fa_gpu_pass pass, fa_gpu_kernel k,
+                       int64_t nteams) {
+  if (k != FA_KERNEL_WG2 || (pass != FA_PASS_FWD && pass != FA_PASS_DQ)) return 0;
+  return fa_persist_grid_for(caps->sms, nteams, knobs->persist);
+}
+
+const char *fa_gpu_kernel_name(fa_gpu_pass pass, fa_gpu_kernel k) {
+  switch (k) {
+  case FA_KERNEL_WG2:
+    return pass == FA_PASS_DKV ? "wgmma two-warpgroup query-major" : "wgmma two-warpgroup";
+  case FA_KERNEL_WG_KEY_MAJOR:
+    return "wgmma key-major";
+  case FA_KERNEL_MMA:
+    return "mma.sync";
+  default:
+    return "fp32";
+  }
+}
+
+/* A bf16/f16 call at head_dim d with aligned rows whose maps encode: what the summary describes. */
+static fa_gpu_call fa_select_typical(int64_t d) {
+  return (fa_gpu_call){.half = 1, .d = d, .rows16 = 1, .same_d = 1, .same_kv_heads = 1, .tma = 1};
+}
+
+void fa_gpu_select_describe(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, char *buf, size_t len) {
+  static const char *const pass_names[FA_PASSES] = {"forward", "dQ", "dK/dV", "StreamKL forward",
+                                                    "StreamKL backward"};
+  size_t at = 0;
+  int n = 0;
+  buf[0] = '\0';
+  for (int p = 0; p < FA_PASSES; p++) {
+    const char *k[2];
+    for (int i = 0; i < 2; i++) {
+      const fa_gpu_call c = fa_select_typical(i ? 128 : 64);
+      k[i] = fa_gpu_kernel_name((fa_gpu_pass)p, fa_gpu_select(caps, knobs, (fa_gpu_pass)p, &c));
+    }
+    n = strcmp(k[0], k[1]) ? snprintf(buf + at, len - at, "%s %s (d=64), %s (d=128); ", pass_names[p], k[0], k[1])
+                           : snprintf(buf + at, len - at, "%s %s; ", pass_names[p], k[0]);
+    if (n < 0 || (size_t)n >= len - at) return;
+    at += (size_t)n;
+  }
+  const fa_gpu_call fwd = fa_select_typical(128);
+  if (fa_gpu_select(caps, knobs, FA_PASS_FWD, &fwd) != FA_KERNEL_WG2 || knobs->persist == 0)
+    n = snprintf(buf + at, len - at, "no persistent teams");
+  else if (knobs->persist < 0)
+    n = snprintf(buf + at, len - at, "persistent teams from %d items an SM", FA_PERSIST_MIN_ITEMS_PER_SM);
+  else if (knobs->persist == 1)
+    n = snprintf(buf + at, len - at, "persistent teams, one an SM");
+  else
+    n = snprintf(buf + at, len - at, "persistent teams, at most %d", knobs->persist);
+  if (n > 0 && (size_t)n < len - at) snprintf(buf + at + (size_t)n, len - at - (size_t)n, "; other calls fp32");
+}
+
+/* A count 0..2^20 in s: the value, or -1. */
+static long fa_select_count(const char *s) {
+  char *end = NULL;
+  const long v = strtol(s, &end, 10);
+  return *s && end && !*end && v >= 0 && v <= 1L << 20 ? v : -1;
+}
+
+int fa_gpu_knobs_read(const forkattn_ctx_options *o, fa_gpu_knobs *k, char *err, size_t len) {
+  k->kernels = o ? (int)o->gpu_kernels : FORKATTN_GPU_KERNELS_AUTO;
+  k->persist = o ? o->gpu_persist : -1;
+  k->trace = 0;
+  const char *e = getenv("FORKATTN_GPU_KERNELS");
+  if (e && *e) {
+    if (!strcasecmp(e, "auto")) k->kernels = FORKATTN_GPU_KERNELS_AUTO;
+    else if (!strcasecmp(e, "mma")) k->kernels = FORKATTN_GPU_KERNELS_MMA;
+    else if (!strcasecmp(e, "fp32")) k->kernels = FORKATTN_GPU_KERNELS_FP32;
+    else return snprintf(err, len, "FORKATTN_GPU_KERNELS='%s' is not one of auto, mma, fp32", e), -1;
+  }
+  e = getenv("FORKATTN_GPU_PERSIST");
+  if (e && *e) {
+    const long v = strcasecmp(e, "auto") ? fa_select_count(e) : -1;
+    if (v < 0 && strcasecmp(e, "auto"))
+      return snprintf(err, len, "FORKATTN_GPU_PERSIST='%s' is not auto or a count 0..%ld", e, 1L << 20), -1;
+    k->persist = (int)v;
+  }
+  e = getenv("FORKATTN_GPU_TRACE");
+  k->trace = e && !strcmp(e, "1");
+  if (k->kernels < FORKATTN_GPU_KERNELS_AUTO || k->kernels > FORKATTN_GPU_KERNELS_FP32)
+    return snprintf(err, len, "gpu_kernels (%d) is not a forkattn_gpu_kernels value", k->kernels), -1;
+  if (k->persist < -1 || k->persist > 1 << 20)
+    return snprintf(err, len, "gpu_persist (%d) must lie in -1..%d", k->persist, 1 << 20), -1;
+  return 0;
+}

@@ -1,0 +1,206 @@
+/* The GPU kernel decision table (offload/gpu_select.h) on the host: the
+ * default kernel of every pass per shape, the fallbacks when the build, team
+ * memory, tensor maps or the call's shape rule a family out, the knobs, and
+ * their reading from options and the environment. */
+#define _POSIX_C_SOURCE 200809L /* setenv */
+#include <criterion/criterion.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpu_persist.h"
+#include "gpu_select.h"
+
+#define KB ((size_t)1024)
+
+/* An sm_90a build on an H100-like device: 227 KB of team memory, 132 SMs; each wgmma kernel's
+ * team memory is a stand-in below that (the real sizes come from the team headers). */
+static fa_gpu_caps h100(void) {
+  fa_gpu_caps c = {.wgmma = 1, .team_memory = 227 * KB, .sms = 132};
+  const fa_gpu_pass wg[3] = {FA_PASS_FWD, FA_PASS_DQ, FA_PASS_DKV};
+  for (int i = 0; i < 3; i++) {
+    c.wg_smem[wg[i]][0] = 100 * KB;
+    c.wg_smem[wg[i]][1] = 200 * KB;
+  }
+  return c;
+}
+
+static const fa_gpu_knobs auto_knobs = {.kernels = FORKATTN_GPU_KERNELS_AUTO, .persist = -1};
+
+/* A bf16/f16 call with aligned rows at head_dim d whose maps encode. */
+static fa_gpu_call half_call(int64_t d) {
+  return (fa_gpu_call){.half = 1, .d = d, .rows16 = 1, .same_d = 1, .same_kv_heads = 1, .tma = 1};
+}
+
+static fa_gpu_kernel sel(const fa_gpu_caps *c, const fa_gpu_knobs *k, fa_gpu_pass p, fa_gpu_call call) {
+  return fa_gpu_select(c, k, p, &call);
+}
+
+/* Every pass of call on (c, k) gives want[pass]. */
+static void expect_all(const fa_gpu_caps *c, const fa_gpu_knobs *k, fa_gpu_call call, const fa_gpu_kernel *want,
+                       const char *what) {
+  for (int p = 0; p < FA_PASSES; p++)
+    cr_expect_eq(sel(c, k, (fa_gpu_pass)p, call), want[p], "%s, d=%lld: pass %d runs %s, want %s", what,
+                 (long long)call.d, p, fa_gpu_kernel_name((fa_gpu_pass)p, sel(c, k, (fa_gpu_pass)p, call)),
+                 fa_gpu_kernel_name((fa_gpu_pass)p, want[p]));
+}
+
+Test(gpu_select, defaults_per_head_dim_on_an_sm90a_build) {
+  const fa_gpu_caps c = h100();
+  const fa_gpu_kernel d64[FA_PASSES] = {FA_KERNEL_WG2, FA_KERNEL_WG2, FA_KERNEL_WG_KEY_MAJOR, FA_KERNEL_MMA,
+                                        FA_KERNEL_MMA};
+  const fa_gpu_kernel d128[FA_PASSES] = {FA_KERNEL_WG2, FA_KERNEL_WG2, FA_KERNEL_WG2, FA_KERNEL_MMA, FA_KERNEL_MMA};
+  expect_all(&c, &auto_knobs, half_call(64), d64, "default");
+  expect_all(&c, &auto_knobs, half_call(128), d128, "default");
+}
+
+Test(gpu_select, other_shapes_run_the_fp32_kernels) {
+  const fa_gpu_caps c = h100();
+  const fa_gpu_kernel fp32[FA_PASSES] = {FA_KERNEL_FP32, FA_KERNEL_FP32, FA_KERNEL_FP32, FA_KERNEL_FP32,
+                                         FA_KERNEL_FP32};
+  const int64_t dims[] = {32, 80, 96, 256};
+  for (size_t i = 0; i < sizeof dims / sizeof *dims; i++) expect_all(&c, &auto_knobs, half_call(dims[i]), fp32, "head_dim");
+  for (int64_t d = 64; d <= 128; d += 64) {
+    fa_gpu_call f32 = half_call(d), kept = half_call(d), rows = half_call(d);
+    f32.half = 0; /* f32, or mixed dtypes */
+    kept.kept = 1;
+    rows.rows16 = 0; /* a device tensor's rows not 16-byte aligned, or positions past 32 bits */
+    expect_all(&c, &auto_knobs, f32, fp32, "f32");
+    expect_all(&c, &auto_knobs, kept, fp32, "kept set");
+    expect_all(&c, &auto_knobs, rows, fp32, "unaligned rows");
+  }
+}
+
+Test(gpu_select, streamkl_needs_one_head_dim_and_the_backward_one_kv_head_count) {
+  const fa_gpu_caps c = h100();
+  fa_gpu_call two_d = half_call(128), two_kv = half_call(128);
+  two_d.same_d = 0;
+  two_kv.same_kv_heads = 0;
+  cr_expect_eq(sel(&c, &auto_knobs, FA_PASS_KL_FWD, two_d), FA_KERNEL_FP32);
+  cr_expect_eq(sel(&c, &auto_knobs, FA_PASS_KL_BWD, two_d), FA_KERNEL_FP32);
+  cr_expect_eq(sel(&c, &auto_knobs, FA_PASS_KL_FWD, two_kv), FA_KERNEL_MMA);
+  cr_expect_eq(sel(&c, &auto_knobs, FA_PASS_KL_BWD, two_kv), FA_KERNEL_FP32);
+}
+
+/* Without wgmma in the build, without the team memory or without the maps, mma.sync. */
+Test(gpu_select, wgmma_falls_back_to_mma_sync) {
+  const fa_gpu_kernel mma[FA_PASSES] = {FA_KERNEL_MMA, FA_KERNEL_MMA, FA_KERNEL_MMA, FA_KERNEL_MMA, FA_KERNEL_MMA};
+  fa_gpu_caps portable = h100(), small = h100();
+  portable.wgmma = 0;
+  small.team_memory = 48 * KB; /* the runtime's default: the launch forwarder was not installed */
+  for (int64_t d = 64; d <= 128; d += 64) {
+    expect_all(&portable, &auto_knobs, half_call(d), mma, "no wgmma in the build");
+    expect_all(&small, &auto_knobs, half_call(d), mma, "48 KB of team memory");
+    fa_gpu_call no_maps = half_call(d);
+    no_maps.tma = 0;
+    const fa_gpu_caps c = h100();
+    expect_all(&c, &auto_knobs, no_maps, mma, "maps refused");
+  }
+  /* the team memory a kernel needs, exactly, is enough; a byte less is not */
+  fa_gpu_caps edge = h100();
+  edge.team_memory = edge.wg_smem[FA_PASS_DKV][1];
+  cr_expect_eq(sel(&edge, &auto_knobs, FA_PASS_DKV, half_call(128)), FA_KERNEL_WG2);
+  edge.team_memory--;
+  cr_expect_eq(sel(&edge, &auto_knobs, FA_PASS_DKV, half_call(128)), FA_KERNEL_MMA);
+  cr_expect_eq(sel(&edge, &auto_knobs, FA_PASS_DKV, half_call(64)), FA_KERNEL_WG_KEY_MAJOR, "its own size at 64");
+  /* a pass without a wgmma kernel in the image */
+  fa_gpu_caps none = h100();
+  none.wg_smem[FA_PASS_DQ][1] = 0;
+  cr_expect_eq(sel(&none, &auto_knobs, FA_PASS_DQ, half_call(128)), FA_KERNEL_MMA);
+}
+
+Test(gpu_select, the_kernel_family_knob_caps_the_choice) {
+  const fa_gpu_caps c = h100();
+  const fa_gpu_knobs mma_k = {.kernels = FORKATTN_GPU_KERNELS_MMA, .persist = -1};
+  const fa_gpu_knobs fp32_k = {.kernels = FORKATTN_GPU_KERNELS_FP32, .persist = -1};
+  const fa_gpu_kernel mma[FA_PASSES] = {FA_KERNEL_MMA, FA_KERNEL_MMA, FA_KERNEL_MMA, FA_KERNEL_MMA, FA_KERNEL_MMA};
+  const fa_gpu_kernel fp32[FA_PASSES] = {FA_KERNEL_FP32, FA_KERNEL_FP32, FA_KERNEL_FP32, FA_KERNEL_FP32,
+                                         FA_KERNEL_FP32};
+  for (int64_t d = 64; d <= 128; d += 64) {
+    expect_all(&c, &mma_k, half_call(d), mma, "kernels=mma");
+    expect_all(&c, &fp32_k, half_call(d), fp32, "kernels=fp32");
+  }
+  fa_gpu_call f32 = half_call(128);
+  f32.half = 0;
+  expect_all(&c, &mma_k, f32, fp32, "kernels=mma, f32");
+}
+
+Test(gpu_select, the_wgmma_kernels_load_by_bulk_copies) {
+  cr_expect(fa_gpu_select_needs_tma(FA_KERNEL_WG2));
+  cr_expect(fa_gpu_select_needs_tma(FA_KERNEL_WG_KEY_MAJOR));
+  cr_expect(!fa_gpu_select_needs_tma(FA_KERNEL_MMA));
+  cr_expect(!fa_gpu_select_needs_tma(FA_KERNEL_FP32));
+}
+
+Test(gpu_select, persistent_teams_only_for_the_two_warpgroup_forward_and_dq) {
+  const fa_gpu_caps c = h100();
+  const int64_t many = (int64_t)FA_PERSIST_MIN_ITEMS_PER_SM * c.sms, few = many - 1;
+  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_FWD, FA_KERNEL_WG2, many), c.sms);
+  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_DQ, FA_KERNEL_WG2, many), c.sms);
+  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_FWD, FA_KERNEL_WG2, few), 0, "auto: too few items");
+  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_DKV, FA_KERNEL_WG2, many), 0, "the dK/dV never");
+  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_FWD, FA_KERNEL_MMA, many), 0, "mma.sync never");
+  const fa_gpu_knobs never = {.persist = 0}, always = {.persist = 1}, three = {.persist = 3};
+  cr_expect_eq(fa_gpu_select_grid(&c, &never, FA_PASS_FWD, FA_KERNEL_WG2, many), 0);
+  cr_expect_eq(fa_gpu_select_grid(&c, &always, FA_PASS_FWD, FA_KERNEL_WG2, 40), 40, "at most one team an item");
+  cr_expect_eq(fa_gpu_select_grid(&c, &always, FA_PASS_DQ, FA_KERNEL_WG2, many), c.sms);
+  cr_expect_eq(fa_gpu_select_grid(&c, &three, FA_PASS_FWD, FA_KERNEL_WG2, 40), 3);
+  fa_gpu_caps unknown = c;
+  unknown.sms = 0;
+  cr_expect_eq(fa_gpu_select_grid(&unknown, &always, FA_PASS_FWD, FA_KERNEL_WG2, many), 0, "SMs unknown");
+}
+
+Test(gpu_select, the_summary_names_each_pass) {
+  const fa_gpu_caps c = h100();
+  char buf[384];
+  fa_gpu_select_describe(&c, &auto_knobs, buf, sizeof buf);
+  cr_expect(strstr(buf, "forward wgmma two-warpgroup;"), "%s", buf);
+  cr_expect(strstr(buf, "dK/dV wgmma key-major (d=64), wgmma two-warpgroup query-major (d=128)"), "%s", buf);
+  cr_expect(strstr(buf, "StreamKL backward mma.sync"), "%s", buf);
+  cr_expect(strstr(buf, "persistent teams from 8 items an SM"), "%s", buf);
+  char tiny[40];
+  fa_gpu_select_describe(&c, &auto_knobs, tiny, sizeof tiny);
+  cr_expect_lt(strlen(tiny), sizeof tiny, "truncated, terminated");
+}
+
+static void clear_env(void) {
+  unsetenv("FORKATTN_GPU_KERNELS");
+  unsetenv("FORKATTN_GPU_PERSIST");
+  unsetenv("FORKATTN_GPU_TRACE");
+}
+
+Test(gpu_select, knobs_from_options_then_the_environment, .init = clear_env, .fini = clear_env) {
+  forkattn_ctx_options o;
+  memset(&o, 0, sizeof o);
+  o.gpu_kernels = FORKATTN_GPU_KERNELS_MMA;
+  o.gpu_persist = 3;
+  fa_gpu_knobs k;
+  char err[128];
+  cr_assert_eq(fa_gpu_knobs_read(NULL, &k, err, sizeof err), 0);
+  cr_expect(k.kernels == FORKATTN_GPU_KERNELS_AUTO && k.persist == -1 && !k.trace, "defaults");
+  cr_assert_eq(fa_gpu_knobs_read(&o, &k, err, sizeof err), 0);
+  cr_expect(k.kernels == FORKATTN_GPU_KERNELS_MMA && k.persist == 3, "options");
+  setenv("FORKATTN_GPU_KERNELS", "fp32", 1);
+  setenv("FORKATTN_GPU_PERSIST", "0", 1);
+  setenv("FORKATTN_GPU_TRACE", "1", 1);
+  cr_assert_eq(fa_gpu_knobs_read(&o, &k, err, sizeof err), 0);
+  cr_expect(k.kernels == FORKATTN_GPU_KERNELS_FP32 && k.persist == 0 && k.trace, "the environment wins");
+  setenv("FORKATTN_GPU_KERNELS", "AUTO", 1);
+  setenv("FORKATTN_GPU_PERSIST", "auto", 1);
+  cr_assert_eq(fa_gpu_knobs_read(&o, &k, err, sizeof err), 0);
+  cr_expect(k.kernels == FORKATTN_GPU_KERNELS_AUTO && k.persist == -1);
+  setenv("FORKATTN_GPU_KERNELS", "wgmma2", 1);
+  cr_expect_eq(fa_gpu_knobs_read(&o, &k, err, sizeof err), -1);
+  cr_expect(strstr(err, "FORKATTN_GPU_KERNELS='wgmma2'"), "%s", err);
+  unsetenv("FORKATTN_GPU_KERNELS");
+  const char *bad_persist[] = {"-1", "x", "2000000", "1.5"};
+  for (int i = 0; i < 4; i++) {
+    setenv("FORKATTN_GPU_PERSIST", bad_persist[i], 1);
+    cr_expect_eq(fa_gpu_knobs_read(&o, &k, err, sizeof err), -1, "FORKATTN_GPU_PERSIST=%s", bad_persist[i]);
+  }
+  unsetenv("FORKATTN_GPU_PERSIST");
+  o.gpu_kernels = (forkattn_gpu_kernels)7;
+  cr_expect_eq(fa_gpu_knobs_read(&o, &k, err, sizeof err), -1, "gpu_kernels out of range");
+  o.gpu_kernels = FORKATTN_GPU_KERNELS_AUTO;
+  o.gpu_persist = -2;
+  cr_expect_eq(fa_gpu_knobs_read(&o, &k, err, sizeof err), -1, "gpu_persist out of range");
+}

@@ -21,12 +21,17 @@ import argparse
 import ctypes as C
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
 import time
 
 import torch
+
+# The binding's copies of the option structs (they set struct_size, docs/api.md ABI rules).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
+from forkattn._lib import CtxOptions as CtxOpt, KlOptions as Opt  # noqa: E402
 
 HOST, DEVICE = 0, 1
 
@@ -44,18 +49,9 @@ class Layout(C.Structure):
     _fields_ = [("prefix", C.c_void_p), ("tree", C.c_void_p)]
 
 
-class Opt(C.Structure):
-    _fields_ = [("direction", C.c_int), ("scale_teacher", C.c_float), ("scale_student", C.c_float),
-                ("temperature", C.c_float), ("scale_by_tau2", C.c_int)]
-
-
-class CtxOpt(C.Structure):
-    _fields_ = [("backend", C.c_int), ("device", C.c_int), ("threads", C.c_int), ("bind", C.c_int),
-                ("verbose", C.c_int)]
-
-
 def load(path):
     lib = C.CDLL(path)
+    lib.forkattn_ctx_options_init.argtypes = [C.POINTER(CtxOpt)]
     lib.forkattn_ctx_create.argtypes = [C.POINTER(C.c_void_p), C.POINTER(CtxOpt)]
     lib.forkattn_ctx_last_error.restype = C.c_char_p
     lib.forkattn_ctx_last_error.argtypes = [C.c_void_p]
@@ -65,6 +61,14 @@ def load(path):
     lib.forkattn_kl_fwd.argtypes = [C.c_void_p] * 11 + [C.c_int]
     lib.forkattn_kl_bwd.argtypes = [C.c_void_p] * 14 + [C.c_int]
     return lib
+
+
+def ctx_options(lib, backend):
+    """forkattn_ctx_options_init()'s defaults with the given backend."""
+    opt = CtxOpt()
+    lib.forkattn_ctx_options_init(C.byref(opt))
+    opt.backend = backend
+    return opt
 
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # forkattn_dtype
@@ -215,7 +219,7 @@ def main():
     a = ap.parse_args()
     lib = load(a.lib)
     ctx = C.c_void_p()
-    o = CtxOpt(2, 0, 0, 0, 0)
+    o = ctx_options(lib, 2)
     if lib.forkattn_ctx_create(C.byref(ctx), C.byref(o)):
         sys.exit("no GPU context: %s" % lib.forkattn_ctx_create_error())
     rows = []

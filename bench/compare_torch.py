@@ -55,7 +55,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from compare_kl import DEVICE, HOST, CtxOpt, Prefix, Tensor
+from compare_kl import DEVICE, HOST, CtxOpt, Prefix, Tensor, ctx_options
 
 BACKEND_CPU, BACKEND_GPU = 1, 2  # forkattn_backend
 BF16 = 1  # FORKATTN_DTYPE_BF16
@@ -81,6 +81,7 @@ class LibraryError(RuntimeError):
 
 def load(path):
     lib = C.CDLL(path)
+    lib.forkattn_ctx_options_init.argtypes = [C.POINTER(CtxOpt)]
     lib.forkattn_ctx_create.argtypes = [C.POINTER(C.c_void_p), C.POINTER(CtxOpt)]
     for name in ("forkattn_ctx_last_error", "forkattn_ctx_backend_reason"):
         getattr(lib, name).restype = C.c_char_p
@@ -121,7 +122,7 @@ class Forkattn:
         self.name = "forkattn, on torch's stream" if stream else "forkattn"
         self.memory = DEVICE if cuda else HOST
         self.ctx = C.c_void_p()
-        opt = CtxOpt(BACKEND_GPU if cuda else BACKEND_CPU, 0, 0, 0, 0)
+        opt = ctx_options(self.lib, BACKEND_GPU if cuda else BACKEND_CPU)
         if self.lib.forkattn_ctx_create(C.byref(self.ctx), C.byref(opt)):
             sys.exit("no forkattn context: %s" % self.lib.forkattn_ctx_create_error().decode())
         self.version = self.lib.forkattn_version_string().decode()

@@ -1,4 +1,4 @@
-# ForkattnPackage.cmake -- `cmake --install`: libraries (VERSION/SOVERSION), the header,
+# ForkattnPackage.cmake -- `cmake --install`: libraries (VERSION/SOVERSION), the headers,
 # the command-line program, a CMake package exporting forkattn::forkattn (and
 # forkattn::forkattn_static in CPU builds) with a same-major version file, and forkattn.pc.
 include(CMakePackageConfigHelpers)
@@ -12,7 +12,7 @@ install(TARGETS ${_fa_targets} EXPORT forkattnTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(TARGETS forkattn_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-install(FILES include/forkattn.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(FILES include/forkattn.h include/forkattn_experimental.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 if(FORKATTN_MPI)
   install(FILES include/forkattn_mpi.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 endif()

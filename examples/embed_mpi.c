@@ -80,7 +80,8 @@ int main(int argc, char **argv) {
   }
   forkattn_trie *trie;
   CHECK(forkattn_trie_from_sequences(ctx, NSEQ, off, tokens, FORKATTN_TRIE_SINGLE_ROOT, &trie));
-  const forkattn_tree_layout tree = forkattn_trie_layout(trie);
+  forkattn_tree_layout tree;
+  CHECK(forkattn_trie_layout(trie, &tree));
   const int64_t T = forkattn_trie_num_rows(trie);
 
   /* the same random q, k, v, dout on every rank (same seed) */
@@ -99,7 +100,8 @@ int main(int argc, char **argv) {
   int64_t n;
   const int64_t *rows = forkattn_partition_rows(pt, rank, &n);
   const unsigned char *own = forkattn_partition_owned(pt, rank);
-  const forkattn_tree_layout mine = forkattn_partition_layout(pt, rank);
+  forkattn_tree_layout mine;
+  CHECK(forkattn_partition_layout(pt, rank, &mine));
   float *part[8], lse_part[1024 * HQ];
   alloc8(part, n);
   for (int64_t r = 0; r < n; r++)

@@ -2,7 +2,28 @@
  * @file forkattn.h
  * @brief forkattn: attention primitives for RL post-training with shared prefixes.
  *
- * One public header, C11, usable from C and C++.
+ * The stable public header, C11, usable from C and C++. Experimental APIs (the
+ * tree cost model, partitioning and batch planning, the reuse-depth profile)
+ * are in forkattn_experimental.h, outside the promise below.
+ *
+ * ABI rules (hold for every 1.x release):
+ *  - Option structs (::forkattn_ctx_options, ::forkattn_kl_options,
+ *    ::forkattn_kv_cache_options, ::forkattn_kv_policy) start with
+ *    `size_t struct_size`, which their _init function sets: always fill one
+ *    with its _init function, then set the fields you need. The library
+ *    refuses a struct_size of 0 or one it does not know with
+ *    ::FORKATTN_ERR_INVALID_ARGUMENT (the message names the _init function).
+ *    New fields are only appended; a later 1.x library accepts the
+ *    struct_size of every earlier 1.x header and gives the fields that
+ *    header lacks their defaults.
+ *  - Plain data descriptors (::forkattn_tensor, ::forkattn_prefix_layout,
+ *    ::forkattn_tree_layout, ::forkattn_layout, ::forkattn_kept_set,
+ *    ::forkattn_kv_cache_stats) have no size field: their layout is fixed for
+ *    1.x.
+ *  - No function returns a struct by value: structs come back through an
+ *    output pointer (forkattn_tensor_contiguous() is an inline helper of this
+ *    header, not a library symbol).
+ *  - Enum values and status codes are fixed; new ones are only appended.
  *
  * Conventions (hold for every function below):
  *  - Every call returns ::forkattn_status. Bad input returns
@@ -115,7 +136,8 @@ typedef struct forkattn_tensor {
  * Describe a contiguous [rows, heads, head_dim] tensor
  * (row_stride = heads*head_dim, head_stride = head_dim). If heads*head_dim
  * overflows int64, row_stride is 0 and every call refuses the descriptor.
- * Checks nothing else (calls validate descriptors).
+ * Checks nothing else (calls validate descriptors). An inline function of this
+ * header: no library call.
  * @param data first element (host or device pointer)
  * @param dtype storage type
  * @param rows number of rows
@@ -123,9 +145,22 @@ typedef struct forkattn_tensor {
  * @param head_dim elements per head vector
  * @return the descriptor
  */
-FORKATTN_API forkattn_tensor forkattn_tensor_contiguous(void *data, forkattn_dtype dtype,
-                                                        int64_t rows, int64_t heads,
-                                                        int64_t head_dim);
+static inline forkattn_tensor forkattn_tensor_contiguous(void *data, forkattn_dtype dtype, int64_t rows,
+                                                         int64_t heads, int64_t head_dim) {
+  forkattn_tensor t;
+  t.data = data;
+  t.dtype = dtype;
+  t.rows = rows;
+  t.heads = heads;
+  t.head_dim = head_dim;
+  /* the signed-overflow test of heads * head_dim for every sign combination */
+  const int overflow = heads > 0 ? (head_dim > 0 ? heads > INT64_MAX / head_dim : head_dim < INT64_MIN / heads)
+                                 : (head_dim > 0 ? heads < INT64_MIN / head_dim
+                                                 : (heads != 0 && head_dim < INT64_MAX / heads));
+  t.row_stride = overflow ? 0 : heads * head_dim;
+  t.head_stride = head_dim;
+  return t;
+}
 
 /** @name Version and status */
 /**@{*/
@@ -162,6 +197,7 @@ typedef enum forkattn_gpu_kernels {
 
 /** Options for forkattn_ctx_create(). Initialize with forkattn_ctx_options_init(). */
 typedef struct forkattn_ctx_options {
+  size_t struct_size;       /**< sizeof(forkattn_ctx_options), set by forkattn_ctx_options_init() */
   forkattn_backend backend; /**< requested backend; with AUTO, the FORKATTN_BACKEND env var
                                  may choose it (an explicit CPU or GPU stands) */
   int device;               /**< OpenMP device number for the GPU backend (default 0) */
@@ -180,8 +216,8 @@ typedef struct forkattn_ctx_options {
                                  FORKATTN_GPU_PERSIST=auto|0|1|n overrides it */
 } forkattn_ctx_options;
 
-/** Fill @p opt with defaults: auto backend, device 0, threads 0, no binding, quiet, GPU
- *  kernels AUTO, gpu_persist -1.
+/** Fill @p opt with defaults: struct_size, auto backend, device 0, threads 0, no
+ *  binding, quiet, GPU kernels AUTO, gpu_persist -1.
  *  @param opt options to initialize (NULL is ignored) */
 FORKATTN_API void forkattn_ctx_options_init(forkattn_ctx_options *opt);
 
@@ -204,9 +240,10 @@ FORKATTN_API void forkattn_ctx_options_init(forkattn_ctx_options *opt);
  * when it cannot create one, so absurd counts are refused here instead.
  * @param[out] ctx receives the new context, or NULL on failure.
  * @param opt options, or NULL for the defaults (copied; not kept)
- * @return FORKATTN_OK, FORKATTN_ERR_INVALID_ARGUMENT (bad options, threads
- *         above forkattn_max_threads(), or a bad FORKATTN_BACKEND value with
- *         an auto request; on a GPU context also a bad FORKATTN_GPU_KERNELS or
+ * @return FORKATTN_OK, FORKATTN_ERR_INVALID_ARGUMENT (bad options or a
+ *         struct_size this library does not know, threads above
+ *         forkattn_max_threads(), or a bad FORKATTN_BACKEND value with an auto
+ *         request; on a GPU context also a bad FORKATTN_GPU_KERNELS or
  *         FORKATTN_GPU_PERSIST value),
  *         FORKATTN_ERR_BACKEND_UNAVAILABLE or FORKATTN_ERR_OUT_OF_MEMORY
  */
@@ -703,8 +740,10 @@ FORKATTN_API forkattn_status forkattn_trie_from_token_parents(forkattn_ctx *ctx,
 FORKATTN_API void forkattn_trie_free(forkattn_trie *trie);
 
 /** The packed tree, ready for forkattn_tree_fwd() (arrays owned by the trie).
- *  @param trie the trie @return its layout */
-FORKATTN_API forkattn_tree_layout forkattn_trie_layout(const forkattn_trie *trie);
+ *  @param trie the trie
+ *  @param[out] layout receives its layout (an empty layout when trie is NULL)
+ *  @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT (trie or layout NULL) */
+FORKATTN_API forkattn_status forkattn_trie_layout(const forkattn_trie *trie, forkattn_tree_layout *layout);
 
 /** Packed rows T. @param trie the trie @return node_offsets[n] */
 FORKATTN_API int64_t forkattn_trie_num_rows(const forkattn_trie *trie);
@@ -748,204 +787,6 @@ FORKATTN_API const int64_t *forkattn_trie_node_depths(const forkattn_trie *trie)
 /** Token id of every row (tries built from sequences; NULL otherwise).
  *  @param trie the trie @return [T] or NULL */
 FORKATTN_API const int64_t *forkattn_trie_row_tokens(const forkattn_trie *trie);
-/**@}*/
-
-/** @name Tree cost model, partitioning and batch planning
- * Predict what a tree costs, split a tree across ranks or GPUs with balanced
- * cost (duplicating shared ancestors where a subtree is split), and group the
- * independent trees of a forest into launches, choosing per launch between
- * tree execution and plain per-sequence attention. All host-side, O(n) memory,
- * no recursion (chains of any depth work). Every function here checks all of
- * its arguments before it allocates, sets pointer outputs to NULL on any error,
- * and returns FORKATTN_ERR_OUT_OF_MEMORY (having freed everything) when an
- * allocation fails. Accessors accept NULL and out-of-range indices (they
- * return empty values). See docs/tree.md. */
-/**@{*/
-
-/** Linear cost model of one forward + backward of tree attention:
- *  seconds = sec_per_mac * heads_q * head_dim * M + sec_per_row * heads_q * T
- *  + sec_per_pair * pairs, where M is the number of (query row, visible key)
- *  pairs, T the packed rows and pairs the (node, key segment) pairs of the
- *  tree's segment plan (a node has one per key segment on its root path; a
- *  chain of only children packed back to back reads one segment). */
-typedef struct forkattn_tree_cost_model {
-  int64_t heads_q;     /**< query heads of the calls being modelled (>= 1) */
-  int64_t head_dim;    /**< head dimension (>= 1) */
-  double sec_per_mac;  /**< seconds per visible (query row, key row, head, dim) term */
-  double sec_per_row;  /**< seconds per packed row and query head */
-  double sec_per_pair; /**< seconds per (node, key segment) pair: tile edges, plan, launch share */
-} forkattn_tree_cost_model;
-
-/**
- * A model with the given shape and coefficients measured by timing a few
- * trees (a long sequence, a chain and a binary tree of one-token nodes, a
- * star, a forest of short sequences, a small trie) with forkattn_tree_fwd()
- * and forkattn_tree_bwd() on the context's backend (host memory, random
- * inputs; median of a few runs), fitted by least squares on relative errors
- * with non-negative coefficients. Takes about a second; sizes shrink as
- * heads_q * head_dim grows. Timings depend on the machine's load.
- *
- * @param ctx the context whose backend is timed
- * @param heads_q query heads
- * @param heads_kv KV heads (divides heads_q)
- * @param head_dim head dimension
- * @param dtype storage dtype
- * @param model receives the fitted model (untouched on error)
- * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT; FORKATTN_ERR_OUT_OF_MEMORY; or the
- *         status of a failed forkattn_tree_fwd() / forkattn_tree_bwd()
- */
-FORKATTN_API forkattn_status forkattn_tree_cost_model_calibrate(forkattn_ctx *ctx, int64_t heads_q,
-                                                                int64_t heads_kv, int64_t head_dim,
-                                                                forkattn_dtype dtype,
-                                                                forkattn_tree_cost_model *model);
-
-/**
- * Predicted seconds of forward + backward tree attention over @p tree (the
- * model's formula; O(n) time).
- *
- * @param ctx the context (error messages)
- * @param tree the packed tree
- * @param model the cost model (heads_q, head_dim >= 1; coefficients finite, >= 0)
- * @param seconds receives the prediction (untouched on error)
- * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT; FORKATTN_ERR_OUT_OF_MEMORY
- *         (O(n) scratch)
- */
-FORKATTN_API forkattn_status forkattn_tree_cost(forkattn_ctx *ctx, const forkattn_tree_layout *tree,
-                                                const forkattn_tree_cost_model *model, double *seconds);
-
-/** A partition of a tree into parts (opaque). */
-typedef struct forkattn_partition forkattn_partition;
-
-/**
- * Assign the leaves of @p tree (and so its root-to-leaf paths) to
- * @p num_parts parts so that the largest part's predicted cost (the step time
- * of parts run in parallel) is as small as possible, which also keeps it close
- * to the mean. Each part is a sub-forest of the tree: the nodes of its
- * leaves' paths, packed in the tree's order. A node belongs to every part
- * that holds one of its leaves (shared ancestors are duplicated) and is owned
- * by exactly one of them, the part of its first leaf in depth-first order
- * (children by index); a part runs attention over all of its rows and counts
- * outputs and losses only on the rows it owns. Summing every part's dq/dk/dv
- * scattered to global rows (with dout = 0 on rows a part does not own) gives
- * the single-process gradients.
- *
- * Candidates: contiguous ranges of leaves in depth-first order with min-max
- * split points; greedy LPT over leaves by decreasing path cost; single-leaf
- * moves and swaps out of the costliest part. The cheapest largest part wins
- * (ties: lower imbalance); deterministic. With more parts than leaves each
- * leaf gets its own part and the rest are empty.
- *
- * @param ctx the context (error messages)
- * @param tree the packed tree
- * @param num_parts >= 1 (parts may be empty when there are fewer leaves)
- * @param model the cost model balanced
- * @param partition receives the partition (NULL on error)
- * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT; FORKATTN_ERR_OUT_OF_MEMORY
- */
-FORKATTN_API forkattn_status forkattn_tree_partition(forkattn_ctx *ctx, const forkattn_tree_layout *tree,
-                                                     int64_t num_parts,
-                                                     const forkattn_tree_cost_model *model,
-                                                     forkattn_partition **partition);
-
-/** Free a partition (NULL is a no-op). @param partition the partition */
-FORKATTN_API void forkattn_partition_free(forkattn_partition *partition);
-
-/** @param partition the partition @return its number of parts */
-FORKATTN_API int64_t forkattn_partition_num_parts(const forkattn_partition *partition);
-
-/** The sub-forest of one part, in the part's own packed rows (arrays owned by
- *  the partition). @param partition the partition @param part 0 <= part < parts
- *  @return the layout (num_nodes 0 for an empty part or a bad index) */
-FORKATTN_API forkattn_tree_layout forkattn_partition_layout(const forkattn_partition *partition,
-                                                            int64_t part);
-
-/** Global row (in the partitioned tree) of every row of a part.
- *  @param partition the partition @param part the part
- *  @param num_rows receives the part's row count (may be NULL)
- *  @return [num_rows] row indices, or NULL for a part without rows or a bad index */
-FORKATTN_API const int64_t *forkattn_partition_rows(const forkattn_partition *partition, int64_t part,
-                                                    int64_t *num_rows);
-
-/** Ownership of every row of a part: 1 where this part owns the row, 0 for a
- *  duplicated ancestor row owned by another part. Every row of the tree is
- *  owned by exactly one part.
- *  @param partition the partition @param part the part
- *  @return [num_rows], or NULL for a part without rows or a bad index */
-FORKATTN_API const unsigned char *forkattn_partition_owned(const forkattn_partition *partition,
-                                                           int64_t part);
-
-/** Predicted cost of one part (duplicated rows included).
- *  @param partition the partition @param part the part @return seconds (0 for a bad index) */
-FORKATTN_API double forkattn_partition_cost(const forkattn_partition *partition, int64_t part);
-
-/** Largest part cost over the mean part cost, the mean taken over all parts,
- *  empty ones included (1 = perfect balance; 1 for an empty tree).
- *  @param partition the partition @return the ratio (0 for NULL) */
-FORKATTN_API double forkattn_partition_imbalance(const forkattn_partition *partition);
-
-/** How a batch of the batch plan runs. */
-typedef enum forkattn_exec_mode {
-  FORKATTN_EXEC_TREE = 0,      /**< tree attention over the batch's packed trees */
-  FORKATTN_EXEC_REPLICATED = 1 /**< plain causal attention per root-to-leaf sequence */
-} forkattn_exec_mode;
-
-/** A batch plan (opaque). */
-typedef struct forkattn_batch_plan forkattn_batch_plan;
-
-/**
- * Group the root trees of a packed forest (one tree per prompt, say) into
- * batches of at most @p max_batch_rows rows, trees of similar cost together
- * (one launch each), every tree in exactly one batch (a tree larger than the
- * limit gets a batch of its own). Trees are taken by decreasing predicted
- * cost and each goes to the first batch with room (first-fit decreasing); a
- * batch's nodes keep the forest's order. For every batch, decide from the
- * model whether tree execution pays against running each root-to-leaf
- * sequence separately as plain causal attention (predicted with the same
- * model: M = sum of L(L+1)/2, T = sum of L, one pair per sequence, over the
- * leaves' path lengths L): it runs replicated when the tree is predicted
- * slower (low deduplication or many tiny segments), and the reason says why.
- *
- * @param ctx the context (error messages)
- * @param forest the packed forest
- * @param max_batch_rows >= 1
- * @param model the cost model (its sec_per_pair term is what tiny segments cost)
- * @param plan receives the plan (NULL on error)
- * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT; FORKATTN_ERR_OUT_OF_MEMORY
- */
-FORKATTN_API forkattn_status forkattn_tree_plan_batches(forkattn_ctx *ctx,
-                                                        const forkattn_tree_layout *forest,
-                                                        int64_t max_batch_rows,
-                                                        const forkattn_tree_cost_model *model,
-                                                        forkattn_batch_plan **plan);
-
-/** Free a batch plan (NULL is a no-op). @param plan the plan */
-FORKATTN_API void forkattn_batch_plan_free(forkattn_batch_plan *plan);
-
-/** @param plan the plan @return the number of batches */
-FORKATTN_API int64_t forkattn_batch_plan_count(const forkattn_batch_plan *plan);
-
-/** The sub-forest of one batch in its own packed rows (arrays owned by the plan).
- *  @param plan the plan @param batch the batch index @return the layout */
-FORKATTN_API forkattn_tree_layout forkattn_batch_plan_layout(const forkattn_batch_plan *plan,
-                                                             int64_t batch);
-
-/** Global row of every row of a batch. @param plan the plan @param batch the batch
- *  @param num_rows receives the row count (may be NULL; 0 for a bad index)
- *  @return [num_rows], or NULL for a batch without rows or a bad index */
-FORKATTN_API const int64_t *forkattn_batch_plan_rows(const forkattn_batch_plan *plan, int64_t batch,
-                                                     int64_t *num_rows);
-
-/** @param plan the plan @param batch the batch
- *  @return how the batch should run (FORKATTN_EXEC_TREE for a bad index) */
-FORKATTN_API forkattn_exec_mode forkattn_batch_plan_mode(const forkattn_batch_plan *plan,
-                                                         int64_t batch);
-
-/** Why the batch runs that way, with the predicted costs of both modes and the
- *  deduplication ratio (replicated rows over packed rows), e.g.
- *  "tree: predicted 1.23 ms vs replicated 4.56 ms, dedup 3.70x".
- *  @param plan the plan @param batch the batch
- *  @return a string owned by the plan ("" for a bad index) */
-FORKATTN_API const char *forkattn_batch_plan_reason(const forkattn_batch_plan *plan, int64_t batch);
 /**@}*/
 
 /** @name Layouts, kept sets (KV compression) and kept-set attention
@@ -1048,8 +889,9 @@ typedef enum forkattn_kv_policy_kind {
   FORKATTN_KV_SNAPKV = 2
 } forkattn_kv_policy_kind;
 
-/** A compression policy and its budget. */
+/** A compression policy and its budget. Initialize with forkattn_kv_policy_init(). */
 typedef struct forkattn_kv_policy {
+  size_t struct_size;           /**< sizeof(forkattn_kv_policy), set by forkattn_kv_policy_init() */
   forkattn_kv_policy_kind kind; /**< the policy */
   int64_t budget;               /**< kept keys per KV head (>= 1); shorter sequences keep all */
   int64_t sinks;                /**< StreamingLLM attention sinks (0 <= sinks <= budget) */
@@ -1058,7 +900,7 @@ typedef struct forkattn_kv_policy {
   float scale;                  /**< score softmax scale; 0 = 1/sqrt(head_dim) */
 } forkattn_kv_policy;
 
-/** Defaults for a kind and budget: sinks 4, H2O window budget/2, SnapKV window
+/** Defaults for a kind and budget: struct_size, sinks 4, H2O window budget/2, SnapKV window
  *  min(32, budget), pool_kernel 5, scale 0 (each clamped to the budget).
  *  @param policy filled in (NULL: nothing happens) @param kind the policy
  *  @param budget kept keys per KV head */
@@ -1071,7 +913,7 @@ FORKATTN_API void forkattn_kv_policy_init(forkattn_kv_policy *policy, forkattn_k
  * softmax tile by tile from saved row statistics). Ties go to the earlier key.
  *
  * @param ctx the context (CPU work; device tensors are staged to the host)
- * @param policy the policy
+ * @param policy the policy (from forkattn_kv_policy_init(); its struct_size is checked)
  * @param q queries [L, Hq, d] (unused by StreamingLLM but validated)
  * @param k keys [L, Hkv, d]
  * @param offsets output [Hkv + 1] CSR offsets (host)
@@ -1106,8 +948,9 @@ typedef enum forkattn_kl_direction {
 /** Number of floats per (row, head) in the saved statistics. */
 #define FORKATTN_KL_STATS 4
 
-/** StreamKL options. */
+/** StreamKL options. Initialize with forkattn_kl_options_init(). */
 typedef struct forkattn_kl_options {
+  size_t struct_size;              /**< sizeof(forkattn_kl_options), set by forkattn_kl_options_init() */
   forkattn_kl_direction direction; /**< which divergence */
   float scale_teacher;             /**< teacher score scale; 0 = 1/sqrt(teacher head_dim) */
   float scale_student;             /**< student score scale; 0 = 1/sqrt(student head_dim) */
@@ -1115,7 +958,7 @@ typedef struct forkattn_kl_options {
   int scale_by_tau2;               /**< non-zero: the loss is multiplied by tau^2 (tau^2 must be finite) */
 } forkattn_kl_options;
 
-/** Forward KL, default scales, tau = 1.
+/** struct_size, forward KL, default scales, tau = 1.
  *  @param opt filled in (NULL: nothing happens) */
 FORKATTN_API void forkattn_kl_options_init(forkattn_kl_options *opt);
 
@@ -1301,8 +1144,9 @@ typedef struct forkattn_kv_cache forkattn_kv_cache;
 /** A cached prefix held by a reader: never evicted while held. */
 typedef struct forkattn_kv_entry forkattn_kv_entry;
 
-/** Shape and budget of a cache. */
+/** Shape and budget of a cache. Initialize with forkattn_kv_cache_options_init(). */
 typedef struct forkattn_kv_cache_options {
+  size_t struct_size;     /**< sizeof(forkattn_kv_cache_options), set by forkattn_kv_cache_options_init() */
   size_t capacity_bytes;  /**< > 0: the entries' K/V bytes never exceed it */
   int64_t block_tokens;   /**< tokens per hashed block of the radix index (0: 16) */
   int64_t layers;         /**< layers per entry (>= 1) */
@@ -1311,6 +1155,11 @@ typedef struct forkattn_kv_cache_options {
   forkattn_dtype dtype;   /**< storage type of K/V */
   forkattn_memory memory; /**< where entries live: host, or device (GPU backend) */
 } forkattn_kv_cache_options;
+
+/** Fill @p opt with defaults: struct_size, block_tokens 0 (16), float32, host
+ *  memory; capacity_bytes, layers, kv_heads and head_dim 0 (set them).
+ *  @param opt options to initialize (NULL is ignored) */
+FORKATTN_API void forkattn_kv_cache_options_init(forkattn_kv_cache_options *opt);
 
 /** Counters of a cache (forkattn_kv_cache_get_stats()). */
 typedef struct forkattn_kv_cache_stats {
@@ -1326,9 +1175,11 @@ typedef struct forkattn_kv_cache_stats {
 /**
  * Create a cache. The context supplies the backend for device entries; the
  * cache must be destroyed before the context.
- * @param ctx the context @param opt shape and budget @param cache the new cache
+ * @param ctx the context @param opt shape and budget (from
+ *        forkattn_kv_cache_options_init()) @param cache the new cache
  * @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT (capacity 0, bad shape,
- *         device memory without the GPU backend); FORKATTN_ERR_OUT_OF_MEMORY
+ *         device memory without the GPU backend, unknown struct_size);
+ *         FORKATTN_ERR_OUT_OF_MEMORY
  */
 FORKATTN_API forkattn_status forkattn_kv_cache_create(forkattn_ctx *ctx, const forkattn_kv_cache_options *opt,
                                                       forkattn_kv_cache **cache);
@@ -1363,12 +1214,19 @@ FORKATTN_API forkattn_status forkattn_kv_cache_lookup(forkattn_kv_cache *cache, 
                                                       forkattn_kv_entry **entry, int64_t *matched);
 
 /** K of layer `layer` of a held entry: [m, kv_heads, head_dim] in the cache's
- *  memory (read-only for the holder). A bad layer gives a tensor with data NULL.
- *  @param entry a held entry @param layer 0..layers-1 @return the view */
-FORKATTN_API forkattn_tensor forkattn_kv_entry_k(const forkattn_kv_entry *entry, int64_t layer);
+ *  memory (read-only for the holder).
+ *  @param entry a held entry @param layer 0..layers-1
+ *  @param[out] view receives the view (a tensor with data NULL on error)
+ *  @return FORKATTN_OK; FORKATTN_ERR_INVALID_ARGUMENT (entry or view NULL, or
+ *          a bad layer) */
+FORKATTN_API forkattn_status forkattn_kv_entry_k(const forkattn_kv_entry *entry, int64_t layer,
+                                                 forkattn_tensor *view);
 /** V of layer `layer` of a held entry, as forkattn_kv_entry_k().
- *  @param entry a held entry @param layer 0..layers-1 @return the view */
-FORKATTN_API forkattn_tensor forkattn_kv_entry_v(const forkattn_kv_entry *entry, int64_t layer);
+ *  @param entry a held entry @param layer 0..layers-1
+ *  @param[out] view receives the view (a tensor with data NULL on error)
+ *  @return as forkattn_kv_entry_k() */
+FORKATTN_API forkattn_status forkattn_kv_entry_v(const forkattn_kv_entry *entry, int64_t layer,
+                                                 forkattn_tensor *view);
 /** Release a held entry. @param cache the cache @param entry from forkattn_kv_cache_lookup() (NULL: nothing) */
 FORKATTN_API void forkattn_kv_cache_release(forkattn_kv_cache *cache, forkattn_kv_entry *entry);
 /** Counters. @param cache the cache @param stats filled in @return FORKATTN_OK or INVALID_ARGUMENT */
@@ -1388,52 +1246,6 @@ FORKATTN_API forkattn_status forkattn_kv_cache_get_stats(forkattn_kv_cache *cach
 FORKATTN_API forkattn_status forkattn_kv_similarity(forkattn_ctx *ctx, const forkattn_tensor *a,
                                                     const forkattn_tensor *b, float *sim, float *mean,
                                                     forkattn_memory memory);
-
-/** Reuse-depth profile: b(r) per prefix-ratio bin. */
-typedef struct forkattn_reuse_profile forkattn_reuse_profile;
-
-/**
- * An empty profile over `layers` layers with 1% ratio bins (r in [0, 1]).
- * Errors of the profile calls are explained in forkattn_ctx_last_error(ctx).
- * @param ctx the context (messages only) @param layers >= 1 @param threshold similarity a reused layer must keep (0..1; 0.95 usual)
- * @param profile the new profile @return FORKATTN_OK, INVALID_ARGUMENT or OUT_OF_MEMORY
- */
-FORKATTN_API forkattn_status forkattn_reuse_profile_create(forkattn_ctx *ctx, int64_t layers, float threshold,
-                                                           forkattn_reuse_profile **profile);
-/** Free a profile. @param profile the profile (NULL: nothing) */
-FORKATTN_API void forkattn_reuse_profile_free(forkattn_reuse_profile *profile);
-/**
- * Add one measurement: a request with prefix ratio r and per-layer similarity
- * sim[0..layers) (e.g. forkattn_kv_similarity()'s mean per layer). Bins average
- * their measurements.
- * @param ctx the context @param profile the profile @param ratio r in [0, 1]
- * @param sim [layers] values in [-1, 1]
- * @return FORKATTN_OK or FORKATTN_ERR_INVALID_ARGUMENT
- */
-FORKATTN_API forkattn_status forkattn_reuse_profile_add(forkattn_ctx *ctx, forkattn_reuse_profile *profile,
-                                                        double ratio, const float *sim);
-/**
- * Reuse depth b(r): the number of leading layers whose averaged similarity in
- * r's bin stays >= the threshold, made monotone non-decreasing in r
- * conservatively (a bin never reuses more than any higher-ratio bin with data
- * allows; bins without data take the nearest lower bin with data, or 0).
- * @param ctx the context @param profile the profile @param ratio r in [0, 1] @param depth 0..layers
- * @return FORKATTN_OK or FORKATTN_ERR_INVALID_ARGUMENT
- */
-FORKATTN_API forkattn_status forkattn_reuse_profile_depth(forkattn_ctx *ctx, const forkattn_reuse_profile *profile,
-                                                          double ratio, int64_t *depth);
-/** Save as a small text file (layers, threshold, per-bin counts and means).
- *  @param ctx the context @param profile the profile @param path file path
- *  @return FORKATTN_OK, INVALID_ARGUMENT (also when the file cannot be written) */
-FORKATTN_API forkattn_status forkattn_reuse_profile_save(forkattn_ctx *ctx, const forkattn_reuse_profile *profile,
-                                                         const char *path);
-/** Load a file written by forkattn_reuse_profile_save(); malformed files are refused.
- *  Reading is bounded (header lines 256 bytes, bin lines 64 + 40 x layers bytes,
- *  at most 1024 blank lines after "end"), so an endless stream is refused too.
- *  @param ctx the context @param path file path @param profile the loaded profile
- *  @return FORKATTN_OK, INVALID_ARGUMENT or OUT_OF_MEMORY */
-FORKATTN_API forkattn_status forkattn_reuse_profile_load(forkattn_ctx *ctx, const char *path,
-                                                         forkattn_reuse_profile **profile);
 /**@}*/
 
 #ifdef __cplusplus

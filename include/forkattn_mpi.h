@@ -9,13 +9,16 @@
  * The gradients of the duplicated rows are then summed across the ranks that
  * hold them with forkattn_partition_allreduce(); afterwards every rank holds,
  * for each of its rows, exactly the single-process gradient.
+ *
+ * Experimental, as the partition it takes (forkattn_experimental.h, which
+ * this header includes): a minor release may change it.
  */
 #ifndef FORKATTN_MPI_H
 #define FORKATTN_MPI_H
 
 #include <mpi.h>
 
-#include "forkattn.h"
+#include "forkattn_experimental.h"
 
 #ifdef __cplusplus
 extern "C" {

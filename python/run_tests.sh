@@ -4,8 +4,9 @@
 #   python/run_tests.sh [BUILD_DIR | path/to/libforkattn.so] [pytest arguments...]
 #
 # BUILD_DIR defaults to the repository's build/. The interpreter is $PYTHON (default python3).
-# Without PyTorch only the numpy-only tests run (test_lib.py, test_numpy.py, test_alignment.py and
-# the numpy part of test_boundary.py; without numpy test_lib.py alone), and the script says so.
+# Without PyTorch only the numpy-only tests run (test_lib.py, test_abi_layout.py, test_numpy.py,
+# test_alignment.py and the numpy part of test_boundary.py; without numpy test_lib.py and
+# test_abi_layout.py alone), and the script says so.
 # Exit status: pytest's; 77 (skipped) when pytest itself is missing; 2 when the library is not found.
 # FORKATTN_TEST_INDUCTOR=0 skips the one torch.compile test that uses inductor (~25 s).
 set -u
@@ -40,12 +41,13 @@ if "$py" -c "import torch" 2>/dev/null; then
   files=(tests)
 elif "$py" -c "import numpy" 2>/dev/null; then
   echo "run_tests.sh: torch is not installed for $py: SKIPPING the torch tests; running the" \
-       "numpy-only tests (tests/test_lib.py tests/test_numpy.py tests/test_alignment.py" \
-       "tests/test_boundary.py) against $FORKATTN_LIBRARY"
-  files=(tests/test_lib.py tests/test_numpy.py tests/test_alignment.py tests/test_boundary.py)
+       "numpy-only tests (tests/test_lib.py tests/test_abi_layout.py tests/test_numpy.py" \
+       "tests/test_alignment.py tests/test_boundary.py) against $FORKATTN_LIBRARY"
+  files=(tests/test_lib.py tests/test_abi_layout.py tests/test_numpy.py tests/test_alignment.py
+         tests/test_boundary.py)
 else
   echo "run_tests.sh: neither torch nor numpy is installed for $py: SKIPPING the torch and numpy" \
-       "tests; running tests/test_lib.py against $FORKATTN_LIBRARY"
-  files=(tests/test_lib.py)
+       "tests; running tests/test_lib.py tests/test_abi_layout.py against $FORKATTN_LIBRARY"
+  files=(tests/test_lib.py tests/test_abi_layout.py)
 fi
 exec "$py" -m pytest -q -p no:cacheprovider "${files[@]}" "$@"

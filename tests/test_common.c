@@ -355,3 +355,25 @@ double tc_now(void) {
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
+
+/* ---- layouts of tries, partitions and batch plans ------------------------- */
+
+forkattn_tree_layout tc_trie_layout(const forkattn_trie *trie) {
+  forkattn_tree_layout l;
+  cr_assert_eq(forkattn_trie_layout(trie, &l), FORKATTN_OK, "forkattn_trie_layout failed");
+  return l;
+}
+
+forkattn_tree_layout tc_partition_layout(const forkattn_partition *partition, int64_t part) {
+  forkattn_tree_layout l;
+  cr_assert_eq(forkattn_partition_layout(partition, part, &l), FORKATTN_OK, "forkattn_partition_layout(part %lld)",
+               (long long)part);
+  return l;
+}
+
+forkattn_tree_layout tc_batch_plan_layout(const forkattn_batch_plan *plan, int64_t batch) {
+  forkattn_tree_layout l;
+  cr_assert_eq(forkattn_batch_plan_layout(plan, batch, &l), FORKATTN_OK, "forkattn_batch_plan_layout(batch %lld)",
+               (long long)batch);
+  return l;
+}

@@ -9,7 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "forkattn.h"
+#include "forkattn_experimental.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -128,6 +128,15 @@ int64_t tc_count_nonfinite_f32(const float *x, int64_t n);
 /** Format one line "name: max_abs=... rel=... worst=[r,h,c] got=... want=...". */
 void tc_err_format(char *buf, size_t size, const char *name, const tc_err *e, int64_t heads,
                    int64_t head_dim);
+
+/* ---- layouts of tries, partitions and batch plans ------------------------- */
+
+/** The trie's layout; fails the test when the accessor does. */
+forkattn_tree_layout tc_trie_layout(const forkattn_trie *trie);
+/** The layout of one part; fails the test when the accessor does. */
+forkattn_tree_layout tc_partition_layout(const forkattn_partition *partition, int64_t part);
+/** The layout of one batch; fails the test when the accessor does. */
+forkattn_tree_layout tc_batch_plan_layout(const forkattn_batch_plan *plan, int64_t batch);
 
 /* ---- context and misc ----------------------------------------------------- */
 

@@ -326,7 +326,7 @@ Test(segment_plan, prefix_cached_blocks_of_one_or_whole_responses_stay_linear) {
 
 /* Pairs of the tree plan of a trie: one per chain on each node's root path. */
 static int64_t trie_plan_pairs(forkattn_trie *t) {
-  const forkattn_tree_layout l = forkattn_trie_layout(t);
+  const forkattn_tree_layout l = tc_trie_layout(t);
   fa_plan p;
   cr_assert_eq(fa_plan_tree(&p, l.num_nodes, l.node_offsets, l.parents, 1), 0);
   const int64_t n = p.npairs;
@@ -352,7 +352,7 @@ Test(segment_plan, staircase_rollouts_plan_linearly) {
     }
     forkattn_trie *t;
     cr_assert_eq(forkattn_trie_from_sequences(ctx, n, off, tok, FORKATTN_TRIE_SINGLE_ROOT, &t), FORKATTN_OK);
-    nodes[c] = forkattn_trie_layout(t).num_nodes;
+    nodes[c] = tc_trie_layout(t).num_nodes;
     pairs[c] = trie_plan_pairs(t);
     cr_expect_leq(pairs[c], 3 * nodes[c], "%lld sequences: %lld pairs for %lld nodes", (long long)n,
                   (long long)pairs[c], (long long)nodes[c]);

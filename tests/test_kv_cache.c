@@ -128,7 +128,9 @@ static int64_t kv_check_entry(const forkattn_kv_cache_options *o, const forkattn
   int64_t bad = 0;
   for (int64_t l = 0; l < o->layers; l++) {
     for (int which = 0; which < 2; which++) {
-      const forkattn_tensor t = which ? forkattn_kv_entry_v(e, l) : forkattn_kv_entry_k(e, l);
+      forkattn_tensor t;
+      const forkattn_status vs = which ? forkattn_kv_entry_v(e, l, &t) : forkattn_kv_entry_k(e, l, &t);
+      cr_assert_eq(vs, FORKATTN_OK);
       if (!t.data || t.dtype != o->dtype || t.rows != m || t.heads != o->kv_heads || t.head_dim != o->head_dim ||
           t.head_stride != o->head_dim || t.row_stride != o->kv_heads * o->head_dim) {
         if (!bad++)
@@ -158,7 +160,7 @@ static int64_t kv_check_entry(const forkattn_kv_cache_options *o, const forkattn
 static forkattn_kv_cache_options opts(size_t capacity, int64_t block, int64_t layers, int64_t heads, int64_t d,
                                       forkattn_dtype dt) {
   forkattn_kv_cache_options o;
-  memset(&o, 0, sizeof o);
+  forkattn_kv_cache_options_init(&o);
   o.capacity_bytes = capacity;
   o.block_tokens = block;
   o.layers = layers;
@@ -693,10 +695,16 @@ static void dtypes_and_strides(const char *name, forkattn_dtype dt) {
   int64_t m;
   cr_assert_eq(forkattn_kv_cache_lookup(c, t[0], 40, &e, &m), FORKATTN_OK);
   cr_assert_not_null(e);
-  cr_assert_null(forkattn_kv_entry_k(e, -1).data);
-  cr_assert_null(forkattn_kv_entry_v(e, 3).data);
-  cr_assert_not_null(forkattn_kv_entry_v(e, 2).data);
-  cr_assert_null(forkattn_kv_entry_k(NULL, 0).data);
+  forkattn_tensor view;
+  cr_assert_eq(forkattn_kv_entry_k(e, -1, &view), FORKATTN_ERR_INVALID_ARGUMENT);
+  cr_assert_null(view.data);
+  cr_assert_eq(forkattn_kv_entry_v(e, 3, &view), FORKATTN_ERR_INVALID_ARGUMENT);
+  cr_assert_null(view.data);
+  cr_assert_eq(forkattn_kv_entry_v(e, 2, &view), FORKATTN_OK);
+  cr_assert_not_null(view.data);
+  cr_assert_eq(forkattn_kv_entry_k(NULL, 0, &view), FORKATTN_ERR_INVALID_ARGUMENT);
+  cr_assert_null(view.data);
+  cr_assert_eq(forkattn_kv_entry_k(e, 0, NULL), FORKATTN_ERR_INVALID_ARGUMENT);
   forkattn_kv_cache_release(c, e);
   forkattn_kv_cache_destroy(c);
   forkattn_ctx_destroy(ctx);
@@ -1096,7 +1104,8 @@ Test(kv_cache, device_memory) {
     const uint64_t key = prefix_key(t[mode], n, 5);
     for (int64_t l = 0; l < o.layers; l++)
       for (int which = 0; which < 2; which++) {
-        forkattn_tensor tv = which ? forkattn_kv_entry_v(e, l) : forkattn_kv_entry_k(e, l);
+        forkattn_tensor tv;
+        cr_assert_eq(which ? forkattn_kv_entry_v(e, l, &tv) : forkattn_kv_entry_k(e, l, &tv), FORKATTN_OK);
         const size_t bytes = (size_t)(n * o.kv_heads * o.head_dim) * 2;
         uint16_t *host = malloc(bytes);
         cr_assert_eq(forkattn_memcpy(ctx, host, FORKATTN_MEMORY_HOST, tv.data, FORKATTN_MEMORY_DEVICE, bytes), FORKATTN_OK);

@@ -20,6 +20,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "forkattn_experimental.h"
 #include "reference.h"
 #include "test_common.h"
 
@@ -771,7 +772,12 @@ Test(args, misaligned_arrays_other_apis) {
   expect_refused(forkattn_tree_cost(fx.ctx, &tree, &model, (double *)(void *)(r.b + 4)),
                  "tree_cost: seconds 4 bytes off", "seconds", &r);
   /* KV cache: int32 tokens on insert */
-  forkattn_kv_cache_options co = {1 << 20, 0, 1, FX_HKV, FX_D, FORKATTN_DTYPE_F32, FORKATTN_MEMORY_HOST};
+  forkattn_kv_cache_options co;
+  forkattn_kv_cache_options_init(&co);
+  co.capacity_bytes = 1 << 20;
+  co.layers = 1;
+  co.kv_heads = FX_HKV;
+  co.head_dim = FX_D;
   forkattn_kv_cache *cache = NULL;
   cr_assert_eq(forkattn_kv_cache_create(fx.ctx, &co, &cache), FORKATTN_OK, "%s", forkattn_ctx_last_error(fx.ctx));
   memset(r.b, 0, 64);

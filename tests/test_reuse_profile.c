@@ -29,6 +29,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "forkattn_experimental.h"
 #include "reference.h"
 #include "test_common.h"
 

@@ -142,7 +142,7 @@ int main(int argc, char **argv) {
   int64_t n = 0;
   const int64_t *rows = forkattn_partition_rows(part, rank, &n);
   const unsigned char *owned = forkattn_partition_owned(part, rank);
-  const forkattn_tree_layout lay = forkattn_partition_layout(part, rank);
+  const forkattn_tree_layout lay = tc_partition_layout(part, rank);
 
   /* this rank's rows: gather inputs, no loss on rows owned elsewhere */
   float *pq = mt_alloc(n * wq), *pk_ = mt_alloc(n * wk), *pv = mt_alloc(n * wk), *pdo = mt_alloc(n * wq);

@@ -31,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "forkattn_experimental.h"
 #include "segment_plan.h"
 #include "test_common.h"
 #include "tree_builder.h"
@@ -175,7 +176,7 @@ static double tp_check_partition(forkattn_ctx *ctx, const forkattn_tree_layout *
   }
   double mx = 0, sum = 0;
   for (int64_t p = 0; p < K; p++) {
-    const forkattn_tree_layout lp = forkattn_partition_layout(pt, p);
+    const forkattn_tree_layout lp = tc_partition_layout(pt, p);
     int64_t nr = -1;
     const int64_t *rows = forkattn_partition_rows(pt, p, &nr);
     const unsigned char *own = forkattn_partition_owned(pt, p);
@@ -333,13 +334,13 @@ Test(partition, more_parts_than_leaves_and_one_part) {
   cr_assert_eq(forkattn_tree_partition(ctx, &p.layout, 8, &tp_model, &pt), FORKATTN_OK);
   tp_check_partition(ctx, &p.layout, pt, 8, 1, &tp_model, "8 parts, 5 leaves");
   int empty = 0;
-  for (int64_t k = 0; k < 8; k++) empty += forkattn_partition_layout(pt, k).num_nodes == 0;
+  for (int64_t k = 0; k < 8; k++) empty += tc_partition_layout(pt, k).num_nodes == 0;
   cr_assert_eq(empty, 3, "8 parts over 5 leaves: %d empty parts", empty);
   forkattn_partition_free(pt);
   /* 1 part: the whole tree, identity rows, everything owned, imbalance 1 */
   cr_assert_eq(forkattn_tree_partition(ctx, &p.layout, 1, &tp_model, &pt), FORKATTN_OK);
   tp_check_partition(ctx, &p.layout, pt, 1, 1, &tp_model, "1 part");
-  const forkattn_tree_layout l0 = forkattn_partition_layout(pt, 0);
+  const forkattn_tree_layout l0 = tc_partition_layout(pt, 0);
   cr_assert_eq(l0.num_nodes, p.layout.num_nodes);
   cr_assert(memcmp(l0.node_offsets, p.off, sizeof(int64_t) * (size_t)(l0.num_nodes + 1)) == 0);
   cr_assert(memcmp(l0.parents, p.par, sizeof(int64_t) * (size_t)l0.num_nodes) == 0);
@@ -388,7 +389,7 @@ Test(partition, bfs_order_empty_nodes_and_forests) {
       tp_check_partition(ctx, &p.layout, pt, K, 0, &tp_model, what);
       /* nodes, counted with empty ones: every node in >= 1 part */
       int64_t total = 0;
-      for (int64_t k = 0; k < K; k++) total += forkattn_partition_layout(pt, k).num_nodes;
+      for (int64_t k = 0; k < K; k++) total += tc_partition_layout(pt, k).num_nodes;
       cr_assert_geq(total, p.layout.num_nodes);
       forkattn_partition_free(pt);
       tt_packed_free(&p);
@@ -507,7 +508,7 @@ Test(partition, parts_reproduce_whole_tree_gradients, .timeout = 120) {
       int64_t R;
       const int64_t *rows = forkattn_partition_rows(pt, part, &R);
       const unsigned char *own = forkattn_partition_owned(pt, part);
-      const forkattn_tree_layout lp = forkattn_partition_layout(pt, part);
+      const forkattn_tree_layout lp = tc_partition_layout(pt, part);
       if (R == 0) continue;
       const size_t pq = (size_t)(R * HQ * D), pk = (size_t)(R * HKV * D);
       float *pq_ = malloc(4 * pq), *pk_ = malloc(4 * pk), *pv = malloc(4 * pk), *pdo = malloc(4 * pq);
@@ -577,7 +578,7 @@ static void tp_check_plan(const forkattn_tree_layout *f, const forkattn_batch_pl
   }
   int64_t nodes = 0;
   for (int64_t b = 0; b < forkattn_batch_plan_count(pl); b++) {
-    const forkattn_tree_layout lb = forkattn_batch_plan_layout(pl, b);
+    const forkattn_tree_layout lb = tc_batch_plan_layout(pl, b);
     int64_t nr;
     const int64_t *rows = forkattn_batch_plan_rows(pl, b, &nr);
     cr_assert_gt(lb.num_nodes, 0, "%s: batch %lld is empty", what, (long long)b);
@@ -899,28 +900,37 @@ Test(errors, every_argument_is_checked) {
   cr_assert(cm.heads_q == 7 && cm.sec_per_mac == 7, "model untouched on error");
   /* accessors tolerate NULL and bad indices */
   cr_assert_eq(forkattn_partition_num_parts(NULL), 0);
-  cr_assert_eq(forkattn_partition_layout(NULL, 0).num_nodes, 0);
+  forkattn_tree_layout el = {7, NULL, NULL};
+  cr_assert_eq(forkattn_partition_layout(NULL, 0, &el), FORKATTN_ERR_INVALID_ARGUMENT);
+  cr_assert_eq(el.num_nodes, 0);
   int64_t nr = 9;
   cr_assert_null(forkattn_partition_rows(NULL, 0, &nr));
   cr_assert_eq(nr, 0);
   cr_assert_null(forkattn_partition_owned(NULL, 0));
   cr_assert_eq(forkattn_partition_cost(NULL, 0), 0.0);
   cr_assert_eq(forkattn_batch_plan_count(NULL), 0);
-  cr_assert_eq(forkattn_batch_plan_layout(NULL, 0).num_nodes, 0);
+  el.num_nodes = 7;
+  cr_assert_eq(forkattn_batch_plan_layout(NULL, 0, &el), FORKATTN_ERR_INVALID_ARGUMENT);
+  cr_assert_eq(el.num_nodes, 0);
   cr_assert_null(forkattn_batch_plan_rows(NULL, 0, NULL));
   cr_assert_str_empty(forkattn_batch_plan_reason(NULL, 0));
   forkattn_partition_free(NULL);
   forkattn_batch_plan_free(NULL);
   cr_assert_eq(forkattn_tree_partition(ctx, &t, 2, &m, &pt), FORKATTN_OK);
-  cr_assert_eq(forkattn_partition_layout(pt, 2).num_nodes, 0);
-  cr_assert_eq(forkattn_partition_layout(pt, -1).num_nodes, 0);
+  cr_assert_eq(forkattn_partition_layout(pt, 2, &el), FORKATTN_ERR_INVALID_ARGUMENT);
+  cr_assert_eq(forkattn_partition_layout(pt, -1, &el), FORKATTN_ERR_INVALID_ARGUMENT);
+  cr_assert_eq(forkattn_partition_layout(pt, 0, NULL), FORKATTN_ERR_INVALID_ARGUMENT);
+  cr_assert_eq(el.num_nodes, 0);
   cr_assert_null(forkattn_partition_rows(pt, 5, &nr));
   cr_assert_null(forkattn_partition_owned(pt, -1));
   cr_assert_eq(forkattn_partition_cost(pt, 2), 0.0);
   forkattn_partition_free(pt);
   cr_assert_eq(forkattn_tree_plan_batches(ctx, &t, 10, &m, &pl), FORKATTN_OK);
   cr_assert_eq(forkattn_batch_plan_count(pl), 1);
-  cr_assert_eq(forkattn_batch_plan_layout(pl, 1).num_nodes, 0);
+  el.num_nodes = 7;
+  cr_assert_eq(forkattn_batch_plan_layout(pl, 1, &el), FORKATTN_ERR_INVALID_ARGUMENT);
+  cr_assert_eq(el.num_nodes, 0);
+  cr_assert_eq(forkattn_batch_plan_layout(pl, 0, NULL), FORKATTN_ERR_INVALID_ARGUMENT);
   cr_assert_null(forkattn_batch_plan_rows(pl, -1, &nr));
   cr_assert_str_empty(forkattn_batch_plan_reason(pl, 3));
   forkattn_batch_plan_free(pl);

@@ -157,7 +157,7 @@ static void shape_free(shape *sh) {
 
 /* Everything a packed tree must satisfy, whichever builder made it. */
 static void check_layout(const forkattn_trie *t, shape *sh) {
-  const forkattn_tree_layout l = forkattn_trie_layout(t);
+  const forkattn_tree_layout l = tc_trie_layout(t);
   const int64_t n = l.num_nodes, *off = l.node_offsets, *par = l.parents;
   cr_assert_geq(n, 1);
   cr_assert(off && par);
@@ -321,7 +321,7 @@ static void check_sequences(const forkattn_trie *t, const seqs *s) {
 }
 
 static int64_t count_roots(const forkattn_trie *t) {
-  const forkattn_tree_layout l = forkattn_trie_layout(t);
+  const forkattn_tree_layout l = tc_trie_layout(t);
   int64_t roots = 0;
   for (int64_t i = 0; i < l.num_nodes; i++) roots += l.parents[i] < 0;
   return roots;
@@ -403,7 +403,7 @@ Test(trie, identical_and_prefix_sequences) {
     cr_assert_eq(in[s.off[5] + j], in[j]);
   }
   /* [A0] [A1, cut) [cut, L) [D's tail] */
-  const forkattn_tree_layout l = forkattn_trie_layout(t);
+  const forkattn_tree_layout l = tc_trie_layout(t);
   cr_assert_eq(l.num_nodes, 4);
   cr_assert_eq(forkattn_trie_num_rows(t), L + tail);
   const int64_t want_off[5] = {0, 1, cut, L, L + tail}, want_par[4] = {-1, 0, 1, 1};
@@ -687,7 +687,7 @@ Test(trie, token_parents_equal_sequences) {
                  forkattn_ctx_last_error(ctx));
     check_sequences(a, &s);
     check_token_parents(b, tt.n, tt.parent);
-    const forkattn_tree_layout la = forkattn_trie_layout(a), lb = forkattn_trie_layout(b);
+    const forkattn_tree_layout la = tc_trie_layout(a), lb = tc_trie_layout(b);
     cr_assert_eq(la.num_nodes, lb.num_nodes);
     for (int64_t i = 0; i < la.num_nodes; i++) {
       cr_assert_eq(la.node_offsets[i + 1], lb.node_offsets[i + 1], "node %lld", (long long)i);
@@ -706,7 +706,7 @@ Test(trie, token_parents_equal_sequences) {
     cr_assert_eq(st, FORKATTN_OK, "from_token_parents (shuffled): %s (%s)", forkattn_status_string(st),
                  forkattn_ctx_last_error(ctx));
     check_token_parents(b, tt.n, sp);
-    cr_assert_eq(forkattn_trie_layout(b).num_nodes, la.num_nodes);
+    cr_assert_eq(tc_trie_layout(b).num_nodes, la.num_nodes);
     cr_assert_eq(forkattn_trie_replicated_tokens(b), forkattn_trie_replicated_tokens(a));
     interner in = {0};
     int64_t *ra = xi64(la.num_nodes), *rb = xi64(la.num_nodes);
@@ -821,7 +821,7 @@ Test(trie, chains_of_100k) {
     const forkattn_status st = forkattn_trie_from_token_parents(ctx, m, sp, FORKATTN_TRIE_SINGLE_ROOT, &t);
     cr_assert_eq(st, FORKATTN_OK, "%s", forkattn_ctx_last_error(ctx));
     check_token_parents(t, m, sp);
-    const forkattn_tree_layout l = forkattn_trie_layout(t);
+    const forkattn_tree_layout l = tc_trie_layout(t);
     cr_assert_eq(l.num_nodes, comb ? 2 * n - 1 : 1);
     cr_assert_eq(forkattn_trie_replicated_tokens(t), comb ? n * (n + 1) / 2 + n : n);
     forkattn_trie_free(t);
@@ -864,7 +864,7 @@ Test(trie, large_grpo_group) {
   forkattn_trie *t = build_seqs(ctx, &s, FORKATTN_TRIE_SINGLE_ROOT);
   const double secs = tc_now() - t0;
   cr_log_info("trie of %lld x %lld tokens: %lld rows, %lld nodes, dedup %.2fx, built in %.3f s", (long long)N,
-              (long long)L, (long long)forkattn_trie_num_rows(t), (long long)forkattn_trie_layout(t).num_nodes,
+              (long long)L, (long long)forkattn_trie_num_rows(t), (long long)tc_trie_layout(t).num_nodes,
               forkattn_trie_dedup_ratio(t), secs);
   cr_assert_lt(secs, 10.0, "building took %.3f s: not O(total tokens)", secs);
   check_sequences(t, &s);
@@ -1102,7 +1102,8 @@ Test(trie_errors, tok_single_root) {
 
 Test(trie_errors, null_trie_accessors) {
   forkattn_trie_free(NULL);
-  const forkattn_tree_layout l = forkattn_trie_layout(NULL);
+  forkattn_tree_layout l = {7, NULL, NULL};
+  cr_assert_eq(forkattn_trie_layout(NULL, &l), FORKATTN_ERR_INVALID_ARGUMENT);
   cr_assert(l.num_nodes == 0 && !l.node_offsets && !l.parents);
   cr_assert_eq(forkattn_trie_num_rows(NULL), 0);
   cr_assert_eq(forkattn_trie_replicated_tokens(NULL), 0);
@@ -1128,7 +1129,7 @@ static int alloc_sweep(forkattn_ctx *ctx, int which, const seqs *s, int64_t n, c
                                             : forkattn_trie_from_token_parents(ctx, n, par, 0, &t);
     forkattn_test_fail_alloc_after(-1);
     if (st == FORKATTN_OK) {
-      const forkattn_tree_layout a = forkattn_trie_layout(t), b = forkattn_trie_layout(want);
+      const forkattn_tree_layout a = tc_trie_layout(t), b = tc_trie_layout(want);
       cr_assert_eq(a.num_nodes, b.num_nodes);
       cr_assert(!memcmp(a.node_offsets, b.node_offsets, (size_t)(a.num_nodes + 1) * sizeof(int64_t)));
       cr_assert(!memcmp(a.parents, b.parents, (size_t)a.num_nodes * sizeof(int64_t)));

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "commands.h"
+#include "forkattn_experimental.h"
 #include "json_out.h"
 #include "options.h"
 #include "plot.h"

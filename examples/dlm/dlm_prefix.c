@@ -70,8 +70,12 @@ forkattn_status dlm_store_create(dlm_store *s, forkattn_ctx *ctx, const dlm_mode
     snprintf(err, errlen, "dlm: out of memory for the side table");
     return FORKATTN_ERR_OUT_OF_MEMORY;
   }
-  forkattn_kv_cache_options o = {capacity_bytes, 0, m->c.layers, m->c.heads, m->d, FORKATTN_DTYPE_F32,
-                                 FORKATTN_MEMORY_HOST};
+  forkattn_kv_cache_options o;
+  forkattn_kv_cache_options_init(&o);
+  o.capacity_bytes = capacity_bytes;
+  o.layers = m->c.layers;
+  o.kv_heads = m->c.heads;
+  o.head_dim = m->d;
   const forkattn_status st = forkattn_kv_cache_create(ctx, &o, &s->cache);
   if (st) {
     snprintf(err, errlen, "dlm: forkattn_kv_cache_create failed (%s): %s", forkattn_status_string(st),
@@ -162,8 +166,13 @@ forkattn_status dlm_store_lookup(dlm_store *s, forkattn_ctx *ctx, const int32_t 
   h->prefix.len = matched;
   const int64_t per = matched * s->width;
   for (int64_t l = 0; l < s->layers; l++) {
-    h->prefix.k[l] = forkattn_kv_entry_k(h->entry, l);
-    h->prefix.v[l] = forkattn_kv_entry_v(h->entry, l);
+    forkattn_status vst = forkattn_kv_entry_k(h->entry, l, &h->prefix.k[l]);
+    if (!vst) vst = forkattn_kv_entry_v(h->entry, l, &h->prefix.v[l]);
+    if (vst) {
+      snprintf(err, errlen, "dlm: the cached K/V of layer %lld: %s", (long long)l, forkattn_ctx_last_error(ctx));
+      dlm_store_release(s, h);
+      return vst;
+    }
     h->prefix.hidden[l] = e->hidden + l * per;
   }
   return FORKATTN_OK;

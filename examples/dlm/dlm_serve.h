@@ -6,6 +6,7 @@
 #ifndef FORKATTN_TOOLS_DLM_SERVE_H
 #define FORKATTN_TOOLS_DLM_SERVE_H
 #include "dlm_prefix.h"
+#include "forkattn_experimental.h"
 
 typedef struct dlm_workload_opts {
   int64_t prompts, requests;

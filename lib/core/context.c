@@ -11,6 +11,7 @@
 #include <strings.h>
 
 #include "hostinfo.h"
+#include "struct_size.h"
 
 forkattn_status fa_fail(forkattn_ctx *ctx, forkattn_status status, const char *fmt, ...) {
   if (ctx) {
@@ -35,6 +36,7 @@ size_t forkattn_ctx_peak_workspace(const forkattn_ctx *ctx) { return ctx ? ctx->
 void forkattn_ctx_options_init(forkattn_ctx_options *opt) {
   if (!opt) return;
   memset(opt, 0, sizeof *opt);
+  opt->struct_size = sizeof *opt;
   opt->backend = FORKATTN_BACKEND_AUTO;
   opt->gpu_persist = -1;
 }
@@ -119,7 +121,12 @@ forkattn_status forkattn_ctx_create(forkattn_ctx **ctx, const forkattn_ctx_optio
   *ctx = NULL;
   forkattn_ctx_options o;
   forkattn_ctx_options_init(&o);
-  if (opt) o = *opt;
+  if (opt) {
+    char why[FA_MSG_LEN];
+    if (fa_struct_size_check("opt", opt->struct_size, sizeof *opt, "forkattn_ctx_options", why, sizeof why))
+      return fa_create_fail(FORKATTN_ERR_INVALID_ARGUMENT, 0, "ctx_create: %s", why);
+    o = *opt;
+  }
   if (o.backend != FORKATTN_BACKEND_AUTO && o.backend != FORKATTN_BACKEND_CPU &&
       o.backend != FORKATTN_BACKEND_GPU)
     return fa_create_fail(FORKATTN_ERR_INVALID_ARGUMENT, o.verbose, "ctx_create: unknown backend %d",

@@ -17,6 +17,7 @@
 #include "alloc.h"
 #include "backend.h"
 #include "segment_attn.h"
+#include "struct_size.h"
 #include "validate.h"
 
 static int64_t fa_kv_min(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -25,6 +26,7 @@ void forkattn_kv_policy_init(forkattn_kv_policy *policy, forkattn_kv_policy_kind
   if (!policy) return;
   const int64_t cap = budget > 0 ? budget : 0;
   memset(policy, 0, sizeof *policy);
+  policy->struct_size = sizeof *policy;
   policy->kind = kind;
   policy->budget = budget;
   policy->sinks = fa_kv_min(4, cap);
@@ -36,6 +38,8 @@ void forkattn_kv_policy_init(forkattn_kv_policy *policy, forkattn_kv_policy_kind
 static forkattn_status fa_kv_check_policy(forkattn_ctx *ctx, const forkattn_kv_policy *p) {
   const forkattn_status bad = FORKATTN_ERR_INVALID_ARGUMENT;
   if (!p) return fa_fail(ctx, bad, "policy: is NULL");
+  forkattn_status st = FA_CHECK_STRUCT_SIZE(ctx, "policy", p, "forkattn_kv_policy");
+  if (st) return st;
   if (p->kind != FORKATTN_KV_STREAMING_LLM && p->kind != FORKATTN_KV_H2O && p->kind != FORKATTN_KV_SNAPKV)
     return fa_fail(ctx, bad, "policy: unknown kind %d (STREAMING_LLM, H2O or SNAPKV)", (int)p->kind);
   if (p->budget < 1) return fa_fail(ctx, bad, "policy: budget %lld must be >= 1", (long long)p->budget);

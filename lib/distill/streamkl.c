@@ -8,17 +8,21 @@
 #include "backend.h"
 #include "layout_attn.h"
 #include "streamkl.h"
+#include "struct_size.h"
 #include "validate.h"
 
 void forkattn_kl_options_init(forkattn_kl_options *opt) {
   if (!opt) return;
   memset(opt, 0, sizeof *opt);
+  opt->struct_size = sizeof *opt;
   opt->direction = FORKATTN_KL_FORWARD;
   opt->temperature = 1.0f;
 }
 
 static forkattn_status fa_kl_check_options(forkattn_ctx *ctx, const forkattn_kl_options *o) {
   const forkattn_status bad = FORKATTN_ERR_INVALID_ARGUMENT;
+  forkattn_status st = FA_CHECK_STRUCT_SIZE(ctx, "opt", o, "forkattn_kl_options");
+  if (st) return st;
   if (o->direction != FORKATTN_KL_FORWARD && o->direction != FORKATTN_KL_REVERSE)
     return fa_fail(ctx, bad, "opt: direction %d is neither forward nor reverse", (int)o->direction);
   if (!(isfinite(o->temperature) && o->temperature > 0.0f))

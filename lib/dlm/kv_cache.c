@@ -17,6 +17,7 @@
 #include "context_internal.h"
 #include "dtype_convert.h"
 #include "kv_cache_internal.h"
+#include "struct_size.h"
 #include "validate.h"
 
 #define FA_BAD FORKATTN_ERR_INVALID_ARGUMENT
@@ -109,15 +110,24 @@ static forkattn_status fa_kv_check_options(forkattn_ctx *ctx, const forkattn_kv_
   return FORKATTN_OK;
 }
 
+void forkattn_kv_cache_options_init(forkattn_kv_cache_options *opt) {
+  if (!opt) return;
+  memset(opt, 0, sizeof *opt);
+  opt->struct_size = sizeof *opt;
+  opt->dtype = FORKATTN_DTYPE_F32;
+  opt->memory = FORKATTN_MEMORY_HOST;
+}
+
 forkattn_status forkattn_kv_cache_create(forkattn_ctx *ctx, const forkattn_kv_cache_options *opt,
                                          forkattn_kv_cache **cache) {
   if (!ctx) return FA_BAD;
   fa_clear_error(ctx);
   if (!cache) return fa_fail(ctx, FA_BAD, "cache: the output pointer is NULL");
   *cache = NULL;
-  if (!opt) return fa_fail(ctx, FA_BAD, "opt: NULL (fill a forkattn_kv_cache_options)");
+  if (!opt) return fa_fail(ctx, FA_BAD, "opt: NULL (fill one with forkattn_kv_cache_options_init())");
   size_t row_bytes = 0;
-  forkattn_status st = fa_kv_check_options(ctx, opt, &row_bytes);
+  forkattn_status st = FA_CHECK_STRUCT_SIZE(ctx, "opt", opt, "forkattn_kv_cache_options");
+  if (!st) st = fa_kv_check_options(ctx, opt, &row_bytes);
   if (st) return st;
   forkattn_kv_cache *c = fa_calloc(1, sizeof *c);
   if (!c) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "cache: out of memory");
@@ -354,20 +364,25 @@ void forkattn_kv_cache_release(forkattn_kv_cache *cache, forkattn_kv_entry *entr
   pthread_mutex_unlock(&cache->lock);
 }
 
-static forkattn_tensor fa_kv_view(const forkattn_kv_entry *e, int64_t layer, int which) {
-  forkattn_tensor t;
-  memset(&t, 0, sizeof t);
-  if (!e) return t;
+static forkattn_status fa_kv_view(const forkattn_kv_entry *e, int64_t layer, int which, forkattn_tensor *t) {
+  if (!t) return FA_BAD;
+  memset(t, 0, sizeof *t);
+  if (!e) return FA_BAD;
   const forkattn_kv_cache_options *o = &e->cache->opt;
-  t = forkattn_tensor_contiguous(NULL, o->dtype, e->n, o->kv_heads, o->head_dim);
-  if (layer < 0 || layer >= o->layers) return t;
-  t.data = (char *)e->data + (size_t)(2 * layer + which) * (e->bytes / (size_t)(2 * o->layers));
-  return t;
+  *t = forkattn_tensor_contiguous(NULL, o->dtype, e->n, o->kv_heads, o->head_dim);
+  if (layer < 0 || layer >= o->layers)
+    return fa_kv_fail(e->cache, FA_BAD, "layer: %lld outside 0..%lld", (long long)layer, (long long)o->layers - 1);
+  t->data = (char *)e->data + (size_t)(2 * layer + which) * (e->bytes / (size_t)(2 * o->layers));
+  return FORKATTN_OK;
 }
 
-forkattn_tensor forkattn_kv_entry_k(const forkattn_kv_entry *entry, int64_t layer) { return fa_kv_view(entry, layer, 0); }
+forkattn_status forkattn_kv_entry_k(const forkattn_kv_entry *entry, int64_t layer, forkattn_tensor *view) {
+  return fa_kv_view(entry, layer, 0, view);
+}
 
-forkattn_tensor forkattn_kv_entry_v(const forkattn_kv_entry *entry, int64_t layer) { return fa_kv_view(entry, layer, 1); }
+forkattn_status forkattn_kv_entry_v(const forkattn_kv_entry *entry, int64_t layer, forkattn_tensor *view) {
+  return fa_kv_view(entry, layer, 1, view);
+}
 
 forkattn_status forkattn_kv_cache_get_stats(forkattn_kv_cache *cache, forkattn_kv_cache_stats *stats) {
   if (!cache) return FA_BAD;

@@ -5,6 +5,7 @@
 #include <stdint.h>
 
 #include "context_internal.h"
+#include "forkattn_experimental.h"
 
 #define FA_PROFILE_BINS 101           /* ratio bins 0..100, 1% wide */
 #define FA_PROFILE_MAX_LAYERS 65536   /* bounds memory (and what a file may ask for) */

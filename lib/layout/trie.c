@@ -223,14 +223,14 @@ forkattn_status forkattn_trie_from_token_parents(forkattn_ctx *ctx, int64_t num_
 
 void forkattn_trie_free(forkattn_trie *trie) { fa_trie_destroy(trie); }
 
-forkattn_tree_layout forkattn_trie_layout(const forkattn_trie *trie) {
-  forkattn_tree_layout l = {0, NULL, NULL};
-  if (trie) {
-    l.num_nodes = trie->num_nodes;
-    l.node_offsets = trie->node_offsets;
-    l.parents = trie->parents;
-  }
-  return l;
+forkattn_status forkattn_trie_layout(const forkattn_trie *trie, forkattn_tree_layout *layout) {
+  if (!layout) return FORKATTN_ERR_INVALID_ARGUMENT;
+  *layout = (forkattn_tree_layout){0, NULL, NULL};
+  if (!trie) return FORKATTN_ERR_INVALID_ARGUMENT;
+  layout->num_nodes = trie->num_nodes;
+  layout->node_offsets = trie->node_offsets;
+  layout->parents = trie->parents;
+  return FORKATTN_OK;
 }
 
 int64_t forkattn_trie_num_rows(const forkattn_trie *trie) { return trie ? trie->num_rows : 0; }

@@ -208,8 +208,12 @@ static int fa_batch_ok(const forkattn_batch_plan *plan, int64_t b) { return plan
 
 int64_t forkattn_batch_plan_count(const forkattn_batch_plan *plan) { return plan ? plan->count : 0; }
 
-forkattn_tree_layout forkattn_batch_plan_layout(const forkattn_batch_plan *plan, int64_t batch) {
-  return fa_batch_ok(plan, batch) ? fa_subforest_layout(&plan->batch[batch]) : (forkattn_tree_layout){0, NULL, NULL};
+forkattn_status forkattn_batch_plan_layout(const forkattn_batch_plan *plan, int64_t batch,
+                                           forkattn_tree_layout *layout) {
+  if (!layout) return FORKATTN_ERR_INVALID_ARGUMENT;
+  const int ok = fa_batch_ok(plan, batch);
+  *layout = ok ? fa_subforest_layout(&plan->batch[batch]) : (forkattn_tree_layout){0, NULL, NULL};
+  return ok ? FORKATTN_OK : FORKATTN_ERR_INVALID_ARGUMENT;
 }
 
 const int64_t *forkattn_batch_plan_rows(const forkattn_batch_plan *plan, int64_t batch, int64_t *num_rows) {

@@ -4,6 +4,7 @@
 #ifndef FORKATTN_TREE_MODEL_H
 #define FORKATTN_TREE_MODEL_H
 #include "context_internal.h"
+#include "forkattn_experimental.h"
 
 /* The three quantities the linear model multiplies. */
 typedef struct fa_tree_counts {

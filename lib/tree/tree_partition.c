@@ -289,9 +289,11 @@ static const fa_subforest *fa_part(const forkattn_partition *pt, int64_t part) {
   return pt && part >= 0 && part < pt->nparts ? &pt->part[part] : NULL;
 }
 
-forkattn_tree_layout forkattn_partition_layout(const forkattn_partition *pt, int64_t part) {
+forkattn_status forkattn_partition_layout(const forkattn_partition *pt, int64_t part, forkattn_tree_layout *layout) {
+  if (!layout) return FORKATTN_ERR_INVALID_ARGUMENT;
   const fa_subforest *s = fa_part(pt, part);
-  return s ? fa_subforest_layout(s) : (forkattn_tree_layout){0, NULL, NULL};
+  *layout = s ? fa_subforest_layout(s) : (forkattn_tree_layout){0, NULL, NULL};
+  return s ? FORKATTN_OK : FORKATTN_ERR_INVALID_ARGUMENT;
 }
 
 const int64_t *forkattn_partition_rows(const forkattn_partition *pt, int64_t part, int64_t *num_rows) {

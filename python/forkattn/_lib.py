@@ -68,7 +68,16 @@ _MIN_VERSION_NUMBER = 100  # 0.1.0
 
 
 # --------------------------------------------------------------------------------------------
-# struct mirrors
+# struct mirrors: field for field the C structs of include/forkattn.h and
+# forkattn_experimental.h (python/tests/test_abi_layout.py checks them against the C layouts).
+
+
+class _Options(Structure):
+    """An option struct: its first field ``struct_size`` is set to the struct's size on
+    construction, as the C _init functions do; positional arguments fill the fields after it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(ctypes.sizeof(type(self)), *args, **kwargs)
 
 
 class Tensor(Structure):
@@ -128,10 +137,11 @@ class KeptSetC(Structure):
     ]
 
 
-class KlOptions(Structure):
+class KlOptions(_Options):
     """``forkattn_kl_options``."""
 
     _fields_ = [
+        ("struct_size", c_size_t),
         ("direction", c_int),
         ("scale_teacher", c_float),
         ("scale_student", c_float),
@@ -140,10 +150,11 @@ class KlOptions(Structure):
     ]
 
 
-class KvPolicy(Structure):
+class KvPolicy(_Options):
     """``forkattn_kv_policy``."""
 
     _fields_ = [
+        ("struct_size", c_size_t),
         ("kind", c_int),
         ("budget", c_int64),
         ("sinks", c_int64),
@@ -166,10 +177,11 @@ class TreeCostModelC(Structure):
     ]
 
 
-class KvCacheOptions(Structure):
+class KvCacheOptions(_Options):
     """``forkattn_kv_cache_options``: shape and byte budget of a shared-prefix KV cache."""
 
     _fields_ = [
+        ("struct_size", c_size_t),
         ("capacity_bytes", c_size_t),
         ("block_tokens", c_int64),
         ("layers", c_int64),
@@ -194,10 +206,11 @@ class KvCacheStats(Structure):
     ]
 
 
-class CtxOptions(Structure):
+class CtxOptions(_Options):
     """``forkattn_ctx_options``."""
 
     _fields_ = [
+        ("struct_size", c_size_t),
         ("backend", c_int),
         ("device", c_int),
         ("threads", c_int),
@@ -211,10 +224,10 @@ class CtxOptions(Structure):
 _T = POINTER(Tensor)
 _I64P = POINTER(c_int64)
 
-# name: (restype, argtypes); optional symbols are looked up lazily: a stripped-down build may
-# lack the trie, kept-set, StreamKL, kv_select, DFS path stack, tree cost model / partition /
-# batch plan or diffusion-LM KV cache (BiCache) functions, and the binding then fails only when
-# they are used.
+# name: (restype, argtypes). Only _REQUIRED symbols must exist: a stripped-down build may lack
+# the others (tries, kept sets, StreamKL, kv_select, the DFS path stack, the experimental tree
+# cost model / partition / batch plan, the diffusion-LM KV cache), and the binding then fails
+# only when they are used.
 _SIGNATURES = {
     "forkattn_version_number": (c_uint, []),
     "forkattn_version_string": (c_char_p, []),
@@ -263,7 +276,7 @@ _SIGNATURES = {
         [c_void_p, c_int64, _I64P, c_uint, POINTER(c_void_p)],
     ),
     "forkattn_trie_free": (None, [c_void_p]),
-    "forkattn_trie_layout": (TreeLayoutC, [c_void_p]),
+    "forkattn_trie_layout": (c_int, [c_void_p, POINTER(TreeLayoutC)]),
     "forkattn_trie_num_rows": (c_int64, [c_void_p]),
     "forkattn_trie_replicated_tokens": (c_int64, [c_void_p]),
     "forkattn_trie_dedup_ratio": (c_double, [c_void_p]),
@@ -273,8 +286,8 @@ _SIGNATURES = {
     "forkattn_trie_row_positions": (_I64P, [c_void_p]),
     "forkattn_trie_node_depths": (_I64P, [c_void_p]),
     "forkattn_trie_row_tokens": (_I64P, [c_void_p]),
-    # kept sets, kept-set attention, StreamKL (0.1 additions; optional: an older build lacks them
-    # and only these functions fail, with FORKATTN_ERR_UNSUPPORTED)
+    # kept sets, kept-set attention, StreamKL (optional: without them only these functions fail,
+    # with FORKATTN_ERR_UNSUPPORTED)
     "forkattn_kept_fwd": (
         c_int,
         [c_void_p, POINTER(LayoutC), POINTER(KeptSetC), _T, _T, _T, _T, c_void_p, c_float, c_int],
@@ -314,7 +327,7 @@ _SIGNATURES = {
     "forkattn_path_depth": (c_int64, [c_void_p]),
     "forkattn_path_rows": (c_int64, [c_void_p]),
     "forkattn_path_peak_bytes": (c_size_t, [c_void_p]),
-    # tree cost model, partition, batch plan (optional)
+    # tree cost model, partition, batch plan (experimental, optional)
     "forkattn_tree_cost_model_calibrate": (
         c_int,
         [c_void_p, c_int64, c_int64, c_int64, c_int, POINTER(TreeCostModelC)],
@@ -329,7 +342,7 @@ _SIGNATURES = {
     ),
     "forkattn_partition_free": (None, [c_void_p]),
     "forkattn_partition_num_parts": (c_int64, [c_void_p]),
-    "forkattn_partition_layout": (TreeLayoutC, [c_void_p, c_int64]),
+    "forkattn_partition_layout": (c_int, [c_void_p, c_int64, POINTER(TreeLayoutC)]),
     "forkattn_partition_rows": (_I64P, [c_void_p, c_int64, _I64P]),
     "forkattn_partition_owned": (POINTER(ctypes.c_ubyte), [c_void_p, c_int64]),
     "forkattn_partition_cost": (c_double, [c_void_p, c_int64]),
@@ -340,12 +353,12 @@ _SIGNATURES = {
     ),
     "forkattn_batch_plan_free": (None, [c_void_p]),
     "forkattn_batch_plan_count": (c_int64, [c_void_p]),
-    "forkattn_batch_plan_layout": (TreeLayoutC, [c_void_p, c_int64]),
+    "forkattn_batch_plan_layout": (c_int, [c_void_p, c_int64, POINTER(TreeLayoutC)]),
     "forkattn_batch_plan_rows": (_I64P, [c_void_p, c_int64, _I64P]),
     "forkattn_batch_plan_mode": (c_int, [c_void_p, c_int64]),
     "forkattn_batch_plan_reason": (c_char_p, [c_void_p, c_int64]),
-    # shared-prefix KV cache for diffusion LMs (optional): cached-prefix attention, the
-    # cache, K/V similarity, the reuse-depth profile. Tokens are int32 host arrays (c_void_p).
+    # shared-prefix KV cache for diffusion LMs (optional): cached-prefix attention, the cache,
+    # K/V similarity, the reuse-depth profile (experimental). Tokens are int32 host arrays (c_void_p).
     "forkattn_prefix_cached_fwd": (
         c_int,
         [c_void_p, POINTER(PrefixLayout), _T, _T, _T, _T, c_void_p, c_float, c_int],
@@ -366,8 +379,8 @@ _SIGNATURES = {
     "forkattn_kv_cache_destroy": (None, [c_void_p]),
     "forkattn_kv_cache_insert": (c_int, [c_void_p, c_void_p, c_int64, _T, _T, c_int, POINTER(c_int)]),
     "forkattn_kv_cache_lookup": (c_int, [c_void_p, c_void_p, c_int64, POINTER(c_void_p), POINTER(c_int64)]),
-    "forkattn_kv_entry_k": (Tensor, [c_void_p, c_int64]),
-    "forkattn_kv_entry_v": (Tensor, [c_void_p, c_int64]),
+    "forkattn_kv_entry_k": (c_int, [c_void_p, c_int64, _T]),
+    "forkattn_kv_entry_v": (c_int, [c_void_p, c_int64, _T]),
     "forkattn_kv_cache_release": (None, [c_void_p, c_void_p]),
     "forkattn_kv_cache_get_stats": (c_int, [c_void_p, POINTER(KvCacheStats)]),
     "forkattn_kv_similarity": (c_int, [c_void_p, _T, _T, POINTER(c_float), POINTER(c_float), c_int]),
@@ -1145,7 +1158,8 @@ def _copy_i64(ptr, n):
 def _trie_extract(ctx, trie, num_input_tokens, num_input_nodes=None):
     lib = load_library()
     try:
-        lay = lib.forkattn_trie_layout(trie)
+        lay = TreeLayoutC()
+        ctx.check(lib.forkattn_trie_layout(trie, byref(lay)))
         n = int(lay.num_nodes)
         T = int(lib.forkattn_trie_num_rows(trie))
         out = {
@@ -1480,9 +1494,11 @@ def tree_cost(ctx, node_offsets, parents, model):
     return float(out.value)
 
 
-def _copy_layout(lay):
-    """(node_offsets, parents) ctypes int64 copies of a borrowed forkattn_tree_layout; an empty
-    layout gives ([0], [])."""
+def _copy_layout(ctx, fn, obj, i):
+    """(node_offsets, parents) ctypes int64 copies of the layout ``fn`` (the partition's or the
+    batch plan's accessor) gives for part/batch i of ``obj``; an empty layout gives ([0], [])."""
+    lay = TreeLayoutC()
+    ctx.check(fn(obj, int(i), byref(lay)))
     n = int(lay.num_nodes)
     if n <= 0 or not lay.node_offsets or not lay.parents:
         return (c_int64 * 1)(0), (c_int64 * 0)()
@@ -1512,7 +1528,7 @@ def tree_partition(ctx, node_offsets, parents, num_parts, model):
     try:
         parts = []
         for i in range(int(lib.forkattn_partition_num_parts(h))):
-            offs, par = _copy_layout(lib.forkattn_partition_layout(h, i))
+            offs, par = _copy_layout(ctx, lib.forkattn_partition_layout, h, i)
             rows = _copy_rows(lib.forkattn_partition_rows, h, i)
             optr = lib.forkattn_partition_owned(h, i)
             owned = ctypes.string_at(optr, len(rows)) if optr and len(rows) else b""
@@ -1537,7 +1553,7 @@ def tree_plan_batches(ctx, node_offsets, parents, max_batch_rows, model):
     try:
         out = []
         for i in range(int(lib.forkattn_batch_plan_count(h))):
-            offs, par = _copy_layout(lib.forkattn_batch_plan_layout(h, i))
+            offs, par = _copy_layout(ctx, lib.forkattn_batch_plan_layout, h, i)
             mode = int(lib.forkattn_batch_plan_mode(h, i))
             out.append({"node_offsets": offs, "parents": par,
                         "rows": _copy_rows(lib.forkattn_batch_plan_rows, h, i),
@@ -1643,8 +1659,11 @@ def kv_cache_lookup(ctx, cache, tokens_ptr, n):
 
 
 def kv_entry_view(entry, layer, which):
-    """The contiguous descriptor of K (which=0) or V (which=1) of ``layer`` of a held entry."""
-    return _fn("forkattn_kv_entry_v" if which else "forkattn_kv_entry_k")(entry, int64_arg(layer, "layer"))
+    """The contiguous descriptor of K (which=0) or V (which=1) of ``layer`` of a held entry
+    (data NULL when the library refuses the layer)."""
+    t = Tensor()
+    _fn("forkattn_kv_entry_v" if which else "forkattn_kv_entry_k")(entry, int64_arg(layer, "layer"), byref(t))
+    return t
 
 
 def kv_cache_release(cache, entry):

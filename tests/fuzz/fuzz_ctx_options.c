@@ -78,7 +78,7 @@ static void fuzz_create(fz_reader *r) {
   const uint8_t flags = fz_u8(r);
   forkattn_ctx_options opt;
   forkattn_ctx_options_init(&opt);
-  FZ_CHECK(opt.backend == FORKATTN_BACKEND_AUTO && opt.device == 0 && opt.threads == 0 && !opt.bind_threads &&
+  FZ_CHECK(opt.struct_size == sizeof opt && opt.backend == FORKATTN_BACKEND_AUTO && opt.device == 0 && opt.threads == 0 && !opt.bind_threads &&
                !opt.verbose,
            "forkattn_ctx_options_init: not the documented defaults");
   opt.backend = (forkattn_backend)fz_enum_field(r, FORKATTN_BACKEND_AUTO);

@@ -20,6 +20,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "forkattn_experimental.h"
 #include "fuzz_common.h"
 
 static char fz_in[64], fz_out[64], fz_again[64];

@@ -157,7 +157,8 @@ static void check_child_order(const view *v, const int64_t *key, const char *wha
 }
 
 static void check_layout(const forkattn_trie *t, view *v) {
-  const forkattn_tree_layout l = forkattn_trie_layout(t);
+  forkattn_tree_layout l;
+  FZ_CHECK(forkattn_trie_layout(t, &l) == FORKATTN_OK, "forkattn_trie_layout failed");
   const int64_t n = l.num_nodes, *off = l.node_offsets, *par = l.parents;
   FZ_CHECK(n >= 1 && off && par, "layout: %lld nodes", (long long)n);
   FZ_CHECK(off[0] == 0, "node_offsets[0] = %lld", (long long)off[0]);

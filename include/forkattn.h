@@ -54,7 +54,7 @@ extern "C" {
 /** Major version: incompatible API or ABI changes. */
 #define FORKATTN_VERSION_MAJOR 0
 /** Minor version: additions. */
-#define FORKATTN_VERSION_MINOR 1
+#define FORKATTN_VERSION_MINOR 2
 /** Patch version: fixes. */
 #define FORKATTN_VERSION_PATCH 0
 /** MAJOR*10000 + MINOR*100 + PATCH, as returned by forkattn_version_number(). */

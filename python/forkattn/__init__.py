@@ -22,7 +22,7 @@ from ._lib import (  # noqa: F401
     version,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _TORCH_NAMES = (
     "SharedPrefixLayout",

@@ -64,7 +64,7 @@ EXEC_MODES = {EXEC_TREE: "tree", EXEC_REPLICATED: "replicated"}
 
 # The C library major version this binding speaks (minor versions only add).
 _ABI_MAJOR = 0
-_MIN_VERSION_NUMBER = 100  # 0.1.0
+_MIN_VERSION_NUMBER = 200  # 0.2.0: struct_size in the option structs
 
 
 # --------------------------------------------------------------------------------------------
@@ -535,7 +535,7 @@ def library_path():
 
 
 def version():
-    """Version string of the loaded C library, e.g. ``"0.1.0"``."""
+    """Version string of the loaded C library, e.g. ``"0.2.0"``."""
     return load_library().forkattn_version_string().decode()
 
 

@@ -1,6 +1,6 @@
 /* Online (streaming) KL divergence between two attention distributions over
  * the same keys: teacher T = softmax(t), student S = softmax(s), one pass over
- * the keys in tiles, O(1) state per row (StreamKL, issue 4). Header-only and
+ * the keys in tiles, O(1) state per row (StreamKL). Header-only and
  * `declare target`, like online_softmax.h, so CPU and GPU kernels share it.
  * Derivation and error analysis: docs/numerics.md, "Online KL divergence".
  *

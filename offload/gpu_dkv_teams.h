@@ -144,7 +144,7 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
  * P^T and dS^T packed from registers, in two parts of CQ queries: part
  * c's dV and dK products (one group) run while part c + 1's P^T and dS^T
  * are formed, then one wait. Query tiles of
- * FA_WG_DKV_BQ(D) rows, double-buffered (the next tile streams in during this
+ * FA_WG_DKV_BQ rows, double-buffered (the next tile streams in during this
  * one); each product group is waited before registers it reads are
  * rewritten. Three buffers with tile j + 1's S^T and dP^T issued with tile
  * j's dV and dK (so tile j + 1's dS^T overlaps them) are correct but a third

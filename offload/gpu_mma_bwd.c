@@ -44,7 +44,7 @@ fa_gpu_call fa_gpu_bwd_call(const fa_attn_bwd *a, forkattn_memory memory) {
 void fa_gpu_mma_bwd_smem(size_t dq[2], size_t dkv[2]) {
   dq[0] = FA_WG_PAIR_DQ_SMEM(64);
   dq[1] = FA_WG_PAIR_DQ_SMEM(128);
-  dkv[0] = FA_WG_DKV_SMEM(64);   /* key-major */
+  dkv[0] = FA_WG_DKV_SMEM(64);       /* key-major */
   dkv[1] = FA_WG_PAIR_DKV_SMEM(128); /* two-warpgroup query-major */
 }
 
@@ -53,8 +53,9 @@ void fa_gpu_mma_bwd_smem(size_t dq[2], size_t dkv[2]) {
 
 #define FA_WG_PAIR_DQ(D, F16) \
   FA_MMA_QUERY_TEAMS_OF(fa_wg_pair_dq_team, qblocks, D, FA_WG_PAIR_BK, F16, FA_WG_PAIR_DQ_SMEM(D), FA_WG_PAIR_THREADS)
-#define FA_WG_PAIR_DQ_PERSISTENT(D, F16) \
-  FA_PERSISTENT_QUERY_TEAMS(fa_wg_pair_dq_team, fa_wg_pair_dq_ring, qblocks, nqb, D, FA_WG_PAIR_BK, F16, FA_WG_PAIR_DQ_SMEM(D))
+#define FA_WG_PAIR_DQ_PERSISTENT(D, F16)                                                                      \
+  FA_PERSISTENT_QUERY_TEAMS(fa_wg_pair_dq_team, fa_wg_pair_dq_ring, qblocks, nqb, D, FA_WG_PAIR_BK, F16,       \
+                            FA_WG_PAIR_DQ_SMEM(D))
 
 int fa_gpu_mma_dq_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
                       int64_t v_rows, int64_t hkv, int64_t d) {

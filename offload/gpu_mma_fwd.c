@@ -71,8 +71,9 @@ int fa_gpu_mma_fwd_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows,
   FA_MMA_QUERY_TEAMS(fa_mma_fwd_team, blocks, D, FA_MMA_BK(D), F16, FA_MMA_QUERY_SMEM(FA_MMA_BK(D), (D) + 8))
 #define FA_WG_PAIR_FWD(D, F16)                                                                                     \
   FA_MMA_QUERY_TEAMS_OF(fa_wg_pair_fwd_team, blocks, D, FA_WG_PAIR_BK, F16, FA_WG_PAIR_FWD_SMEM(D), FA_WG_PAIR_THREADS)
-#define FA_WG_PAIR_FWD_PERSISTENT(D, F16) \
-  FA_PERSISTENT_QUERY_TEAMS(fa_wg_pair_fwd_team, fa_wg_pair_fwd_ring, blocks, nblocks, D, FA_WG_PAIR_BK, F16, FA_WG_PAIR_FWD_SMEM(D))
+#define FA_WG_PAIR_FWD_PERSISTENT(D, F16)                                                                     \
+  FA_PERSISTENT_QUERY_TEAMS(fa_wg_pair_fwd_team, fa_wg_pair_fwd_ring, blocks, nblocks, D, FA_WG_PAIR_BK, F16,  \
+                            FA_WG_PAIR_FWD_SMEM(D))
 
 void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g, const fa_gpu_fwd_args *argp, int grid) {
   const int nteams = (int)(g->nblocks * g->hq), dev = g->device, f16 = g->q.dtype == FORKATTN_DTYPE_F16;

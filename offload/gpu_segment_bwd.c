@@ -378,10 +378,8 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
   fa_gpu_trace_mark(&tr, "maps");
   if (!bad) {
     b.nkb = fa_plan_blocks(p, b.krows, 1, &kb_h);
-    b.nunits = b.nkb < 0 ? -1
-                         : fa_plan_key_units(p, kb_h, b.nkb,
-                                             fa_gpu_dkv_chunk(p, kb_h, b.nkb, a->hkv, b.dkv_wg_pair ? 2 : mma), &units_h,
-                                             &unit_off_h);
+    const int64_t chunk = b.nkb < 0 ? 0 : fa_gpu_dkv_chunk(p, kb_h, b.nkb, a->hkv, b.dkv_wg_pair ? 2 : mma);
+    b.nunits = b.nkb < 0 ? -1 : fa_plan_key_units(p, kb_h, b.nkb, chunk, &units_h, &unit_off_h);
     b.nqb = fa_plan_blocks(p, qrows, 0, &qb_h);
     bad = b.nkb < 0 || b.nunits < 0 || b.nqb < 0;
   }

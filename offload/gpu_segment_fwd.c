@@ -141,7 +141,8 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
   const int wg_pair = kern == FA_KERNEL_WG_PAIR, tma = wg_pair;
   fa_gpu_trace_mark(&tr, "maps");
   /* query blocks: the tensor-core kernels' teams (two warpgroups: 128 rows), or the FP32 kernel's */
-  const int64_t nb = bad ? 0 : fa_plan_blocks(p, wg_pair ? FA_WG_PAIR_ROWS : mma ? FA_MMA_ROWS : FA_GPU_ROWS, 0, &blocks_h);
+  const int64_t block_rows = wg_pair ? FA_WG_PAIR_ROWS : mma ? FA_MMA_ROWS : FA_GPU_ROWS;
+  const int64_t nb = bad ? 0 : fa_plan_blocks(p, block_rows, 0, &blocks_h);
   if (!bad && (nb < 0 || nb * a->hq > INT_MAX)) {
     fa_free(blocks_h); /* NULL when fa_plan_blocks failed */
     fa_stage_free(&st);

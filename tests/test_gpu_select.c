@@ -48,7 +48,8 @@ Test(gpu_select, defaults_per_head_dim_on_an_sm90a_build) {
   const fa_gpu_caps c = h100();
   const fa_gpu_kernel d64[FA_PASSES] = {FA_KERNEL_WG_PAIR, FA_KERNEL_WG_PAIR, FA_KERNEL_WG_KEY_MAJOR, FA_KERNEL_MMA,
                                         FA_KERNEL_MMA};
-  const fa_gpu_kernel d128[FA_PASSES] = {FA_KERNEL_WG_PAIR, FA_KERNEL_WG_PAIR, FA_KERNEL_WG_PAIR, FA_KERNEL_MMA, FA_KERNEL_MMA};
+  const fa_gpu_kernel d128[FA_PASSES] = {FA_KERNEL_WG_PAIR, FA_KERNEL_WG_PAIR, FA_KERNEL_WG_PAIR, FA_KERNEL_MMA,
+                                         FA_KERNEL_MMA};
   expect_all(&c, &auto_knobs, half_call(64), d64, "default");
   expect_all(&c, &auto_knobs, half_call(128), d128, "default");
 }

@@ -293,7 +293,9 @@ static void run_case(const char *name, const emu_case *c) {
   /* pass 1: the wgmma dK/dV; 0: mma.sync */
   for (int pass = 1; pass >= 0; pass--) {
     const int wg_pair = pass && d == 128;
-    const char *kernel = wg_pair ? "two-warpgroup query-major wgmma dK/dV" : pass ? "key-major wgmma dK/dV" : "mma dK/dV";
+    const char *kernel = wg_pair ? "two-warpgroup query-major wgmma dK/dV"
+                         : pass  ? "key-major wgmma dK/dV"
+                                 : "mma dK/dV";
     fa_gpu_bwd gk = gb;
     gk.tma = pass ? qmaps : NULL;
     if (wg_pair) {

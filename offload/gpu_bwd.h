@@ -23,15 +23,15 @@ typedef struct fa_gpu_bwd {
   const int64_t *unit_off;   /* [nkb+1] units of each key block */
   float *part_k, *part_v;    /* [units, hkv, krows, d] partial sums, or NULL: one unit per block */
   int64_t nqb, nkb, nunits, rows, qshift, hq, hkv, d;
-  int64_t krows; /* rows per key block: FA_GPU_ROWS, FA_MMA_ROWS on tensor cores, FA_WG2_ROWS (dkv_wg2) */
+  int64_t krows; /* rows per key block: FA_GPU_ROWS, FA_MMA_ROWS on tensor cores, FA_WG_PAIR_ROWS (dkv_wg_pair) */
   float scale;
   fa_kept kept; /* device copy, used when has_kept */
   int has_kept;
   int device;
   const struct fa_tma_map *tma; /* device copies of Q's and dO's tensor maps: the wgmma dK/dV runs; or NULL */
-  const struct fa_tma_map *kv_tma; /* K's and V's for the two-warpgroup dQ (dq_wg2), or NULL */
-  int dq_wg2; /* the two-warpgroup dQ runs: qblocks of FA_WG2_ROWS rows */
-  int dkv_wg2; /* the two-warpgroup dK/dV runs (head_dim 128): kblocks of FA_WG2_ROWS rows, tma set */
+  const struct fa_tma_map *kv_tma; /* K's and V's for the two-warpgroup dQ (dq_wg_pair), or NULL */
+  int dq_wg_pair; /* the two-warpgroup dQ runs: qblocks of FA_WG_PAIR_ROWS rows */
+  int dkv_wg_pair; /* the two-warpgroup dK/dV runs (head_dim 128): kblocks of FA_WG_PAIR_ROWS rows, tma set */
   int *work;   /* device counter of the persistent dQ's items, zeroed by the plan copy */
   int dsum_ready; /* dsum holds D before the tensor-core dQ runs (some rows' D from the inputs) */
 } fa_gpu_bwd;

@@ -5,7 +5,7 @@
  * score products (gpu_products.h), the gradient steps of gpu_grad_step.h,
  * dV += P^T dO, dK += dS^T Q and the store of gpu_epilogue.h:
  *   fa_mma_dkv_team     mma.sync, key-major (S^T = K Q^T), 64 keys
- *   fa_wg_dkv_team      wgmma, key-major, 64 keys (head_dim 64)
+ *   fa_wg_dkv_team      wgmma, key-major, 64 keys (head_dim 64, bulk copies)
  *   fa_wg_pair_dkv_query_major_team  two warpgroups, query-major (S = Q K^T), 128 keys,
  *                       query tiles through the ring of gpu_tile_ring.h */
 #ifndef FORKATTN_GPU_DKV_TEAMS_H
@@ -135,8 +135,8 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
   fa_mma_dkv_store(&b, ui, g, dk, dv, D, r0, k_pos0, c0, ok0, ok1, bad0, bad1, lane);
 }
 
-
-/* The wgmma dK/dV team (sm_90a builds; host tests under the emulation): the
+/* The key-major wgmma dK/dV team (sm_90a builds, head_dim 64, Q's and dO's
+ * tensor maps; host tests under the emulation): the
  * same unit walk, masks, flags and stores as fa_mma_dkv_team, with K's and
  * V's 64-key tiles kept in team memory as the A operands of S^T = K Q^T and
  * dP^T = V dO^T (read through descriptors: register A fragments that outlive
@@ -144,22 +144,22 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
  * P^T and dS^T packed from registers, in two parts of CQ queries: part
  * c's dV and dK products (one group) run while part c + 1's P^T and dS^T
  * are formed, then one wait. Query tiles of
- * FA_WG_DKV_BQ(D) rows, double-buffered (the next tile streams in during this
+ * FA_WG_DKV_BQ rows, double-buffered (the next tile streams in during this
  * one); each product group is waited before registers it reads are
  * rewritten. Three buffers with tile j + 1's S^T and dP^T issued with tile
  * j's dV and dK (so tile j + 1's dS^T overlaps them) are correct but a third
  * to a half slower. Team memory
  * (FA_WG_DKV_SMEM, elements from a 1024-byte aligned base): K | V | two
  * (Q, dO) buffers | lse, D of each | scan flags. */
-#define FA_WG_DKV_BQ(d) ((d) == 128 ? 32 : 64) /* 64 at d=128 spills */
-#define FA_WG_DKV_CQ(d) (FA_WG_DKV_BQ(d) / 2) /* queries a part of the dV and dK products */
+#define FA_WG_DKV_BQ 64                 /* queries a tile */
+#define FA_WG_DKV_CQ (FA_WG_DKV_BQ / 2) /* queries a part of the dV and dK products */
 #define FA_WG_DKV_SMEM(d)                                                                                       \
-  ((size_t)(2 * FA_MMA_ROWS + 4 * FA_WG_DKV_BQ(d)) * (d) * 2 + 4 * FA_WG_DKV_BQ(d) * sizeof(float) +            \
+  ((size_t)(2 * FA_MMA_ROWS + 4 * FA_WG_DKV_BQ) * (d) * 2 + 4 * FA_WG_DKV_BQ * sizeof(float) +                  \
    4 * sizeof(unsigned) + 16 + FA_WG_BLOCK_BYTES)
 
 static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, const int f16, const fa_gpu_bwd b,
                                                                   int64_t ui, int64_t g, unsigned short *smem) {
-  const int P = D, BQ = FA_WG_DKV_BQ(D), CQ = FA_WG_DKV_CQ(D); /* P == D: the wgmma layout in the loads and the scans */
+  const int P = D, BQ = FA_WG_DKV_BQ, CQ = FA_WG_DKV_CQ; /* P == D: the wgmma layout in the loads and the scans */
   const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
   const fa_key_unit u = b.units[ui];
   const fa_block blk = b.kblocks[u.block];
@@ -170,14 +170,14 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, co
   const int ktile = 0, vtile = FA_MMA_ROWS * P, qbuf0 = 2 * FA_MMA_ROWS * P, qstep = 2 * BQ * P;
   const int ld0 = qbuf0 + 2 * qstep; /* per buffer i: [BQ] lse, [BQ] D as floats at ld0 + 4 BQ i */
   unsigned *qbad = (unsigned *)(smem + ld0 + 8 * BQ);
-  /* With tensor maps (b.tma: Q's, dO's), a tile of BQ queries comes by bulk
-   * tensor copies that thread 0 issues, completing on the mbarrier after the
-   * flags; a shorter tile (its rows past the queries must be zeros: 0 * NaN
-   * in dV and dK) and every tile's lse and D still come by cp.async. */
+  /* A tile of BQ queries comes by bulk tensor copies (b.tma: Q's, dO's maps)
+   * that thread 0 issues, completing on the mbarrier after the flags; a
+   * shorter tile (its rows past the queries must be zeros: 0 * NaN in dV and
+   * dK) and every tile's lse and D come by cp.async. */
   const fa_tma_map *tma = b.tma;
   const int mbar = ld0 + 8 * BQ + 8;
   int phase = 0; /* the mbarrier's phase of this iteration's bulk copies */
-  if (tma && tid == 0) fa_mbar_init(sm, mbar, 1); /* visible after the first iteration's barrier */
+  if (tid == 0) fa_mbar_init(sm, mbar, 1); /* visible after the first iteration's barrier */
 
   fa_query_walk w = fa_wg_dkv_start(sm, ktile, vtile, qbuf0, ld0, D, BQ, &b, u, blk, g, group, tid);
 
@@ -192,7 +192,7 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, co
   int cb = 0;
   while (w.j <= u.j1) {
     fa_cp_async_wait(0); /* tile j (and at first K, V) */
-    if (tma && phase) fa_mbar_wait(sm, mbar, (phase - 1) & 1); /* ... those that came by bulk copies */
+    if (phase) fa_mbar_wait(sm, mbar, (phase - 1) & 1); /* ... those that came by bulk copies */
     fa_fence_proxy_async();
     ompx_sync_block_acq_rel(); /* ... visible, and iteration j - 1's reads of the other buffer done */
     const int qt = qbuf0 + cb * qstep, ot = qt + BQ * P;
@@ -213,21 +213,17 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, co
      * iteration j - 1 read, this tile's lse and D. */
     const fa_query_walk w1 = fa_qwalk_next(w, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
     const int nxt = qbuf0 + (cb ^ 1) * qstep, nld = ld0 + 4 * BQ * (cb ^ 1), h1 = (int)(g * group) + w1.hh;
-    if (tma) {
-      const int bulk = w1.j <= u.j1 && w1.qend - w1.qb >= BQ;
-      if (tid == 0) {
-        fa_mbar_expect_tx(sm, mbar, bulk * 2 * BQ * D * 2); /* 0 bytes: completes at once */
-        if (bulk) {
-          fa_tma_tile(sm, nxt, tma, h1, w1.qb, BQ, D, mbar);
-          fa_tma_tile(sm, nxt + BQ * P, tma + 1, h1, w1.qb, BQ, D, mbar);
-        }
+    const int bulk = w1.j <= u.j1 && w1.qend - w1.qb >= BQ;
+    if (tid == 0) {
+      fa_mbar_expect_tx(sm, mbar, bulk * 2 * BQ * D * 2); /* 0 bytes: completes at once */
+      if (bulk) {
+        fa_tma_tile(sm, nxt, tma, h1, w1.qb, BQ, D, mbar);
+        fa_tma_tile(sm, nxt + BQ * P, tma + 1, h1, w1.qb, BQ, D, mbar);
       }
-      if (bulk) fa_mma_load_query_stats(sm, nld, BQ, &b, w1, h1, tid);
-      else if (w1.j <= u.j1) fa_mma_load_queries(sm, nxt, nld, P, D, BQ, &b, w1, h1, tid);
-      phase++;
-    } else if (w1.j <= u.j1) { /* one call with the branch above: 8 spill stores, not 3 */
-      fa_mma_load_queries(sm, nxt, nld, P, D, BQ, &b, w1, h1, tid);
     }
+    if (bulk) fa_mma_load_query_stats(sm, nld, BQ, &b, w1, h1, tid);
+    else if (w1.j <= u.j1) fa_mma_load_queries(sm, nxt, nld, P, D, BQ, &b, w1, h1, tid);
+    phase++;
     fa_cp_async_commit();
     fa_mma_dkv_rows(lq, dd, ld, BQ, c0);
     fa_wg_wait(0);
@@ -258,166 +254,18 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, co
   fa_mma_dkv_store(&b, ui, g, dk, dv, D, r0, k_pos0, c0, ok0, ok1, bad0, bad1, lane);
 }
 
-/* The query-major wgmma dK/dV team (FlashAttention-3's layout): the same
- * unit walk, masks, flags and stores as fa_wg_dkv_team, but 64-query tiles
- * with the queries as the products' rows: S = Q K^T and dP = dO V^T are
- * 64 x 64 (N = 64, the tensor cores' full rate, where S^T's N = 32 ran at
- * two thirds of it, bench/wgmma_rate.c) with each lane's lse and D two
- * rows' values (the key-major form needs 16 queries' a lane); P and dS go
- * to team memory as [query][key] tiles, read transposed by dV += P^T dO and
- * dK += dS^T Q (both operands MN-major). P and dS share one tile (two teams
- * an SM fit only so): dS is stored once dV's products have read P. Team
- * memory (FA_WG_DKV_QM_SMEM, elements from a 1024-byte aligned base):
- * K | V | two (Q, dO) buffers | P/dS | lse, D of each buffer | scan flags |
- * mbarrier. */
+/* Queries a tile of the query-major dK/dV (the queries as the products' rows). */
 #define FA_DKV_QUERY_MAJOR_BQ 64
-#define FA_WG_DKV_QM_SMEM(d)                                                                                    \
-  ((size_t)(6 * FA_MMA_ROWS * (d) + FA_DKV_QUERY_MAJOR_BQ * 64) * 2 + 4 * FA_DKV_QUERY_MAJOR_BQ * sizeof(float) + \
-   4 * sizeof(unsigned) + 16 + FA_WG_BLOCK_BYTES)
 
-/* Tile w's Q and dO rows into the buffer at element `at` and its lse and D
- * into the floats at `ld`: bulk tensor copies (tma: Q's, dO's maps) of a
- * full tile that thread 0 issues on the mbarrier at `mbar`, or cp.async
- * (then zero-filled past the tile's queries); lse and D by cp.async. One
- * copy group committed. Returns the mbarrier phases used (1 with tma). */
-static inline int fa_wg_dkv_qm_copy(fa_smem m, int at, int ld, int BQ, int D, const fa_gpu_bwd *b,
-                                    const fa_tma_map *tma, int mbar, fa_query_walk w, int64_t h, int tid) {
-  const int bulk = tma && w.qend - w.qb >= BQ;
-  if (tma && tid == 0) {
-    fa_mbar_expect_tx(m, mbar, bulk * 2 * BQ * D * 2); /* 0 bytes: completes at once */
-    if (bulk) {
-      fa_tma_tile(m, at, tma, (int)h, w.qb, BQ, D, mbar);
-      fa_tma_tile(m, at + BQ * D, tma + 1, (int)h, w.qb, BQ, D, mbar);
-    }
-  }
-  if (bulk) fa_mma_load_query_stats(m, ld, BQ, b, w, h, tid);
-  else fa_mma_load_queries(m, at, ld, D, D, BQ, b, w, h, tid);
-  fa_cp_async_commit();
-  return tma != NULL;
-}
-
-/* Issue S = Q K^T and dP = dO V^T (one group, not waited) for tile w in the
- * buffer at element qt, after zeroing and flagging its non-finite Q/dO rows
- * (scan, team-uniform) when some key of the block cannot see some query
- * (fa_mma_scan_rows): returns the flags. */
-static inline __attribute__((always_inline)) unsigned long long
-fa_wg_dkv_qm_scores(fa_f4 *s, fa_f4 *dp, unsigned short *smem, int qt, int ktile, int vtile, unsigned *qbad, int BQ,
-                    int D, int f16, fa_query_walk w, int scan, int kfirst, int klen, int qsh, int tid) {
-  const int ot = qt + BQ * D, masked = scan && w.causal && w.qb + qsh < kfirst + klen - 1;
-  const unsigned long long qflags =
-      masked ? fa_mma_scan_rows(smem + qt, D, BQ, D, f16, qbad, tid) | fa_mma_scan_rows(smem + ot, D, BQ, D, f16, qbad, tid)
-             : 0;
-  /* fa_wg_opaque: each product's descriptors built where it is issued (kept
-   * from the loop's entry, 16 of them spilled to local memory, which the L1
-   * left beside 221 KB of team memory does not hold: ncu) */
-  const fa_smem sm = fa_wg_opaque(fa_smem_of(smem));
-  fa_wg_acc_abt(s, qt, sm, ktile, 64, D, f16);  /* S = Q K^T */
-  fa_wg_acc_abt(dp, ot, sm, vtile, 64, D, f16); /* dP = dO V^T */
-  fa_wg_commit();
-  return qflags;
-}
-
-
-
-
-static inline __attribute__((always_inline)) void fa_wg_dkv_qm_team(const int D, const int f16, const fa_gpu_bwd b,
-                                                                     int64_t ui, int64_t g, unsigned short *smem) {
-  const int P = D, BQ = FA_DKV_QUERY_MAJOR_BQ;
-  const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
-  const fa_key_unit u = b.units[ui];
-  const fa_block blk = b.kblocks[u.block];
-  const int64_t group = (int)b.hq / (int)b.hkv, qshift = b.qshift; /* 32-bit: a 64-bit division is a call (C7509) */
-  const float mul = b.scale * FA_LOG2E;
-  smem += fa_wg_align(fa_smem_of(smem));
-  const fa_smem sm = fa_smem_of(smem);
-  const int ktile = 0, vtile = FA_MMA_ROWS * P, qbuf0 = 2 * FA_MMA_ROWS * P, qstep = 2 * BQ * P;
-  const int ptile = qbuf0 + 2 * qstep, ld0 = ptile + BQ * 64; /* per buffer i: [BQ] lse, [BQ] D at ld0 + 4 BQ i */
-  unsigned *qbad = (unsigned *)(smem + ld0 + 8 * BQ);
-  const fa_tma_map *tma = b.tma;
-  const int mbar = ld0 + 8 * BQ + 8;
-  int phase = 0; /* bulk copies issued: the mbarrier's phases */
-  if (tma && tid == 0) fa_mbar_init(sm, mbar, 1);
-
-  fa_query_walk w = fa_wg_dkv_start(sm, ktile, vtile, qbuf0, ld0, D, BQ, &b, u, blk, g, group, tid);
-  fa_query_walk w1 = fa_qwalk_next(w, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
-  fa_cp_async_wait(0);
-  fa_fence_proxy_async();
-  ompx_sync_block_acq_rel(); /* K, V, tile 0 and the mbarrier's init visible */
-  if (w1.j <= u.j1) phase += fa_wg_dkv_qm_copy(sm, qbuf0 + qstep, ld0 + 4 * BQ, BQ, D, &b, tma, mbar, w1,
-                                              g * group + w1.hh, tid);
-
-  /* lanes' rows: of dK/dV (keys) and of S, dP (queries), the same positions */
-  const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
-  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
-  const int kfirst = (int)blk.start, qsh = (int)qshift;
-  const int k_pos0 = kfirst + r0, k_pos1 = k_pos0 + 8;
-  fa_f4 dk[FA_MMA_MAX_D / 8], dv[FA_MMA_MAX_D / 8];
-#pragma unroll
-  for (int n = 0; n < D / 8; n++) dk[n] = fa_f4_zero(), dv[n] = fa_f4_zero();
-  int bad0 = 0, bad1 = 0;
-  fa_f4 s[8], dp[8]; /* 16 queries x 64 keys: S and dP of tile j, multiplied in iteration j - 1 */
-  unsigned long long qflags = 0; /* tile j's non-finite Q/dO rows */
-  /* no wgmma under a branch: ptxas then serializes every one of the kernel
-   * (C7518); a unit without tiles multiplies what the buffer holds */
-  qflags = fa_wg_dkv_qm_scores(s, dp, smem, qbuf0, ktile, vtile, qbad, BQ, D, f16, w, w.j <= u.j1, kfirst,
-                               (int)blk.len, qsh, tid);
-  fa_wg_wait(0);
-  int cb = 0;
-  while (w.j <= u.j1) {
-    fa_wg_pin(s, 8);
-    fa_wg_pin(dp, 8);
-    const int qt = qbuf0 + cb * qstep, ot = qt + BQ * P;
-    const float *ld = (const float *)(smem + ld0 + 4 * BQ * cb);
-    const int nq = w.qend - w.qb < BQ ? w.qend - w.qb : BQ;
-    const float l0 = ld[r0] * FA_LOG2E, l1 = ld[r0 + 8] * FA_LOG2E, d0 = ld[BQ + r0], d1 = ld[BQ + r0 + 8];
-    const int kq0 = kfirst - (w.qb + qsh);
-    const int all = warp * 16 + 15 < nq && (!w.causal || (int)blk.len - 1 + kq0 <= warp * 16);
-    if (qflags) { /* the keys that see a non-finite row get NaN gradients */
-      bad0 |= fa_wg_flag_from(qflags, fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb + qsh, nq), nq);
-      bad1 |= fa_wg_flag_from(qflags, fa_mma_key_first_query(ok1, w.causal, k_pos1, w.qb + qsh, nq), nq);
-    }
-    fa_dkv_query_major_grads(s, dp, l0, l1, d0, d1, mul, all, r0, nq, w.causal, kq0, c0);
-    fa_wg_store_tile(fa_wg_opaque(sm), ptile, s, warp, lane, f16); /* P */
-    fa_fence_proxy_async();
-    ompx_sync_block_acq_rel();
-    fa_wg_acc_atb(dv, fa_wg_opaque(sm), ptile, ot, BQ, BQ, D, f16); /* dV += P^T dO */
-    fa_wg_commit();
-    fa_wg_wait(0);
-    fa_wg_pin(dv, D / 8);
-    ompx_sync_block_acq_rel(); /* every warp's dV products read P */
-    fa_wg_store_tile(fa_wg_opaque(sm), ptile, dp, warp, lane, f16); /* dS */
-    fa_fence_proxy_async();
-    ompx_sync_block_acq_rel();
-    fa_wg_acc_atb(dk, fa_wg_opaque(sm), ptile, qt, BQ, BQ, D, f16); /* dK += dS^T Q */
-    fa_wg_commit();
-    /* While dK's products run: tile j + 2's position, tile j + 1's copies
-     * waited for, its S and dP issued behind dK's (the tensor cores go from
-     * one to the other without this team's wait, barrier and walk between) */
-    const fa_query_walk w2 = fa_qwalk_next(w1, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
-    const int more = w1.j <= u.j1; /* else tile j's rows again, discarded (no wgmma under a branch) */
-    if (more) {
-      fa_cp_async_wait(0);
-      if (tma) fa_mbar_wait(sm, mbar, (phase - 1) & 1);
-      if (!tma || w1.qend - w1.qb < BQ) fa_fence_proxy_async(); /* rows by cp.async, for the tensor cores */
-      ompx_sync_block_acq_rel(); /* tile j + 1 visible */
-    }
-    qflags = fa_wg_dkv_qm_scores(s, dp, smem, more ? qbuf0 + (cb ^ 1) * qstep : qt, ktile, vtile, qbad, BQ, D, f16, w1,
-                                 more, kfirst, (int)blk.len, qsh, tid);
-    fa_wg_wait(0);
-    fa_wg_pin(dk, D / 8);
-    ompx_sync_block_acq_rel(); /* every warp's reads of tile j's buffer and of P/dS done */
-    if (w2.j <= u.j1)
-      phase += fa_wg_dkv_qm_copy(sm, qt, ld0 + 4 * BQ * cb, BQ, D, &b, tma, mbar, w2, g * group + w2.hh, tid);
-    cb ^= 1;
-    w = w1;
-    w1 = w2;
-  }
-  fa_mma_dkv_store(&b, ui, g, dk, dv, D, r0, k_pos0, c0, ok0, ok1, bad0, bad1, lane);
-}
-
-/* The two-warpgroup query-major dK/dV (sm_90a; Q's and dO's tiles by bulk
- * copies only): fa_wg_dkv_qm_team's products, masks and flags in a team of
- * FA_WG_PAIR_THREADS per (unit of a key block of FA_WG_PAIR_ROWS keys, KV head).
+/* The two-warpgroup query-major dK/dV (sm_90a, head_dim 128; Q's and dO's
+ * tiles by bulk copies only; FlashAttention-3's layout): the same unit walk,
+ * masks, flags and stores as fa_mma_dkv_team, but 64-query tiles with the
+ * queries as the products' rows: S = Q K^T and dP = dO V^T are 64 x 64
+ * (N = 64, the tensor cores' full rate) with each lane's lse and D two
+ * rows' values; P and dS go to team memory as [query][key] tiles, read
+ * transposed by dV += P^T dO and dK += dS^T Q (both operands MN-major). A
+ * team of FA_WG_PAIR_THREADS per (unit of a key block of FA_WG_PAIR_ROWS
+ * keys, KV head).
  * Warpgroup wg owns keys [64 wg, 64 wg + 64) with its own K, V, P and dS
  * tiles; the (Q, dO) tiles both read come once a team into a ring of
  * FA_WG_PAIR_DKV_STAGES buffers (gpu_tile_ring.h: the second warpgroup to release a
@@ -427,9 +275,8 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_qm_team(const int D,
  * ping-pong: one warpgroup's P and dS are formed while the other's products
  * run) dV and dK issued together with the next tile's S and dP behind
  * them, one wait, and a second barrier of the warpgroup (every warp's
- * products retired before P, dS and the buffer are rewritten). The
- * one-warpgroup team needs three fences, four team barriers and two waits a
- * tile: its P and dS share a tile, so dS waits for dV's products. lse and D come from global memory
+ * products retired before P, dS and the buffer are rewritten). P and dS
+ * have a tile each, so dS does not wait for dV's products. lse and D come from global memory
  * into registers a tile ahead (two rows a lane). No team barrier but in
  * the scans: a tile with queries that some of the block's keys do not see,
  * or with fewer than 64 queries (its rows past them are the tensor's next
@@ -445,10 +292,6 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_qm_team(const int D,
             2 * FA_WG_PAIR_DKV_STAGES * FA_DKV_QUERY_MAJOR_BQ * (d)) *                                          \
        2 +                                                                                                      \
    FA_TILE_RING_BYTES(FA_WG_PAIR_DKV_STAGES) + FA_WG_BLOCK_BYTES)
-
-
-
-
 
 static inline __attribute__((always_inline)) void fa_wg_pair_dkv_query_major_team(const int D, const int f16,
                                                                                   const fa_gpu_bwd b, int64_t ui,

@@ -5,7 +5,6 @@
  * S and dP products, the gradient steps of gpu_grad_step.h, dQ += dS K and
  * a store (gpu_epilogue.h):
  *   fa_mma_dq_team  mma.sync, 64 rows, K/V double-buffered by cp.async
- *   fa_wg_dq_team   the same walk with wgmma products (one warpgroup)
  *   fa_wg_pair_dq_team  two warpgroups, 128 rows, 128-key tiles by bulk copies */
 #ifndef FORKATTN_GPU_DQ_TEAMS_H
 #define FORKATTN_GPU_DQ_TEAMS_H
@@ -25,22 +24,18 @@
 #include "gpu_wgmma.h"
 #include "gpu_work_scheduler.h"
 
-#define FA_WG_DQ_BK 64 /* keys per tile of the wgmma dQ (S and dP m64n64 products) */
-#define FA_WG_DQ_KP 32 /* keys a part of the wgmma dQ's dS K (fa_dq_team) */
-
 #pragma omp declare target
-/* One dQ team: FA_MMA_ROWS query rows of block blk, query head h, KV head g.
- * WG: S, dP and dQ += dS K by wgmma (gpu_wgmma.h; pitch P = D selects its
- * tile layout in the loads and the scan), else mma.sync. */
-static inline __attribute__((always_inline)) void fa_dq_team(const int D, const int BK, const int f16, const int WG,
-                                                              const fa_gpu_bwd b, fa_block blk, int64_t h, int64_t g,
-                                                              unsigned short *smem) {
-  const int P = WG ? D : D + 8;
+/* The mma.sync dQ (any sm_80+ build). One team: FA_MMA_ROWS query rows of
+ * block blk, query head h, KV head g; K and V tiles double-buffered by
+ * cp.async into padded rows, read by ldmatrix. */
+static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, const int BK, const int f16,
+                                                                  const fa_gpu_bwd b, fa_block blk, int64_t h,
+                                                                  int64_t g, unsigned short *smem) {
+  const int P = D + 8;
   const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
-  if (WG) smem += fa_wg_align(fa_smem_of(smem)); /* swizzled tiles start 1024-byte aligned */
   const fa_smem sm = fa_smem_of(smem);
-  /* element offsets; each: K [BK][P], V [BK][P]. WG keeps Q's and dO's tiles in front of them. */
-  const int buf0 = WG ? 2 * FA_MMA_ROWS * P : 0, buf1 = buf0 + 2 * BK * P;
+  /* element offsets; each: K [BK][P], V [BK][P] */
+  const int buf0 = 0, buf1 = buf0 + 2 * BK * P;
   unsigned *kbad = (unsigned *)(smem + buf0 + 4 * BK * P);
   const fa_range *seg = b.seg;
   const fa_pair *pair = b.pair;
@@ -52,10 +47,9 @@ static inline __attribute__((always_inline)) void fa_dq_team(const int D, const 
   fa_mma_load_rows(sm, FA_MMA_ROWS * P, P, FA_MMA_ROWS, D, b.dout, blk.start, blk.len, h, tid);
   fa_cp_async_commit();
   fa_cp_async_wait(0);
-  if (WG) fa_fence_proxy_async(); /* the products read Q and dO from their tiles */
   ompx_sync_block_acq_rel();
   fa_u4 qf[FA_MMA_MAX_D / 16], of[FA_MMA_MAX_D / 16];
-  if (!WG) {
+  {
     const int r = warp * 16 + fa_ldsm_a_row(lane), c = fa_ldsm_a_col(lane);
 #pragma unroll
     for (int ks = 0; ks < D / 16; ks++) {
@@ -94,7 +88,7 @@ static inline __attribute__((always_inline)) void fa_dq_team(const int D, const 
     /* Tile j landed and every warp is done with iteration j - 1 (its products
      * waited for), so tile j + 1 may stream into that buffer: one barrier a
      * tile. */
-    fa_mma_tile_ready(0, WG);
+    fa_mma_tile_ready(0, 0);
     if (nx.pi < nx.pend) fa_mma_load_kv(sm, cur ? buf0 : buf1, P, BK, D, b.k, g, b.v, g, nx, tid);
     fa_cp_async_commit();
     const int nk = fa_walk_keys(w, BK);
@@ -106,68 +100,23 @@ static inline __attribute__((always_inline)) void fa_dq_team(const int D, const 
     const unsigned long long kflags = masked ? fa_mma_scan_rows(smem + kt, P, BK, D, f16, kbad, tid) : 0;
 
     fa_f4 s[FA_MMA_MAX_BK / 8], dp[FA_MMA_MAX_BK / 8];
-    if (WG) { /* the first k-step of each ignores the accumulator's old value; two groups, so P is
-               * formed while dP still multiplies */
-      fa_wg_acc_abt(s, 0, sm, kt, BK, D, f16);
-      fa_wg_commit();
-      fa_wg_acc_abt(dp, FA_MMA_ROWS * P, sm, kt + BK * P, BK, D, f16);
-      fa_wg_commit();
-      fa_wg_wait(1);
-      fa_wg_pin(s, BK / 8);
-    } else {
-      fa_mma_sdp(s, dp, qf, of, sm, kt, P, BK, D, f16, lane);
-    }
+    fa_mma_sdp(s, dp, qf, of, sm, kt, P, BK, D, f16, lane);
     const fa_tile_walk nx2 = fa_walk_next(nx, BK, seg, pair, blk, qshift);
     /* P = exp2(S - lse), then dS = P (dP - D), where visible; an exact 0
      * elsewhere (a select, not a product; vis0 / vis1: bit 2n + i for column
      * 8n + c0 + i of rows r0, r0 + 8). A tile whose keys every row of this
-     * warp sees (warp-uniform, as in the forward) skips the masks. With
-     * wgmma, dQ += dS K in KP-key parts: part c's product runs while part
-     * c + 1's dS is formed. */
+     * warp sees (warp-uniform, as in the forward) skips the masks. */
     unsigned vis0, vis1;
     fa_dq_tile_p(s, BK, fa_tile_all_visible(w, nk, BK, qfirst + warp * 16), kflags, c0, lim0, lim1, mul, lse0, lse1,
                  &vis0, &vis1, &bad0, &bad1);
-    if (WG) {
-      fa_wg_wait(0);
-      fa_wg_pin(dp, BK / 8);
-    }
-    const int KP = WG ? FA_WG_DQ_KP : BK;
-    fa_u4 pa[FA_MMA_MAX_BK / 16];
-#pragma unroll
-    for (int k0 = 0; k0 < BK; k0 += KP) {
-      fa_dq_tile_ds(s, dp, k0 / 8, (k0 + KP) / 8, vis0, vis1, dd0, dd1);
-      if (WG) { /* dQ += dS K, K of [key][dim] read N-major */
-        fa_wg_pack(pa + k0 / 16, s + k0 / 8, KP, f16);
-        fa_wg_acc_ab(dq, pa + k0 / 16, sm, kt + k0 * 64, KP, BK, D, f16);
-        fa_wg_commit();
-      }
-    }
-    if (WG) {
-      fa_wg_wait(0);
-      fa_wg_pin(dq, D / 8);
-      fa_wg_pin_u4(pa, BK / 16);
-    } else {
-      fa_mma_acc_ab(dq, s, sm, kt, P, BK, D, f16, lane); /* dQ += dS K, K of [key][dim] */
-    }
+    fa_dq_tile_ds(s, dp, 0, BK / 8, vis0, vis1, dd0, dd1);
+    fa_mma_acc_ab(dq, s, sm, kt, P, BK, D, f16, lane); /* dQ += dS K, K of [key][dim] */
     cur ^= 1;
     w = nx;
     nx = nx2;
   }
   bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
   fa_mma_store_rows(b.dq, row0, h, dq, D, c0, ok0, ok1, b.scale, b.scale, bad0, bad1);
-}
-
-static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, const int BK, const int f16,
-                                                                  const fa_gpu_bwd b, fa_block blk, int64_t h,
-                                                                  int64_t g, unsigned short *smem) {
-  fa_dq_team(D, BK, f16, 0, b, blk, h, g, smem);
-}
-
-/* The wgmma dQ (sm_90a builds; host tests under the emulation). */
-static inline __attribute__((always_inline)) void fa_wg_dq_team(const int D, const int BK, const int f16,
-                                                                 const fa_gpu_bwd b, fa_block blk, int64_t h,
-                                                                 int64_t g, unsigned short *smem) {
-  fa_dq_team(D, BK, f16, 1, b, blk, h, g, smem);
 }
 
 /* The two-warpgroup wgmma dQ (sm_90a, bulk tensor copies required; the
@@ -185,6 +134,8 @@ static inline __attribute__((always_inline)) void fa_wg_dq_team(const int D, con
  * has its non-finite K rows zeroed and flagged by the whole team first
  * (dS = 0 times such a row would be NaN). */
 #define FA_WG_PAIR_DQ_STAGES(D) ((D) == 128 ? 2 : 5)
+#define FA_WG_PAIR_DQ_HALF 64 /* keys a half tile (its S and dP: m64n64 products) */
+#define FA_WG_PAIR_DQ_PART 32 /* keys a part of a half's dQ += dS K */
 /* Team memory: the Q and dO tiles of both warpgroups, the ring (gpu_tile_ring.h), alignment room. */
 #define FA_WG_PAIR_DQ_SMEM(D)                                                                                          \
   ((size_t)(2 * FA_WG_PAIR_ROWS + 2 * FA_WG_PAIR_DQ_STAGES(D) * FA_WG_PAIR_BK) * (D) * 2 +                      \
@@ -198,7 +149,7 @@ static inline fa_tile_ring fa_wg_pair_dq_ring(const int D, const int BK, unsigne
 static inline __attribute__((always_inline)) void fa_wg_pair_dq_team(const int D, const int BK, const int f16,
                                                                      const fa_gpu_bwd b, fa_block blk, int64_t h,
                                                                      int64_t g, unsigned short *smem) {
-  const int S = FA_WG_PAIR_DQ_STAGES(D), KP = FA_WG_DQ_KP, HK = 64; /* keys a half */
+  const int S = FA_WG_PAIR_DQ_STAGES(D), KP = FA_WG_PAIR_DQ_PART, HK = FA_WG_PAIR_DQ_HALF;
   const int tid = ompx_thread_id_x(), wg = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
   smem += fa_wg_align(fa_smem_of(smem));
   const fa_smem sm = fa_smem_of(smem);
@@ -252,10 +203,10 @@ static inline __attribute__((always_inline)) void fa_wg_pair_dq_team(const int D
     const int all = nk == BK && (!w.causal || w.kb + BK - 1 <= wfirst);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
     const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
-    fa_u4 pa[FA_WG_DQ_BK / 16];
+    fa_u4 pa[FA_WG_PAIR_DQ_HALF / 16];
 #pragma unroll
     for (int hh = 0; hh < 2; hh++) {
-      fa_f4 s[FA_WG_DQ_BK / 8], dp[FA_WG_DQ_BK / 8];
+      fa_f4 s[FA_WG_PAIR_DQ_HALF / 8], dp[FA_WG_PAIR_DQ_HALF / 8];
       fa_wg_acc_abt_of(s, qt, sm, kt + hh * HK * 64, HK, BK, D, f16);
       fa_wg_commit();
       fa_wg_acc_abt_of(dp, ot, sm, vt + hh * HK * 64, HK, BK, D, f16);

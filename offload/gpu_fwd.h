@@ -24,16 +24,14 @@ typedef struct fa_gpu_fwd_args {
   int has_kept;
   int device;
   const struct fa_tma_map *tma; /* device copies of K's and V's tensor maps (gpu_tma.h) for the wgmma kernel */
-  int wg2; /* the two-warpgroup wgmma kernel runs: blocks of FA_WG2_ROWS, tma set */
+  int wg_pair; /* the two-warpgroup wgmma kernel runs: blocks of FA_WG_PAIR_ROWS, tma set */
   int *work; /* device counter of a persistent launch's items, zeroed by the plan copy */
 } fa_gpu_fwd_args;
 
 /* Query rows per team of the tensor-core forward (16 per warp, 4 warps). */
 #define FA_MMA_ROWS 64
-/* Query rows per team of the two-warpgroup wgmma forward (64 per warpgroup). */
-#define FA_WG2_ROWS 128
-/* Keys per tile of the wgmma forward (its S is one m64n64 product a k-step). */
-#define FA_WG_BK 64
+/* Query rows per team of the two-warpgroup wgmma kernels (64 per warpgroup); keys per team of their dK/dV. */
+#define FA_WG_PAIR_ROWS 128
 
 /* The shape of a call with inputs in[0..nin) and outputs out[0..nout) (NULL data: absent) as the
  * kernel choice sees it (gpu_select.h): dtypes (all bf16 or all f16, that of in[0]), head_dim d,

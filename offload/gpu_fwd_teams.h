@@ -4,7 +4,6 @@
  * composes K/V loads, S = Q K^T, the online-softmax step of
  * gpu_softmax_step.h, O += P V and the epilogue of gpu_epilogue.h:
  *   fa_mma_fwd_team  mma.sync, 64 rows, K/V double-buffered by cp.async
- *   fa_wg_fwd_team   the same walk with wgmma products (one warpgroup)
  *   fa_wg_pair_fwd_team  two warpgroups, 128 rows, 128-key tiles through the
  *                    ring of gpu_tile_ring.h (bulk tensor copies) */
 #ifndef FORKATTN_GPU_FWD_TEAMS_H
@@ -26,78 +25,44 @@
 #include "gpu_work_scheduler.h"
 
 #pragma omp declare target
-
-
-
-
-
-
-
-/* The one-warpgroup forward's copies in iteration j: K of tile j + 2 (walk
- * w2) into the buffer at element kt, V of tile j + 1 (w1) to element vt,
- * one copy group committed. With tensor maps (tma: K's, V's) full tiles
- * come by bulk tensor copies that thread 0 issues on the mbarrier at mbar
- * (one phase of it each call); a V tile with fewer
- * keys than BK still comes by cp.async, zero-filled past its keys (0 * NaN
- * in P V). K rows past a tile's keys are masked, so any value does. */
+/* The forward's copies in iteration j: K of tile j + 2 (walk w2) into the
+ * buffer at element kt, V of tile j + 1 (w1) to element vt, one copy group
+ * committed. */
 static inline __attribute__((always_inline)) void fa_fwd_load_next(fa_smem sm, int kt, int vt, int P, int BK, int D,
                                                                    const fa_gpu_fwd_args *ga, int64_t g,
-                                                                   const fa_tma_map *tma, int mbar, fa_tile_walk w1,
-                                                                   fa_tile_walk w2, int tid) {
-  if (tma) {
-    const int k_bulk = w2.pi < w2.pend, v_bulk = w1.pi < w1.pend && fa_walk_keys(w1, BK) == BK;
-    if (tid == 0) {
-      fa_mbar_expect_tx(sm, mbar, (k_bulk + v_bulk) * BK * D * 2); /* 0 bytes: completes at once */
-      if (k_bulk) fa_tma_tile(sm, kt, tma, (int)g, w2.kb, BK, D, mbar);
-      if (v_bulk) fa_tma_tile(sm, vt, tma + 1, (int)g, w1.kb, BK, D, mbar);
-    }
-    if (w1.pi < w1.pend && !v_bulk) fa_mma_load_rows(sm, vt, P, BK, D, ga->v, w1.kb, fa_walk_keys(w1, BK), g, tid);
-  } else {
-    if (w2.pi < w2.pend) fa_mma_load_rows(sm, kt, P, BK, D, ga->k, w2.kb, fa_walk_keys(w2, BK), g, tid);
-    if (w1.pi < w1.pend) fa_mma_load_rows(sm, vt, P, BK, D, ga->v, w1.kb, fa_walk_keys(w1, BK), g, tid);
-  }
+                                                                   fa_tile_walk w1, fa_tile_walk w2, int tid) {
+  if (w2.pi < w2.pend) fa_mma_load_rows(sm, kt, P, BK, D, ga->k, w2.kb, fa_walk_keys(w2, BK), g, tid);
+  if (w1.pi < w1.pend) fa_mma_load_rows(sm, vt, P, BK, D, ga->v, w1.kb, fa_walk_keys(w1, BK), g, tid);
   fa_cp_async_commit();
 }
 
-/* One team: FA_MMA_ROWS query rows of block blk, query head h, KV head g.
- * D, BK and WG are compile-time constants after inlining (register arrays).
- * WG: the products by warpgroup wgmma (sm_90a; gpu_wgmma.h), K and V tiles
- * in its layout, S of the next tile issued asynchronously before this
- * tile's softmax (pitch P = D selects its layout in the loads and the
- * scan); else mma.sync with ldmatrix from padded rows. */
-static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const int BK, const int f16, const int WG,
-                                                               const fa_gpu_fwd_args ga, fa_block blk, int64_t h,
-                                                               int64_t g, unsigned short *smem) {
-  const int P = WG ? D : D + 8; /* pitch: rows 16 bytes apart modulo 128, so ldmatrix is conflict-free */
+/* The mma.sync forward (any sm_80+ build). One team: FA_MMA_ROWS query rows
+ * of block blk, query head h, KV head g. D and BK are compile-time
+ * constants after inlining (register arrays); K and V tiles double-buffered
+ * by cp.async into padded rows, read by ldmatrix. */
+static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, const int BK, const int f16,
+                                                                   const fa_gpu_fwd_args ga, fa_block blk,
+                                                                   int64_t h, int64_t g, unsigned short *smem) {
+  const int P = D + 8; /* pitch: rows 16 bytes apart modulo 128, so ldmatrix is conflict-free */
   const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
-  if (WG) smem += fa_wg_align(fa_smem_of(smem)); /* swizzled tiles start 1024-byte aligned */
   const fa_smem sm = fa_smem_of(smem);
-  /* element offsets of the two K/V buffers; WG keeps Q's tile (qt) in front of them for the whole walk */
-  const int qt = 0, buf0 = WG ? FA_MMA_ROWS * P : 0, buf1 = buf0 + 2 * BK * P;
+  const int buf0 = 0, buf1 = buf0 + 2 * BK * P; /* element offsets of the two K/V buffers */
   unsigned *vbad = (unsigned *)(smem + buf0 + 4 * BK * P); /* per-warp flags of non-finite V rows */
-  /* WG with tensor maps: the walk's K and full V tiles arrive by bulk tensor
-   * copies that thread 0 issues, completing on the mbarrier 16 bytes after
-   * the flags (FA_WG_QUERY_SMEM); a V tile with fewer keys than BK still
-   * comes by cp.async, zero-filled past its keys (0 * NaN in P V). */
-  const fa_tma_map *tma = WG ? ga.tma : NULL;
-  const int mbar = buf0 + 4 * BK * P + 8;
   const fa_range *seg = ga.seg;
   const fa_pair *pair = ga.pair;
   const int64_t qshift = ga.qshift;
   const float mul = ga.scale * FA_LOG2E;
 
-  /* Q (64 rows) streams into buffer 1 (WG: its own tile) while tile 0 streams into buffer 0. */
-  fa_mma_load_rows(sm, WG ? qt : buf1, P, FA_MMA_ROWS, D, ga.q, blk.start, blk.len, h, tid);
+  /* Q (64 rows) streams into buffer 1 while tile 0 streams into buffer 0. */
+  fa_mma_load_rows(sm, buf1, P, FA_MMA_ROWS, D, ga.q, blk.start, blk.len, h, tid);
   fa_cp_async_commit();
-  if (tma && tid == 0) fa_mbar_init(sm, mbar, 1); /* visible after the barrier below */
   fa_tile_walk w = fa_walk_first(ga.qoff, seg, pair, blk, qshift);
   if (w.pi < w.pend) fa_mma_load_kv(sm, buf0, P, BK, D, ga.k, g, ga.v, g, w, tid);
   fa_cp_async_commit();
   fa_cp_async_wait(0);
-  if (WG) fa_fence_proxy_async();
   ompx_sync_block_acq_rel();
   fa_u4 qf[FA_MMA_MAX_D / 16]; /* fixed sizes: a VLA would be globalized (gpu_mma.h) */
-  if (!WG) { /* WG reads Q from its tile (fa_wg_acc_abt) */
+  {
     const int r = warp * 16 + fa_ldsm_a_row(lane), c = fa_ldsm_a_col(lane);
 #pragma unroll
     for (int ks = 0; ks < D / 16; ks++) qf[ks] = fa_ldmatrix_x4(sm, buf1 + r * P + ks * 16 + c, 0);
@@ -113,19 +78,7 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
   if (w1.pi < w1.pend) fa_mma_load_rows(sm, buf1, P, BK, D, ga.k, w1.kb, fa_walk_keys(w1, BK), g, tid);
   fa_cp_async_commit();
   fa_f4 s[FA_MMA_MAX_BK / 8], sn[FA_MMA_MAX_BK / 8];
-  if (WG)
-#pragma unroll
-    for (int n = 0; n < BK / 8; n++) sn[n] = fa_f4_zero(); /* defined inputs of the first asynchronous S */
-  if (w.pi < w.pend) {
-    if (WG) {
-      fa_wg_acc_abt(s, qt, sm, buf0, BK, D, f16);
-      fa_wg_commit();
-      fa_wg_wait(0);
-      fa_wg_pin(s, BK / 8);
-    } else {
-      fa_mma_qk(s, qf, sm, buf0, P, BK, D, f16, lane);
-    }
-  }
+  if (w.pi < w.pend) fa_mma_qk(s, qf, sm, buf0, P, BK, D, f16, lane);
 
   fa_f4 o[FA_MMA_MAX_D / 8];
 #pragma unroll
@@ -137,17 +90,13 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
   const int qfirst = (int)(blk.start + qshift); /* key-frame position of the block's first row */
   const int q_pos0 = qfirst + r0, q_pos1 = q_pos0 + 8;
   int cur = 0; /* tile j's buffer */
-  int phase = 0; /* the mbarrier's phase of this iteration's bulk copies */
 
   while (w.pi < w.pend) {
     fa_cp_async_wait(0); /* K(j+1), V(j) */
-    if (tma && phase) fa_mbar_wait(sm, mbar, (phase - 1) & 1); /* ... those that came by bulk copies */
-    if (WG) fa_fence_proxy_async(); /* ... for the tensor cores' reads too */
     ompx_sync_block_acq_rel(); /* ... visible, and iteration j - 1's reads of K(j), V(j-1) done */
     const int kt = cur ? buf1 : buf0, kn = cur ? buf0 : buf1, vt = kt + BK * P;
     const fa_tile_walk w2 = fa_walk_next(w1, BK, seg, pair, blk, qshift);
-    fa_fwd_load_next(sm, kt, kn + BK * P, P, BK, D, &ga, g, tma, mbar, w1, w2, tid);
-    if (tma) phase++;
+    fa_fwd_load_next(sm, kt, kn + BK * P, P, BK, D, &ga, g, w1, w2, tid);
     const int nk = fa_walk_keys(w, BK);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
     const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
@@ -162,30 +111,14 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
     fa_fwd_tile_max(s, BK, fa_tile_all_visible(w, nk, BK, qfirst + warp * 16), c0, lim0, lim1, vflags, 0, &mx0, &mx1,
                     &bad0, &bad1);
     /* S of tile j + 1 (after the last tile: tile j's K again, discarded, so
-     * no branch splits this block from the softmax it overlaps). wgmma:
-     * issued here, waited with P V below. */
-    if (WG) {
-      fa_wg_acc_abt(sn, qt, sm, w1.pi < w1.pend ? kn : kt, BK, D, f16);
-      fa_wg_commit();
-    } else {
-      fa_mma_qk(sn, qf, sm, w1.pi < w1.pend ? kn : kt, P, BK, D, f16, lane);
-    }
+     * no branch splits this block from the softmax it overlaps) */
+    fa_mma_qk(sn, qf, sm, w1.pi < w1.pend ? kn : kt, P, BK, D, f16, lane);
     float a0, a1;
     fa_fwd_tile_exp(s, BK, mx0, mx1, mul, &m0, &m1, &l0, &l1, &a0, &a1);
     fa_fwd_rescale(o, D, a0, a1);
 
     /* O += P V: P from the S accumulators (two n-tiles make one A fragment). */
-    if (WG) {
-      fa_u4 pa[FA_MMA_MAX_BK / 16];
-      fa_wg_pack(pa, s, BK, f16);
-      fa_wg_acc_ab(o, pa, sm, vt, BK, BK, D, f16);
-      fa_wg_commit();
-      fa_wg_wait(0); /* S of tile j + 1 and O */
-      fa_wg_pin(o, D / 8);
-      fa_wg_pin(sn, BK / 8);
-    } else {
-      fa_mma_acc_ab(o, s, sm, vt, P, BK, D, f16, lane);
-    }
+    fa_mma_acc_ab(o, s, sm, vt, P, BK, D, f16, lane);
 #pragma unroll
     for (int n = 0; n < BK / 8; n++) s[n] = sn[n];
     cur ^= 1;
@@ -196,26 +129,12 @@ static inline __attribute__((always_inline)) void fa_fwd_team(const int D, const
   fa_fwd_finish(ga, o, D, blk.start + r0, h, c0, lane, ok0, ok1, m0, m1, l0, l1, bad0, bad1);
 }
 
-/* The mma.sync forward (any sm_80+ build). */
-static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, const int BK, const int f16,
-                                                                   const fa_gpu_fwd_args ga, fa_block blk,
-                                                                   int64_t h, int64_t g, unsigned short *smem) {
-  fa_fwd_team(D, BK, f16, 0, ga, blk, h, g, smem);
-}
-
-/* The wgmma forward (sm_90a builds; host tests under the emulation). */
-static inline __attribute__((always_inline)) void fa_wg_fwd_team(const int D, const int BK, const int f16,
-                                                                  const fa_gpu_fwd_args ga, fa_block blk,
-                                                                  int64_t h, int64_t g, unsigned short *smem) {
-  fa_fwd_team(D, BK, f16, 1, ga, blk, h, g, smem);
-}
-
 /* The two-warpgroup wgmma forward (sm_90a, bulk tensor copies required).
  * One team of FA_WG_PAIR_THREADS: FA_WG_PAIR_ROWS query rows of block blk,
  * warpgroup wg owning rows [64 wg, 64 wg + 64) with its own Q tile; the
  * two share every K/V tile, so each tile is copied once for 128 rows, and
- * tiles are FA_WG_PAIR_BK keys: twice the one-warpgroup kernel's, halving the
- * per-tile work (waits, walk, reductions, release) per key.
+ * tiles are FA_WG_PAIR_BK keys: twice a 64-key tile, halving the per-tile
+ * work (waits, walk, reductions, release) per key.
  *
  * Tiles stream through S = FA_WG_PAIR_FWD_STAGES(D) buffers (K then V of one tile
  * each), tile t in buffer t % S, arriving on that buffer's mbarrier `full`.
@@ -361,10 +280,5 @@ static inline __attribute__((always_inline)) void fa_wg_pair_fwd_team(const int 
   FA_TL(FA_TL_END);
 }
 #pragma omp end declare target
-
-/* The names the launcher (gpu_mma_fwd.c) uses. */
-#define FA_WG2_FWD_SMEM FA_WG_PAIR_FWD_SMEM
-#define fa_wg2_fwd_ring fa_wg_pair_fwd_ring
-#define fa_wg2_fwd_team fa_wg_pair_fwd_team
 
 #endif

@@ -18,10 +18,10 @@
  * units are summed in order afterwards.
  *
  * sm_90a builds run wgmma teams instead when the context's choice
- * (gpu_select.h) says so (gpu_mma_bwd_team.h): the dQ as two warpgroups
- * (fa_wg2_dq_team), the dK/dV at head_dim 128 query-major (the queries as the
+ * (gpu_select.h) says so (gpu_bwd_teams.h): the dQ as two warpgroups
+ * (fa_wg_pair_dq_team), the dK/dV at head_dim 128 query-major (the queries as the
  * products' rows, P and dS through team memory) as two warpgroups of a
- * 128-key block (fa_wg2_dkv_qm_team), at 64 key-major (fa_wg_dkv_team); all
+ * 128-key block (fa_wg_pair_dkv_query_major_team), at 64 key-major (fa_wg_dkv_team); all
  * with their tiles by bulk tensor copies. */
 #include <math.h>
 #include <stdint.h>
@@ -42,31 +42,32 @@ fa_gpu_call fa_gpu_bwd_call(const fa_attn_bwd *a, forkattn_memory memory) {
 }
 
 void fa_gpu_mma_bwd_smem(size_t dq[2], size_t dkv[2]) {
-  dq[0] = FA_WG2_DQ_SMEM(64);
-  dq[1] = FA_WG2_DQ_SMEM(128);
-  dkv[0] = FA_WG_DKV_SMEM(64);   /* key-major */
-  dkv[1] = FA_WG2_DKV_SMEM(128); /* two-warpgroup query-major */
+  dq[0] = FA_WG_PAIR_DQ_SMEM(64);
+  dq[1] = FA_WG_PAIR_DQ_SMEM(128);
+  dkv[0] = FA_WG_DKV_SMEM(64);       /* key-major */
+  dkv[1] = FA_WG_PAIR_DKV_SMEM(128); /* two-warpgroup query-major */
 }
 
 #define FA_MMA_DQ(D, F16) \
   FA_MMA_QUERY_TEAMS(fa_mma_dq_team, qblocks, D, FA_MMA_BK(D), F16, FA_MMA_QUERY_SMEM(FA_MMA_BK(D), (D) + 8))
 
-#define FA_WG2_DQ(D, F16) \
-  FA_MMA_QUERY_TEAMS_OF(fa_wg2_dq_team, qblocks, D, FA_WG2_BK, F16, FA_WG2_DQ_SMEM(D), FA_WG2_THREADS)
-#define FA_WG2_DQ_PERSIST(D, F16) \
-  FA_WG2_QUERY_TEAMS_PERSIST(fa_wg2_dq_team, fa_wg2_dq_ring, qblocks, nqb, D, FA_WG2_BK, F16, FA_WG2_DQ_SMEM(D))
+#define FA_WG_PAIR_DQ(D, F16) \
+  FA_MMA_QUERY_TEAMS_OF(fa_wg_pair_dq_team, qblocks, D, FA_WG_PAIR_BK, F16, FA_WG_PAIR_DQ_SMEM(D), FA_WG_PAIR_THREADS)
+#define FA_WG_PAIR_DQ_PERSISTENT(D, F16)                                                                      \
+  FA_PERSISTENT_QUERY_TEAMS(fa_wg_pair_dq_team, fa_wg_pair_dq_ring, qblocks, nqb, D, FA_WG_PAIR_BK, F16,       \
+                            FA_WG_PAIR_DQ_SMEM(D))
 
 int fa_gpu_mma_dq_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
                       int64_t v_rows, int64_t hkv, int64_t d) {
-  return fa_gpu_mma_tma_pair(maps, k, k_rows, v, v_rows, hkv, d, FA_WG2_BK);
+  return fa_gpu_mma_tma_pair(maps, k, k_rows, v, v_rows, hkv, d, FA_WG_PAIR_BK);
 }
 
 void fa_gpu_mma_dq(const fa_gpu_bwd *b, const fa_gpu_bwd *argp, int grid) {
   const int nteams = (int)(b->nqb * b->hq), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
 #ifdef FORKATTN_HAVE_WGMMA
-  if (b->dq_wg2) { /* the query blocks are FA_WG2_ROWS, K's and V's maps encoded */
-    if (grid) FA_TL_LAUNCH(dev, "wg2_dq", FA_MMA_BY_HEAD_DIM(FA_WG2_DQ_PERSIST, b->d, f16));
-    else FA_TL_LAUNCH(dev, "wg2_dq", FA_MMA_BY_HEAD_DIM(FA_WG2_DQ, b->d, f16));
+  if (b->dq_wg_pair) { /* the query blocks are FA_WG_PAIR_ROWS, K's and V's maps encoded */
+    if (grid) FA_TL_LAUNCH(dev, "wg_pair_dq", FA_MMA_BY_HEAD_DIM(FA_WG_PAIR_DQ_PERSISTENT, b->d, f16));
+    else FA_TL_LAUNCH(dev, "wg_pair_dq", FA_MMA_BY_HEAD_DIM(FA_WG_PAIR_DQ, b->d, f16));
     return;
   }
 #else
@@ -75,38 +76,22 @@ void fa_gpu_mma_dq(const fa_gpu_bwd *b, const fa_gpu_bwd *argp, int grid) {
   FA_MMA_BY_HEAD_DIM(FA_MMA_DQ, b->d, f16);
 }
 
-/* One team per (key unit, KV head); at head_dim 128 V's tile stays in team
- * memory (FA_MMA_DKV_VSM: 16-query tiles, fa_mma_dkv_team). */
-/* TEAM(D, F16, args, unit, KV head, smem) on one team per (key unit, KV head), THREADS threads, SMEM bytes of
- * team memory; `argp` as FA_MMA_QUERY_TEAMS_OF takes it. */
-#define FA_MMA_DKV_TEAMS_OF(TEAM, D, F16, SMEM, THREADS)                                                      \
-  do {                                                                                                        \
-    const size_t smem = (SMEM);                                                                               \
-    FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(nteams) thread_limit(THREADS) ompx_dyn_cgroup_mem(smem) device(dev) is_device_ptr(argp)) \
-    {                                                                                                         \
-      const __typeof__(*argp) args = *argp;                                                                   \
-      unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
-      const int team = (int)ompx_block_id_x(), hkv = (int)args.hkv; /* 32-bit: see FA_MMA_QUERY_TEAMS */      \
-      TEAM((D), (F16), args, team / hkv, team % hkv, sm);                                                     \
-    }                                                                                                         \
-  } while (0)
-#define FA_MMA_DKV_TEAMS(TEAM, D, F16, SMEM) FA_MMA_DKV_TEAMS_OF(TEAM, D, F16, SMEM, FA_MMA_THREADS)
 #define FA_MMA_DKV(D, F16) FA_MMA_DKV_TEAMS(fa_mma_dkv_team, D, F16, FA_MMA_DKV_SMEM(D))
 #define FA_WG_DKV(D, F16) FA_MMA_DKV_TEAMS(fa_wg_dkv_team, D, F16, FA_WG_DKV_SMEM(D))
 
-#define FA_WG2_DKV_QM(D, F16) \
-  FA_MMA_DKV_TEAMS_OF(fa_wg2_dkv_qm_team, D, F16, FA_WG2_DKV_SMEM(D), FA_WG2_THREADS)
+#define FA_WG_PAIR_DKV(D, F16) \
+  FA_MMA_DKV_TEAMS_OF(fa_wg_pair_dkv_query_major_team, D, F16, FA_WG_PAIR_DKV_SMEM(D), FA_WG_PAIR_THREADS)
 
 int fa_gpu_mma_dkv_tma(fa_tma_map *maps, const fa_dev_tensor *q, int64_t q_rows, const fa_dev_tensor *dout,
                        int64_t dout_rows, int64_t hq, int64_t d) {
-  return fa_gpu_mma_tma_pair(maps, q, q_rows, dout, dout_rows, hq, d, d == 128 ? FA_WG_DKV_QM_BQ : FA_WG_DKV_BQ(d));
+  return fa_gpu_mma_tma_pair(maps, q, q_rows, dout, dout_rows, hq, d, d == 128 ? FA_DKV_QUERY_MAJOR_BQ : FA_WG_DKV_BQ);
 }
 
 void fa_gpu_mma_dkv(const fa_gpu_bwd *b, const fa_gpu_bwd *argp) {
   const int nteams = (int)(b->nunits * b->hkv), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
 #ifdef FORKATTN_HAVE_WGMMA
-  if (b->dkv_wg2) { /* head_dim 128: the key blocks are FA_WG2_ROWS, Q's and dO's maps encoded */
-    FA_TL_LAUNCH(dev, "wg2_dkv", if (f16) FA_WG2_DKV_QM(128, 1); else FA_WG2_DKV_QM(128, 0));
+  if (b->dkv_wg_pair) { /* head_dim 128: the key blocks are FA_WG_PAIR_ROWS, Q's and dO's maps encoded */
+    FA_TL_LAUNCH(dev, "wg_pair_dkv", if (f16) FA_WG_PAIR_DKV(128, 1); else FA_WG_PAIR_DKV(128, 0));
     return;
   }
   if (b->tma) { /* head_dim 64: the key-major kernel, Q's and dO's maps encoded */

@@ -15,7 +15,7 @@
  * share a row; row sums stay per lane until the end.
  *
  * sm_90a builds run the two-warpgroup wgmma kernel instead when the context's
- * choice (gpu_select.h) says so: fa_wg2_fwd_team (gpu_mma_fwd_team.h), K and
+ * choice (gpu_select.h) says so: fa_wg_pair_fwd_team (gpu_fwd_teams.h), K and
  * V by bulk tensor copies, persistent teams on large launches. */
 #include <math.h>
 #include <omp.h>
@@ -50,8 +50,8 @@ fa_gpu_call fa_gpu_fwd_call(const fa_attn_fwd *a, forkattn_memory memory) {
 }
 
 void fa_gpu_mma_fwd_smem(size_t smem[2]) {
-  smem[0] = FA_WG2_FWD_SMEM(64);
-  smem[1] = FA_WG2_FWD_SMEM(128);
+  smem[0] = FA_WG_PAIR_FWD_SMEM(64);
+  smem[1] = FA_WG_PAIR_FWD_SMEM(128);
 }
 
 int fa_gpu_mma_tma_pair(fa_tma_map *maps, const fa_dev_tensor *a, int64_t a_rows, const fa_dev_tensor *b,
@@ -64,22 +64,23 @@ int fa_gpu_mma_tma_pair(fa_tma_map *maps, const fa_dev_tensor *a, int64_t a_rows
 
 int fa_gpu_mma_fwd_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
                        int64_t v_rows, int64_t hkv, int64_t d) {
-  return fa_gpu_mma_tma_pair(maps, k, k_rows, v, v_rows, hkv, d, FA_WG2_BK);
+  return fa_gpu_mma_tma_pair(maps, k, k_rows, v, v_rows, hkv, d, FA_WG_PAIR_BK);
 }
 
 #define FA_MMA_FWD(D, F16) \
   FA_MMA_QUERY_TEAMS(fa_mma_fwd_team, blocks, D, FA_MMA_BK(D), F16, FA_MMA_QUERY_SMEM(FA_MMA_BK(D), (D) + 8))
-#define FA_WG2_FWD(D, F16)                                                                                     \
-  FA_MMA_QUERY_TEAMS_OF(fa_wg2_fwd_team, blocks, D, FA_WG2_BK, F16, FA_WG2_FWD_SMEM(D), FA_WG2_THREADS)
-#define FA_WG2_FWD_PERSIST(D, F16) \
-  FA_WG2_QUERY_TEAMS_PERSIST(fa_wg2_fwd_team, fa_wg2_fwd_ring, blocks, nblocks, D, FA_WG2_BK, F16, FA_WG2_FWD_SMEM(D))
+#define FA_WG_PAIR_FWD(D, F16)                                                                                     \
+  FA_MMA_QUERY_TEAMS_OF(fa_wg_pair_fwd_team, blocks, D, FA_WG_PAIR_BK, F16, FA_WG_PAIR_FWD_SMEM(D), FA_WG_PAIR_THREADS)
+#define FA_WG_PAIR_FWD_PERSISTENT(D, F16)                                                                     \
+  FA_PERSISTENT_QUERY_TEAMS(fa_wg_pair_fwd_team, fa_wg_pair_fwd_ring, blocks, nblocks, D, FA_WG_PAIR_BK, F16,  \
+                            FA_WG_PAIR_FWD_SMEM(D))
 
 void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g, const fa_gpu_fwd_args *argp, int grid) {
   const int nteams = (int)(g->nblocks * g->hq), dev = g->device, f16 = g->q.dtype == FORKATTN_DTYPE_F16;
 #ifdef FORKATTN_HAVE_WGMMA
-  if (g->wg2) { /* the blocks are FA_WG2_ROWS, K's and V's maps encoded */
-    if (grid) FA_TL_LAUNCH(dev, "wg2_fwd", FA_MMA_BY_HEAD_DIM(FA_WG2_FWD_PERSIST, g->d, f16));
-    else FA_TL_LAUNCH(dev, "wg2_fwd", FA_MMA_BY_HEAD_DIM(FA_WG2_FWD, g->d, f16));
+  if (g->wg_pair) { /* the blocks are FA_WG_PAIR_ROWS, K's and V's maps encoded */
+    if (grid) FA_TL_LAUNCH(dev, "wg_pair_fwd", FA_MMA_BY_HEAD_DIM(FA_WG_PAIR_FWD_PERSISTENT, g->d, f16));
+    else FA_TL_LAUNCH(dev, "wg_pair_fwd", FA_MMA_BY_HEAD_DIM(FA_WG_PAIR_FWD, g->d, f16));
     return;
   }
 #else

@@ -2,7 +2,8 @@
  * tests can run them under the SIMT emulation of gpu_mma.h
  * (tests/test_mma_emulated.c). Launched by gpu_mma_kl.c; semantics of
  * gpu_kl.c's FP32 backward without a kept set, for calls whose teacher and
- * student share head_dim and KV heads (fa_gpu_mma_kl_bwd_ok).
+ * student share head_dim and KV heads (the call's same_d and same_kv_heads,
+ * gpu_select.h).
  *
  * Both recompute the two sides' scores per tile (S_t = Q_t K_t^T, S_s =
  * Q_s K_s^T) and turn them into one side's score gradient with the row
@@ -52,7 +53,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dq_team(const int D,
   const fa_smem sm = fa_smem_of(smem);
   const int buf0 = 0, buf1 = 2 * BK * P; /* element offsets; each: K_t [BK][P], K_s [BK][P] */
   unsigned *kbad = (unsigned *)(smem + 4 * BK * P);
-  const int64_t g = h / (b.h / b.hkv_t); /* the students' KV head is the same (fa_gpu_mma_kl_bwd_ok) */
+  const int64_t g = h / (b.h / b.hkv_t); /* the students' KV head is the same (same_kv_heads) */
 
   const fa_mma_kl_frags q = fa_mma_kl_load_frags(sm, P, D, b.qt, h, b.qs, h, blk, tid);
 

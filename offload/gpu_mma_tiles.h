@@ -326,7 +326,7 @@ static inline int fa_gpu_mma_rows16(const forkattn_tensor *t, forkattn_memory me
 
 /* 1 when a tensor-core call's outputs t[0..n) suit its stores
  * (fa_mma_store_rows' pairs, the two-warpgroup kernels' 16-byte chunks in
- * fa_wg_store_rows_staged): 16-byte rows, like the inputs (fa_gpu_mma_ok).
+ * fa_wg_store_rows_staged): 16-byte rows, like the inputs (fa_gpu_mma_rows16).
  * A tensor without data (an output the call does not write) passes. */
 static inline int fa_gpu_mma_out_ok(const forkattn_tensor *const *t, int n, forkattn_memory memory) {
   for (int i = 0; i < n; i++)

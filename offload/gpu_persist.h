@@ -1,9 +1,9 @@
-/* When the two-warpgroup forward and dQ run persistent teams (gpu_wg2.h's
- * FA_WG2_QUERY_TEAMS_PERSIST): one team an SM taking items (query block x
+/* When the two-warpgroup forward and dQ run persistent teams
+ * (FA_PERSISTENT_QUERY_TEAMS, gpu_work_scheduler.h): one team an SM taking items (query block x
  * query head) from a counter, instead of a team an item. A persistent team
  * skips the gap between teams and the reload of its arguments, and pays an
  * atomic, a barrier and the ring's re-initialisation an item; on the H200
- * (bench/NOTES-gpu.md, v2.47) that gained 2.6 % (forward) and 2.2 % (dQ) at
+ * (docs/gpu-kernels.md) that gained 2.6 % (forward) and 2.2 % (dQ) at
  * case 2's ~39 items an SM and lost 2-4 % at case 1's ~4, hence the
  * threshold. Host code, tested in test_gpu_pool and test_gpu_select. */
 #ifndef FORKATTN_GPU_PERSIST_H

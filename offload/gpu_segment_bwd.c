@@ -371,17 +371,15 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
                              !bad && fa_gpu_select_needs_tma(kdq) &&
                                  fa_gpu_mma_dq_tma(maps + 2, &b.k, a->k.rows, &b.v, a->v.rows, a->hkv, a->d));
   const int tma = fa_gpu_select_needs_tma(kdkv);
-  b.dq_wg2 = kdq == FA_KERNEL_WG2;
-  b.dkv_wg2 = kdkv == FA_KERNEL_WG2;
-  b.krows = b.dkv_wg2 ? FA_WG2_ROWS : mma ? FA_MMA_ROWS : FA_GPU_ROWS;
-  const int64_t qrows = b.dq_wg2 ? FA_WG2_ROWS : mma ? FA_MMA_ROWS : FA_GPU_ROWS;
+  b.dq_wg_pair = kdq == FA_KERNEL_WG_PAIR;
+  b.dkv_wg_pair = kdkv == FA_KERNEL_WG_PAIR;
+  b.krows = b.dkv_wg_pair ? FA_WG_PAIR_ROWS : mma ? FA_MMA_ROWS : FA_GPU_ROWS;
+  const int64_t qrows = b.dq_wg_pair ? FA_WG_PAIR_ROWS : mma ? FA_MMA_ROWS : FA_GPU_ROWS;
   fa_gpu_trace_mark(&tr, "maps");
   if (!bad) {
     b.nkb = fa_plan_blocks(p, b.krows, 1, &kb_h);
-    b.nunits = b.nkb < 0 ? -1
-                         : fa_plan_key_units(p, kb_h, b.nkb,
-                                             fa_gpu_dkv_chunk(p, kb_h, b.nkb, a->hkv, b.dkv_wg2 ? 2 : mma), &units_h,
-                                             &unit_off_h);
+    const int64_t chunk = b.nkb < 0 ? 0 : fa_gpu_dkv_chunk(p, kb_h, b.nkb, a->hkv, b.dkv_wg_pair ? 2 : mma);
+    b.nunits = b.nkb < 0 ? -1 : fa_plan_key_units(p, kb_h, b.nkb, chunk, &units_h, &unit_off_h);
     b.nqb = fa_plan_blocks(p, qrows, 0, &qb_h);
     bad = b.nkb < 0 || b.nunits < 0 || b.nqb < 0;
   }
@@ -400,7 +398,7 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
     static const int64_t zero = 0; /* the persistent dQ's work counter */
     const void *plan_h[10] = {maps, p->seg,  p->pair, p->q_pair_off, p->k_pair_idx,
                               qb_h, kb_h,    units_h, unit_off_h,    &zero};
-    const size_t plan_bytes[10] = {tma || b.dq_wg2 ? sizeof maps : 0,
+    const size_t plan_bytes[10] = {tma || b.dq_wg_pair ? sizeof maps : 0,
                                    sizeof *p->seg * (size_t)p->nseg,       sizeof *p->pair * (size_t)p->npairs,
                                    sizeof(int64_t) * (size_t)(p->nseg + 1), sizeof(int64_t) * (size_t)p->npairs,
                                    sizeof *qb_h * (size_t)b.nqb,           sizeof *kb_h * (size_t)b.nkb,
@@ -409,7 +407,7 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
     void *plan_d[10] = {NULL};
     bad = fa_stage_arrays(&st, 10, plan_h, plan_bytes, plan_d);
     b.tma = tma ? (const fa_tma_map *)plan_d[0] : NULL;
-    b.kv_tma = b.dq_wg2 ? (const fa_tma_map *)plan_d[0] + 2 : NULL;
+    b.kv_tma = b.dq_wg_pair ? (const fa_tma_map *)plan_d[0] + 2 : NULL;
     b.seg = plan_d[1], b.pair = plan_d[2], b.qoff = plan_d[3], b.kidx = plan_d[4];
     b.qblocks = plan_d[5], b.kblocks = plan_d[6], b.units = plan_d[7], b.unit_off = plan_d[8];
     b.work = plan_d[9];

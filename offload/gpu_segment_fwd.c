@@ -138,10 +138,11 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
   kern = fa_gpu_choose_mapped(ctx, FA_PASS_FWD, &call, kern,
                               !bad && fa_gpu_select_needs_tma(kern) &&
                                   fa_gpu_mma_fwd_tma(maps, &k, a->k.rows, &v, a->v.rows, hkv, d));
-  const int wg2 = kern == FA_KERNEL_WG2, tma = wg2;
+  const int wg_pair = kern == FA_KERNEL_WG_PAIR, tma = wg_pair;
   fa_gpu_trace_mark(&tr, "maps");
   /* query blocks: the tensor-core kernels' teams (two warpgroups: 128 rows), or the FP32 kernel's */
-  const int64_t nb = bad ? 0 : fa_plan_blocks(p, wg2 ? FA_WG2_ROWS : mma ? FA_MMA_ROWS : FA_GPU_ROWS, 0, &blocks_h);
+  const int64_t block_rows = wg_pair ? FA_WG_PAIR_ROWS : mma ? FA_MMA_ROWS : FA_GPU_ROWS;
+  const int64_t nb = bad ? 0 : fa_plan_blocks(p, block_rows, 0, &blocks_h);
   if (!bad && (nb < 0 || nb * a->hq > INT_MAX)) {
     fa_free(blocks_h); /* NULL when fa_plan_blocks failed */
     fa_stage_free(&st);
@@ -165,7 +166,7 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
   fa_free(blocks_h); /* allocated even for 0 blocks; NULL if never built */
   const fa_gpu_fwd_args ga = {q,  k,    v,      o,        lse,         seg,         pair,
                               qoff, blocks, nb, hq, hkv, d, qshift, a->scale, kept, has_kept, ctx->device,
-                              tma ? (const fa_tma_map *)plan_d[0] : NULL, wg2, plan_d[5]};
+                              tma ? (const fa_tma_map *)plan_d[0] : NULL, wg_pair, plan_d[5]};
   /* the tensor-core kernels read their arguments from a device copy that rides with the plan */
   const fa_gpu_fwd_args *ga_dev = !bad && mma ? fa_stage_array(&st, &ga, sizeof ga) : NULL;
   bad = bad || (mma && !ga_dev);

@@ -19,8 +19,8 @@ static fa_gpu_kernel fa_select_wgmma(const fa_gpu_caps *caps, fa_gpu_pass pass, 
   if (pass != FA_PASS_FWD && pass != FA_PASS_DQ && pass != FA_PASS_DKV) return FA_KERNEL_MMA; /* StreamKL */
   const size_t need = caps->wg_smem[pass][c->d == 128];
   if (!caps->wgmma || !c->tma || !need || need > caps->team_memory) return FA_KERNEL_MMA;
-  /* the dK/dV at head_dim 64 is key-major: faster there than the query-major kernel (bench/NOTES-gpu.md) */
-  return pass == FA_PASS_DKV && c->d == 64 ? FA_KERNEL_WG_KEY_MAJOR : FA_KERNEL_WG2;
+  /* the dK/dV at head_dim 64 is key-major: faster there than the query-major kernel (docs/gpu-kernels.md) */
+  return pass == FA_PASS_DKV && c->d == 64 ? FA_KERNEL_WG_KEY_MAJOR : FA_KERNEL_WG_PAIR;
 }
 
 fa_gpu_kernel fa_gpu_select(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, fa_gpu_pass pass,
@@ -30,17 +30,17 @@ fa_gpu_kernel fa_gpu_select(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, 
   return fa_select_wgmma(caps, pass, call);
 }
 
-int fa_gpu_select_needs_tma(fa_gpu_kernel k) { return k == FA_KERNEL_WG2 || k == FA_KERNEL_WG_KEY_MAJOR; }
+int fa_gpu_select_needs_tma(fa_gpu_kernel k) { return k == FA_KERNEL_WG_PAIR || k == FA_KERNEL_WG_KEY_MAJOR; }
 
 int fa_gpu_select_grid(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, fa_gpu_pass pass, fa_gpu_kernel k,
                        int64_t nteams) {
-  if (k != FA_KERNEL_WG2 || (pass != FA_PASS_FWD && pass != FA_PASS_DQ)) return 0;
+  if (k != FA_KERNEL_WG_PAIR || (pass != FA_PASS_FWD && pass != FA_PASS_DQ)) return 0;
   return fa_persist_grid_for(caps->sms, nteams, knobs->persist);
 }
 
 const char *fa_gpu_kernel_name(fa_gpu_pass pass, fa_gpu_kernel k) {
   switch (k) {
-  case FA_KERNEL_WG2:
+  case FA_KERNEL_WG_PAIR:
     return pass == FA_PASS_DKV ? "wgmma two-warpgroup query-major" : "wgmma two-warpgroup";
   case FA_KERNEL_WG_KEY_MAJOR:
     return "wgmma key-major";
@@ -74,7 +74,7 @@ void fa_gpu_select_describe(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, 
     at += (size_t)n;
   }
   const fa_gpu_call fwd = fa_select_typical(128);
-  if (fa_gpu_select(caps, knobs, FA_PASS_FWD, &fwd) != FA_KERNEL_WG2 || knobs->persist == 0)
+  if (fa_gpu_select(caps, knobs, FA_PASS_FWD, &fwd) != FA_KERNEL_WG_PAIR || knobs->persist == 0)
     n = snprintf(buf + at, len - at, "no persistent teams");
   else if (knobs->persist < 0)
     n = snprintf(buf + at, len - at, "persistent teams from %d items an SM", FA_PERSIST_MIN_ITEMS_PER_SM);

@@ -7,7 +7,7 @@
  * device once, at creation (gpu_select_ctx.c); its calls only look them up.
  *
  * The families, fastest first:
- *  - FA_KERNEL_WG2: wgmma (sm_90a), two warpgroups a team sharing tiles that
+ *  - FA_KERNEL_WG_PAIR: wgmma (sm_90a), two warpgroups a team sharing tiles that
  *    arrive by bulk tensor copies (TMA): the forward and dQ (128 query rows
  *    a team, 128-key tiles; persistent teams on large launches) and the
  *    dK/dV at head_dim 128 (query-major, 128-key blocks);
@@ -26,7 +26,7 @@
 
 #include "forkattn.h"
 
-typedef enum fa_gpu_kernel { FA_KERNEL_FP32, FA_KERNEL_MMA, FA_KERNEL_WG2, FA_KERNEL_WG_KEY_MAJOR } fa_gpu_kernel;
+typedef enum fa_gpu_kernel { FA_KERNEL_FP32, FA_KERNEL_MMA, FA_KERNEL_WG_PAIR, FA_KERNEL_WG_KEY_MAJOR } fa_gpu_kernel;
 
 typedef enum fa_gpu_pass {
   FA_PASS_FWD,    /* attention forward */

@@ -2,7 +2,7 @@
  * inactive primary context to CU_CTX_SCHED_BLOCKING_SYNC, so every
  * synchronous offload call sleeps until the GPU's completion interrupt wakes
  * it: tens of microseconds per kernel or copy on the H200 this was measured on
- * (bench/NOTES-gpu.md), where CUDA's default (CU_CTX_SCHED_AUTO: spin while
+ * (docs/gpu-kernels.md), where CUDA's default (CU_CTX_SCHED_AUTO: spin while
  * there are fewer contexts than cores) answers in a few. FORKATTN_GPU_SYNC
  * picks the policy: auto (the default: a blocking-sync context becomes auto,
  * other flags a caller set are kept), spin, yield, blocking, or runtime

@@ -24,11 +24,7 @@
 
 #define FA_WG_PAIR_THREADS 256
 #define FA_WG_PAIR_BK 128
-#define FA_WG_PAIR_ROWS FA_WG2_ROWS /* gpu_fwd.h: the block rows the plan cuts for these teams */
-
-/* The names the launchers (gpu_mma_fwd.c, gpu_mma_bwd.c) use. */
-#define FA_WG2_THREADS FA_WG_PAIR_THREADS
-#define FA_WG2_BK FA_WG_PAIR_BK
+/* FA_WG_PAIR_ROWS (gpu_fwd.h): the block rows the plan cuts for these teams */
 
 /* Team memory after a ring of S buffers: 8 flag words (the tiles' scans),
  * then a full mbarrier (8 bytes) and a release counter (4 bytes, padded to

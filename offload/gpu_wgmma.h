@@ -42,14 +42,6 @@
 
 #pragma omp declare target
 #define FA_WG_BLOCK_BYTES 1024 /* 8 swizzled 128-byte rows: the descriptors' SBO */
-/* Team memory of the wgmma forward (NQ = 1: Q) and dQ (NQ = 2: Q, dO):
- * the query tiles the products read from team memory, then
- * FA_MMA_QUERY_SMEM's K/V tiles unpadded and flags, an mbarrier (bulk
- * tensor copies, gpu_tma.h) 16 bytes after the flags, plus room to align
- * the tiles (fa_wg_align). */
-#define FA_WG_QUERY_SMEM(BK, D, NQ)                                                                                \
-  (FA_MMA_QUERY_SMEM((BK), (D)) + 16 + (size_t)(NQ) * FA_MMA_ROWS * (D) * 2 + FA_WG_BLOCK_BYTES)
-
 /* Elements to skip from team memory m so that tiles start 1024-byte aligned
  * (the runtime aligns the dynamic buffer to 16 bytes only). */
 static inline int fa_wg_align(fa_smem m) {
@@ -501,24 +493,5 @@ static inline __attribute__((always_inline)) void fa_wg_acc_atb(fa_f4 *acc, fa_s
   fa_wg_acc_atb_v(acc, sm, atile, sm, tile, K, R, D, f16);
 }
 #pragma omp end declare target
-
-/* 1 when the tensor-core launches on `device` take their warpgroup (wgmma)
- * kernel of `smem` bytes of team memory: a FORKATTN_HAVE_WGMMA (sm_90a)
- * build, FORKATTN_GPU_WGMMA not 0, and the device's team memory
- * (gpu_team_memory.h) holds it. Host code (gpu_mma_fwd.c). */
-int fa_gpu_wgmma_on(int device, size_t smem);
-
-/* Launch WG(D, F16) (a wgmma kernel of SMEM bytes of team memory) when
- * fa_gpu_wgmma_on allows it on `dev`, else MMA(D, F16), for head_dim d and
- * dtype f16 (FA_MMA_BY_HEAD_DIM). Builds without wgmma launch MMA only. */
-#ifdef FORKATTN_HAVE_WGMMA
-#define FA_WG_OR_MMA(WG, MMA, SMEM, d, f16)                                                                    \
-  do {                                                                                                        \
-    if (fa_gpu_wgmma_on(dev, (SMEM))) FA_MMA_BY_HEAD_DIM(WG, d, f16);                                         \
-    else FA_MMA_BY_HEAD_DIM(MMA, d, f16);                                                                     \
-  } while (0)
-#else
-#define FA_WG_OR_MMA(WG, MMA, SMEM, d, f16) FA_MMA_BY_HEAD_DIM(MMA, d, f16)
-#endif
 
 #endif

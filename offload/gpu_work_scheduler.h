@@ -1,35 +1,47 @@
-/* How a query-side kernel maps work to teams: one team an item
- * (FA_MMA_QUERY_TEAMS_OF: item = query block x query head, from the team
- * number) or persistent teams that fetch items from a counter
- * (FA_PERSISTENT_QUERY_TEAMS; when: gpu_persist.h). A team function has
- * the signature TEAM(D, BK, F16, args, block, h, g, smem). */
+/* How a kernel maps work to teams: one team an item (FA_MMA_QUERY_TEAMS_OF:
+ * item = query block x query head; FA_MMA_DKV_TEAMS_OF: key unit x KV head;
+ * from the team number) or, query side, persistent teams that fetch items
+ * from a counter (FA_PERSISTENT_QUERY_TEAMS; when: gpu_persist.h). A query
+ * team function has the signature TEAM(D, BK, F16, args, block, h, g, smem),
+ * a dK/dV one TEAM(D, F16, args, unit, g, smem). */
 #ifndef FORKATTN_GPU_WORK_SCHEDULER_H
 #define FORKATTN_GPU_WORK_SCHEDULER_H
 #include <ompx.h>
 
-/* Launch TEAM(D, BK, F16, args, block, h, g, smem) on one team per (query
- * block of args.BLOCKS, query head), THREADS threads (a constant: the
- * kernel's launch bound) and SMEM bytes of team memory. Needs `argp` (a
- * device copy of the call's arguments, staged with the plan so that its
- * copy rides on the launch: gpu_launch_copy.h; the kernels read their
- * arguments from device memory either way, firstprivate's copy costing the
- * runtime one more), `nteams` and `dev` in scope. FA_MMA_QUERY_TEAMS:
- * FA_MMA_THREADS. */
 #define FA_MMA_PRAGMA(x) _Pragma(#x)
-#define FA_MMA_QUERY_TEAMS_OF(TEAM, BLOCKS, D, BK, F16, SMEM, THREADS)                                          \
+/* A launch of nteams teams of THREADS threads (a constant: the kernel's
+ * launch bound) and SMEM bytes of team memory on device `dev`, each running
+ * the statements after SMEM with `args` (the call's arguments) and `sm`
+ * (its team memory) in scope. Needs `argp` (a device copy of the call's
+ * arguments, staged with the plan so that its copy rides on the launch:
+ * gpu_launch_copy.h; the kernels read their arguments from device memory
+ * either way, firstprivate's copy costing the runtime one more), `nteams`
+ * and `dev` in scope. Team indices are 32-bit: a 64-bit division is a
+ * subroutine call, which makes ptxas serialize wgmma. */
+#define FA_TEAMS_LAUNCH(THREADS, SMEM, ...)                                                                   \
   do {                                                                                                        \
     const size_t smem = (SMEM);                                                                               \
     FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(nteams) thread_limit(THREADS) ompx_dyn_cgroup_mem(smem) device(dev) is_device_ptr(argp)) \
     {                                                                                                         \
       const __typeof__(*argp) args = *argp;                                                                   \
       unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
-      /* 32-bit: a 64-bit division is a subroutine call, which makes ptxas serialize wgmma */                 \
-      const int team = (int)ompx_block_id_x(), hq = (int)args.hq, h = team % hq;                              \
-      TEAM((D), (BK), (F16), args, args.BLOCKS[team / hq], h, h / (hq / (int)args.hkv), sm);                  \
+      __VA_ARGS__                                                                                             \
     }                                                                                                         \
   } while (0)
+/* TEAM(D, BK, F16, args, block, h, g, smem) on one team per (query block of
+ * args.BLOCKS, query head): FA_TEAMS_LAUNCH. FA_MMA_QUERY_TEAMS:
+ * FA_MMA_THREADS. */
+#define FA_MMA_QUERY_TEAMS_OF(TEAM, BLOCKS, D, BK, F16, SMEM, THREADS)                                          \
+  FA_TEAMS_LAUNCH(THREADS, SMEM, const int team = (int)ompx_block_id_x(), hq = (int)args.hq, h = team % hq;    \
+                  TEAM((D), (BK), (F16), args, args.BLOCKS[team / hq], h, h / (hq / (int)args.hkv), sm);)
 #define FA_MMA_QUERY_TEAMS(TEAM, BLOCKS, D, BK, F16, SMEM)                                                      \
   FA_MMA_QUERY_TEAMS_OF(TEAM, BLOCKS, D, BK, F16, SMEM, FA_MMA_THREADS)
+/* TEAM(D, F16, args, unit, KV head, smem) on one team per (key unit, KV
+ * head): FA_TEAMS_LAUNCH. FA_MMA_DKV_TEAMS: FA_MMA_THREADS. */
+#define FA_MMA_DKV_TEAMS_OF(TEAM, D, F16, SMEM, THREADS)                                                        \
+  FA_TEAMS_LAUNCH(THREADS, SMEM, const int team = (int)ompx_block_id_x(), hkv = (int)args.hkv;                 \
+                  TEAM((D), (F16), args, team / hkv, team % hkv, sm);)
+#define FA_MMA_DKV_TEAMS(TEAM, D, F16, SMEM) FA_MMA_DKV_TEAMS_OF(TEAM, D, F16, SMEM, FA_MMA_THREADS)
 
 /* Bytes of team memory past a team's SMEM for a persistent launch's two
  * next-item slots. */
@@ -67,8 +79,5 @@
       }                                                                                                       \
     }                                                                                                         \
   } while (0)
-
-/* The name the launchers (gpu_mma_fwd.c, gpu_mma_bwd.c) use. */
-#define FA_WG2_QUERY_TEAMS_PERSIST FA_PERSISTENT_QUERY_TEAMS
 
 #endif

@@ -46,9 +46,10 @@ static void expect_all(const fa_gpu_caps *c, const fa_gpu_knobs *k, fa_gpu_call 
 
 Test(gpu_select, defaults_per_head_dim_on_an_sm90a_build) {
   const fa_gpu_caps c = h100();
-  const fa_gpu_kernel d64[FA_PASSES] = {FA_KERNEL_WG2, FA_KERNEL_WG2, FA_KERNEL_WG_KEY_MAJOR, FA_KERNEL_MMA,
+  const fa_gpu_kernel d64[FA_PASSES] = {FA_KERNEL_WG_PAIR, FA_KERNEL_WG_PAIR, FA_KERNEL_WG_KEY_MAJOR, FA_KERNEL_MMA,
                                         FA_KERNEL_MMA};
-  const fa_gpu_kernel d128[FA_PASSES] = {FA_KERNEL_WG2, FA_KERNEL_WG2, FA_KERNEL_WG2, FA_KERNEL_MMA, FA_KERNEL_MMA};
+  const fa_gpu_kernel d128[FA_PASSES] = {FA_KERNEL_WG_PAIR, FA_KERNEL_WG_PAIR, FA_KERNEL_WG_PAIR, FA_KERNEL_MMA,
+                                         FA_KERNEL_MMA};
   expect_all(&c, &auto_knobs, half_call(64), d64, "default");
   expect_all(&c, &auto_knobs, half_call(128), d128, "default");
 }
@@ -98,7 +99,7 @@ Test(gpu_select, wgmma_falls_back_to_mma_sync) {
   /* the team memory a kernel needs, exactly, is enough; a byte less is not */
   fa_gpu_caps edge = h100();
   edge.team_memory = edge.wg_smem[FA_PASS_DKV][1];
-  cr_expect_eq(sel(&edge, &auto_knobs, FA_PASS_DKV, half_call(128)), FA_KERNEL_WG2);
+  cr_expect_eq(sel(&edge, &auto_knobs, FA_PASS_DKV, half_call(128)), FA_KERNEL_WG_PAIR);
   edge.team_memory--;
   cr_expect_eq(sel(&edge, &auto_knobs, FA_PASS_DKV, half_call(128)), FA_KERNEL_MMA);
   cr_expect_eq(sel(&edge, &auto_knobs, FA_PASS_DKV, half_call(64)), FA_KERNEL_WG_KEY_MAJOR, "its own size at 64");
@@ -125,7 +126,7 @@ Test(gpu_select, the_kernel_family_knob_caps_the_choice) {
 }
 
 Test(gpu_select, the_wgmma_kernels_load_by_bulk_copies) {
-  cr_expect(fa_gpu_select_needs_tma(FA_KERNEL_WG2));
+  cr_expect(fa_gpu_select_needs_tma(FA_KERNEL_WG_PAIR));
   cr_expect(fa_gpu_select_needs_tma(FA_KERNEL_WG_KEY_MAJOR));
   cr_expect(!fa_gpu_select_needs_tma(FA_KERNEL_MMA));
   cr_expect(!fa_gpu_select_needs_tma(FA_KERNEL_FP32));
@@ -134,19 +135,19 @@ Test(gpu_select, the_wgmma_kernels_load_by_bulk_copies) {
 Test(gpu_select, persistent_teams_only_for_the_two_warpgroup_forward_and_dq) {
   const fa_gpu_caps c = h100();
   const int64_t many = (int64_t)FA_PERSIST_MIN_ITEMS_PER_SM * c.sms, few = many - 1;
-  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_FWD, FA_KERNEL_WG2, many), c.sms);
-  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_DQ, FA_KERNEL_WG2, many), c.sms);
-  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_FWD, FA_KERNEL_WG2, few), 0, "auto: too few items");
-  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_DKV, FA_KERNEL_WG2, many), 0, "the dK/dV never");
+  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_FWD, FA_KERNEL_WG_PAIR, many), c.sms);
+  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_DQ, FA_KERNEL_WG_PAIR, many), c.sms);
+  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_FWD, FA_KERNEL_WG_PAIR, few), 0, "auto: too few items");
+  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_DKV, FA_KERNEL_WG_PAIR, many), 0, "the dK/dV never");
   cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_FWD, FA_KERNEL_MMA, many), 0, "mma.sync never");
   const fa_gpu_knobs never = {.persist = 0}, always = {.persist = 1}, three = {.persist = 3};
-  cr_expect_eq(fa_gpu_select_grid(&c, &never, FA_PASS_FWD, FA_KERNEL_WG2, many), 0);
-  cr_expect_eq(fa_gpu_select_grid(&c, &always, FA_PASS_FWD, FA_KERNEL_WG2, 40), 40, "at most one team an item");
-  cr_expect_eq(fa_gpu_select_grid(&c, &always, FA_PASS_DQ, FA_KERNEL_WG2, many), c.sms);
-  cr_expect_eq(fa_gpu_select_grid(&c, &three, FA_PASS_FWD, FA_KERNEL_WG2, 40), 3);
+  cr_expect_eq(fa_gpu_select_grid(&c, &never, FA_PASS_FWD, FA_KERNEL_WG_PAIR, many), 0);
+  cr_expect_eq(fa_gpu_select_grid(&c, &always, FA_PASS_FWD, FA_KERNEL_WG_PAIR, 40), 40, "at most one team an item");
+  cr_expect_eq(fa_gpu_select_grid(&c, &always, FA_PASS_DQ, FA_KERNEL_WG_PAIR, many), c.sms);
+  cr_expect_eq(fa_gpu_select_grid(&c, &three, FA_PASS_FWD, FA_KERNEL_WG_PAIR, 40), 3);
   fa_gpu_caps unknown = c;
   unknown.sms = 0;
-  cr_expect_eq(fa_gpu_select_grid(&unknown, &always, FA_PASS_FWD, FA_KERNEL_WG2, many), 0, "SMs unknown");
+  cr_expect_eq(fa_gpu_select_grid(&unknown, &always, FA_PASS_FWD, FA_KERNEL_WG_PAIR, many), 0, "SMs unknown");
 }
 
 Test(gpu_select, the_summary_names_each_pass) {

@@ -66,6 +66,21 @@ TOL = {
 }
 
 
+def check_close(got, ref, dtype):
+    """Assert (o, lse, dq, dk, dv) ``got`` match the float64 ``ref`` within TOL of ``dtype``;
+    returns the errors."""
+    tol = TOL[str(dtype).replace("torch.", "")]
+    o, lse, dq, dk, dv = got
+    ro, rlse, rdq, rdk, rdv = ref
+    errs = dict(o=rel_err(o, ro), lse=abs_err(lse, rlse), dq=rel_err(dq, rdq), dk=rel_err(dk, rdk),
+                dv=rel_err(dv, rdv))
+    assert errs["o"] <= tol["o"], errs
+    assert errs["lse"] <= tol["lse"], errs
+    for g in ("dq", "dk", "dv"):
+        assert errs[g] <= tol["grad"], errs
+    return errs
+
+
 # --------------------------------------------------------------------------------------------
 # torch references
 

@@ -16,22 +16,22 @@
 
 /* ---- 16-bit conversions --------------------------------------------------- */
 
-static uint32_t f2u(float f) {
+uint32_t ref_float_bits(float f) {
   uint32_t u;
   memcpy(&u, &f, sizeof u);
   return u;
 }
 
-static float u2f(uint32_t u) {
+float ref_bits_float(uint32_t u) {
   float f;
   memcpy(&f, &u, sizeof f);
   return f;
 }
 
-float ref_bf16_to_float(uint16_t h) { return u2f((uint32_t)h << 16); }
+float ref_bf16_to_float(uint16_t h) { return ref_bits_float((uint32_t)h << 16); }
 
 uint16_t ref_float_to_bf16(float f) {
-  uint32_t u = f2u(f);
+  uint32_t u = ref_float_bits(f);
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) /* NaN: keep sign and payload top, force quiet */
     return (uint16_t)((u >> 16) | 0x0040u);
   /* Round to nearest even: add 0x7FFF plus the lowest kept bit. Overflow
@@ -49,12 +49,12 @@ float ref_f16_to_float(uint16_t h) {
     return sign ? -x : x;
   }
   if (e == 31) /* inf or NaN */
-    return u2f(sign | 0x7F800000u | (m << 13));
-  return u2f(sign | ((e - 15u + 127u) << 23) | (m << 13));
+    return ref_bits_float(sign | 0x7F800000u | (m << 13));
+  return ref_bits_float(sign | ((e - 15u + 127u) << 23) | (m << 13));
 }
 
 uint16_t ref_float_to_f16(float f) {
-  uint32_t x = f2u(f);
+  uint32_t x = ref_float_bits(f);
   uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
   uint32_t ax = x & 0x7FFFFFFFu;
   if (ax > 0x7F800000u) /* NaN */
@@ -312,6 +312,38 @@ static void copy_rows(double *dst, int64_t t, const double *src, int64_t s, int6
     memcpy(dst + t * width, src + s * width, (size_t)(n * width) * sizeof *dst);
 }
 
+/* Per-path scratch of ref_prefix and ref_tree, slices of one allocation: q/o/dout/dq of
+ * max_len * wq doubles, k/v/dk/dv of max_len * wk, lse of max_len * hq (one more each, so that
+ * no size is 0); the gradient slices (NULL otherwise) only for a backward. */
+typedef struct ref_scratch {
+  double *q, *k, *v, *o, *lse, *dout, *dq, *dk, *dv;
+} ref_scratch;
+
+static void scratch_free(ref_scratch *s) {
+  free(s->q);
+  memset(s, 0, sizeof *s);
+}
+
+/* 0, or -1 (nothing allocated) when memory runs out. */
+static int scratch_alloc(ref_scratch *s, int64_t max_len, int64_t wq, int64_t wk, int64_t hq, int bwd) {
+  const size_t nq = (size_t)(max_len * wq) + 1, nk = (size_t)(max_len * wk) + 1;
+  const size_t nl = (size_t)(max_len * hq) + 1, nqb = bwd ? nq : 0, nkb = bwd ? nk : 0;
+  const size_t sizes[] = {nq, nk, nk, nq, nl, nqb, nqb, nkb, nkb};
+  double **slices[] = {&s->q, &s->k, &s->v, &s->o, &s->lse, &s->dout, &s->dq, &s->dk, &s->dv};
+  size_t total = 0;
+  for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++)
+    total += sizes[i];
+  double *next = malloc(total * sizeof *next);
+  memset(s, 0, sizeof *s);
+  if (!next)
+    return -1;
+  for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) {
+    *slices[i] = sizes[i] ? next : NULL;
+    next += sizes[i];
+  }
+  return 0;
+}
+
 int ref_prefix(const ref_prefix_args *a, const ref_prefix_out *out) {
   const forkattn_prefix_layout *lay = a->layout;
   const int64_t T = ref_prefix_rows(lay);
@@ -327,34 +359,27 @@ int ref_prefix(const ref_prefix_args *a, const ref_prefix_out *out) {
     if (L > max_len)
       max_len = L;
   }
-  const size_t nq = (size_t)(max_len * wq), nk = (size_t)(max_len * wk);
-  double *sq = malloc((nq + 1) * sizeof *sq), *sk = malloc((nk + 1) * sizeof *sk);
-  double *sv = malloc((nk + 1) * sizeof *sv), *so = malloc((nq + 1) * sizeof *so);
-  double *slse = malloc((size_t)(max_len * a->hq + 1) * sizeof *slse);
-  double *sdo = bwd ? malloc((nq + 1) * sizeof *sdo) : NULL;
-  double *sdq = bwd ? malloc((nq + 1) * sizeof *sdq) : NULL;
-  double *sdk = bwd ? malloc((nk + 1) * sizeof *sdk) : NULL;
-  double *sdv = bwd ? malloc((nk + 1) * sizeof *sdv) : NULL;
+  ref_scratch s;
   int rc = -1;
-  if (!sq || !sk || !sv || !so || !slse || (bwd && (!sdo || !sdq || !sdk || !sdv)))
+  if (scratch_alloc(&s, max_len, wq, wk, a->hq, bwd) != 0)
     goto done;
 
   /* 1. The prompt alone: prompt rows' o, lse, dq and the own part of dk/dv. */
   if (P > 0) {
     if (ref_attention_dense(P, P, 0, lay->mask, a->hq, a->hkv, a->d, a->scale, a->q, a->k, a->v,
-                            a->dout, so, slse, sdq, sdk, sdv) != 0)
+                            a->dout, s.o, s.lse, s.dq, s.dk, s.dv) != 0)
       goto done;
     if (out->o)
-      copy_rows(out->o, 0, so, 0, P, wq);
+      copy_rows(out->o, 0, s.o, 0, P, wq);
     if (out->lse)
-      copy_rows(out->lse, 0, slse, 0, P, a->hq);
+      copy_rows(out->lse, 0, s.lse, 0, P, a->hq);
     if (bwd) {
       if (out->dq)
-        copy_rows(out->dq, 0, sdq, 0, P, wq);
+        copy_rows(out->dq, 0, s.dq, 0, P, wq);
       if (out->dk)
-        copy_rows(out->dk, 0, sdk, 0, P, wk);
+        copy_rows(out->dk, 0, s.dk, 0, P, wk);
       if (out->dv)
-        copy_rows(out->dv, 0, sdv, 0, P, wk);
+        copy_rows(out->dv, 0, s.dv, 0, P, wk);
     }
   }
 
@@ -365,50 +390,42 @@ int ref_prefix(const ref_prefix_args *a, const ref_prefix_out *out) {
     const int64_t L = P + R;
     if (R == 0)
       continue; /* a copy without response rows adds nothing */
-    copy_rows(sq, 0, a->q, 0, P, wq);
-    copy_rows(sq, P, a->q, r0, R, wq);
-    copy_rows(sk, 0, a->k, 0, P, wk);
-    copy_rows(sk, P, a->k, r0, R, wk);
-    copy_rows(sv, 0, a->v, 0, P, wk);
-    copy_rows(sv, P, a->v, r0, R, wk);
+    copy_rows(s.q, 0, a->q, 0, P, wq);
+    copy_rows(s.q, P, a->q, r0, R, wq);
+    copy_rows(s.k, 0, a->k, 0, P, wk);
+    copy_rows(s.k, P, a->k, r0, R, wk);
+    copy_rows(s.v, 0, a->v, 0, P, wk);
+    copy_rows(s.v, P, a->v, r0, R, wk);
     if (bwd) {
-      memset(sdo, 0, (size_t)(P * wq) * sizeof *sdo); /* prompt copy: no loss */
-      copy_rows(sdo, P, a->dout, r0, R, wq);
+      memset(s.dout, 0, (size_t)(P * wq) * sizeof *s.dout); /* prompt copy: no loss */
+      copy_rows(s.dout, P, a->dout, r0, R, wq);
     }
-    if (ref_attention_dense(L, P, P, lay->mask, a->hq, a->hkv, a->d, a->scale, sq, sk, sv,
-                            bwd ? sdo : NULL, so, slse, sdq, sdk, sdv) != 0)
+    if (ref_attention_dense(L, P, P, lay->mask, a->hq, a->hkv, a->d, a->scale, s.q, s.k, s.v,
+                            bwd ? s.dout : NULL, s.o, s.lse, s.dq, s.dk, s.dv) != 0)
       goto done;
     if (out->o)
-      copy_rows(out->o, r0, so, P, R, wq);
+      copy_rows(out->o, r0, s.o, P, R, wq);
     if (out->lse)
-      copy_rows(out->lse, r0, slse, P, R, a->hq);
+      copy_rows(out->lse, r0, s.lse, P, R, a->hq);
     if (!bwd)
       continue;
     if (out->dq)
-      copy_rows(out->dq, r0, sdq, P, R, wq);
+      copy_rows(out->dq, r0, s.dq, P, R, wq);
     if (out->dk) {
-      copy_rows(out->dk, r0, sdk, P, R, wk);
+      copy_rows(out->dk, r0, s.dk, P, R, wk);
       for (int64_t x = 0; x < P * wk; x++)
-        out->dk[x] += sdk[x];
+        out->dk[x] += s.dk[x];
     }
     if (out->dv) {
-      copy_rows(out->dv, r0, sdv, P, R, wk);
+      copy_rows(out->dv, r0, s.dv, P, R, wk);
       for (int64_t x = 0; x < P * wk; x++)
-        out->dv[x] += sdv[x];
+        out->dv[x] += s.dv[x];
     }
   }
   rc = 0;
 
 done:
-  free(sq);
-  free(sk);
-  free(sv);
-  free(so);
-  free(slse);
-  free(sdo);
-  free(sdq);
-  free(sdk);
-  free(sdv);
+  scratch_free(&s);
   return rc;
 }
 
@@ -424,28 +441,15 @@ int ref_tree(const ref_tree_args *a, const ref_prefix_out *out) {
   /* path length of every node (ancestors' rows + own rows) */
   int64_t *plen = malloc((size_t)(n + 1) * sizeof *plen), max_len = 0;
   int64_t *rows = NULL;
-  double *sq = NULL, *sk = NULL, *sv = NULL, *so = NULL, *slse = NULL, *sdo = NULL, *sdq = NULL,
-         *sdk = NULL, *sdv = NULL;
+  ref_scratch s = {0};
   int rc = -1;
   if (!plen) return -1;
   for (int64_t i = 0; i < n; i++) {
     plen[i] = (par[i] >= 0 ? plen[par[i]] : 0) + off[i + 1] - off[i];
     if (plen[i] > max_len) max_len = plen[i];
   }
-  const size_t nq = (size_t)(max_len * wq) + 1, nk = (size_t)(max_len * wk) + 1;
   rows = malloc((size_t)(max_len + 1) * sizeof *rows);
-  sq = malloc(nq * sizeof *sq);
-  sk = malloc(nk * sizeof *sk);
-  sv = malloc(nk * sizeof *sv);
-  so = malloc(nq * sizeof *so);
-  slse = malloc((size_t)(max_len * a->hq + 1) * sizeof *slse);
-  if (bwd) {
-    sdo = malloc(nq * sizeof *sdo);
-    sdq = malloc(nq * sizeof *sdq);
-    sdk = malloc(nk * sizeof *sdk);
-    sdv = malloc(nk * sizeof *sdv);
-  }
-  if (!rows || !sq || !sk || !sv || !so || !slse || (bwd && (!sdo || !sdq || !sdk || !sdv))) goto done;
+  if (!rows || scratch_alloc(&s, max_len, wq, wk, a->hq, bwd) != 0) goto done;
   if (bwd && out->dk) memset(out->dk, 0, (size_t)(T * wk) * sizeof *out->dk);
   if (bwd && out->dv) memset(out->dv, 0, (size_t)(T * wk) * sizeof *out->dv);
   for (int64_t x = 0; x < n; x++) {
@@ -456,41 +460,33 @@ int ref_tree(const ref_tree_args *a, const ref_prefix_out *out) {
     for (int64_t y = x; y >= 0; y = par[y])
       for (int64_t r = off[y + 1] - 1; r >= off[y]; r--) rows[--pos] = r;
     for (int64_t j = 0; j < L; j++) {
-      copy_rows(sq, j, a->q, rows[j], 1, wq);
-      copy_rows(sk, j, a->k, rows[j], 1, wk);
-      copy_rows(sv, j, a->v, rows[j], 1, wk);
+      copy_rows(s.q, j, a->q, rows[j], 1, wq);
+      copy_rows(s.k, j, a->k, rows[j], 1, wk);
+      copy_rows(s.v, j, a->v, rows[j], 1, wk);
       if (bwd) {
         if (j < own)
-          memset(sdo + j * wq, 0, (size_t)wq * sizeof *sdo); /* ancestors' loss is counted at their own node */
+          memset(s.dout + j * wq, 0, (size_t)wq * sizeof *s.dout); /* ancestors' loss is counted at their own node */
         else
-          copy_rows(sdo, j, a->dout, rows[j], 1, wq);
+          copy_rows(s.dout, j, a->dout, rows[j], 1, wq);
       }
     }
-    if (ref_attention_dense(L, 0, own, FORKATTN_MASK_CAUSAL, a->hq, a->hkv, a->d, a->scale, sq, sk, sv,
-                            bwd ? sdo : NULL, so, slse, sdq, sdk, sdv) != 0)
+    if (ref_attention_dense(L, 0, own, FORKATTN_MASK_CAUSAL, a->hq, a->hkv, a->d, a->scale, s.q, s.k, s.v,
+                            bwd ? s.dout : NULL, s.o, s.lse, s.dq, s.dk, s.dv) != 0)
       goto done;
-    if (out->o) copy_rows(out->o, off[x], so, own, len, wq);
-    if (out->lse) copy_rows(out->lse, off[x], slse, own, len, a->hq);
+    if (out->o) copy_rows(out->o, off[x], s.o, own, len, wq);
+    if (out->lse) copy_rows(out->lse, off[x], s.lse, own, len, a->hq);
     if (!bwd) continue;
-    if (out->dq) copy_rows(out->dq, off[x], sdq, own, len, wq);
+    if (out->dq) copy_rows(out->dq, off[x], s.dq, own, len, wq);
     for (int64_t j = 0; j < L; j++)
       for (int64_t c = 0; c < wk; c++) {
-        if (out->dk) out->dk[rows[j] * wk + c] += sdk[j * wk + c];
-        if (out->dv) out->dv[rows[j] * wk + c] += sdv[j * wk + c];
+        if (out->dk) out->dk[rows[j] * wk + c] += s.dk[j * wk + c];
+        if (out->dv) out->dv[rows[j] * wk + c] += s.dv[j * wk + c];
       }
   }
   rc = 0;
 done:
   free(plen);
   free(rows);
-  free(sq);
-  free(sk);
-  free(sv);
-  free(so);
-  free(slse);
-  free(sdo);
-  free(sdq);
-  free(sdk);
-  free(sdv);
+  scratch_free(&s);
   return rc;
 }

@@ -50,6 +50,11 @@ extern "C" {
 
 /* ---- 16-bit floating point conversions (round to nearest, ties to even) -- */
 
+/** The IEEE binary32 bits of @p f. */
+uint32_t ref_float_bits(float f);
+/** The float of IEEE binary32 bits @p u. */
+float ref_bits_float(uint32_t u);
+
 /** bfloat16 bits -> float (exact). */
 float ref_bf16_to_float(uint16_t h);
 /** float -> bfloat16 bits, round to nearest even; NaN stays a (quiet) NaN. */

@@ -213,23 +213,34 @@ static void kl_elem_grad(const kl_row *r, int reverse, double t, double s, int v
   }
 }
 
+/* The visibility mask of a run's layout (its rows in *T) with the kept sets in *km, or NULL
+ * (nothing left allocated) when either fails or the run's arguments are not valid (!args_ok). */
+static unsigned char *run_masks(const forkattn_layout *layout, const forkattn_kept_set *kept, int64_t H,
+                                int args_ok, int64_t *T, refkl_kept *km) {
+  unsigned char *vis = refkl_vis(layout, T);
+  if (!vis)
+    return NULL;
+  if (!args_ok) {
+    free(vis);
+    return NULL;
+  }
+  if (refkl_kept_init(km, kept, *T, H) != 0) {
+    refkl_kept_free(km);
+    free(vis);
+    return NULL;
+  }
+  return vis;
+}
+
 int refkl_run(const refkl_args *a, const refkl_out *out) {
+  const int64_t H = a->H;
+  const int args_ok = !(H <= 0 || a->hkv_t <= 0 || a->hkv_s <= 0 || H % a->hkv_t || H % a->hkv_s ||
+                        a->dt <= 0 || a->ds <= 0 || !(a->tau > 0));
   int64_t T = -1;
-  unsigned char *vis = refkl_vis(a->layout, &T);
+  refkl_kept km;
+  unsigned char *vis = run_masks(a->layout, a->kept, H, args_ok, &T, &km);
   if (!vis)
     return -1;
-  const int64_t H = a->H;
-  if (H <= 0 || a->hkv_t <= 0 || a->hkv_s <= 0 || H % a->hkv_t || H % a->hkv_s || a->dt <= 0 ||
-      a->ds <= 0 || !(a->tau > 0)) {
-    free(vis);
-    return -1;
-  }
-  refkl_kept km;
-  if (refkl_kept_init(&km, a->kept, T, H) != 0) {
-    refkl_kept_free(&km);
-    free(vis);
-    return -1;
-  }
   const int bwd = a->dkl != NULL;
   const int64_t gt_div = H / a->hkv_t, gs_div = H / a->hkv_s, dt = a->dt, ds = a->ds;
   const double st = a->scale_t / a->tau, ss = a->scale_s / a->tau;
@@ -410,21 +421,12 @@ double refkl_loss(const refkl_args *args, const double *w) {
 /* ---- kept-set attention --------------------------------------------------- */
 
 int refkept_run(const refkept_args *a, const refkept_out *out) {
+  const int64_t H = a->H, hkv = a->hkv, d = a->d;
   int64_t T = -1;
-  unsigned char *vis = refkl_vis(a->layout, &T);
+  refkl_kept km;
+  unsigned char *vis = run_masks(a->layout, a->kept, H, !(H <= 0 || hkv <= 0 || H % hkv || d <= 0), &T, &km);
   if (!vis)
     return -1;
-  const int64_t H = a->H, hkv = a->hkv, d = a->d;
-  if (H <= 0 || hkv <= 0 || H % hkv || d <= 0) {
-    free(vis);
-    return -1;
-  }
-  refkl_kept km;
-  if (refkl_kept_init(&km, a->kept, T, H) != 0) {
-    refkl_kept_free(&km);
-    free(vis);
-    return -1;
-  }
   const int bwd = a->dout != NULL;
   const int64_t grp = H / hkv;
   double *lse = malloc((size_t)(T * H + 1) * sizeof *lse), *D = malloc((size_t)(T * H + 1) * sizeof *D);
@@ -643,6 +645,24 @@ static double klh_cmp_grad(const char *label, const char *what, const forkattn_t
 static void klh_draw(tc_rng *rng, double *x, int64_t n, double amp, forkattn_dtype dt) {
   for (int64_t i = 0; i < n; i++)
     x[i] = ref_round_to_dtype(tc_uniform(rng, -amp, amp), dt);
+}
+
+forkattn_kl_options klh_options(int reverse, float tau, int tau2) {
+  forkattn_kl_options o;
+  forkattn_kl_options_init(&o);
+  o.direction = reverse ? FORKATTN_KL_REVERSE : FORKATTN_KL_FORWARD;
+  o.temperature = tau;
+  o.scale_by_tau2 = tau2;
+  return o;
+}
+
+void klh_run_both(klh_case c, const char *fwd_name, const char *rev_name, klh_result *rf, klh_result *rr) {
+  c.name = fwd_name;
+  c.opt.direction = FORKATTN_KL_FORWARD;
+  klh_run(&c, rf);
+  c.name = rev_name;
+  c.opt.direction = FORKATTN_KL_REVERSE;
+  klh_run(&c, rr);
 }
 
 void klh_run(const klh_case *c, klh_result *res) {

@@ -159,6 +159,14 @@ typedef struct klh_result {
 /** Run one case (a context of default options); fills @p res when non-NULL. */
 void klh_run(const klh_case *c, klh_result *res);
 
+/** KL options: the defaults with the direction (@p reverse: FORKATTN_KL_REVERSE), the
+ *  temperature @p tau and scale_by_tau2 = @p tau2. */
+forkattn_kl_options klh_options(int reverse, float tau, int tau2);
+
+/** klh_run of @p c in the forward direction (named @p fwd_name, result in @p rf) then the
+ *  reverse one (@p rev_name, @p rr); either result may be NULL. */
+void klh_run_both(klh_case c, const char *fwd_name, const char *rev_name, klh_result *rf, klh_result *rr);
+
 /** Inputs of kept-set attention. */
 typedef struct refkept_args {
   const forkattn_layout *layout;

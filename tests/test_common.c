@@ -124,6 +124,22 @@ void tc_buf_free(tc_buf *b) {
   memset(b, 0, sizeof *b);
 }
 
+const char *const tc_out_names[TC_NOUT] = {"o", "lse", "dq", "dk", "dv"};
+
+int tc_attn_out_init(tc_attn_out *o, forkattn_dtype dtype, int64_t T, int64_t hq, int64_t hkv, int64_t head_dim) {
+  memset(o, 0, sizeof *o);
+  o->o = tc_buf_contiguous(&o->buf[TC_OUT_O], dtype, T, hq, head_dim);
+  o->lse = tc_buf_f32(&o->buf[TC_OUT_LSE], T * hq);
+  o->dq = tc_buf_contiguous(&o->buf[TC_OUT_DQ], dtype, T, hq, head_dim);
+  o->dk = tc_buf_contiguous(&o->buf[TC_OUT_DK], dtype, T, hkv, head_dim);
+  o->dv = tc_buf_contiguous(&o->buf[TC_OUT_DV], dtype, T, hkv, head_dim);
+  return o->o.data && o->lse && o->dq.data && o->dk.data && o->dv.data ? 0 : -1;
+}
+
+void tc_attn_out_free(tc_attn_out *o) {
+  for (int i = 0; i < TC_NOUT; i++) tc_buf_free(&o->buf[i]);
+}
+
 forkattn_tensor tc_buf_view(tc_buf *b, int64_t offset, int64_t rows, int64_t heads,
                             int64_t head_dim, int64_t row_stride, int64_t head_stride) {
   forkattn_tensor t;

@@ -89,6 +89,20 @@ forkattn_tensor tc_buf_contiguous(tc_buf *b, forkattn_dtype dtype, int64_t rows,
 float *tc_buf_f32(tc_buf *b, int64_t n);
 /** Set guards/gaps to TC_GUARD_BYTE and every view element to the poison. */
 void tc_buf_poison(tc_buf *b);
+
+/** The outputs of one attention forward and backward, each in its own guarded buffer. */
+enum { TC_OUT_O, TC_OUT_LSE, TC_OUT_DQ, TC_OUT_DK, TC_OUT_DV, TC_NOUT };
+/** "o", "lse", "dq", "dk", "dv": the names of the TC_OUT_* buffers. */
+extern const char *const tc_out_names[TC_NOUT];
+typedef struct tc_attn_out {
+  tc_buf buf[TC_NOUT];
+  forkattn_tensor o, dq, dk, dv;
+  float *lse;
+} tc_attn_out;
+/** Contiguous outputs of a problem of @p T rows, @p hq query and @p hkv key/value heads of
+ *  @p head_dim. Returns 0, or -1 when out of memory (tc_attn_out_free() it either way). */
+int tc_attn_out_init(tc_attn_out *o, forkattn_dtype dtype, int64_t T, int64_t hq, int64_t hkv, int64_t head_dim);
+void tc_attn_out_free(tc_attn_out *o);
 /** Remember the current bytes (guards included). */
 void tc_buf_snapshot(tc_buf *b);
 /** Number of bytes that differ from the snapshot (0: untouched). */

@@ -52,15 +52,6 @@ typedef struct cc_problem {
   forkattn_tensor q, k, v, dout;
 } cc_problem;
 
-enum { CC_O, CC_LSE, CC_DQ, CC_DK, CC_DV, CC_NOUT };
-static const char *const cc_out_names[CC_NOUT] = {"o", "lse", "dq", "dk", "dv"};
-
-typedef struct cc_out {
-  tc_buf buf[CC_NOUT];
-  forkattn_tensor o, dq, dk, dv;
-  float *lse;
-} cc_out;
-
 /* A random small problem (drawn on the main thread: tc_rng_for is not thread-safe). */
 static void cc_problem_random(cc_problem *p, tc_rng *rng) {
   static const int64_t heads[][2] = {{4, 2}, {4, 1}, {2, 2}, {6, 3}, {8, 2}};
@@ -115,23 +106,13 @@ static void cc_problem_free(cc_problem *p) {
 }
 
 /* Returns 0, or -1 when out of memory (callable from any thread). */
-static int cc_out_init(cc_out *o, const cc_problem *p) {
-  memset(o, 0, sizeof *o);
-  o->o = tc_buf_contiguous(&o->buf[CC_O], p->dtype, p->T, p->hq, p->d);
-  o->lse = tc_buf_f32(&o->buf[CC_LSE], p->T * p->hq);
-  o->dq = tc_buf_contiguous(&o->buf[CC_DQ], p->dtype, p->T, p->hq, p->d);
-  o->dk = tc_buf_contiguous(&o->buf[CC_DK], p->dtype, p->T, p->hkv, p->d);
-  o->dv = tc_buf_contiguous(&o->buf[CC_DV], p->dtype, p->T, p->hkv, p->d);
-  return o->o.data && o->lse && o->dq.data && o->dk.data && o->dv.data ? 0 : -1;
-}
-
-static void cc_out_free(cc_out *o) {
-  for (int i = 0; i < CC_NOUT; i++) tc_buf_free(&o->buf[i]);
+static int cc_out_init(tc_attn_out *o, const cc_problem *p) {
+  return tc_attn_out_init(o, p->dtype, p->T, p->hq, p->hkv, p->d);
 }
 
 /* Poison, forward, backward (from this run's o/lse). Returns the first failing status. */
-static forkattn_status cc_run(forkattn_ctx *ctx, const cc_problem *p, cc_out *o) {
-  for (int i = 0; i < CC_NOUT; i++) tc_buf_poison(&o->buf[i]);
+static forkattn_status cc_run(forkattn_ctx *ctx, const cc_problem *p, tc_attn_out *o) {
+  for (int i = 0; i < TC_NOUT; i++) tc_buf_poison(&o->buf[i]);
   forkattn_status st = forkattn_prefix_fwd(ctx, &p->layout, &p->q, &p->k, &p->v, &o->o, o->lse, p->scale,
                                            FORKATTN_MEMORY_HOST);
   if (st != FORKATTN_OK) return st;
@@ -140,8 +121,8 @@ static forkattn_status cc_run(forkattn_ctx *ctx, const cc_problem *p, cc_out *o)
 }
 
 /* Index of the first output that differs bitwise (guards included), or -1. */
-static int cc_first_diff(const cc_out *a, const cc_out *b, size_t *elem) {
-  for (int w = 0; w < CC_NOUT; w++) {
+static int cc_first_diff(const tc_attn_out *a, const tc_attn_out *b, size_t *elem) {
+  for (int w = 0; w < TC_NOUT; w++) {
     const tc_buf *x = &a->buf[w], *y = &b->buf[w];
     if (memcmp(x->alloc, y->alloc, x->alloc_bytes) == 0) continue;
     const size_t es = ref_dtype_size(x->dtype);
@@ -164,7 +145,7 @@ static int cc_iters(void) {
 typedef struct cc_worker {
   int index, threads, bind, iters;
   const cc_problem *p;
-  const cc_out *want;
+  const tc_attn_out *want;
   pthread_barrier_t *start; /* NULL in the OpenMP variant */
   /* results */
   forkattn_backend backend;
@@ -189,7 +170,7 @@ static void cc_worker_run(cc_worker *w) {
     return;
   }
   w->backend = forkattn_ctx_backend(ctx);
-  cc_out got;
+  tc_attn_out got;
   if (cc_out_init(&got, w->p)) {
     w->status = FORKATTN_ERR_OUT_OF_MEMORY;
     snprintf(w->err, sizeof w->err, "test buffers: out of memory");
@@ -210,7 +191,7 @@ static void cc_worker_run(cc_worker *w) {
       break;
     }
   }
-  cc_out_free(&got);
+  tc_attn_out_free(&got);
   forkattn_ctx_destroy(ctx);
 }
 
@@ -221,7 +202,7 @@ static void *cc_worker_main(void *arg) {
 
 typedef struct cc_setup {
   cc_problem p[CC_THREADS];
-  cc_out want[CC_THREADS];
+  tc_attn_out want[CC_THREADS];
   cc_worker w[CC_THREADS];
 } cc_setup;
 
@@ -238,10 +219,10 @@ static void cc_prepare(cc_setup *s, const char *name) {
     cr_assert_eq(cc_out_init(&s->want[i], &s->p[i]), 0, "out of memory");
     forkattn_status st = cc_run(ctx, &s->p[i], &s->want[i]);
     cr_assert_eq(st, FORKATTN_OK, "%s: serial run %d: %s", name, i, forkattn_ctx_last_error(ctx));
-    for (int o = 0; o < CC_NOUT; o++) {
+    for (int o = 0; o < TC_NOUT; o++) {
       tc_write_check wc = tc_buf_check(&s->want[i].buf[o]);
       cr_assert(wc.guard_bad == 0 && wc.unwritten == 0, "%s: serial run %d: %s: %zu guard bytes, %zu unwritten",
-                name, i, cc_out_names[o], wc.guard_bad, wc.unwritten);
+                name, i, tc_out_names[o], wc.guard_bad, wc.unwritten);
     }
     cc_describe(&s->p[i], desc, sizeof desc);
     s->w[i].index = i;
@@ -265,14 +246,14 @@ static void cc_check(cc_setup *s, const char *name, forkattn_backend serial_back
     cr_expect_eq(w->backend, serial_backend, "%s: thread %d ran on %s, the serial reference on %s", name, i,
                  forkattn_backend_name(w->backend), forkattn_backend_name(serial_backend));
     cr_expect(w->bad_iter < 0, "%s: thread %d (threads=%d bind=%d): iteration %d: %s differs from the serial result "
-              "at element %zu%s", name, i, w->threads, w->bind, w->bad_iter, w->bad_out >= 0 ? cc_out_names[w->bad_out] : "?",
+              "at element %zu%s", name, i, w->threads, w->bind, w->bad_iter, w->bad_out >= 0 ? tc_out_names[w->bad_out] : "?",
               w->bad_elem, w->bad_out >= 0 && w->bad_elem == s->want[i].buf[w->bad_out].elems ? " (guard)" : "");
     runs += w->runs;
   }
   fprintf(stderr, "%s: %d threads x %d iterations: %d fwd+bwd runs bitwise equal to the serial results (%.2f s)\n",
           name, CC_THREADS, s->w[0].iters, runs, seconds);
   for (int i = 0; i < CC_THREADS; i++) {
-    cc_out_free(&s->want[i]);
+    tc_attn_out_free(&s->want[i]);
     cc_problem_free(&s->p[i]);
   }
 }
@@ -374,7 +355,7 @@ Test(contexts, create_destroy, .timeout = CC_TIMEOUT) {
 
 typedef struct cc_blas_worker {
   const cc_problem *p;
-  const cc_out *want;
+  const tc_attn_out *want;
   pthread_barrier_t *start;
   int iters, threads, bad, failed;
 } cc_blas_worker;
@@ -386,7 +367,7 @@ static void *cc_blas_main(void *arg) {
   opt.backend = FORKATTN_BACKEND_CPU;
   opt.threads = w->threads;
   forkattn_ctx *ctx = NULL;
-  cc_out got;
+  tc_attn_out got;
   pthread_barrier_wait(w->start);
   if (forkattn_ctx_create(&ctx, &opt) != FORKATTN_OK || cc_out_init(&got, w->p)) {
     w->failed = 1;
@@ -398,7 +379,7 @@ static void *cc_blas_main(void *arg) {
     if (cc_run(ctx, w->p, &got) != FORKATTN_OK) w->failed++;
     else if (cc_first_diff(&got, w->want, &elem) >= 0) w->bad++;
   }
-  cc_out_free(&got);
+  tc_attn_out_free(&got);
   forkattn_ctx_destroy(ctx);
   return NULL;
 }
@@ -416,7 +397,7 @@ Test(blas, threads_restored, .timeout = CC_TIMEOUT) {
   cr_assert_eq(forkattn_ctx_backend(ctx), FORKATTN_BACKEND_CPU, "%s: %s", name, forkattn_ctx_backend_reason(ctx));
 
   cc_problem p[2];
-  cc_out want[2];
+  tc_attn_out want[2];
   for (int i = 0; i < 2; i++) {
     cc_problem_random(&p[i], &rng);
     cr_assert_eq(cc_out_init(&want[i], &p[i]), 0, "out of memory");
@@ -454,7 +435,7 @@ Test(blas, threads_restored, .timeout = CC_TIMEOUT) {
   fprintf(stderr, "%s: openblas_get_num_threads() = %d after 3 rounds of overlapping calls\n", name,
           openblas_get_num_threads());
   for (int i = 0; i < 2; i++) {
-    cc_out_free(&want[i]);
+    tc_attn_out_free(&want[i]);
     cc_problem_free(&p[i]);
   }
 }

@@ -60,15 +60,6 @@ typedef struct dt_problem {
   forkattn_tensor q, k, v, dout;
 } dt_problem;
 
-enum { DT_O, DT_LSE, DT_DQ, DT_DK, DT_DV, DT_NOUT };
-static const char *const dt_out_names[DT_NOUT] = {"o", "lse", "dq", "dk", "dv"};
-
-typedef struct dt_out {
-  tc_buf buf[DT_NOUT];
-  forkattn_tensor o, dq, dk, dv;
-  float *lse;
-} dt_out;
-
 static void dt_describe(const dt_shape *s, char *buf, size_t size) {
   int n = snprintf(buf, size, "P=%" PRId64 " N=%" PRId64 " lens={", s->P, s->N);
   for (int64_t i = 0; i < s->N && n > 0 && (size_t)n < size; i++)
@@ -122,36 +113,31 @@ static void dt_problem_free(dt_problem *p) {
   tc_buf_free(&p->bdo);
 }
 
-static void dt_out_init(dt_out *o, const dt_problem *p) {
-  memset(o, 0, sizeof *o);
+static void dt_out_init(tc_attn_out *o, const dt_problem *p) {
   const dt_shape *s = &p->s;
-  o->o = tc_buf_contiguous(&o->buf[DT_O], s->dtype, p->T, s->hq, s->d);
-  o->lse = tc_buf_f32(&o->buf[DT_LSE], p->T * s->hq);
-  if (s->packed) { /* dq, dk, dv interleaved in buf[DT_DQ]; buf[DT_DK], buf[DT_DV] stay empty */
-    const int64_t W = (s->hq + 2 * s->hkv) * s->d;
-    cr_assert_eq(tc_buf_alloc(&o->buf[DT_DQ], (size_t)(p->T * W), s->dtype), 0, "out of memory");
-    o->dq = tc_buf_view(&o->buf[DT_DQ], 0, p->T, s->hq, s->d, W, s->d);
-    o->dk = tc_buf_view(&o->buf[DT_DQ], s->hq * s->d, p->T, s->hkv, s->d, W, s->d);
-    o->dv = tc_buf_view(&o->buf[DT_DQ], (s->hq + s->hkv) * s->d, p->T, s->hkv, s->d, W, s->d);
-  } else {
-    o->dq = tc_buf_contiguous(&o->buf[DT_DQ], s->dtype, p->T, s->hq, s->d);
-    o->dk = tc_buf_contiguous(&o->buf[DT_DK], s->dtype, p->T, s->hkv, s->d);
-    o->dv = tc_buf_contiguous(&o->buf[DT_DV], s->dtype, p->T, s->hkv, s->d);
+  if (!s->packed) {
+    cr_assert_eq(tc_attn_out_init(o, s->dtype, p->T, s->hq, s->hkv, s->d), 0, "out of memory");
+    return;
   }
+  /* dq, dk, dv interleaved in buf[TC_OUT_DQ]; buf[TC_OUT_DK], buf[TC_OUT_DV] stay empty */
+  memset(o, 0, sizeof *o);
+  o->o = tc_buf_contiguous(&o->buf[TC_OUT_O], s->dtype, p->T, s->hq, s->d);
+  o->lse = tc_buf_f32(&o->buf[TC_OUT_LSE], p->T * s->hq);
+  const int64_t W = (s->hq + 2 * s->hkv) * s->d;
+  cr_assert_eq(tc_buf_alloc(&o->buf[TC_OUT_DQ], (size_t)(p->T * W), s->dtype), 0, "out of memory");
+  o->dq = tc_buf_view(&o->buf[TC_OUT_DQ], 0, p->T, s->hq, s->d, W, s->d);
+  o->dk = tc_buf_view(&o->buf[TC_OUT_DQ], s->hq * s->d, p->T, s->hkv, s->d, W, s->d);
+  o->dv = tc_buf_view(&o->buf[TC_OUT_DQ], (s->hq + s->hkv) * s->d, p->T, s->hkv, s->d, W, s->d);
   cr_assert(o->o.data && o->lse && o->dq.data && o->dk.data && o->dv.data, "out of memory");
 }
 
-static void dt_out_poison(dt_out *o) {
-  for (int i = 0; i < DT_NOUT; i++)
+static void dt_out_poison(tc_attn_out *o) {
+  for (int i = 0; i < TC_NOUT; i++)
     if (o->buf[i].alloc) tc_buf_poison(&o->buf[i]);
 }
 
-static void dt_out_free(dt_out *o) {
-  for (int i = 0; i < DT_NOUT; i++) tc_buf_free(&o->buf[i]);
-}
-
 /* Forward into o/lse of @p out. */
-static forkattn_status dt_fwd(forkattn_ctx *ctx, const dt_problem *p, dt_out *out) {
+static forkattn_status dt_fwd(forkattn_ctx *ctx, const dt_problem *p, tc_attn_out *out) {
   if (p->s.tree)
     return forkattn_tree_fwd(ctx, &p->tree, &p->q, &p->k, &p->v, &out->o, out->lse, p->scale, FORKATTN_MEMORY_HOST);
   return forkattn_prefix_fwd(ctx, &p->layout, &p->q, &p->k, &p->v, &out->o, out->lse, p->scale,
@@ -159,7 +145,7 @@ static forkattn_status dt_fwd(forkattn_ctx *ctx, const dt_problem *p, dt_out *ou
 }
 
 /* Backward from o/lse of @p fwd into dq/dk/dv of @p out. */
-static forkattn_status dt_bwd(forkattn_ctx *ctx, const dt_problem *p, const dt_out *fwd, dt_out *out) {
+static forkattn_status dt_bwd(forkattn_ctx *ctx, const dt_problem *p, const tc_attn_out *fwd, tc_attn_out *out) {
   if (p->s.tree)
     return forkattn_tree_bwd(ctx, &p->tree, &p->q, &p->k, &p->v, &fwd->o, &p->dout, fwd->lse, &out->dq, &out->dk,
                              &out->dv, p->scale, FORKATTN_MEMORY_HOST);
@@ -176,12 +162,12 @@ static double dt_value(const tc_buf *b, size_t i) {
 
 /* Bitwise comparison of output buffer @p which (guards included). Returns 1
  * when equal; otherwise describes the first differing element in @p msg. */
-static int dt_same(const dt_out *a, const dt_out *b, int which, char *msg, size_t size) {
+static int dt_same(const tc_attn_out *a, const tc_attn_out *b, int which, char *msg, size_t size) {
   const tc_buf *x = &a->buf[which], *y = &b->buf[which];
   if (x->alloc_bytes == y->alloc_bytes && (x->alloc_bytes == 0 || memcmp(x->alloc, y->alloc, x->alloc_bytes) == 0))
     return 1;
   if (x->alloc_bytes != y->alloc_bytes) {
-    snprintf(msg, size, "%s: buffers of different sizes", dt_out_names[which]);
+    snprintf(msg, size, "%s: buffers of different sizes", tc_out_names[which]);
     return 0;
   }
   const size_t es = ref_dtype_size(x->dtype);
@@ -193,7 +179,7 @@ static int dt_same(const dt_out *a, const dt_out *b, int which, char *msg, size_
       ndiff++;
     }
   if (first == x->elems) {
-    snprintf(msg, size, "%s: guard bytes differ", dt_out_names[which]);
+    snprintf(msg, size, "%s: guard bytes differ", tc_out_names[which]);
     return 0;
   }
   uint32_t bx = 0, by = 0;
@@ -202,7 +188,7 @@ static int dt_same(const dt_out *a, const dt_out *b, int which, char *msg, size_
   snprintf(msg, size,
            "%s: %zu of %zu elements differ; first at buffer element %zu: 0x%0*" PRIx32 " (%.9g) vs 0x%0*" PRIx32
            " (%.9g)",
-           dt_out_names[which], ndiff, x->elems, first, (int)(2 * es), bx, dt_value(x, first), (int)(2 * es), by,
+           tc_out_names[which], ndiff, x->elems, first, (int)(2 * es), bx, dt_value(x, first), (int)(2 * es), by,
            dt_value(y, first));
   return 0;
 }
@@ -238,7 +224,7 @@ static void dt_repeat(const char *name, const dt_shape *s) {
   forkattn_ctx *ctx = tc_ctx_default(name);
   cr_assert_not_null(ctx, "%s: no context", name);
 
-  dt_out ref, cur;
+  tc_attn_out ref, cur;
   dt_out_init(&ref, &p);
   dt_out_init(&cur, &p);
   dt_out_poison(&ref);
@@ -246,11 +232,11 @@ static void dt_repeat(const char *name, const dt_shape *s) {
   cr_assert_eq(st, FORKATTN_OK, "%s: fwd: %s", name, forkattn_ctx_last_error(ctx));
   st = dt_bwd(ctx, &p, &ref, &ref);
   cr_assert_eq(st, FORKATTN_OK, "%s: bwd: %s", name, forkattn_ctx_last_error(ctx));
-  for (int w = 0; w < DT_NOUT; w++) {
+  for (int w = 0; w < TC_NOUT; w++) {
     if (!ref.buf[w].alloc) continue;
     tc_write_check wc = tc_buf_check(&ref.buf[w]);
     cr_assert(wc.guard_bad == 0 && wc.unwritten == 0, "%s: %s: %zu guard bytes changed, %zu elements unwritten",
-              name, dt_out_names[w], wc.guard_bad, wc.unwritten);
+              name, tc_out_names[w], wc.guard_bad, wc.unwritten);
   }
 
   const int reps = dt_reps();
@@ -265,7 +251,7 @@ static void dt_repeat(const char *name, const dt_shape *s) {
     st = dt_bwd(ctx, &p, &ref, &cur);
     t_bwd += tc_now() - tb;
     cr_assert_eq(st, FORKATTN_OK, "%s: bwd #%d: %s", name, it, forkattn_ctx_last_error(ctx));
-    for (int w = 0; w < DT_NOUT; w++)
+    for (int w = 0; w < TC_NOUT; w++)
       cr_assert(dt_same(&cur, &ref, w, msg, sizeof msg), "%s [%s]: run %d of %d differs from run 0: %s", name,
                 desc, it + 1, reps, msg);
   }
@@ -276,8 +262,8 @@ static void dt_repeat(const char *name, const dt_shape *s) {
     snprintf(where, sizeof where, "%s", forkattn_backend_name(forkattn_ctx_backend(ctx)));
   fprintf(stderr, "%s [%s]: %d fwd+bwd runs bitwise identical (%.2f s, bwd %.1f us/call, %s)\n", name, desc,
           reps, tc_now() - t0, 1e6 * t_bwd / reps, where);
-  dt_out_free(&ref);
-  dt_out_free(&cur);
+  tc_attn_out_free(&ref);
+  tc_attn_out_free(&cur);
   forkattn_ctx_destroy(ctx);
   dt_problem_free(&p);
 }
@@ -318,7 +304,7 @@ static void dt_threads(const char *name, const dt_shape *s) {
   dt_problem p;
   dt_problem_init(&p, s, &rng);
 
-  dt_out ref, cur;
+  tc_attn_out ref, cur;
   dt_out_init(&ref, &p);
   dt_out_init(&cur, &p);
   char msg[320], label[320];
@@ -328,7 +314,7 @@ static void dt_threads(const char *name, const dt_shape *s) {
     cr_assert_eq(forkattn_ctx_backend(ctx), FORKATTN_BACKEND_CPU, "%s: %s", label,
                  forkattn_ctx_backend_reason(ctx));
     cr_assert_eq(forkattn_ctx_threads(ctx), cfg[c].threads, "%s: ctx threads", label);
-    dt_out *out = c == 0 ? &ref : &cur;
+    tc_attn_out *out = c == 0 ? &ref : &cur;
     dt_out_poison(out);
     for (int rep = 0; rep < 3; rep++) { /* a few calls: pinning is undone and redone each time */
       forkattn_status st = dt_fwd(ctx, &p, out);
@@ -338,20 +324,20 @@ static void dt_threads(const char *name, const dt_shape *s) {
     }
     forkattn_ctx_destroy(ctx);
     if (c == 0) {
-      for (int w = 0; w < DT_NOUT; w++) {
+      for (int w = 0; w < TC_NOUT; w++) {
         if (!ref.buf[w].alloc) continue;
         tc_write_check wc = tc_buf_check(&ref.buf[w]);
         cr_assert(wc.guard_bad == 0 && wc.unwritten == 0, "%s: %s: %zu guard bytes changed, %zu unwritten", label,
-                  dt_out_names[w], wc.guard_bad, wc.unwritten);
+                  tc_out_names[w], wc.guard_bad, wc.unwritten);
       }
       continue;
     }
-    for (int w = 0; w < DT_NOUT; w++)
+    for (int w = 0; w < TC_NOUT; w++)
       cr_expect(dt_same(&cur, &ref, w, msg, sizeof msg), "%s [%s]: differs from threads=1: %s", label, desc, msg);
   }
   fprintf(stderr, "%s [%s]: o/lse/dq/dk/dv bitwise identical for threads 1,2,3,5 x bind 0,1\n", name, desc);
-  dt_out_free(&ref);
-  dt_out_free(&cur);
+  tc_attn_out_free(&ref);
+  tc_attn_out_free(&cur);
   dt_problem_free(&p);
 }
 

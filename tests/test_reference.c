@@ -15,22 +15,10 @@
 
 /* ---- 16-bit conversions --------------------------------------------------- */
 
-static uint32_t bits_of(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-static float float_of(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 Test(conversions, bf16_round_trip_all_patterns) {
   for (uint32_t b = 0; b < 65536; b++) {
     float f = ref_bf16_to_float((uint16_t)b);
-    cr_assert_eq(bits_of(f) >> 16, b, "bf16 0x%04x does not decode to its upper half", b);
+    cr_assert_eq(ref_float_bits(f) >> 16, b, "bf16 0x%04x does not decode to its upper half", b);
     if (isnan(f))
       cr_assert(isnan(ref_bf16_to_float(ref_float_to_bf16(f))));
     else
@@ -104,7 +92,7 @@ Test(conversions, nearest_on_random_floats) {
     /* Exponents spanning f16 subnormals to bf16's range. */
     uint32_t u = (uint32_t)tc_next(&rng);
     uint32_t e = (uint32_t)tc_randint(&rng, 127 - 30, 127 + 20);
-    float f = float_of((u & 0x807FFFFFu) | (e << 23));
+    float f = ref_bits_float((u & 0x807FFFFFu) | (e << 23));
     check_nearest(f, ref_float_to_f16(f), ref_f16_to_float, "f16");
     check_nearest(f, ref_float_to_bf16(f), ref_bf16_to_float, "bf16");
 #if defined(__FLT16_MANT_DIG__) && (defined(__x86_64__) || defined(__aarch64__))

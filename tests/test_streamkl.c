@@ -43,15 +43,6 @@
 #define CAUSAL FORKATTN_MASK_CAUSAL
 #define BIDIR FORKATTN_MASK_BIDIRECTIONAL
 
-static forkattn_kl_options kl_opt(int reverse, float tau, int tau2) {
-  forkattn_kl_options o;
-  forkattn_kl_options_init(&o);
-  o.direction = reverse ? FORKATTN_KL_REVERSE : FORKATTN_KL_FORWARD;
-  o.temperature = tau;
-  o.scale_by_tau2 = tau2;
-  return o;
-}
-
 /* A prefix layout with its offsets kept alive by the struct. */
 typedef struct pfx {
   int64_t off[8];
@@ -67,15 +58,6 @@ static void pfx_make(pfx *x, int64_t P, int n, const int64_t *lens, forkattn_mas
     x->off[i + 1] = x->off[i] + lens[i];
   x->p = (forkattn_prefix_layout){P, n, n ? x->off : NULL, mask};
   x->l = (forkattn_layout){&x->p, NULL};
-}
-
-static void run_both(klh_case c, const char *fwd_name, const char *rev_name, klh_result *rf, klh_result *rr) {
-  c.name = fwd_name;
-  c.opt.direction = FORKATTN_KL_FORWARD;
-  klh_run(&c, rf);
-  c.name = rev_name;
-  c.opt.direction = FORKATTN_KL_REVERSE;
-  klh_run(&c, rr);
 }
 
 /* ---- the reference's gradients vs finite differences ----------------------- */
@@ -190,15 +172,15 @@ Test(fd, library_on_small_shapes, .timeout = 120) {
   klh_case c = {.layout = x.l, .H = 2, .hkv_t = 2, .hkv_s = 1, .dt = 8, .ds = 6, .dtype_t = F32,
                 .dtype_s = F32, .teacher_grad = 1};
   klh_result rf, rr;
-  c.opt = kl_opt(0, 1.0f, 0);
-  run_both(c, "small/forward", "small/reverse", &rf, &rr);
+  c.opt = klh_options(0, 1.0f, 0);
+  klh_run_both(c, "small/forward", "small/reverse", &rf, &rr);
   c.kept = &fd_kept;
-  c.opt = kl_opt(0, 2.0f, 1);
-  run_both(c, "small/kept_forward_tau2", "small/kept_reverse_tau2", &rf, &rr);
+  c.opt = klh_options(0, 2.0f, 1);
+  klh_run_both(c, "small/kept_forward_tau2", "small/kept_reverse_tau2", &rf, &rr);
   cr_expect_gt(rf.empty_rows, 0, "the kept lists should leave rows keeping nothing");
   c.dtype_t = c.dtype_s = BF16;
   c.strided = 1;
-  run_both(c, "small/kept_bf16_strided_forward", "small/kept_bf16_strided_reverse", &rf, &rr);
+  klh_run_both(c, "small/kept_bf16_strided_forward", "small/kept_bf16_strided_reverse", &rf, &rr);
 }
 
 /* ---- odd sizes ------------------------------------------------------------- */
@@ -210,8 +192,8 @@ Test(odd, prefix_423_with_two_responses_of_423, .timeout = 300) {
   klh_case c = {.layout = x.l, .H = 4, .hkv_t = 2, .hkv_s = 1, .dt = 64, .ds = 64, .dtype_t = F32,
                 .dtype_s = F32, .teacher_grad = 1};
   klh_result rf, rr;
-  c.opt = kl_opt(0, 1.0f, 0);
-  run_both(c, "odd/3x423_forward", "odd/3x423_reverse", &rf, &rr);
+  c.opt = klh_options(0, 1.0f, 0);
+  klh_run_both(c, "odd/3x423_forward", "odd/3x423_reverse", &rf, &rr);
 }
 
 Test(odd, dense_causal_512_d128, .timeout = 300) {
@@ -221,8 +203,8 @@ Test(odd, dense_causal_512_d128, .timeout = 300) {
   klh_case c = {.layout = x.l, .H = 2, .hkv_t = 1, .hkv_s = 1, .dt = 128, .ds = 128, .dtype_t = F32,
                 .dtype_s = F32, .noise = 0.2, .teacher_grad = 1};
   klh_result rf, rr;
-  c.opt = kl_opt(0, 1.0f, 0);
-  run_both(c, "odd/dense512_d128_forward", "odd/dense512_d128_reverse", &rf, &rr);
+  c.opt = klh_options(0, 1.0f, 0);
+  klh_run_both(c, "odd/dense512_d128_forward", "odd/dense512_d128_reverse", &rf, &rr);
 }
 
 /* The issue's S = 2048, head_dim 128 causal shape with one head (the float64
@@ -233,8 +215,8 @@ Test(odd, dense_causal_2048_d128_one_head, .timeout = 300) {
   klh_case c = {.layout = x.l, .H = 1, .hkv_t = 1, .hkv_s = 1, .dt = 128, .ds = 128, .dtype_t = F32,
                 .dtype_s = F32, .noise = 0.3, .teacher_grad = 1};
   klh_result rf, rr;
-  c.opt = kl_opt(0, 1.0f, 0);
-  run_both(c, "odd/dense2048_d128_forward", "odd/dense2048_d128_reverse", &rf, &rr);
+  c.opt = klh_options(0, 1.0f, 0);
+  klh_run_both(c, "odd/dense2048_d128_forward", "odd/dense2048_d128_reverse", &rf, &rr);
 }
 
 /* ---- peaked rows, temperature, GQA ----------------------------------------- */
@@ -246,8 +228,8 @@ static void peaked(double amp, const char *nf, const char *nr) {
   klh_case c = {.layout = x.l, .H = 2, .hkv_t = 1, .hkv_s = 2, .dt = 64, .ds = 64, .dtype_t = F32,
                 .dtype_s = F32, .qamp_t = amp, .qamp_s = amp, .teacher_grad = 1};
   klh_result rf, rr;
-  c.opt = kl_opt(0, 1.0f, 0);
-  run_both(c, nf, nr, &rf, &rr);
+  c.opt = klh_options(0, 1.0f, 0);
+  klh_run_both(c, nf, nr, &rf, &rr);
   fprintf(stderr, "  peaked x%g: kl up to %.3g (forward) / %.3g (reverse), row scale up to %.3g\n", amp,
           rf.kl_max_abs, rr.kl_max_abs, rf.rmax);
 }
@@ -271,8 +253,8 @@ Test(peaked, q_times_30_block_mask, .timeout = 300) {
   klh_case c = {.layout = x.l, .kept = &ks, .H = 2, .hkv_t = 1, .hkv_s = 2, .dt = 64, .ds = 64, .dtype_t = F32,
                 .dtype_s = F32, .qamp_t = 30.0, .qamp_s = 30.0, .teacher_grad = 1};
   klh_result rf, rr;
-  c.opt = kl_opt(0, 1.0f, 0);
-  run_both(c, "peaked/x30_kept_forward", "peaked/x30_kept_reverse", &rf, &rr);
+  c.opt = klh_options(0, 1.0f, 0);
+  klh_run_both(c, "peaked/x30_kept_forward", "peaked/x30_kept_reverse", &rf, &rr);
   free(bm);
 }
 
@@ -283,12 +265,12 @@ Test(temperature, tau_2_scaled_by_tau2, .timeout = 300) {
   klh_case c = {.layout = x.l, .H = 4, .hkv_t = 4, .hkv_s = 2, .dt = 32, .ds = 48, .dtype_t = F32,
                 .dtype_s = F32, .qamp_t = 6.0, .qamp_s = 4.0, .teacher_grad = 1};
   klh_result rf, rr;
-  c.opt = kl_opt(0, 2.0f, 1);
-  run_both(c, "tau/2_tau2_forward", "tau/2_tau2_reverse", &rf, &rr);
-  c.opt = kl_opt(0, 0.5f, 0); /* tau < 1 without the tau^2 factor, explicit scales */
+  c.opt = klh_options(0, 2.0f, 1);
+  klh_run_both(c, "tau/2_tau2_forward", "tau/2_tau2_reverse", &rf, &rr);
+  c.opt = klh_options(0, 0.5f, 0); /* tau < 1 without the tau^2 factor, explicit scales */
   c.opt.scale_teacher = 0.3f;
   c.opt.scale_student = 0.1f;
-  run_both(c, "tau/0.5_scales_forward", "tau/0.5_scales_reverse", &rf, &rr);
+  klh_run_both(c, "tau/0.5_scales_forward", "tau/0.5_scales_reverse", &rf, &rr);
 }
 
 Test(gqa, teacher_32_8_d64_vs_student_32_4_d32, .timeout = 300) {
@@ -298,11 +280,11 @@ Test(gqa, teacher_32_8_d64_vs_student_32_4_d32, .timeout = 300) {
   klh_case c = {.layout = x.l, .H = 32, .hkv_t = 8, .hkv_s = 4, .dt = 64, .ds = 32, .dtype_t = F32,
                 .dtype_s = F32, .teacher_grad = 1};
   klh_result rf, rr;
-  c.opt = kl_opt(0, 1.0f, 0);
-  run_both(c, "gqa/32_8_vs_32_4_forward", "gqa/32_8_vs_32_4_reverse", &rf, &rr);
+  c.opt = klh_options(0, 1.0f, 0);
+  klh_run_both(c, "gqa/32_8_vs_32_4_forward", "gqa/32_8_vs_32_4_reverse", &rf, &rr);
   c.teacher_grad = 0; /* student gradients only */
-  c.opt = kl_opt(0, 2.0f, 1);
-  run_both(c, "gqa/student_only_forward", "gqa/student_only_reverse", &rf, &rr);
+  c.opt = klh_options(0, 2.0f, 1);
+  klh_run_both(c, "gqa/student_only_forward", "gqa/student_only_reverse", &rf, &rr);
 }
 
 /* ---- layouts --------------------------------------------------------------- */
@@ -314,8 +296,8 @@ Test(layout, bidirectional_prefix, .timeout = 300) {
   klh_case c = {.layout = x.l, .H = 4, .hkv_t = 2, .hkv_s = 2, .dt = 32, .ds = 32, .dtype_t = F32,
                 .dtype_s = F32, .noise = 0.5, .teacher_grad = 1};
   klh_result rf, rr;
-  c.opt = kl_opt(0, 1.0f, 0);
-  run_both(c, "layout/bidir_forward", "layout/bidir_reverse", &rf, &rr);
+  c.opt = klh_options(0, 1.0f, 0);
+  klh_run_both(c, "layout/bidir_forward", "layout/bidir_reverse", &rf, &rr);
 }
 
 Test(layout, tree, .timeout = 300) {
@@ -327,8 +309,8 @@ Test(layout, tree, .timeout = 300) {
   klh_case c = {.layout = {NULL, &p.layout}, .H = 4, .hkv_t = 2, .hkv_s = 1, .dt = 32, .ds = 16,
                 .dtype_t = F32, .dtype_s = F32, .teacher_grad = 1};
   klh_result rf, rr;
-  c.opt = kl_opt(0, 1.0f, 0);
-  run_both(c, "layout/tree_forward", "layout/tree_reverse", &rf, &rr);
+  c.opt = klh_options(0, 1.0f, 0);
+  klh_run_both(c, "layout/tree_forward", "layout/tree_reverse", &rf, &rr);
   /* BFS packing with a kept block mask (every block of head 1 row-block 0 dropped) */
   tt_packed b;
   tt_pack(&b, &t, 1);
@@ -342,7 +324,7 @@ Test(layout, tree, .timeout = 300) {
   const forkattn_kept_set ks = {2, 0, 0, NULL, NULL, bm};
   c.layout = (forkattn_layout){NULL, &b.layout};
   c.kept = &ks;
-  run_both(c, "layout/tree_bfs_kept_forward", "layout/tree_bfs_kept_reverse", &rf, &rr);
+  klh_run_both(c, "layout/tree_bfs_kept_forward", "layout/tree_bfs_kept_reverse", &rf, &rr);
   cr_expect_gt(rf.empty_rows, 0);
   free(bm);
   tt_packed_free(&b);
@@ -371,12 +353,12 @@ Test(layout, forest_with_empty_nodes_and_odd_head_dims, .timeout = 300) {
   klh_case c = {.layout = {NULL, &p.layout}, .H = 2, .hkv_t = 1, .hkv_s = 2, .dt = 256, .ds = 33,
                 .dtype_t = F32, .dtype_s = F32, .teacher_grad = 1};
   klh_result rf, rr;
-  c.opt = kl_opt(0, 1.0f, 0);
-  run_both(c, "layout/forest_d256_vs_d33_forward", "layout/forest_d256_vs_d33_reverse", &rf, &rr);
+  c.opt = klh_options(0, 1.0f, 0);
+  klh_run_both(c, "layout/forest_d256_vs_d33_forward", "layout/forest_d256_vs_d33_reverse", &rf, &rr);
   c.dt = 1;
   c.ds = 255;
   c.strided = 1;
-  run_both(c, "layout/forest_d1_vs_d255_forward", "layout/forest_d1_vs_d255_reverse", &rf, &rr);
+  klh_run_both(c, "layout/forest_d1_vs_d255_forward", "layout/forest_d1_vs_d255_reverse", &rf, &rr);
   tt_packed_free(&p);
   tt_free(&t);
 }
@@ -409,8 +391,8 @@ Test(sparse, block_mask_half_diagonal_kept, .timeout = 300) {
   klh_case c = {.layout = x.l, .kept = &ks, .H = 4, .hkv_t = 2, .hkv_s = 2, .dt = 32, .ds = 32,
                 .dtype_t = F32, .dtype_s = F32, .noise = 0.3, .teacher_grad = 1};
   klh_result rf, rr;
-  c.opt = kl_opt(0, 1.0f, 0);
-  run_both(c, "sparse/diag_kept_forward", "sparse/diag_kept_reverse", &rf, &rr);
+  c.opt = klh_options(0, 1.0f, 0);
+  klh_run_both(c, "sparse/diag_kept_forward", "sparse/diag_kept_reverse", &rf, &rr);
   cr_expect_gt(rf.outside_max, 0.0, "the block mask drops teacher mass");
   (void)T;
   free(bm);
@@ -432,13 +414,13 @@ Test(sparse, block_mask_half_diagonal_random_rows_keeping_nothing, .timeout = 30
   klh_case c = {.layout = x.l, .kept = &ks, .H = 4, .hkv_t = 4, .hkv_s = 2, .dt = 32, .ds = 24,
                 .dtype_t = F32, .dtype_s = F32, .teacher_grad = 1};
   klh_result rf, rr;
-  c.opt = kl_opt(0, 1.0f, 0);
-  run_both(c, "sparse/diag_random_forward", "sparse/diag_random_reverse", &rf, &rr);
+  c.opt = klh_options(0, 1.0f, 0);
+  klh_run_both(c, "sparse/diag_random_forward", "sparse/diag_random_reverse", &rf, &rr);
   cr_expect_geq(rf.empty_rows, 64, "rows 0..63 of head 0 keep nothing");
   cr_expect_eq(rf.outside_max, 1.0, "a row keeping nothing has outside_mass 1");
-  c.opt = kl_opt(0, 2.0f, 1);
+  c.opt = klh_options(0, 2.0f, 1);
   c.strided = 1;
-  run_both(c, "sparse/diag_random_tau2_strided_forward", "sparse/diag_random_tau2_strided_reverse", &rf, &rr);
+  klh_run_both(c, "sparse/diag_random_tau2_strided_forward", "sparse/diag_random_tau2_strided_reverse", &rf, &rr);
   free(bm);
 }
 
@@ -462,19 +444,19 @@ Test(sparse, kept_lists_query_start_compressed_rows, .timeout = 300) {
   klh_case c = {.layout = x.l, .kept = &ks, .H = 4, .hkv_t = 2, .hkv_s = 2, .dt = 32, .ds = 32,
                 .dtype_t = F32, .dtype_s = F32, .noise = 0.4, .teacher_grad = 1};
   klh_result rf, rr;
-  c.opt = kl_opt(0, 1.0f, 0);
-  run_both(c, "sparse/lists_forward", "sparse/lists_reverse", &rf, &rr);
+  c.opt = klh_options(0, 1.0f, 0);
+  klh_run_both(c, "sparse/lists_forward", "sparse/lists_reverse", &rf, &rr);
   cr_expect_geq(rf.empty_rows, 2 * 50, "rows 150..199 of query heads 2, 3 keep nothing");
   /* lists AND a block mask */
   unsigned char *bm = random_blocks(&rng, heads, 5, 1);
   const forkattn_kept_set kb = {heads, cr, 150, offsets, index, bm};
   c.kept = &kb;
-  run_both(c, "sparse/lists_blocks_forward", "sparse/lists_blocks_reverse", &rf, &rr);
+  klh_run_both(c, "sparse/lists_blocks_forward", "sparse/lists_blocks_reverse", &rf, &rr);
   /* query_start 0: the lists restrict every row (prompt rows too) */
   const forkattn_kept_set k0 = {heads, cr, 0, offsets, index, NULL};
   c.kept = &k0;
   c.dtype_t = c.dtype_s = BF16;
-  run_both(c, "sparse/lists_qs0_bf16_forward", "sparse/lists_qs0_bf16_reverse", &rf, &rr);
+  klh_run_both(c, "sparse/lists_qs0_bf16_forward", "sparse/lists_qs0_bf16_reverse", &rf, &rr);
   free(bm);
   free(index);
 }
@@ -497,21 +479,21 @@ Test(same, teacher_equals_student_gives_zero, .timeout = 300) {
   const char *names[3] = {"same/forward", "same/reverse", "same/forward_kept"};
   for (int k = 0; k < 3; k++) {
     c.name = names[k];
-    c.opt = kl_opt(k == 1, 1.0f, 0);
+    c.opt = klh_options(k == 1, 1.0f, 0);
     c.kept = k == 2 ? &ks : NULL;
     klh_run(&c, &r);
     cr_expect_leq(r.kl_max_abs, 1e-6, "%s: KL(T||T) = %.3e, expected 0", names[k], r.kl_max_abs);
   }
   c.dtype_t = c.dtype_s = BF16;
   c.name = "same/forward_bf16_tau2";
-  c.opt = kl_opt(0, 2.0f, 1);
+  c.opt = klh_options(0, 2.0f, 1);
   c.kept = NULL;
   klh_run(&c, &r);
   cr_expect_leq(r.kl_max_abs, 1e-6, "%s: KL(T||T) = %.3e, expected 0", c.name, r.kl_max_abs);
   /* reverse with a kept set: > 0, with gradients */
   c.dtype_t = c.dtype_s = F32;
   c.name = "same/reverse_kept";
-  c.opt = kl_opt(1, 1.0f, 0);
+  c.opt = klh_options(1, 1.0f, 0);
   c.kept = &ks;
   c.no_bwd = 0;
   c.teacher_grad = 1;
@@ -529,15 +511,15 @@ Test(dtype, bf16_mixed_and_strided, .timeout = 300) {
   klh_case c = {.layout = x.l, .H = 4, .hkv_t = 2, .hkv_s = 1, .dt = 64, .ds = 32, .dtype_t = BF16,
                 .dtype_s = BF16, .teacher_grad = 1};
   klh_result rf, rr;
-  c.opt = kl_opt(0, 1.0f, 0);
-  run_both(c, "dtype/bf16_forward", "dtype/bf16_reverse", &rf, &rr);
+  c.opt = klh_options(0, 1.0f, 0);
+  klh_run_both(c, "dtype/bf16_forward", "dtype/bf16_reverse", &rf, &rr);
   c.dtype_s = F32; /* teacher bf16 (frozen), student f32 */
-  run_both(c, "dtype/mixed_forward", "dtype/mixed_reverse", &rf, &rr);
+  klh_run_both(c, "dtype/mixed_forward", "dtype/mixed_reverse", &rf, &rr);
   c.dtype_t = F32;
   c.strided = 1;
-  run_both(c, "dtype/f32_strided_forward", "dtype/f32_strided_reverse", &rf, &rr);
+  klh_run_both(c, "dtype/f32_strided_forward", "dtype/f32_strided_reverse", &rf, &rr);
   c.dtype_t = c.dtype_s = BF16;
-  run_both(c, "dtype/bf16_strided_forward", "dtype/bf16_strided_reverse", &rf, &rr);
+  klh_run_both(c, "dtype/bf16_strided_forward", "dtype/bf16_strided_reverse", &rf, &rr);
 }
 
 /* The tensor-core kernels' shapes (bf16/f16, one head_dim of 64 or 128 for
@@ -552,13 +534,13 @@ Test(dtype, tensor_core_shapes, .timeout = 300) {
   klh_case c = {.layout = x.l, .H = 4, .hkv_t = 2, .hkv_s = 2, .dt = 64, .ds = 64, .dtype_t = BF16,
                 .dtype_s = BF16, .teacher_grad = 1};
   klh_result rf, rr;
-  c.opt = kl_opt(0, 1.0f, 0);
-  run_both(c, "mma/bf16_d64_forward", "mma/bf16_d64_reverse", &rf, &rr);
+  c.opt = klh_options(0, 1.0f, 0);
+  klh_run_both(c, "mma/bf16_d64_forward", "mma/bf16_d64_reverse", &rf, &rr);
   c.dt = c.ds = 128, c.dtype_t = c.dtype_s = F16, c.H = 2, c.hkv_t = c.hkv_s = 1;
-  run_both(c, "mma/f16_d128_forward", "mma/f16_d128_reverse", &rf, &rr);
+  klh_run_both(c, "mma/f16_d128_forward", "mma/f16_d128_reverse", &rf, &rr);
   pfx_make(&x, 90, 3, lens, BIDIR);
-  c.layout = x.l, c.dtype_t = c.dtype_s = BF16, c.opt = kl_opt(0, 2.0f, 1);
-  run_both(c, "mma/bf16_d128_bidir_tau2_forward", "mma/bf16_d128_bidir_tau2_reverse", &rf, &rr);
+  c.layout = x.l, c.dtype_t = c.dtype_s = BF16, c.opt = klh_options(0, 2.0f, 1);
+  klh_run_both(c, "mma/bf16_d128_bidir_tau2_forward", "mma/bf16_d128_bidir_tau2_reverse", &rf, &rr);
 }
 
 /* ---- memory ----------------------------------------------------------------- */
@@ -593,7 +575,7 @@ Test(memory, no_rows_by_keys_buffer_at_4096, .timeout = 300) {
   for (int pass = 0; pass < 2; pass++) {
     const forkattn_kept_set *kp = pass ? &ks : NULL;
     for (int dir = 0; dir < 2; dir++) {
-      forkattn_kl_options o = kl_opt(dir, 1.0f, 0);
+      forkattn_kl_options o = klh_options(dir, 1.0f, 0);
       double t0 = tc_now();
       cr_assert_eq(forkattn_kl_fwd(ctx, &x.l, &t[0], &t[1], &t[2], &t[3], kp, &o, kl, stats, out,
                                    FORKATTN_MEMORY_HOST),
@@ -636,7 +618,7 @@ Test(edge, no_rows) {
   const int64_t off[3] = {0, 0, 0}, par[2] = {-1, 0};
   const forkattn_tree_layout tl = {2, off, par};
   const forkattn_layout lays[2] = {{&pl, NULL}, {NULL, &tl}};
-  forkattn_kl_options o = kl_opt(1, 1.0f, 0);
+  forkattn_kl_options o = klh_options(1, 1.0f, 0);
   for (int i = 0; i < 2; i++) {
     cr_expect_eq(forkattn_kl_fwd(ctx, &lays[i], &q, &k, &q, &k, NULL, &o, kl, st, NULL, FORKATTN_MEMORY_HOST),
                  FORKATTN_OK, "%s", forkattn_ctx_last_error(ctx));
@@ -688,7 +670,7 @@ Test(edge, deterministic_reruns, .timeout = 300) {
   for (int64_t i = 0; i < T * H; i++)
     dk[i] = (float)tc_uniform(&rng, -1, 1);
   for (int dir = 0; dir < 2; dir++) {
-    forkattn_kl_options o = kl_opt(dir, 1.5f, 1);
+    forkattn_kl_options o = klh_options(dir, 1.5f, 1);
     for (int r = 0; r < 2; r++) {
       cr_assert_eq(forkattn_kl_fwd(ctx, &x.l, &qt, &kt, &qs, &ks2, &ks, &o, kl[r], st[r], out[r],
                                    FORKATTN_MEMORY_HOST), FORKATTN_OK);
@@ -978,7 +960,7 @@ Test(rows_mean, mean_of_kl_matches_reference) {
   }
   for (int64_t i = 0; i < T; i++)
     w[i] = i < 12 ? 0.0f : 1.0f; /* loss mask: response tokens only */
-  forkattn_kl_options o = kl_opt(0, 1.0f, 0);
+  forkattn_kl_options o = klh_options(0, 1.0f, 0);
   cr_assert_eq(forkattn_kl_fwd(ctx, &x.l, &t[0], &t[1], &t[2], &t[3], NULL, &o, kl, NULL, NULL,
                                FORKATTN_MEMORY_HOST),
                FORKATTN_OK, "%s", forkattn_ctx_last_error(ctx));

@@ -24,33 +24,15 @@
 #define F32 FORKATTN_DTYPE_F32
 #define BF16 FORKATTN_DTYPE_BF16
 
-static forkattn_kl_options kl_opt(int reverse, float tau, int tau2) {
-  forkattn_kl_options o;
-  forkattn_kl_options_init(&o);
-  o.direction = reverse ? FORKATTN_KL_REVERSE : FORKATTN_KL_FORWARD;
-  o.temperature = tau;
-  o.scale_by_tau2 = tau2;
-  return o;
-}
-
-static void run_both(klh_case c, const char *fwd_name, const char *rev_name) {
-  c.name = fwd_name;
-  c.opt.direction = FORKATTN_KL_FORWARD;
-  klh_run(&c, NULL);
-  c.name = rev_name;
-  c.opt.direction = FORKATTN_KL_REVERSE;
-  klh_run(&c, NULL);
-}
-
 Test(slow, dense_causal_2048_d128, .timeout = 3600) {
   const forkattn_prefix_layout p = {2048, 0, NULL, FORKATTN_MASK_CAUSAL};
   klh_case c = {.layout = {&p, NULL}, .H = 4, .hkv_t = 2, .hkv_s = 2, .dt = 128, .ds = 128, .dtype_t = F32,
                 .dtype_s = F32, .noise = 0.3, .teacher_grad = 1};
-  c.opt = kl_opt(0, 1.0f, 0);
-  run_both(c, "slow/dense2048_d128_forward", "slow/dense2048_d128_reverse");
+  c.opt = klh_options(0, 1.0f, 0);
+  klh_run_both(c, "slow/dense2048_d128_forward", "slow/dense2048_d128_reverse", NULL, NULL);
   c.dtype_t = c.dtype_s = BF16;
   c.noise = 0;
-  run_both(c, "slow/dense2048_d128_bf16_forward", "slow/dense2048_d128_bf16_reverse");
+  klh_run_both(c, "slow/dense2048_d128_bf16_forward", "slow/dense2048_d128_bf16_reverse", NULL, NULL);
 }
 
 static const int64_t off3[3] = {0, 423, 846};
@@ -59,24 +41,24 @@ Test(slow, gqa_32_8_d64_vs_32_4_d32_3x423, .timeout = 3600) {
   const forkattn_prefix_layout p = {423, 2, off3, FORKATTN_MASK_CAUSAL};
   klh_case c = {.layout = {&p, NULL}, .H = 32, .hkv_t = 8, .hkv_s = 4, .dt = 64, .ds = 32, .dtype_t = F32,
                 .dtype_s = F32, .teacher_grad = 1};
-  c.opt = kl_opt(0, 1.0f, 0);
-  run_both(c, "slow/gqa_3x423_forward", "slow/gqa_3x423_reverse");
+  c.opt = klh_options(0, 1.0f, 0);
+  klh_run_both(c, "slow/gqa_3x423_forward", "slow/gqa_3x423_reverse", NULL, NULL);
 }
 
 Test(slow, peaked_and_tau_3x423, .timeout = 3600) {
   const forkattn_prefix_layout p = {423, 2, off3, FORKATTN_MASK_CAUSAL};
   klh_case c = {.layout = {&p, NULL}, .H = 4, .hkv_t = 2, .hkv_s = 1, .dt = 64, .ds = 64, .dtype_t = F32,
                 .dtype_s = F32, .qamp_t = 30.0, .qamp_s = 30.0, .teacher_grad = 1};
-  c.opt = kl_opt(0, 1.0f, 0);
-  run_both(c, "slow/peaked30_3x423_forward", "slow/peaked30_3x423_reverse");
+  c.opt = klh_options(0, 1.0f, 0);
+  klh_run_both(c, "slow/peaked30_3x423_forward", "slow/peaked30_3x423_reverse", NULL, NULL);
   c.qamp_t = c.qamp_s = 10.0;
-  c.opt = kl_opt(0, 2.0f, 1);
-  run_both(c, "slow/peaked10_tau2_3x423_forward", "slow/peaked10_tau2_3x423_reverse");
+  c.opt = klh_options(0, 2.0f, 1);
+  klh_run_both(c, "slow/peaked10_tau2_3x423_forward", "slow/peaked10_tau2_3x423_reverse", NULL, NULL);
   const forkattn_prefix_layout b = {423, 2, off3, FORKATTN_MASK_BIDIRECTIONAL};
   c.layout = (forkattn_layout){&b, NULL};
   c.qamp_t = c.qamp_s = 0;
   c.strided = 1;
-  run_both(c, "slow/bidir_tau2_strided_3x423_forward", "slow/bidir_tau2_strided_3x423_reverse");
+  klh_run_both(c, "slow/bidir_tau2_strided_3x423_forward", "slow/bidir_tau2_strided_3x423_reverse", NULL, NULL);
 }
 
 Test(slow, sparse_2048, .timeout = 3600) {
@@ -100,11 +82,11 @@ Test(slow, sparse_2048, .timeout = 3600) {
   const forkattn_kept_set kb = {heads, 0, 0, NULL, NULL, bm};
   klh_case c = {.layout = {&p, NULL}, .kept = &kb, .H = 4, .hkv_t = 2, .hkv_s = 2, .dt = 64, .ds = 64,
                 .dtype_t = F32, .dtype_s = F32, .noise = 0.3, .teacher_grad = 1};
-  c.opt = kl_opt(0, 1.0f, 0);
-  run_both(c, "slow/blocks2048_forward", "slow/blocks2048_reverse");
+  c.opt = klh_options(0, 1.0f, 0);
+  klh_run_both(c, "slow/blocks2048_forward", "slow/blocks2048_reverse", NULL, NULL);
   const forkattn_kept_set kl = {heads, cr, 1024, off, idx, NULL};
   c.kept = &kl;
-  run_both(c, "slow/lists2048_forward", "slow/lists2048_reverse");
+  klh_run_both(c, "slow/lists2048_forward", "slow/lists2048_reverse", NULL, NULL);
   free(bm);
   free(idx);
 }

@@ -13,13 +13,11 @@
 
 int cmd_bench_dlm(int argc, char **argv) {
   dlm_cli o;
-  dlm_cli_defaults(&o, 1);
-  const int p = dlm_cli_parse(argc, argv, 2, &o);
-  if (p) return p > 0 ? 0 : 2;
   dlm_setup s;
+  const int started = dlm_cli_start(argc, argv, 1, &o, &s);
+  if (started >= 0) return started;
   char err[512];
   int rc = 1;
-  if (dlm_setup_make(&s, &o)) goto done;
   if (!o.json) {
     dlm_print_model(&s, &o, "forkattn bench dlm: BiCache serving throughput, cached vs recomputed");
     dlm_print_calibration(&s, &o);

@@ -25,14 +25,12 @@ static double dlm_mean_depth(const int64_t *h, int64_t L) {
 
 int cmd_demo_dlm(int argc, char **argv) {
   dlm_cli o;
-  dlm_cli_defaults(&o, 0);
-  const int p = dlm_cli_parse(argc, argv, 2, &o);
-  if (p) return p > 0 ? 0 : 2;
   dlm_setup s;
+  const int started = dlm_cli_start(argc, argv, 0, &o, &s);
+  if (started >= 0) return started;
   char err[512];
   dlm_workload w = {0};
   int rc = 1;
-  if (dlm_setup_make(&s, &o)) goto done;
   if (dlm_workload_make(&w, &o.work, &s.model, err, sizeof err)) {
     fprintf(stderr, "forkattn: %s\n", err);
     goto done;

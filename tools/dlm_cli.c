@@ -164,6 +164,17 @@ int dlm_setup_make(dlm_setup *s, const dlm_cli *o) {
   return 0;
 }
 
+int dlm_cli_start(int argc, char **argv, int bench, dlm_cli *o, dlm_setup *s) {
+  dlm_cli_defaults(o, bench);
+  const int p = dlm_cli_parse(argc, argv, 2, o);
+  if (p) return p > 0 ? 0 : 2;
+  if (dlm_setup_make(s, o)) {
+    dlm_setup_free(s);
+    return 1;
+  }
+  return -1;
+}
+
 void dlm_setup_free(dlm_setup *s) {
   forkattn_reuse_profile_free(s->profile);
   dlm_model_free(&s->model);

@@ -33,6 +33,10 @@ typedef struct dlm_setup {
 /* Context, model and calibration (ratios 0.1, 0.2, .. 0.9); 0 or -1 (printed). */
 int dlm_setup_make(dlm_setup *s, const dlm_cli *o);
 void dlm_setup_free(dlm_setup *s);
+/* The start of `demo dlm` (bench = 0) and `bench dlm` (1): defaults, options from argv[2], then
+ * dlm_setup_make. -1: go on (the caller frees @p s); else the command's exit status (nothing
+ * left to free). */
+int dlm_cli_start(int argc, char **argv, int bench, dlm_cli *o, dlm_setup *s);
 /* The banner every run prints: synthetic weights, model shape, backend. */
 void dlm_print_model(const dlm_setup *s, const dlm_cli *o, const char *title);
 /* The calibration table and b(r) at r = 0.1 .. 0.9. */

@@ -14,6 +14,7 @@ import ctypes.util
 import glob
 import math
 import os
+import sys
 import threading
 from ctypes import POINTER, Structure, byref, c_char_p, c_double, c_float, c_int, c_int64, c_size_t
 from ctypes import c_uint, c_uint64, c_void_p
@@ -50,6 +51,12 @@ BACKENDS = {"auto": 0, "cpu": 1, "gpu": 2}
 BACKEND_NAMES = {0: "auto", 1: "cpu", 2: "gpu"}
 DTYPE_F32, DTYPE_BF16, DTYPE_F16 = 0, 1, 2
 DTYPE_ITEMSIZE = {DTYPE_F32: 4, DTYPE_BF16: 2, DTYPE_F16: 2}
+DTYPE_CODES = {
+    "float32": DTYPE_F32, "f32": DTYPE_F32, "float": DTYPE_F32,
+    "bfloat16": DTYPE_BF16, "bf16": DTYPE_BF16,
+    "float16": DTYPE_F16, "f16": DTYPE_F16, "half": DTYPE_F16,
+}
+DTYPE_NAMES = {DTYPE_F32: "float32", DTYPE_BF16: "bfloat16", DTYPE_F16: "float16"}
 MEMORY_HOST, MEMORY_DEVICE = 0, 1
 MASK_CAUSAL, MASK_BIDIRECTIONAL = 0, 1
 TRIE_SINGLE_ROOT = 1
@@ -1010,23 +1017,31 @@ def softmax_scale(head_dim, scale=None):
     return 1.0 / math.sqrt(d)
 
 
-def prefix_fwd(ctx, prompt_lens, group_sizes, response_lens, causal, q, k, v, o, lse_ptr, scale,
-               memory):
-    """Shared-prompt forward over several groups packed back to back."""
+def _attn_args(tensors, lse_ptr):
+    """The tensor arguments of a forward (q, k, v, o) or backward (q, k, v, o, do, dq, dk, dv)
+    call, by reference, with the lse pointer after the inputs as the C functions take them."""
+    n_in = 4 if len(tensors) == 4 else 5
+    refs = [byref(t) for t in tensors]
+    return refs[:n_in] + [lse_ptr] + refs[n_in:]
+
+
+def _prefix_call(ctx, direction, prompt_lens, group_sizes, response_lens, causal, tensors,
+                 lse_ptr, scale, memory):
+    """forkattn_prefix_fwd or _bwd (``direction``) over several groups packed back to back."""
     total = _check_layout_lists(prompt_lens, group_sizes, response_lens)
     # Before any call: several bidirectional groups run on row slices, which only row_slice's
     # bound protects; every tensor must have exactly the layout's rows.
-    check_rows(total, (q, k, v, o))
+    check_rows(total, tensors)
     G = len(prompt_lens)
     if G == 0:
         return
-    hq = q.heads
     if causal and G > 1 and MULTI_GROUP_CAUSAL == "tree":
         offs, parents = _forest(prompt_lens, group_sizes, response_lens)
-        tree_fwd(ctx, offs, parents, q, k, v, o, lse_ptr, scale, memory)
+        _tree_call(ctx, direction, offs, parents, tensors, lse_ptr, scale, memory)
         return
+    hq = tensors[0].heads
     mask = MASK_CAUSAL if causal else MASK_BIDIRECTIONAL
-    fn = _fn("forkattn_prefix_fwd")
+    fn = _fn("forkattn_prefix_" + direction)
     for row, P, lens in _groups(prompt_lens, group_sizes, response_lens):
         n = P + sum(lens)
         if G > 1 and n == 0:
@@ -1034,69 +1049,45 @@ def prefix_fwd(ctx, prompt_lens, group_sizes, response_lens, causal, q, k, v, o,
         arr, _ = _i64_array([0] + _cumsum(lens), "response offsets")
         lay = PrefixLayout(P, len(lens), arr, mask)
         if G == 1:
-            qs, ks, vs, os_, lp = q, k, v, o, lse_ptr
+            ts, lp = tensors, lse_ptr
         else:
-            qs, ks, vs, os_ = (row_slice(t, row, n) for t in (q, k, v, o))
+            ts = tuple(row_slice(t, row, n) for t in tensors)
             lp = _ptr_add(lse_ptr, row * hq * 4)
-        st = fn(ctx.handle, byref(lay), byref(qs), byref(ks), byref(vs), byref(os_), lp,
-                _scale(scale), memory)
-        ctx.check(st)
+        ctx.check(fn(ctx.handle, byref(lay), *_attn_args(ts, lp), _scale(scale), memory))
+
+
+def prefix_fwd(ctx, prompt_lens, group_sizes, response_lens, causal, q, k, v, o, lse_ptr, scale,
+               memory):
+    """Shared-prompt forward over several groups packed back to back."""
+    _prefix_call(ctx, "fwd", prompt_lens, group_sizes, response_lens, causal, (q, k, v, o),
+                 lse_ptr, scale, memory)
 
 
 def prefix_bwd(ctx, prompt_lens, group_sizes, response_lens, causal, q, k, v, o, do, lse_ptr, dq,
                dk, dv, scale, memory):
-    total = _check_layout_lists(prompt_lens, group_sizes, response_lens)
-    check_rows(total, (q, k, v, o, do, dq, dk, dv))
-    G = len(prompt_lens)
-    if G == 0:
-        return
-    hq = q.heads
-    if causal and G > 1 and MULTI_GROUP_CAUSAL == "tree":
-        offs, parents = _forest(prompt_lens, group_sizes, response_lens)
-        tree_bwd(ctx, offs, parents, q, k, v, o, do, lse_ptr, dq, dk, dv, scale, memory)
-        return
-    mask = MASK_CAUSAL if causal else MASK_BIDIRECTIONAL
-    fn = _fn("forkattn_prefix_bwd")
-    for row, P, lens in _groups(prompt_lens, group_sizes, response_lens):
-        n = P + sum(lens)
-        if G > 1 and n == 0:
-            continue
-        arr, _ = _i64_array([0] + _cumsum(lens), "response offsets")
-        lay = PrefixLayout(P, len(lens), arr, mask)
-        if G == 1:
-            ts = (q, k, v, o, do, dq, dk, dv)
-            lp = lse_ptr
-        else:
-            ts = tuple(row_slice(t, row, n) for t in (q, k, v, o, do, dq, dk, dv))
-            lp = _ptr_add(lse_ptr, row * hq * 4)
-        qs, ks, vs, os_, dos, dqs, dks, dvs = ts
-        st = fn(ctx.handle, byref(lay), byref(qs), byref(ks), byref(vs), byref(os_), byref(dos), lp,
-                byref(dqs), byref(dks), byref(dvs), _scale(scale), memory)
-        ctx.check(st)
+    _prefix_call(ctx, "bwd", prompt_lens, group_sizes, response_lens, causal,
+                 (q, k, v, o, do, dq, dk, dv), lse_ptr, scale, memory)
 
 
-def varlen_fwd(ctx, cu_seqlens, causal, q, k, v, o, lse_ptr, scale, memory):
+def _varlen_call(ctx, direction, cu_seqlens, causal, tensors, lse_ptr, scale, memory):
     """Plain variable-length attention: one prefix call with prompt_len 0."""
     n = len(cu_seqlens) - 1
     if n < 0:
         raise ValueError("forkattn: cu_seqlens must have at least one entry (0)")
     arr, _ = _i64_array(cu_seqlens, "cu_seqlens")
     lay = PrefixLayout(0, n, arr, MASK_CAUSAL if causal else MASK_BIDIRECTIONAL)
-    st = _fn("forkattn_prefix_fwd")(ctx.handle, byref(lay), byref(q), byref(k), byref(v), byref(o),
-                                    lse_ptr, _scale(scale), memory)
+    st = _fn("forkattn_prefix_" + direction)(ctx.handle, byref(lay), *_attn_args(tensors, lse_ptr),
+                                             _scale(scale), memory)
     ctx.check(st)
+
+
+def varlen_fwd(ctx, cu_seqlens, causal, q, k, v, o, lse_ptr, scale, memory):
+    _varlen_call(ctx, "fwd", cu_seqlens, causal, (q, k, v, o), lse_ptr, scale, memory)
 
 
 def varlen_bwd(ctx, cu_seqlens, causal, q, k, v, o, do, lse_ptr, dq, dk, dv, scale, memory):
-    n = len(cu_seqlens) - 1
-    if n < 0:
-        raise ValueError("forkattn: cu_seqlens must have at least one entry (0)")
-    arr, _ = _i64_array(cu_seqlens, "cu_seqlens")
-    lay = PrefixLayout(0, n, arr, MASK_CAUSAL if causal else MASK_BIDIRECTIONAL)
-    st = _fn("forkattn_prefix_bwd")(ctx.handle, byref(lay), byref(q), byref(k), byref(v), byref(o),
-                                    byref(do), lse_ptr, byref(dq), byref(dk), byref(dv),
-                                    _scale(scale), memory)
-    ctx.check(st)
+    _varlen_call(ctx, "bwd", cu_seqlens, causal, (q, k, v, o, do, dq, dk, dv), lse_ptr, scale,
+                 memory)
 
 
 def _tree_struct(node_offsets, parents):
@@ -1117,21 +1108,21 @@ def _tree_struct(node_offsets, parents):
     return TreeLayoutC(n, oa if n else None, pa if n else None), (oa, pa)
 
 
-def tree_fwd(ctx, node_offsets, parents, q, k, v, o, lse_ptr, scale, memory):
+def _tree_call(ctx, direction, node_offsets, parents, tensors, lse_ptr, scale, memory):
     lay, keep = _tree_struct(node_offsets, parents)
-    st = _fn("forkattn_tree_fwd")(ctx.handle, byref(lay), byref(q), byref(k), byref(v), byref(o),
-                                  lse_ptr, _scale(scale), memory)
+    st = _fn("forkattn_tree_" + direction)(ctx.handle, byref(lay), *_attn_args(tensors, lse_ptr),
+                                           _scale(scale), memory)
     del keep
     ctx.check(st)
+
+
+def tree_fwd(ctx, node_offsets, parents, q, k, v, o, lse_ptr, scale, memory):
+    _tree_call(ctx, "fwd", node_offsets, parents, (q, k, v, o), lse_ptr, scale, memory)
 
 
 def tree_bwd(ctx, node_offsets, parents, q, k, v, o, do, lse_ptr, dq, dk, dv, scale, memory):
-    lay, keep = _tree_struct(node_offsets, parents)
-    st = _fn("forkattn_tree_bwd")(ctx.handle, byref(lay), byref(q), byref(k), byref(v), byref(o),
-                                  byref(do), lse_ptr, byref(dq), byref(dk), byref(dv),
-                                  _scale(scale), memory)
-    del keep
-    ctx.check(st)
+    _tree_call(ctx, "bwd", node_offsets, parents, (q, k, v, o, do, dq, dk, dv), lse_ptr, scale,
+               memory)
 
 
 def _cumsum(xs):
@@ -1227,6 +1218,26 @@ def trie_from_token_parents(ctx, token_parents_ptr, num_tokens, single_root=Fals
 
 def _invalid(msg):
     return ForkattnInvalidArgument(ERR_INVALID_ARGUMENT, msg)
+
+
+def dtype_code(dtype):
+    """C dtype code of "float32"/"bfloat16"/"float16" (f32, bf16, f16, half), a torch dtype or a
+    numpy dtype (ml_dtypes.bfloat16 included)."""
+    torch = sys.modules.get("torch")
+    if isinstance(dtype, str):
+        name = dtype.lower()
+    elif torch is not None and isinstance(dtype, torch.dtype):
+        name = str(dtype).replace("torch.", "")
+    else:
+        try:
+            import numpy as np
+
+            name = np.dtype(dtype).name
+        except Exception:
+            name = str(dtype)
+    if name not in DTYPE_CODES:
+        raise _invalid("dtype %r is not supported (float32, bfloat16, float16)" % (dtype,))
+    return DTYPE_CODES[name]
 
 
 def layout_struct(spec):
@@ -1328,22 +1339,21 @@ def kl_options(direction, scale_teacher, scale_student, temperature, scale_by_ta
     return opt
 
 
-def kept_fwd(ctx, spec, kept, q, k, v, o, lse_ptr, scale, memory):
+def _kept_call(ctx, direction, spec, kept, tensors, lse_ptr, scale, memory):
     lay, keep = layout_struct(spec)
     kp, keep2 = kept_struct(kept)
-    st = _fn("forkattn_kept_fwd")(ctx.handle, byref(lay), kp, byref(q), byref(k), byref(v), byref(o),
-                                  lse_ptr, _scale(scale), memory)
+    st = _fn("forkattn_kept_" + direction)(ctx.handle, byref(lay), kp, *_attn_args(tensors, lse_ptr),
+                                           _scale(scale), memory)
     del keep, keep2
     ctx.check(st)
+
+
+def kept_fwd(ctx, spec, kept, q, k, v, o, lse_ptr, scale, memory):
+    _kept_call(ctx, "fwd", spec, kept, (q, k, v, o), lse_ptr, scale, memory)
 
 
 def kept_bwd(ctx, spec, kept, q, k, v, o, do, lse_ptr, dq, dk, dv, scale, memory):
-    lay, keep = layout_struct(spec)
-    kp, keep2 = kept_struct(kept)
-    st = _fn("forkattn_kept_bwd")(ctx.handle, byref(lay), kp, byref(q), byref(k), byref(v), byref(o),
-                                  byref(do), lse_ptr, byref(dq), byref(dk), byref(dv), _scale(scale), memory)
-    del keep, keep2
-    ctx.check(st)
+    _kept_call(ctx, "bwd", spec, kept, (q, k, v, o, do, dq, dk, dv), lse_ptr, scale, memory)
 
 
 def kl_fwd(ctx, spec, q_t, k_t, q_s, k_s, kept, opt, kl_ptr, stats_ptr, outside_ptr, memory):
@@ -1579,38 +1589,35 @@ def _cached_layout(prompt_len, response_lens, causal):
                         MASK_CAUSAL if causal else MASK_BIDIRECTIONAL), arr
 
 
+def _prefix_cached_call(ctx, direction, prompt_len, response_lens, causal, tensors, lse_ptr, scale,
+                        memory, block_size):
+    lay, keep = _cached_layout(prompt_len, response_lens, causal)
+    if block_size is None:
+        fn = _fn("forkattn_prefix_cached_" + direction)
+        mode = ()
+    else:
+        fn = _fn("forkattn_prefix_cached_block_" + direction)
+        mode = (int64_arg(block_size, "block_size"),)
+    st = fn(ctx.handle, byref(lay), *mode, *_attn_args(tensors, lse_ptr), _scale(scale), memory)
+    del keep
+    ctx.check(st)
+
+
 def prefix_cached_fwd(ctx, prompt_len, response_lens, causal, q, k, v, o, lse_ptr, scale, memory, block_size=None):
     """Attention of one group's response rows (q, o [R_total, Hq, d]) against keys/values
     [P + R_total, Hkv, d] whose first P rows are a cached prefix. ``block_size`` None: the
     ``causal`` / bidirectional mask (``forkattn_prefix_cached_fwd``); an int: block-causal
     attention over blocks of that many rows (``forkattn_prefix_cached_block_fwd``, which checks
     it is >= 1; ``causal`` is then not used)."""
-    lay, keep = _cached_layout(prompt_len, response_lens, causal)
-    if block_size is None:
-        st = _fn("forkattn_prefix_cached_fwd")(ctx.handle, byref(lay), byref(q), byref(k), byref(v), byref(o),
-                                               lse_ptr, _scale(scale), memory)
-    else:
-        st = _fn("forkattn_prefix_cached_block_fwd")(ctx.handle, byref(lay), int64_arg(block_size, "block_size"),
-                                                     byref(q), byref(k), byref(v), byref(o), lse_ptr, _scale(scale),
-                                                     memory)
-    del keep
-    ctx.check(st)
+    _prefix_cached_call(ctx, "fwd", prompt_len, response_lens, causal, (q, k, v, o), lse_ptr, scale,
+                        memory, block_size)
 
 
 def prefix_cached_bwd(ctx, prompt_len, response_lens, causal, q, k, v, o, do, lse_ptr, dq, dk, dv, scale,
                       memory, block_size=None):
     """Backward of :func:`prefix_cached_fwd` (same ``causal`` / ``block_size``)."""
-    lay, keep = _cached_layout(prompt_len, response_lens, causal)
-    if block_size is None:
-        st = _fn("forkattn_prefix_cached_bwd")(ctx.handle, byref(lay), byref(q), byref(k), byref(v), byref(o),
-                                               byref(do), lse_ptr, byref(dq), byref(dk), byref(dv), _scale(scale),
-                                               memory)
-    else:
-        st = _fn("forkattn_prefix_cached_block_bwd")(ctx.handle, byref(lay), int64_arg(block_size, "block_size"),
-                                                     byref(q), byref(k), byref(v), byref(o), byref(do), lse_ptr,
-                                                     byref(dq), byref(dk), byref(dv), _scale(scale), memory)
-    del keep
-    ctx.check(st)
+    _prefix_cached_call(ctx, "bwd", prompt_len, response_lens, causal, (q, k, v, o, do, dq, dk, dv),
+                        lse_ptr, scale, memory, block_size)
 
 
 def kv_cache_create(ctx, capacity_bytes, block_tokens, layers, kv_heads, head_dim, dtype_code, memory):

@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import _lib
-from .layouts import SharedPrefixLayout, TreeLayout, _as_i64
+from .layouts import SharedPrefixLayout, TreeLayout, _ints_as_i64
 from .ops import HAVE_CUSTOM_OPS, _check_qkv, _check_bwd, _ctx_for, _desc, _DTYPES, _host_i64, _ints
 from .ops import _scale_of
 
@@ -56,19 +56,7 @@ def _invalid(msg):
 
 
 def _i64_1d(x, name):
-    if isinstance(x, torch.Tensor):
-        t = x.detach()
-        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-            raise TypeError("forkattn: %s must hold integers, got %s" % (name, t.dtype))
-        t = _as_i64(t.to(device="cpu"), name)
-    else:
-        try:
-            t = torch.as_tensor(x, dtype=_i64)
-        except (RuntimeError, ValueError, OverflowError) as e:
-            if "verflow" in str(e):  # a Python int outside int64
-                raise _invalid("%s: a value does not fit in int64 (%s)" % (name, e)) from None
-            raise
-    return t.reshape(-1).contiguous()
+    return _ints_as_i64(x, name, (RuntimeError, ValueError, OverflowError)).reshape(-1).contiguous()
 
 
 class KeptSet:

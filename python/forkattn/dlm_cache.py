@@ -50,12 +50,7 @@ __all__ = [
 ]
 
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
-_DTYPE_NAMES = {
-    "float32": _lib.DTYPE_F32, "f32": _lib.DTYPE_F32, "float": _lib.DTYPE_F32,
-    "bfloat16": _lib.DTYPE_BF16, "bf16": _lib.DTYPE_BF16,
-    "float16": _lib.DTYPE_F16, "f16": _lib.DTYPE_F16, "half": _lib.DTYPE_F16,
-}
-_CODE_NAMES = {_lib.DTYPE_F32: "float32", _lib.DTYPE_BF16: "bfloat16", _lib.DTYPE_F16: "float16"}
+_CODE_NAMES = _lib.DTYPE_NAMES
 
 
 def _invalid(msg):
@@ -101,23 +96,7 @@ def _block_arg(block_size):
     return b
 
 
-def _dtype_code(dtype):
-    """C dtype code of "float32"/"bfloat16"/"float16" (f32, bf16, f16, half), a torch dtype or a
-    numpy dtype (ml_dtypes.bfloat16 included)."""
-    if isinstance(dtype, str):
-        name = dtype.lower()
-    elif torch is not None and isinstance(dtype, torch.dtype):
-        name = str(dtype).replace("torch.", "")
-    else:
-        try:
-            import numpy as np
-
-            name = np.dtype(dtype).name
-        except Exception:
-            name = str(dtype)
-    if name not in _DTYPE_NAMES:
-        raise _invalid("dtype %r is not supported (float32, bfloat16, float16)" % (dtype,))
-    return _DTYPE_NAMES[name]
+_dtype_code = _lib.dtype_code
 
 
 def _is_numpy_dtype(dtype):

@@ -24,21 +24,30 @@ def _as_i64(t, name):
     return t.to(dtype=_i64)
 
 
-def _long1d(x, name):
-    """A 1-D CPU int64 contiguous tensor from a tensor, array or sequence of ints."""
+def _ints_as_i64(x, name, catch, other_error=None):
+    """A CPU int64 tensor from an integer tensor, array or sequence of ints. An int outside int64
+    raises ForkattnInvalidArgument; another error of ``catch`` from the conversion is re-raised,
+    or replaced by ``other_error(e)`` when given."""
     if isinstance(x, torch.Tensor):
         t = x.detach()
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise TypeError("forkattn: %s must hold integers, got %s" % (name, t.dtype))
-        t = _as_i64(t.to(device="cpu"), name)
-    else:
-        try:
-            t = torch.as_tensor(x, dtype=_i64)
-        except (TypeError, ValueError, RuntimeError) as e:
-            if "verflow" in str(e):  # a Python int outside int64
-                raise _lib.ForkattnInvalidArgument(_lib.ERR_INVALID_ARGUMENT,
-                                                   "%s: a value does not fit in int64 (%s)" % (name, e)) from None
-            raise TypeError("forkattn: %s must be a 1-D sequence of ints (%s)" % (name, e)) from None
+        return _as_i64(t.to(device="cpu"), name)
+    try:
+        return torch.as_tensor(x, dtype=_i64)
+    except catch as e:
+        if "verflow" in str(e):  # a Python int outside int64
+            raise _lib.ForkattnInvalidArgument(_lib.ERR_INVALID_ARGUMENT,
+                                               "%s: a value does not fit in int64 (%s)" % (name, e)) from None
+        if other_error is None:
+            raise
+        raise other_error(e) from None
+
+
+def _long1d(x, name):
+    """A 1-D CPU int64 contiguous tensor from a tensor, array or sequence of ints."""
+    t = _ints_as_i64(x, name, (TypeError, ValueError, RuntimeError),
+                     lambda e: TypeError("forkattn: %s must be a 1-D sequence of ints (%s)" % (name, e)))
     if t.dim() == 0:
         t = t.reshape(1)
     if t.dim() != 1:

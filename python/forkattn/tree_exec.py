@@ -42,12 +42,7 @@ __all__ = [
     "TreeBatch",
 ]
 
-_DTYPE_NAMES = {
-    "float32": _lib.DTYPE_F32, "f32": _lib.DTYPE_F32, "float": _lib.DTYPE_F32,
-    "bfloat16": _lib.DTYPE_BF16, "bf16": _lib.DTYPE_BF16,
-    "float16": _lib.DTYPE_F16, "f16": _lib.DTYPE_F16, "half": _lib.DTYPE_F16,
-}
-_CODE_NAMES = {_lib.DTYPE_F32: "float32", _lib.DTYPE_BF16: "bfloat16", _lib.DTYPE_F16: "float16"}
+_CODE_NAMES = _lib.DTYPE_NAMES
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -85,24 +80,10 @@ def _int_arg(x, name):
 
 
 def _dtype_code(dtype):
-    """C dtype code of "float32"/"bfloat16"/"float16" (or f32, bf16, f16, half), a torch dtype,
-    a numpy dtype (ml_dtypes.bfloat16 included) or a C code."""
+    """:func:`forkattn._lib.dtype_code`, or a C dtype code itself."""
     if isinstance(dtype, int) and not isinstance(dtype, bool) and dtype in _CODE_NAMES:
         return int(dtype)
-    if isinstance(dtype, str):
-        name = dtype.lower()
-    elif _torch() is not None and isinstance(dtype, _torch().dtype):
-        name = str(dtype).replace("torch.", "")
-    else:
-        try:
-            import numpy as np
-
-            name = np.dtype(dtype).name
-        except Exception:
-            name = str(dtype)
-    if name not in _DTYPE_NAMES:
-        raise _invalid("dtype %r is not supported (float32, bfloat16, float16)" % (dtype,))
-    return _DTYPE_NAMES[name]
+    return _lib.dtype_code(dtype)
 
 
 # --------------------------------------------------------------------------------------------

@@ -66,6 +66,53 @@ TOL = {
 }
 
 
+def check_close(got, ref, dtype):
+    """Assert (o, lse, dq, dk, dv) ``got`` match the float64 ``ref`` within TOL of ``dtype``;
+    returns the errors."""
+    tol = TOL[str(dtype).replace("torch.", "")]
+    o, lse, dq, dk, dv = got
+    ro, rlse, rdq, rdk, rdv = ref
+    errs = dict(o=rel_err(o, ro), lse=abs_err(lse, rlse), dq=rel_err(dq, rdq), dk=rel_err(dk, rdk),
+                dv=rel_err(dv, rdv))
+    assert errs["o"] <= tol["o"], errs
+    assert errs["lse"] <= tol["lse"], errs
+    for g in ("dq", "dk", "dv"):
+        assert errs[g] <= tol["grad"], errs
+    return errs
+
+
+def bind_without(monkeypatch, hidden):
+    """Make the binding use the loaded library without the symbols for which ``hidden(name)``
+    is true (an older or stripped build) for the rest of the test; returns that binding."""
+    from forkattn import _lib
+
+    real = _lib.load_library()
+
+    class Stripped:
+        _name = real._name
+
+        def __getattr__(self, name):
+            if hidden(name):
+                raise AttributeError(name)
+            return getattr(real, name)
+
+    lib = _lib._bind(Stripped())
+    monkeypatch.setattr(_lib, "_lib", lib)
+    return lib
+
+
+def run_without_torch(code):
+    """Run Python ``code`` in a fresh interpreter that cannot import torch, with this checkout's
+    forkattn on the path; asserts it exits 0 and returns its stdout."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(_HERE))
+    r = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None\n" + code], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
 # --------------------------------------------------------------------------------------------
 # torch references
 

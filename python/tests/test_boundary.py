@@ -52,22 +52,6 @@ def _sweep(call, rows, layout=True):
 # numpy level: every operation, row counts one short and one long
 
 
-def _np_prefix_fwd(causal, P, S, R):
-    def call(r):
-        fnp.prefix_attention(_a(r["q"]), _a(r["k"], seed=1), _a(r["v"], seed=2), P, R, S, causal=causal)
-    return call
-
-
-def _np_prefix_bwd(causal, P, S, R, T):
-    q, k, v = _a(T), _a(T, seed=1), _a(T, seed=2)
-    out, lse = fnp.prefix_attention(q, k, v, P, R, S, causal=causal, return_lse=True)
-
-    def call(r):
-        fnp.prefix_attention_backward(_a(r["dout"], seed=3), _a(r["q"]), _a(r["k"], seed=1), _a(r["v"], seed=2),
-                                      _fit(out, r["out"]), _fit(np.asarray(lse), r["lse"]), P, R, S, causal=causal)
-    return call
-
-
 def _fit(x, rows, axis=0):
     """x with ``rows`` rows along ``axis``: cut, or padded by repeating the last row."""
     n = x.shape[axis]
@@ -76,17 +60,27 @@ def _fit(x, rows, axis=0):
     return np.ascontiguousarray(np.take(x, np.r_[np.arange(n), np.full(rows - n, n - 1)], axis=axis))
 
 
+def _np_attention_rows(fwd, bwd, T, *layout, lse_axis=0, **kw):
+    """Sweep the rows of every tensor of fwd(q, k, v, *layout, **kw) and of its backward
+    ``bwd``; the layout packs T rows."""
+    _sweep(lambda r: fwd(_a(r["q"]), _a(r["k"], seed=1), _a(r["v"], seed=2), *layout, **kw),
+           {"q": T, "k": T, "v": T})
+    q, k, v = _a(T), _a(T, seed=1), _a(T, seed=2)
+    out, lse = fwd(q, k, v, *layout, return_lse=True, **kw)
+    _sweep(lambda r: bwd(_a(r["dout"], seed=3), _a(r["q"]), _a(r["k"], seed=1), _a(r["v"], seed=2),
+                         _fit(out, r["out"]), _fit(np.asarray(lse), r["lse"], axis=lse_axis), *layout, **kw),
+           {"q": T, "k": T, "v": T, "out": T, "dout": T, "lse": T})
+
+
 _QKV = {"q": T2, "k": T2, "v": T2}
 _BWD = dict(_QKV, out=T2, dout=T2, lse=T2)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_numpy_prefix_rows(causal):
-    _sweep(_np_prefix_fwd(causal, P2, S2, R2), _QKV)
-    _sweep(_np_prefix_bwd(causal, P2, S2, R2, T2), _BWD)
-    one = {"q": 7, "k": 7, "v": 7}  # one group: the C library's own check
-    _sweep(_np_prefix_fwd(causal, 4, None, [3]), one)
-    _sweep(_np_prefix_bwd(causal, 4, None, [3], 7), dict(one, out=7, dout=7, lse=7))
+    fwd, bwd = fnp.prefix_attention, fnp.prefix_attention_backward
+    _np_attention_rows(fwd, bwd, T2, P2, R2, S2, causal=causal)
+    _np_attention_rows(fwd, bwd, 7, 4, [3], None, causal=causal)  # one group: the C library's own check
 
 
 def test_numpy_prefix_bidirectional_groups_reproducer():
@@ -111,35 +105,13 @@ def test_lib_row_slice_bounds():
 
 
 def test_numpy_tree_rows():
-    T = TREE_OFFS[-1]
-
-    def fwd(r):
-        fnp.tree_attention(_a(r["q"]), _a(r["k"], seed=1), _a(r["v"], seed=2), TREE_OFFS, TREE_PAR)
-    _sweep(fwd, {"q": T, "k": T, "v": T})
-    q, k, v = _a(T), _a(T, seed=1), _a(T, seed=2)
-    out, lse = fnp.tree_attention(q, k, v, TREE_OFFS, TREE_PAR, return_lse=True)
-
-    def bwd(r):
-        fnp.tree_attention_backward(_a(r["dout"], seed=3), _a(r["q"]), _a(r["k"], seed=1), _a(r["v"], seed=2),
-                                    _fit(out, r["out"]), _fit(np.asarray(lse), r["lse"]), TREE_OFFS, TREE_PAR)
-    _sweep(bwd, {"q": T, "k": T, "v": T, "out": T, "dout": T, "lse": T})
+    _np_attention_rows(fnp.tree_attention, fnp.tree_attention_backward, TREE_OFFS[-1], TREE_OFFS, TREE_PAR)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_numpy_varlen_rows(causal):
-    T = CU[-1]
-
-    def fwd(r):
-        fnp.varlen_attention(_a(r["q"]), _a(r["k"], seed=1), _a(r["v"], seed=2), CU, causal=causal)
-    _sweep(fwd, {"q": T, "k": T, "v": T})
-    q, k, v = _a(T), _a(T, seed=1), _a(T, seed=2)
-    out, lse = fnp.varlen_attention(q, k, v, CU, causal=causal, return_lse=True)  # lse [Hq, T]
-
-    def bwd(r):
-        fnp.varlen_attention_backward(_a(r["dout"], seed=3), _a(r["q"]), _a(r["k"], seed=1), _a(r["v"], seed=2),
-                                      _fit(out, r["out"]), _fit(np.asarray(lse), r["lse"], axis=1), CU,
-                                      causal=causal)
-    _sweep(bwd, {"q": T, "k": T, "v": T, "out": T, "dout": T, "lse": T})
+    _np_attention_rows(fnp.varlen_attention, fnp.varlen_attention_backward, CU[-1], CU, lse_axis=1,
+                       causal=causal)  # lse [Hq, T]
 
 
 _KEPT = {"heads": H, "compressed_rows": 4, "query_start": 4, "offsets": [0, 2, 5], "index": [0, 3, 0, 1, 2]}
@@ -153,16 +125,7 @@ def test_numpy_kept_and_stream_kl_rows(layout):
               "tree": ({"node_offsets": TREE_OFFS, "parents": TREE_PAR}, TREE_OFFS[-1]),
               "dense": (9, 9)}[layout]
     for kept in (None, _KEPT):
-        def kfwd(r):
-            fnp.kept_attention(_a(r["q"]), _a(r["k"], seed=1), _a(r["v"], seed=2), lay, kept)
-        _sweep(kfwd, {"q": T, "k": T, "v": T})
-        q, k, v = _a(T), _a(T, seed=1), _a(T, seed=2)
-        out, lse = fnp.kept_attention(q, k, v, lay, kept, return_lse=True)
-
-        def kbwd(r):
-            fnp.kept_attention_backward(_a(r["dout"], seed=3), _a(r["q"]), _a(r["k"], seed=1), _a(r["v"], seed=2),
-                                        _fit(out, r["out"]), _fit(np.asarray(lse), r["lse"]), lay, kept)
-        _sweep(kbwd, {"q": T, "k": T, "v": T, "out": T, "dout": T, "lse": T})
+        _np_attention_rows(fnp.kept_attention, fnp.kept_attention_backward, T, lay, kept)
 
         def kl(r):
             fnp.stream_kl(_a(r["q_t"]), _a(r["k_t"], seed=1), _a(r["q_s"], seed=2), _a(r["k_s"], seed=3), lay, kept)

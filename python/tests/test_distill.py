@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 import forkattn  # noqa: E402
 from forkattn import _lib  # noqa: E402
-from conftest import rel_err  # noqa: E402
+from conftest import bind_without, rel_err  # noqa: E402
 
 NEG = -1e30
 HT, HKV_T, DT = 4, 2, 16  # teacher: 4 query heads, 2 KV heads, head_dim 16
@@ -430,20 +430,9 @@ def test_bad_inputs_raise():
 
 def test_binding_loads_without_the_new_symbols(monkeypatch):
     """A library without kept/StreamKL/kv_select symbols still binds; only those calls fail."""
-    real = _lib.load_library()
     missing = {"forkattn_kv_select", "forkattn_kv_policy_init", "forkattn_kl_fwd", "forkattn_kl_bwd",
                "forkattn_kl_options_init", "forkattn_kept_fwd", "forkattn_kept_bwd", "forkattn_rows_mean"}
-
-    class Stripped:
-        _name = real._name
-
-        def __getattr__(self, name):
-            if name in missing:
-                raise AttributeError(name)
-            return getattr(real, name)
-
-    lib = _lib._bind(Stripped())
-    monkeypatch.setattr(_lib, "_lib", lib)
+    lib = bind_without(monkeypatch, missing.__contains__)
     assert not _lib.has_symbol("forkattn_kv_select")
     lay, T = _layout("dense")
     qt, kt, qs, ks = _inputs(T, seed=0)

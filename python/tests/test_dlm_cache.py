@@ -4,10 +4,6 @@ op, autograd.Function, numpy), opcheck, the cache (longest prefix, LRU, holding,
 K/V similarity against float64, the reuse-depth profile, errors, a library without the symbols,
 a run without torch, and CUDA (skipped without a GPU and an offload build)."""
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -15,13 +11,12 @@ torch = pytest.importorskip("torch")
 
 import forkattn  # noqa: E402
 from forkattn import _lib, dlm_cache, ops  # noqa: E402
-from conftest import TOL, abs_err, make_qkv, rel_err  # noqa: E402
+from conftest import TOL, abs_err, bind_without, make_qkv, rel_err, run_without_torch  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not _lib.has_symbol("forkattn_prefix_cached_fwd")
                                 or not _lib.has_symbol("forkattn_kv_cache_create"),
                                 reason="the loaded libforkattn has no diffusion-LM KV cache")
 
-PYDIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HQ, HKV, D = 4, 2, 16
 P, RESP = 9, [4, 0, 7, 1]  # a zero-length and a one-token response
 
@@ -613,18 +608,9 @@ def test_profile_errors(tmp_path):
 
 
 def test_binding_without_the_symbols(monkeypatch):
-    real = _lib.load_library()
-
-    class Stripped:
-        _name = real._name
-
-        def __getattr__(self, name):
-            if name.startswith(("forkattn_prefix_cached_", "forkattn_kv_cache_", "forkattn_kv_entry_",
-                                "forkattn_kv_similarity", "forkattn_reuse_profile_")):
-                raise AttributeError(name)
-            return getattr(real, name)
-
-    monkeypatch.setattr(_lib, "_lib", _lib._bind(Stripped()))
+    bind_without(monkeypatch, lambda name: name.startswith((
+        "forkattn_prefix_cached_", "forkattn_kv_cache_", "forkattn_kv_entry_", "forkattn_kv_similarity",
+        "forkattn_reuse_profile_")))
     lay = _layout(2, [1])
     with pytest.raises(forkattn.ForkattnError, match="has no forkattn_prefix_cached_fwd") as e:
         forkattn.prefix_cached_attention(torch.randn(1, 2, 4), torch.randn(3, 1, 4), torch.randn(3, 1, 4), lay)
@@ -641,17 +627,7 @@ def test_binding_without_the_symbols(monkeypatch):
 def test_binding_without_the_block_functions(monkeypatch):
     """An older library with the cached-prefix functions but not the block-causal ones: only
     block_size fails (status 3)."""
-    real = _lib.load_library()
-
-    class Older:
-        _name = real._name
-
-        def __getattr__(self, name):
-            if name.startswith("forkattn_prefix_cached_block_"):
-                raise AttributeError(name)
-            return getattr(real, name)
-
-    monkeypatch.setattr(_lib, "_lib", _lib._bind(Older()))
+    bind_without(monkeypatch, lambda name: name.startswith("forkattn_prefix_cached_block_"))
     lay = _layout(2, [3])
     q, k, v = torch.randn(3, 2, 4), torch.randn(5, 1, 4), torch.randn(5, 1, 4)
     for use_ops in (True, False):
@@ -665,8 +641,7 @@ def test_binding_without_the_block_functions(monkeypatch):
 
 
 def test_numpy_only_without_torch():
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "import numpy as np, forkattn\n"
+    code = ("import numpy as np, forkattn\n"
             "from forkattn import dlm_cache as dc\n"
             "assert not forkattn.HAVE_TORCH\n"
             "c = forkattn.KVCache(1 << 16, 2, 1, 4, 'float32')\n"
@@ -680,10 +655,7 @@ def test_numpy_only_without_torch():
             "o = dc.prefix_cached_attention_numpy(q, kv, kv, 3, [2]); assert o.shape == (2, 2, 4)\n"
             "try:\n    forkattn.prefix_cached_attention\nexcept ImportError:\n    pass\nelse:\n    raise SystemExit(1)\n"
             "c.close(); print('OK')\n")
-    env = dict(os.environ, PYTHONPATH=PYDIR)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert "OK" in r.stdout
+    assert "OK" in run_without_torch(code)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to torch")

@@ -6,7 +6,7 @@ import pytest
 
 import forkattn
 from forkattn import numpy_api as fnp
-from conftest import abs_err, rel_err
+from conftest import abs_err, prefix_sequences, rel_err
 
 
 def _attn64(q, k, v, mask, scale):
@@ -83,21 +83,6 @@ def _inputs(T, hq, hkv, d, dtype, seed):
     return q, k, v, do
 
 
-def _prefix_seqs(P, S, R):
-    seqs, plens, row, r = [], [], 0, 0
-    for p, n in zip(P, S):
-        prompt = list(range(row, row + p))
-        row += p
-        seqs.append(prompt)
-        plens.append(p)
-        for _ in range(n):
-            seqs.append(prompt + list(range(row, row + R[r])))
-            plens.append(p)
-            row += R[r]
-            r += 1
-    return seqs, plens
-
-
 @pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-5), (np.float16, 1e-2)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_numpy_prefix_groups(dtype, tol, causal):
@@ -106,7 +91,7 @@ def test_numpy_prefix_groups(dtype, tol, causal):
     q, k, v, do = _inputs(T, 4, 2, 8, dtype, seed=1)
     out, lse = fnp.prefix_attention(q, k, v, P, R, S, causal=causal, return_lse=True)
     dq, dk, dv = fnp.prefix_attention_backward(do, q, k, v, out, lse, P, R, S, causal=causal)
-    seqs, plens = _prefix_seqs(P, S, R)
+    seqs, plens = prefix_sequences(P, S, R)
     ro, rl, rdq, rdk, rdv = _reference(q, k, v, do, seqs, 8 ** -0.5, None if causal else plens)
     assert out.dtype == dtype and lse.dtype == np.float32
     assert rel_err(out, ro) <= tol
@@ -121,7 +106,7 @@ def test_numpy_single_group_strided():
     q, k, v, do = _inputs(T, 2, 2, 8, np.float32, seed=2)
     fused = np.concatenate([q, k, v], axis=1)  # [T, 6, d]: strided views
     out = fnp.prefix_attention(fused[:, :2], fused[:, 2:4], fused[:, 4:], P, R)
-    ro = _reference(q, k, v, do, _prefix_seqs([P], [2], R)[0], 8 ** -0.5)[0]
+    ro = _reference(q, k, v, do, prefix_sequences([P], [2], R)[0], 8 ** -0.5)[0]
     assert rel_err(out, ro) <= 1e-5
 
 

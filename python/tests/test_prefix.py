@@ -6,7 +6,7 @@ torch = pytest.importorskip("torch")
 
 import forkattn  # noqa: E402
 from forkattn import _lib, ops  # noqa: E402
-from conftest import TOL, abs_err, leaf64, make_qkv, prefix_sequences, rel_err, replicated_reference  # noqa: E402
+from conftest import check_close, leaf64, make_qkv, prefix_sequences, rel_err, replicated_reference  # noqa: E402
 
 # Several groups, GQA 4/2, a zero-length prompt, zero-length responses, a one-token response.
 PROMPTS = [7, 0, 12]
@@ -25,19 +25,6 @@ def _reference(q, k, v, do, layout, scale, causal):
     o, lse = replicated_reference(q64, k64, v64, seqs, scale, None if causal else plens)
     (o * do.double()).sum().backward()
     return o.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
-
-
-def _check(got, ref, dtype):
-    tol = TOL[str(dtype).replace("torch.", "")]
-    o, lse, dq, dk, dv = got
-    ro, rlse, rdq, rdk, rdv = ref
-    errs = dict(o=rel_err(o, ro), lse=abs_err(lse, rlse), dq=rel_err(dq, rdq), dk=rel_err(dk, rdk),
-                dv=rel_err(dv, rdv))
-    assert errs["o"] <= tol["o"], errs
-    assert errs["lse"] <= tol["lse"], errs
-    for g in ("dq", "dk", "dv"):
-        assert errs[g] <= tol["grad"], errs
-    return errs
 
 
 def _run(q, k, v, do, layout, causal, use_ops=True):
@@ -62,7 +49,7 @@ def test_prefix_groups_match_replicated(dtype, causal):
     q, k, v, do = make_qkv(layout.num_rows, HQ, HKV, D, dtype, seed=11 + causal)
     scale = D ** -0.5
     got = _run(q, k, v, do, layout, causal)
-    _check(got, _reference(q, k, v, do, layout, scale, causal), dtype)
+    check_close(got, _reference(q, k, v, do, layout, scale, causal), dtype)
 
 
 @pytest.mark.parametrize("path", ["tree", "loop"])
@@ -73,7 +60,7 @@ def test_prefix_paths_and_functions_agree(path, use_ops, monkeypatch):
     layout = _layout()
     q, k, v, do = make_qkv(layout.num_rows, HQ, HKV, D, torch.float32, seed=5)
     got = _run(q, k, v, do, layout, True, use_ops=use_ops)
-    _check(got, _reference(q, k, v, do, layout, D ** -0.5, True), torch.float32)
+    check_close(got, _reference(q, k, v, do, layout, D ** -0.5, True), torch.float32)
 
 
 def test_prefix_single_group_custom_scale_f16():
@@ -84,7 +71,7 @@ def test_prefix_single_group_custom_scale_f16():
     out = forkattn.prefix_attention(q2, k, v, layout, softmax_scale=0.2)
     ref = _reference(q, k, v, do, layout, 0.2, True)
     assert rel_err(out.detach(), ref[0]) <= 1e-2
-    _check(got, _reference(q, k, v, do, layout, 8 ** -0.5, True), torch.float16)
+    check_close(got, _reference(q, k, v, do, layout, 8 ** -0.5, True), torch.float16)
 
 
 def test_prefix_strided_views_need_no_copy_and_agree():
@@ -145,7 +132,7 @@ def test_prefix_all_responses_empty():
     layout = forkattn.SharedPrefixLayout.from_lengths([4, 3], [[0, 0], [0]])
     q, k, v, do = make_qkv(layout.num_rows, HQ, HKV, D, torch.float32, seed=2)
     got = _run(q, k, v, do, layout, True)
-    _check(got, _reference(q, k, v, do, layout, D ** -0.5, True), torch.float32)
+    check_close(got, _reference(q, k, v, do, layout, D ** -0.5, True), torch.float32)
     assert layout.unpack_responses(got[0]).shape == (3, 0, HQ, D)
 
 

@@ -5,7 +5,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import forkattn  # noqa: E402
-from conftest import TOL, abs_err, leaf64, make_qkv, masked_attention_f64, rel_err, replicated_reference  # noqa: E402
+from conftest import check_close, leaf64, make_qkv, masked_attention_f64, rel_err, replicated_reference  # noqa: E402
 
 # A forest: shared prefixes, a sequence that is a prefix of another, a duplicate, another root.
 SEQS = [
@@ -61,11 +61,8 @@ def test_tree_attention_matches_replicated(dtype):
     q64, k64, v64 = leaf64(q, k, v)
     ro, rl = replicated_reference(q64, k64, v64, _paths(lay), D ** -0.5)
     (ro * do.double()).sum().backward()
-    tol = TOL[str(dtype).replace("torch.", "")]
-    assert rel_err(out.detach(), ro.detach()) <= tol["o"]
-    assert abs_err(lse, rl.detach()) <= tol["lse"]
-    for g, r in ((qg.grad, q64.grad), (kg.grad, k64.grad), (vg.grad, v64.grad)):
-        assert rel_err(g, r) <= tol["grad"]
+    check_close((out.detach(), lse, qg.grad, kg.grad, vg.grad),
+                (ro.detach(), rl.detach(), q64.grad, k64.grad, v64.grad), dtype)
 
 
 def test_each_sequence_equals_causal_attention_on_it():

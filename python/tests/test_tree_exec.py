@@ -1,10 +1,7 @@
 """forkattn.tree_exec: the DFS path stack, the tree cost model, partitions and batch plans, checked
 against tree attention over the whole tree (torch and numpy front ends)."""
 
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 
@@ -13,7 +10,7 @@ np = pytest.importorskip("numpy")
 import forkattn  # noqa: E402
 from forkattn import _lib  # noqa: E402
 from forkattn import numpy_api as fnp  # noqa: E402
-from conftest import TOL, abs_err, rel_err  # noqa: E402
+from conftest import TOL, abs_err, bind_without, rel_err, run_without_torch  # noqa: E402
 
 try:
     import torch
@@ -27,7 +24,6 @@ pytestmark = pytest.mark.skipif(not _lib.has_symbol("forkattn_path_create")
 
 HQ, HKV, D = 4, 2, 16
 MODEL = forkattn.TreeCostModel(heads_q=HQ, head_dim=D, sec_per_mac=1e-10, sec_per_row=1e-8, sec_per_pair=1e-6)
-PYDIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _random_tree(n, seed, max_len=6, roots=1):
@@ -261,18 +257,9 @@ def test_path_stack_torch_errors_and_context():
 
 def test_binding_without_the_symbols(monkeypatch):
     """A library without the path stack / partition symbols still binds; only these calls fail."""
-    real = _lib.load_library()
-
-    class Stripped:
-        _name = real._name
-
-        def __getattr__(self, name):
-            if name.startswith(("forkattn_path_", "forkattn_tree_partition", "forkattn_tree_cost",
-                                "forkattn_tree_plan_batches", "forkattn_partition_", "forkattn_batch_plan_")):
-                raise AttributeError(name)
-            return getattr(real, name)
-
-    monkeypatch.setattr(_lib, "_lib", _lib._bind(Stripped()))
+    bind_without(monkeypatch, lambda name: name.startswith((
+        "forkattn_path_", "forkattn_tree_partition", "forkattn_tree_cost", "forkattn_tree_plan_batches",
+        "forkattn_partition_", "forkattn_batch_plan_")))
     with pytest.raises(forkattn.ForkattnError, match="has no forkattn_path_create") as e:
         forkattn.PathStack(HQ, HKV, D)
     assert e.value.status == 3
@@ -441,8 +428,7 @@ def test_partition_and_plan_errors():
 
 
 def test_numpy_only_without_torch():
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "import numpy as np, forkattn\n"
+    code = ("import numpy as np, forkattn\n"
             "assert not forkattn.HAVE_TORCH\n"
             "p = forkattn.PathStack(2, 1, 4, np.float32)\n"
             "k = np.ones((3, 1, 4), np.float32); q = np.ones((3, 2, 4), np.float32)\n"
@@ -452,7 +438,4 @@ def test_numpy_only_without_torch():
             "pt = forkattn.tree_partition(([0, 2, 4, 6], [-1, 0, 0]), 2, m)\n"
             "assert isinstance(pt[0].layout, dict) and pt.row_owner.tolist() == [0, 0, 0, 0, 1, 1]\n"
             "print('OK')\n")
-    env = dict(os.environ, PYTHONPATH=PYDIR)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert "OK" in r.stdout
+    assert "OK" in run_without_torch(code)

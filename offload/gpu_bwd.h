@@ -45,11 +45,9 @@ void fa_gpu_mma_bwd_smem(size_t dq[2], size_t dkv[2]);
  * read; grid: the dQ's persistent teams (fa_gpu_select_grid), 0 for a team an item. */
 void fa_gpu_mma_dq(const fa_gpu_bwd *b, const fa_gpu_bwd *argp, int grid);
 void fa_gpu_mma_dkv(const fa_gpu_bwd *b, const fa_gpu_bwd *argp);
-/* The wgmma dK/dV's maps of Q and dO (boxes of its query tiles) and the two-warpgroup dQ's maps of
- * K and V (128-key boxes): fa_gpu_mma_tma_pair (gpu_fwd.h). */
+/* The wgmma dK/dV's maps of Q and dO (boxes of its query tiles): fa_gpu_mma_tma_pair (gpu_fwd.h);
+ * the two-warpgroup dQ's maps of K and V are the forward's (fa_gpu_wg_pair_kv_tma). */
 int fa_gpu_mma_dkv_tma(struct fa_tma_map *maps, const fa_dev_tensor *q, int64_t q_rows, const fa_dev_tensor *dout,
                        int64_t dout_rows, int64_t hq, int64_t d);
-int fa_gpu_mma_dq_tma(struct fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
-                      int64_t v_rows, int64_t hkv, int64_t d);
 
 #endif

@@ -50,8 +50,9 @@ void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g, const fa_gpu_fwd_args *argp, int g
  * maps[0], maps[1], boxes of box_rows rows: the wgmma kernels' bulk tensor copies. */
 int fa_gpu_mma_tma_pair(struct fa_tma_map *maps, const fa_dev_tensor *a, int64_t a_rows, const fa_dev_tensor *b,
                         int64_t b_rows, int64_t heads, int64_t d, int box_rows);
-/* The two-warpgroup forward's maps of K and V (128-key boxes): fa_gpu_mma_tma_pair. */
-int fa_gpu_mma_fwd_tma(struct fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
-                       int64_t v_rows, int64_t hkv, int64_t d);
+/* The maps of K and V in 128-key boxes that the two-warpgroup forward and dQ load:
+ * fa_gpu_mma_tma_pair. */
+int fa_gpu_wg_pair_kv_tma(struct fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
+                          int64_t v_rows, int64_t hkv, int64_t d);
 
 #endif

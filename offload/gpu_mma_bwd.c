@@ -57,11 +57,6 @@ void fa_gpu_mma_bwd_smem(size_t dq[2], size_t dkv[2]) {
   FA_PERSISTENT_QUERY_TEAMS(fa_wg_pair_dq_team, fa_wg_pair_dq_ring, qblocks, nqb, D, FA_WG_PAIR_BK, F16,       \
                             FA_WG_PAIR_DQ_SMEM(D))
 
-int fa_gpu_mma_dq_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
-                      int64_t v_rows, int64_t hkv, int64_t d) {
-  return fa_gpu_mma_tma_pair(maps, k, k_rows, v, v_rows, hkv, d, FA_WG_PAIR_BK);
-}
-
 void fa_gpu_mma_dq(const fa_gpu_bwd *b, const fa_gpu_bwd *argp, int grid) {
   const int nteams = (int)(b->nqb * b->hq), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
 #ifdef FORKATTN_HAVE_WGMMA

@@ -62,8 +62,8 @@ int fa_gpu_mma_tma_pair(fa_tma_map *maps, const fa_dev_tensor *a, int64_t a_rows
          !fa_gpu_tma_encode(&maps[1], b->data, f16, b_rows, heads, d, b->rs, b->hs, box_rows, msg, sizeof msg);
 }
 
-int fa_gpu_mma_fwd_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
-                       int64_t v_rows, int64_t hkv, int64_t d) {
+int fa_gpu_wg_pair_kv_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_rows, const fa_dev_tensor *v,
+                          int64_t v_rows, int64_t hkv, int64_t d) {
   return fa_gpu_mma_tma_pair(maps, k, k_rows, v, v_rows, hkv, d, FA_WG_PAIR_BK);
 }
 

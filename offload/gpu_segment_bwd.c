@@ -369,7 +369,7 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
                                   fa_gpu_mma_dkv_tma(maps, &b.q, a->q.rows, &b.dout, a->dout.rows, a->hq, a->d));
   kdq = fa_gpu_choose_mapped(ctx, FA_PASS_DQ, &call, kdq,
                              !bad && fa_gpu_select_needs_tma(kdq) &&
-                                 fa_gpu_mma_dq_tma(maps + 2, &b.k, a->k.rows, &b.v, a->v.rows, a->hkv, a->d));
+                                 fa_gpu_wg_pair_kv_tma(maps + 2, &b.k, a->k.rows, &b.v, a->v.rows, a->hkv, a->d));
   const int tma = fa_gpu_select_needs_tma(kdkv);
   b.dq_wg_pair = kdq == FA_KERNEL_WG_PAIR;
   b.dkv_wg_pair = kdkv == FA_KERNEL_WG_PAIR;

@@ -137,7 +137,7 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
   fa_gpu_kernel kern = mma ? fa_gpu_choose(ctx, FA_PASS_FWD, &call) : FA_KERNEL_FP32;
   kern = fa_gpu_choose_mapped(ctx, FA_PASS_FWD, &call, kern,
                               !bad && fa_gpu_select_needs_tma(kern) &&
-                                  fa_gpu_mma_fwd_tma(maps, &k, a->k.rows, &v, a->v.rows, hkv, d));
+                                  fa_gpu_wg_pair_kv_tma(maps, &k, a->k.rows, &v, a->v.rows, hkv, d));
   const int wg_pair = kern == FA_KERNEL_WG_PAIR, tma = wg_pair;
   fa_gpu_trace_mark(&tr, "maps");
   /* query blocks: the tensor-core kernels' teams (two warpgroups: 128 rows), or the FP32 kernel's */

@@ -1025,35 +1025,71 @@ def _attn_args(tensors, lse_ptr):
     return refs[:n_in] + [lse_ptr] + refs[n_in:]
 
 
-def _prefix_call(ctx, direction, prompt_lens, group_sizes, response_lens, causal, tensors,
-                 lse_ptr, scale, memory):
-    """forkattn_prefix_fwd or _bwd (``direction``) over several groups packed back to back."""
+class _LayoutCache:
+    """Marshalled C layouts by their Python-int key: every layer of a step, forward and backward,
+    calls with the same layout, so its ctypes structs are built (and checked) once. Holds at most
+    ``limit`` layouts; emptied when full (a trainer's step uses a handful)."""
+
+    def __init__(self, limit=64):
+        self.limit, self.items, self.lock = limit, {}, threading.Lock()
+
+    def get(self, key, build):
+        hit = self.items.get(key)
+        if hit is None:
+            hit = build()
+            with self.lock:
+                if len(self.items) >= self.limit:
+                    self.items.clear()
+                self.items[key] = hit
+        return hit
+
+
+_prefix_layouts = _LayoutCache()
+_varlen_layouts = _LayoutCache()
+
+
+def _prefix_plan(prompt_lens, group_sizes, response_lens, causal):
+    """(rows, calls) of a multi-group shared-prompt layout: calls is one ("tree", struct, keep)
+    over the forest, or per non-empty group ("prefix", row, rows, struct, keep)."""
     total = _check_layout_lists(prompt_lens, group_sizes, response_lens)
-    # Before any call: several bidirectional groups run on row slices, which only row_slice's
-    # bound protects; every tensor must have exactly the layout's rows.
-    check_rows(total, tensors)
     G = len(prompt_lens)
     if G == 0:
-        return
+        return total, ()
     if causal and G > 1 and MULTI_GROUP_CAUSAL == "tree":
-        offs, parents = _forest(prompt_lens, group_sizes, response_lens)
-        _tree_call(ctx, direction, offs, parents, tensors, lse_ptr, scale, memory)
-        return
-    hq = tensors[0].heads
+        lay, keep = _tree_struct(*_forest(prompt_lens, group_sizes, response_lens))
+        return total, (("tree", lay, keep),)
     mask = MASK_CAUSAL if causal else MASK_BIDIRECTIONAL
-    fn = _fn("forkattn_prefix_" + direction)
+    calls = []
     for row, P, lens in _groups(prompt_lens, group_sizes, response_lens):
         n = P + sum(lens)
         if G > 1 and n == 0:
             continue
         arr, _ = _i64_array([0] + _cumsum(lens), "response offsets")
-        lay = PrefixLayout(P, len(lens), arr, mask)
-        if G == 1:
+        calls.append(("prefix", row, n, PrefixLayout(P, len(lens), arr, mask), arr))
+    return total, tuple(calls)
+
+
+def _prefix_call(ctx, direction, prompt_lens, group_sizes, response_lens, causal, tensors,
+                 lse_ptr, scale, memory):
+    """forkattn_prefix_fwd or _bwd (``direction``) over several groups packed back to back."""
+    key = (tuple(prompt_lens), tuple(group_sizes), tuple(response_lens), bool(causal), MULTI_GROUP_CAUSAL)
+    total, calls = _prefix_layouts.get(key, lambda: _prefix_plan(prompt_lens, group_sizes, response_lens, causal))
+    # Before any call: several bidirectional groups run on row slices, which only row_slice's
+    # bound protects; every tensor must have exactly the layout's rows.
+    check_rows(total, tensors)
+    for c in calls:
+        if c[0] == "tree":
+            ctx.check(_fn("forkattn_tree_" + direction)(ctx.handle, byref(c[1]), *_attn_args(tensors, lse_ptr),
+                                                       _scale(scale), memory))
+            continue
+        _, row, n, lay, _ = c
+        if len(calls) == 1 and row == 0 and n == total:
             ts, lp = tensors, lse_ptr
         else:
             ts = tuple(row_slice(t, row, n) for t in tensors)
-            lp = _ptr_add(lse_ptr, row * hq * 4)
-        ctx.check(fn(ctx.handle, byref(lay), *_attn_args(ts, lp), _scale(scale), memory))
+            lp = _ptr_add(lse_ptr, row * tensors[0].heads * 4)
+        ctx.check(_fn("forkattn_prefix_" + direction)(ctx.handle, byref(lay), *_attn_args(ts, lp),
+                                                      _scale(scale), memory))
 
 
 def prefix_fwd(ctx, prompt_lens, group_sizes, response_lens, causal, q, k, v, o, lse_ptr, scale,
@@ -1069,13 +1105,17 @@ def prefix_bwd(ctx, prompt_lens, group_sizes, response_lens, causal, q, k, v, o,
                  (q, k, v, o, do, dq, dk, dv), lse_ptr, scale, memory)
 
 
-def _varlen_call(ctx, direction, cu_seqlens, causal, tensors, lse_ptr, scale, memory):
-    """Plain variable-length attention: one prefix call with prompt_len 0."""
+def _varlen_plan(cu_seqlens, causal):
     n = len(cu_seqlens) - 1
     if n < 0:
         raise ValueError("forkattn: cu_seqlens must have at least one entry (0)")
     arr, _ = _i64_array(cu_seqlens, "cu_seqlens")
-    lay = PrefixLayout(0, n, arr, MASK_CAUSAL if causal else MASK_BIDIRECTIONAL)
+    return PrefixLayout(0, n, arr, MASK_CAUSAL if causal else MASK_BIDIRECTIONAL), arr
+
+
+def _varlen_call(ctx, direction, cu_seqlens, causal, tensors, lse_ptr, scale, memory):
+    """Plain variable-length attention: one prefix call with prompt_len 0."""
+    lay, _ = _varlen_layouts.get((tuple(cu_seqlens), bool(causal)), lambda: _varlen_plan(cu_seqlens, causal))
     st = _fn("forkattn_prefix_" + direction)(ctx.handle, byref(lay), *_attn_args(tensors, lse_ptr),
                                              _scale(scale), memory)
     ctx.check(st)

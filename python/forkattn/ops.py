@@ -16,6 +16,7 @@ The public functions use the custom ops when available (``USE_CUSTOM_OPS``).
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Tuple
 
 import torch
@@ -94,12 +95,45 @@ def _ctx_for(x):
     return _lib.current_context(), _lib.MEMORY_HOST
 
 
+class _HostInts:
+    """Host copies of small integer tensors on a GPU (cu_seqlens): reading one waits for the
+    GPU, so each tensor is read once per version (``Tensor._version``, which every in-place
+    write bumps) and reused by the other layers' and the backward's calls. An entry holds a weak
+    reference, so a new tensor at a freed one's address is read again."""
+
+    def __init__(self, limit=64):
+        self.limit, self.items = limit, {}
+
+    def get(self, t, name):
+        key = id(t)
+        hit = self.items.get(key)
+        if hit is not None and hit[0]() is t and hit[1] == t._version:
+            return hit[2]
+        if t.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "forkattn: %s is on the GPU and this tensor (at this version) was not read before the "
+                "CUDA graph capture began; run the call once before capturing, or pass it on the CPU"
+                % name)
+        values = t.detach().reshape(-1).cpu().tolist()
+        if len(self.items) >= self.limit:
+            self.items.clear()
+        self.items[key] = (weakref.ref(t), t._version, values)
+        return values
+
+
+_host_ints = _HostInts()
+
+
 def _ints(t, name):
+    """The values of a 1-D integer tensor or sequence as Python ints (a GPU tensor: read once
+    per version, see _HostInts)."""
     if not isinstance(t, torch.Tensor):
         return [int(a) for a in t]
     if t.is_floating_point():
         raise TypeError("forkattn: %s must be an integer tensor" % name)
-    return t.detach().reshape(-1).cpu().tolist()
+    if t.device.type == "cpu":
+        return t.detach().reshape(-1).tolist()
+    return _host_ints.get(t, name)
 
 
 def _host_i64(t):
@@ -482,8 +516,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         raise NotImplementedError("forkattn.varlen_attention: cu_seqlens_q and cu_seqlens_k differ "
                                   "(self-attention only)")
     if not _compiling() and cu_seqlens_q.numel() > 1:
-        lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-        longest = int(lens.max())
+        cu = _ints(cu_seqlens_q, "cu_seqlens_q")  # the call reads the same host copy
+        longest = max(b - a for a, b in zip(cu, cu[1:]))
         if longest > int(max_seqlen_q):
             raise ValueError("forkattn: max_seqlen_q = %d but a sequence has %d tokens"
                              % (int(max_seqlen_q), longest))

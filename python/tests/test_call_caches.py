@@ -1,0 +1,98 @@
+"""The binding's per-call caches: a layout marshalled once, a GPU integer tensor read once per
+version. Every cached call must give what an uncached call gives, and a changed layout or tensor
+must never be served from the cache."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import forkattn  # noqa: E402
+from forkattn import _lib, ops  # noqa: E402
+from conftest import make_qkv  # noqa: E402
+
+HQ, HKV, D = 4, 2, 8
+
+
+def _cu(lens):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def test_host_ints_follow_in_place_writes_and_new_tensors():
+    cache = ops._HostInts(limit=4)
+    t = torch.tensor([0, 3, 7])
+    assert cache.get(t, "t") == [0, 3, 7]
+    t[2] = 9  # bumps t._version
+    assert cache.get(t, "t") == [0, 3, 9]
+    u = torch.tensor([0, 1, 2])
+    assert cache.get(u, "u") == [0, 1, 2]
+    for i in range(6):  # overflow empties the cache; entries stay correct
+        assert cache.get(torch.tensor([0, i]), "x") == [0, i]
+    assert cache.get(t, "t") == [0, 3, 9]
+
+
+def test_varlen_layouts_are_not_confused():
+    """Same row count, different sequence splits, one after the other: each call must use its
+    own layout (a stale cache entry would give the other split's result)."""
+    T = 12
+    q, k, v, _ = make_qkv(T, HQ, HKV, D, torch.float32, seed=5)
+    results = {}
+    for lens in ([6, 6], [4, 8], [6, 6], [12], [4, 8]):
+        cu = _cu(lens)
+        out = forkattn.varlen_attention(q, k, v, cu, cu, max(lens), max(lens))
+        if tuple(lens) in results:
+            assert torch.equal(out, results[tuple(lens)])
+        results[tuple(lens)] = out
+    assert not torch.equal(results[(6, 6)], results[(4, 8)])
+    # the first sequence's rows of [4, 8] equal a lone 4-row sequence
+    lone = forkattn.varlen_attention(q[:4], k[:4], v[:4], _cu([4]), _cu([4]), 4, 4)
+    assert torch.equal(results[(4, 8)][:4], lone)
+
+
+def test_varlen_in_place_update_of_cu_seqlens():
+    T = 10
+    q, k, v, _ = make_qkv(T, HQ, HKV, D, torch.float32, seed=6)
+    cu = _cu([5, 5])
+    a = forkattn.varlen_attention(q, k, v, cu, cu, 10, 10)
+    cu.copy_(_cu([2, 8]))
+    b = forkattn.varlen_attention(q, k, v, cu, cu, 10, 10)
+    fresh = forkattn.varlen_attention(q, k, v, _cu([2, 8]), _cu([2, 8]), 10, 10)
+    assert torch.equal(b, fresh) and not torch.equal(a, b)
+
+
+def test_prefix_layout_cache_matches_fresh_marshalling():
+    lay1 = forkattn.SharedPrefixLayout.from_lengths([3, 2], [[2, 1], [4]])
+    lay2 = forkattn.SharedPrefixLayout.from_lengths([2, 3], [[1, 2], [4]])
+    T = lay1.num_rows
+    assert lay2.num_rows == T
+    q, k, v, do = make_qkv(T, HQ, HKV, D, torch.float32, seed=7)
+    for causal in (True, False):
+        outs = []
+        for lay in (lay1, lay2, lay1):
+            qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+            out = forkattn.prefix_attention(qg, kg, vg, lay, causal=causal)
+            (out * do).sum().backward()
+            outs.append((out.detach(), qg.grad, kg.grad, vg.grad))
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[2]))
+        assert not torch.equal(outs[0][0], outs[1][0])
+        _lib._prefix_layouts.items.clear()  # marshalled afresh: the same bits
+        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+        out = forkattn.prefix_attention(qg, kg, vg, lay1, causal=causal)
+        (out * do).sum().backward()
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], (out.detach(), qg.grad, kg.grad, vg.grad)))
+
+
+def test_bad_layout_is_refused_every_time():
+    """A refused layout is not cached: the second call is refused too."""
+    q, k, v, _ = make_qkv(5, HQ, HKV, D, torch.float32, seed=8)
+    for _ in range(2):
+        with pytest.raises(_lib.ForkattnInvalidArgument):
+            _lib.prefix_fwd(_lib.current_context(), [3], [1], [-1, 3], True, *(None,) * 4, None, 1.0,
+                            _lib.MEMORY_HOST)
+
+
+def test_layout_cache_limit():
+    cache = _lib._LayoutCache(limit=3)
+    built = []
+    for i in list(range(5)) + [4]:
+        cache.get(i, lambda: built.append(i) or i)
+    assert built == [0, 1, 2, 3, 4] and len(cache.items) <= 3

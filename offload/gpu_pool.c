@@ -21,6 +21,9 @@ struct fa_gpu_pool { /* typedef in context_internal.h */
   void *pinned; /* page-locked host buffer (fa_gpu_pool_pinned) */
   size_t pinned_bytes;
   int pinned_used;
+  void **kept; /* blocks of captured calls (fa_gpu_pool_keep), freed with the context */
+  int nkept, kept_cap;
+  size_t kept_bytes;
 };
 
 /* LLVM's offload runtime's page-locked host allocator (weak: other OpenMP
@@ -86,6 +89,29 @@ void fa_gpu_pool_put(forkattn_ctx *ctx, void *p) {
     }
 }
 
+void *fa_gpu_pool_keep(forkattn_ctx *ctx, size_t bytes) {
+  if (fa_alloc_inject_failure()) return NULL;
+  if (!bytes) bytes = 1;
+  if (!ctx->gpu_pool && !(ctx->gpu_pool = fa_calloc(1, sizeof *ctx->gpu_pool))) return NULL;
+  fa_gpu_pool *pool = ctx->gpu_pool;
+  if (pool->nkept == pool->kept_cap) {
+    const int cap = pool->kept_cap ? 2 * pool->kept_cap : 16;
+    void **grown = fa_malloc_array(cap, sizeof *grown);
+    if (!grown) return NULL;
+    for (int i = 0; i < pool->nkept; i++) grown[i] = pool->kept[i];
+    fa_free(pool->kept);
+    pool->kept = grown;
+    pool->kept_cap = cap;
+  }
+  void *p = omp_target_alloc(bytes, ctx->device); /* new: no earlier kernel can still read it */
+  if (!p) return NULL;
+  pool->kept[pool->nkept++] = p;
+  pool->kept_bytes += bytes;
+  return p;
+}
+
+size_t fa_gpu_pool_kept_bytes(const forkattn_ctx *ctx) { return ctx->gpu_pool ? ctx->gpu_pool->kept_bytes : 0; }
+
 void *fa_gpu_pool_pinned(forkattn_ctx *ctx, size_t bytes) {
   if (!llvm_omp_target_alloc_host || !llvm_omp_target_free_host) return NULL;
   if (!ctx->gpu_pool && !(ctx->gpu_pool = fa_calloc(1, sizeof *ctx->gpu_pool))) return NULL;
@@ -109,6 +135,8 @@ void fa_gpu_pool_destroy(forkattn_ctx *ctx) {
   if (!ctx->gpu_pool) return;
   if (ctx->gpu_pool->pinned) llvm_omp_target_free_host(ctx->gpu_pool->pinned, ctx->device);
   while (ctx->gpu_pool->n) fa_pool_drop(ctx, 0);
+  for (int i = 0; i < ctx->gpu_pool->nkept; i++) omp_target_free(ctx->gpu_pool->kept[i], ctx->device);
+  fa_free(ctx->gpu_pool->kept);
   fa_free(ctx->gpu_pool);
   ctx->gpu_pool = NULL;
 }

@@ -17,6 +17,12 @@
 void *fa_gpu_pool_get(forkattn_ctx *ctx, size_t bytes);
 /* Give back a block from fa_gpu_pool_get (NULL is ignored). */
 void fa_gpu_pool_put(forkattn_ctx *ctx, void *p);
+/* A new device block of at least `bytes` that stays allocated until the
+ * context is destroyed, for a call recorded into a CUDA graph: the graph's
+ * kernels read and write it at every replay (NULL when out of memory). */
+void *fa_gpu_pool_keep(forkattn_ctx *ctx, size_t bytes);
+/* Bytes of the blocks fa_gpu_pool_keep gave out. */
+size_t fa_gpu_pool_kept_bytes(const forkattn_ctx *ctx);
 /* The context's page-locked host buffer of at least `bytes`, for the plan
  * copies a call's launch carries (gpu_stage.c): from page-locked memory the
  * driver's asynchronous copy is a DMA queued behind the launch, where from

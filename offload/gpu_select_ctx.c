@@ -6,6 +6,7 @@
 #include "gpu_bwd.h"
 #include "gpu_fwd.h"
 #include "gpu_select_ctx.h"
+#include "gpu_stream.h"
 #include "gpu_team_memory.h"
 
 forkattn_status fa_gpu_choice_init(forkattn_ctx *ctx, const forkattn_ctx_options *o, char *err, size_t len) {
@@ -44,7 +45,8 @@ fa_gpu_kernel fa_gpu_choose_mapped(const forkattn_ctx *ctx, fa_gpu_pass pass, co
 }
 
 int fa_gpu_choose_grid(const forkattn_ctx *ctx, fa_gpu_pass pass, fa_gpu_kernel k, int64_t nteams) {
-  return fa_gpu_select_grid(&ctx->gpu->caps, &ctx->gpu->knobs, pass, k, nteams);
+  /* persistent teams count their work on a device counter the call zeroes; a graph's replays would not */
+  return !fa_gpu_capturing() && fa_gpu_select_grid(&ctx->gpu->caps, &ctx->gpu->knobs, pass, k, nteams);
 }
 
 void fa_gpu_log_kernels(const forkattn_ctx *ctx, const char *call, const char *fmt, ...) {

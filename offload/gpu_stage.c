@@ -24,7 +24,8 @@ void fa_stage_init(fa_stage *s, forkattn_ctx *ctx, int host) {
 
 void *fa_stage_scratch(fa_stage *s, size_t bytes) {
   if (s->n == FA_STAGE_MAX) return NULL;
-  void *p = fa_gpu_pool_get(s->ctx, bytes);
+  /* a captured call's kernels run at every replay of its graph: their memory stays theirs */
+  void *p = fa_gpu_capturing() ? fa_gpu_pool_keep(s->ctx, bytes) : fa_gpu_pool_get(s->ctx, bytes);
   if (p) {
     s->dev[s->n++] = p;
     s->bytes += bytes;
@@ -81,10 +82,13 @@ int fa_stage_arrays(fa_stage *s, int n, const void *const *host, const size_t *b
   for (int i = 0; i < n; i++) total += (bytes[i] + 15) & ~(size_t)15;
   char *d = fa_stage_scratch(s, total);
   if (!d) return -1;
-  /* carried by the next launch when it will take the copy; otherwise copied now, as without the queue */
-  const int carry = total <= FA_STAGE_CARRY_MAX && s->ncarried < FA_STAGE_MAX && fa_gpu_launch_copy_room();
-  /* A routed call's block may still be read by the stream's earlier kernels: a copy made now waits for them. */
-  if (!carry && fa_gpu_launch_routed() && fa_gpu_stream_wait(s->ctx)) {
+  /* carried by the next launch when it will take the copy; otherwise copied now, as without the queue.
+   * A captured call copies now: its graph then holds only kernels, which read the same plan at every replay. */
+  const int captured = fa_gpu_capturing();
+  const int carry = !captured && total <= FA_STAGE_CARRY_MAX && s->ncarried < FA_STAGE_MAX && fa_gpu_launch_copy_room();
+  /* A routed call's block may still be read by the stream's earlier kernels: a copy made now waits for them
+   * (a captured call's block is new: nothing reads it yet). */
+  if (!carry && !captured && fa_gpu_launch_routed() && fa_gpu_stream_wait(s->ctx)) {
     s->copy_failed = 1;
     return -1;
   }
@@ -177,7 +181,7 @@ void fa_stage_free(fa_stage *s) {
   if (s->pinned) fa_gpu_pool_unpin(s->ctx);
   s->pinned = NULL;
   s->pinned_at = 0;
-  for (int i = 0; i < s->n; i++) fa_gpu_pool_put(s->ctx, s->dev[i]);
+  for (int i = 0; i < s->n; i++) fa_gpu_pool_put(s->ctx, s->dev[i]); /* kept blocks are not the pool's: ignored */
   s->n = 0;
 }
 

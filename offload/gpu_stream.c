@@ -22,6 +22,11 @@ typedef int (*fa_cu_ctx_push)(void *ctx);
 typedef int (*fa_cu_ctx_pop)(void **ctx);
 typedef int (*fa_cu_stream)(void *stream);
 typedef int (*fa_cu_stream_ctx)(void *stream, void **ctx);
+typedef int (*fa_cu_is_capturing)(void *stream, int *status);
+typedef int (*fa_cu_capture_mode)(int *mode);
+
+#define FA_CU_CAPTURE_ACTIVE 1
+#define FA_CU_CAPTURE_MODE_RELAXED 2
 
 static struct {
   fa_cu_device_get device_get;
@@ -31,6 +36,8 @@ static struct {
   fa_cu_ctx_pop pop;
   fa_cu_stream query, sync;
   fa_cu_stream_ctx stream_ctx;
+  fa_cu_is_capturing is_capturing; /* NULL on drivers before CUDA 10: no capture to see */
+  fa_cu_capture_mode exchange_mode;
 } fa_cu;
 static pthread_once_t fa_cu_once = PTHREAD_ONCE_INIT;
 #define FA_STREAM_DEVICES 64
@@ -47,6 +54,8 @@ static void fa_cu_load(void) {
   fa_cu.query = (fa_cu_stream)dlsym(cuda, "cuStreamQuery");
   fa_cu.sync = (fa_cu_stream)dlsym(cuda, "cuStreamSynchronize");
   fa_cu.stream_ctx = (fa_cu_stream_ctx)dlsym(cuda, "cuStreamGetCtx");
+  fa_cu.is_capturing = (fa_cu_is_capturing)dlsym(cuda, "cuStreamIsCapturing");
+  fa_cu.exchange_mode = (fa_cu_capture_mode)dlsym(cuda, "cuThreadExchangeStreamCaptureMode");
   dlclose(cuda); /* the runtime keeps the driver loaded */
 }
 
@@ -76,6 +85,32 @@ static int fa_cu_on_stream(int device, const fa_cu_stream *f, void *stream) {
   return rc;
 }
 
+static _Thread_local int fa_capture_on;   /* this thread's call is being recorded into a CUDA graph */
+static _Thread_local int fa_capture_mode; /* the thread's capture mode before the call relaxed it */
+
+int fa_gpu_stream_capturing(int device, void *stream) {
+  void *pctx = NULL, *was = NULL;
+  int status = 0;
+  if (fa_cu_primary(device, &pctx) || !fa_cu.is_capturing || fa_cu.push(pctx)) return 0;
+  const int rc = fa_cu.is_capturing(stream, &status);
+  fa_cu.pop(&was);
+  return !rc && status == FA_CU_CAPTURE_ACTIVE;
+}
+
+int fa_gpu_capturing(void) { return fa_capture_on; }
+
+/* Relaxed capture mode for this thread (the runtime's own synchronous copies, allocations and
+ * stream waits are not part of the graph, and the global mode would refuse them); returns the
+ * mode to restore, or -1 when the driver has no modes. */
+static int fa_capture_relax(void) {
+  int mode = FA_CU_CAPTURE_MODE_RELAXED;
+  return fa_cu.exchange_mode && !fa_cu.exchange_mode(&mode) ? mode : -1;
+}
+
+static void fa_capture_restore(int mode) {
+  if (mode >= 0 && fa_cu.exchange_mode) fa_cu.exchange_mode(&mode);
+}
+
 int fa_gpu_stream_check(int device, void *stream, int *invalid, char *why, size_t len) {
   void *pctx = NULL, *sctx = NULL;
   *invalid = 0;
@@ -89,7 +124,8 @@ int fa_gpu_stream_check(int device, void *stream, int *invalid, char *why, size_
     return -1;
   }
   *invalid = 1;
-  const int q = fa_cu_on_stream(device, &fa_cu.query, stream);
+  /* a query would end a capture in progress (the graph then fails): a capturing stream is live */
+  const int q = fa_gpu_stream_capturing(device, stream) ? 0 : fa_cu_on_stream(device, &fa_cu.query, stream);
   if (q && q != FA_CUDA_ERROR_NOT_READY) {
     snprintf(why, len, "%p is not a live CUDA stream (cuStreamQuery: error %d)", stream, q);
     return -1;
@@ -103,13 +139,29 @@ int fa_gpu_stream_check(int device, void *stream, int *invalid, char *why, size_
   return 0;
 }
 
-int fa_gpu_stream_sync(int device, void *stream) { return fa_cu_on_stream(device, &fa_cu.sync, stream); }
+int fa_gpu_stream_sync(int device, void *stream) {
+  /* nothing recorded in a capture runs before its graph is launched: there is nothing to wait for */
+  if (fa_gpu_stream_capturing(device, stream)) return 0;
+  const int mode = fa_capture_relax(); /* another stream of this thread may be capturing */
+  const int rc = fa_cu_on_stream(device, &fa_cu.sync, stream);
+  fa_capture_restore(mode);
+  return rc;
+}
 
 forkattn_status fa_gpu_stream_enter(forkattn_ctx *ctx, int routable, const char *what) {
   if (!ctx->stream_set) return FORKATTN_OK;
 #ifdef FA_GPU_TIMELINE
   routable = 0; /* the timeline's own regions, on the runtime's stream, read its buffer after each kernel */
 #endif
+  if (fa_gpu_stream_capturing(ctx->device, ctx->stream)) {
+    if (!routable)
+      return fa_fail(ctx, FORKATTN_ERR_UNSUPPORTED,
+                     "%s: cannot be recorded in a CUDA graph: only the tensor-core attention kernels on device "
+                     "memory are queued on the caller's stream (this call runs on the library's own stream)",
+                     what);
+    fa_capture_mode = fa_capture_relax();
+    fa_capture_on = 1;
+  }
   if (routable) {
     fa_gpu_launch_route(ctx->stream);
     return FORKATTN_OK;
@@ -121,7 +173,11 @@ forkattn_status fa_gpu_stream_enter(forkattn_ctx *ctx, int routable, const char 
             : FORKATTN_OK;
 }
 
-void fa_gpu_stream_leave(void) { fa_gpu_launch_unroute(); }
+void fa_gpu_stream_leave(void) {
+  fa_gpu_launch_unroute();
+  if (fa_capture_on) fa_capture_restore(fa_capture_mode);
+  fa_capture_on = 0;
+}
 
 forkattn_status fa_gpu_stream_run(forkattn_ctx *ctx, fa_gpu_stream_call run, const void *args, forkattn_memory memory,
                                   int mma, const char *what) {

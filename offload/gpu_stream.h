@@ -16,7 +16,11 @@
  * is done, before a routed kernel runs. They take their arguments from a
  * copy staged with the plan (is_device_ptr), and the plan's host pack is
  * pageable memory (the driver stages it before cuMemcpyHtoDAsync returns),
- * never the context's page-locked buffer the next call would overwrite. */
+ * never the context's page-locked buffer the next call would overwrite.
+ *
+ * A routed call on a stream that is being captured (CUDA graphs) records
+ * only its kernels: see fa_gpu_capturing(). The other calls refuse to be
+ * captured with FORKATTN_ERR_UNSUPPORTED. */
 #ifndef FORKATTN_GPU_STREAM_H
 #define FORKATTN_GPU_STREAM_H
 #include <stddef.h>
@@ -30,8 +34,18 @@
 int fa_gpu_stream_check(int device, void *stream, int *invalid, char *why, size_t len);
 
 /* Wait for everything queued on `stream` of `device`: 0, or the driver's
- * error (an earlier routed kernel's fault shows here). */
+ * error (an earlier routed kernel's fault shows here). A stream being
+ * captured into a CUDA graph has nothing to wait for: 0 at once. */
 int fa_gpu_stream_sync(int device, void *stream);
+
+/* 1 when `stream` is recording into a CUDA graph (stream capture). */
+int fa_gpu_stream_capturing(int device, void *stream);
+/* 1 while this thread's call is being recorded into a CUDA graph (between
+ * fa_gpu_stream_enter and _leave). Such a call's kernels run again at every
+ * replay, long after it returned: its device memory is its own for the
+ * context's life (gpu_stage.c), its plan is uploaded at once, and nothing a
+ * kernel changes may need resetting between runs (no persistent grid). */
+int fa_gpu_capturing(void);
 
 /* Wait for ctx's stream when one is set (0 at once without): 0, or the driver's error. No message:
  * for callers that report it themselves, or cannot (the KV cache's concurrent inserts). */

@@ -45,6 +45,10 @@ int fa_gpu_stream_sync(int device, void *stream) {
   return sync_fail;
 }
 
+/* Whether this thread's call is being recorded into a CUDA graph (gpu_stream.c), stood in. */
+static int capturing;
+int fa_gpu_capturing(void) { return capturing; }
+
 static forkattn_ctx host_ctx(void) {
   forkattn_ctx c;
   memset(&c, 0, sizeof c);
@@ -360,6 +364,43 @@ Test(gpu_stream, trimming_the_pool_waits_for_the_stream) {
     c.stream_set = 0;
     fa_gpu_pool_destroy(&c);
   }
+}
+
+/* A call recorded into a CUDA graph: its kernels run at every replay, after the call returned and while
+ * later calls run. Its device memory must never be handed to another call, its plan must be in place
+ * without a copy the graph would not hold, and nothing may wait for the capturing stream. */
+Test(gpu_stream, a_captured_call_owns_its_blocks_and_copies_its_plan_at_once) {
+  carry_case k;
+  carry_case_init(&k, "gpu_stream/capture");
+  int caller_stream;
+  k.c.stream_set = 1, k.c.stream = &caller_stream;
+  void *old = fa_gpu_pool_get(&k.c, 4096); /* a pooled block an earlier call's kernels may still read */
+  fa_gpu_pool_put(&k.c, old);
+  sync_calls = 0;
+  capturing = 1;
+  fa_gpu_launch_route(&caller_stream);
+  int64_t want[3][4];
+  void *dev[3];
+  stage_random(&k.st, &k.rng, want, dev);
+  assert_in_place(dev, want, "on return, before any launch");
+  cr_assert_eq(k.st.ncarried, 0, "nothing rides on a launch");
+  cr_assert_eq(sync_calls, 0, "no wait for the capturing stream");
+  void *scratch = fa_stage_scratch(&k.st, 4096);
+  cr_assert(scratch && scratch != old && dev[0] != old, "new blocks, never a pooled one");
+  cr_assert_eq(fa_gpu_pool_kept_bytes(&k.c) >= 4096 + 3 * sizeof want[0], 1);
+  fa_gpu_launch_unroute();
+  fa_stage_free(&k.st);
+  capturing = 0;
+  cr_assert_eq(fa_gpu_launch_copies_issue(NULL), 0);
+  cr_assert_eq(fake_calls, 0, "and nothing was queued for a later launch");
+  assert_in_place(dev, want, "after the call ended");
+  for (int i = 0; i < 4; i++) { /* later calls get other memory: the graph's stays the graph's */
+    void *p = fa_gpu_pool_get(&k.c, 4096);
+    cr_assert(p && p != scratch && p != dev[0], "a kept block is never handed out again");
+  }
+  assert_in_place(dev, want, "after later calls");
+  k.c.stream_set = 0;
+  carry_case_end(&k); /* frees the kept blocks too (ASan: no leak) */
 }
 
 /* The choice between persistent teams and a team an item (gpu_persist.h). */

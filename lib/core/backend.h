@@ -62,8 +62,12 @@ typedef struct fa_backend {
   /* The caller's stream (forkattn_ctx_set_stream). stream_check: 0 when
    * `stream` can order the device's work, else *invalid (not a stream of the
    * device) and *why. stream_wait: wait for ctx's stream when one is set,
-   * recording `what`'s failure as FORKATTN_ERR_DEVICE. stream_wait_quiet: the
-   * same without a message (concurrent callers); non-zero on failure. */
+   * before work the library then does on its own stream, recording `what`'s
+   * failure as FORKATTN_ERR_DEVICE; refused (FORKATTN_ERR_UNSUPPORTED) while
+   * the stream records a CUDA graph, which that work would not be part of.
+   * stream_wait_quiet: only the wait (nothing to wait for while the stream
+   * records a graph), without a message (concurrent callers); non-zero on
+   * failure. */
   int (*stream_check)(int device, void *stream, int *invalid, char *why, size_t len);
   forkattn_status (*stream_wait)(forkattn_ctx *ctx, const char *what);
   int (*stream_wait_quiet)(const forkattn_ctx *ctx);

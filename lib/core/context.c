@@ -200,6 +200,17 @@ forkattn_status fa_ctx_wait_stream(forkattn_ctx *ctx, const char *what) {
   return ctx->ops->stream_wait ? ctx->ops->stream_wait(ctx, what) : FORKATTN_OK;
 }
 
+/* Wait for the context's stream with no work of the library's after it (allowed while the
+ * stream records a CUDA graph: nothing recorded has run yet). */
+static forkattn_status fa_ctx_drain_stream(forkattn_ctx *ctx, const char *what) {
+  const int rc = ctx->ops->stream_wait_quiet ? ctx->ops->stream_wait_quiet(ctx) : 0;
+  return rc ? fa_fail(ctx, FORKATTN_ERR_DEVICE,
+                      "%s: waiting for the context's stream failed (CUDA error %d, an earlier call's kernel or "
+                      "the caller's own work)",
+                      what, rc)
+            : FORKATTN_OK;
+}
+
 forkattn_status forkattn_ctx_set_stream(forkattn_ctx *ctx, void *stream) {
   if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
   fa_clear_error(ctx);
@@ -211,7 +222,7 @@ forkattn_status forkattn_ctx_set_stream(forkattn_ctx *ctx, void *stream) {
   if (ctx->ops->stream_check(ctx->device, stream, &invalid, why, sizeof why))
     return fa_fail(ctx, invalid ? FORKATTN_ERR_INVALID_ARGUMENT : FORKATTN_ERR_UNSUPPORTED, "ctx_set_stream: %s",
                    why);
-  const forkattn_status st = fa_ctx_wait_stream(ctx, "ctx_set_stream");
+  const forkattn_status st = fa_ctx_drain_stream(ctx, "ctx_set_stream");
   if (st) return st;
   ctx->stream = stream;
   ctx->stream_set = 1;
@@ -221,13 +232,13 @@ forkattn_status forkattn_ctx_set_stream(forkattn_ctx *ctx, void *stream) {
 forkattn_status forkattn_ctx_synchronize(forkattn_ctx *ctx) {
   if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
   fa_clear_error(ctx);
-  return fa_ctx_wait_stream(ctx, "ctx_synchronize");
+  return fa_ctx_drain_stream(ctx, "ctx_synchronize");
 }
 
 forkattn_status forkattn_ctx_clear_stream(forkattn_ctx *ctx) {
   if (!ctx) return FORKATTN_ERR_INVALID_ARGUMENT;
   fa_clear_error(ctx);
-  const forkattn_status st = fa_ctx_wait_stream(ctx, "ctx_clear_stream");
+  const forkattn_status st = fa_ctx_drain_stream(ctx, "ctx_clear_stream");
   ctx->stream_set = 0;
   ctx->stream = NULL;
   return st;

@@ -30,7 +30,8 @@ are NaN-filled before their checked run; the binding's are allocated in freed Na
 (CUDA's caching allocator reuses them). The exit status is 1 when a check fails or a forkattn call
 errs.
 
-Usage (on the GPU machine, library built with offload; about 6 minutes on an H100):
+Usage (on the GPU machine, library built with offload; the full grid is sized for under 8 minutes
+on an H100):
   OMP_TARGET_OFFLOAD=mandatory bash bench/gpu_run.sh python3 bench/grid.py \\
       --lib build-gpu/libforkattn.so --json $OUT/grid.json
   --results PATH (default bench/RESULTS.md, '' for none): replace its section between
@@ -63,6 +64,18 @@ GRPO_GROUPS = (  # N, P, R, hq, hkv, d
     (8, 4096, 2048, 28, 4, 128), (16, 4096, 1024, 32, 8, 128), (16, 16384, 1024, 32, 8, 128),
     (64, 2048, 512, 32, 8, 128))
 IMPLS = ("binding", "c", "sdpa", "flex")
+HEADING = "### Shape grid against PyTorch (grid)"
+DESCRIPTION = """\
+`bench/grid.py` times forkattn through its Python binding and through the C library (calls on
+PyTorch's stream) against SDPA (the sequences' batch; N copies of prompt + response for a GRPO
+group) and compiled flex_attention (the layout's block mask) over a grid of shapes: dense varlen
+sequences x heads x d x causal/bidirectional, GRPO groups, a random RL trie and a tiny call; bf16,
+forward and forward+backward, median of CUDA-event times in interleaved rounds, every forkattn
+output checked against a float32 reference. Command (GPU machine, offload build; the full grid is
+sized for under 8 minutes on an H100, and `--time-limit`, default 540 s, starts no case after
+that): `OMP_TARGET_OFFLOAD=mandatory bash bench/gpu_run.sh python3 bench/grid.py --lib
+build-gpu/libforkattn.so --json $OUT/grid.json` (`--grid dense|grpo`, `--filter SUBSTR` for part
+of it). The block below is written by the script (`--results`)."""
 LABELS = {"binding": "forkattn binding", "c": "forkattn C", "sdpa": "SDPA", "flex": "flex_attention"}
 
 Case = collections.namedtuple("Case", "name kind spec")
@@ -309,6 +322,18 @@ def section(meta, cases):
                      + ["", expl, ""] + notes(cases)) + "\n"
 
 
+def write_results(path, text):
+    """The section between the markers; the first time, appended with its heading and description
+    at the end of the file (its GPU part)."""
+    if os.path.exists(path):
+        with open(path) as f:
+            old = f.read()
+        if BEGIN not in old or END not in old:
+            with open(path, "w") as f:
+                f.write(old.rstrip("\n") + "\n\n%s\n\n%s\n\n%s\n%s\n" % (HEADING, DESCRIPTION, BEGIN, END))
+    ct.write_results(path, text, BEGIN, END)
+
+
 def summary(c):
     if "skipped" in c:
         return "skipped: " + c["skipped"]
@@ -341,9 +366,9 @@ def main():
     a.rounds = a.rounds or (1 if quick else 4)
     a.min_reps = min(a.min_reps, a.reps)
     a.cuda = a.device == "cuda"
-    a.lib = a.lib or os.environ.get("FORKATTN_LIBRARY") or os.path.join(
-        ct.REPO, "build-gpu" if a.cuda else "build", "libforkattn.so")
-    os.environ["FORKATTN_LIBRARY"] = os.path.abspath(a.lib)  # the binding loads the same library
+    a.lib = os.path.abspath(a.lib or os.environ.get("FORKATTN_LIBRARY") or os.path.join(
+        ct.REPO, "build-gpu" if a.cuda else "build", "libforkattn.so"))
+    os.environ["FORKATTN_LIBRARY"] = a.lib  # the binding loads the same library
     dev = torch.device(a.device)
     warnings.filterwarnings("ignore", "flex_attention called without torch.compile")  # the CPU's eager one
     if a.cuda:
@@ -386,7 +411,7 @@ def main():
             with open(a.json, "w") as f:
                 json.dump({"meta": meta, "passed": ok, "cases": done}, f, indent=1)
         if a.results:
-            ct.write_results(a.results, section(meta, done), BEGIN, END)
+            write_results(a.results, section(meta, done))
     meta["elapsed_s"] = time.time() - start
     print("\n" + section(meta, done))
     sys.exit(0 if ok else 1)

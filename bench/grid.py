@@ -37,7 +37,9 @@ on an H100):
       --lib build-gpu/libforkattn.so --json $OUT/grid.json
   --results PATH (default bench/RESULTS.md, '' for none): replace its section between
   <!-- grid:begin --> and <!-- grid:end --> (appended the first time); written after every case.
-  --time-limit SECONDS: start no case after that (the table lists the rest as not run).
+  --time-limit SECONDS (default 540, 0 for none): start no case after that (the table lists the
+  rest as not run). Below the table, per forkattn path and direction: the geometric mean of SDPA's
+  time over forkattn's and the cases where forkattn is the slower.
   --device cpu --quick: the quick grid on the CPU backend with host pointers (its times mean
   little: PyTorch's and the library's OpenMP runtimes share the cores).
 """
@@ -47,6 +49,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 import types
@@ -306,9 +309,28 @@ def notes(cases):
                 lines.append("- %s: %s: %s." % (c["name"], r["name"], r["note"]))
             if "check" in r and not r["check"]["pass"]:
                 lines.append("- %s: check of %s FAILED: %s." % (c["name"], r["name"], r["check"]["why"]))
+    lines += slower(cases)
     not_run = [c["name"] for c in cases if "not_run" in c]
     if not_run:
         lines.append("- Not run (--time-limit): %d cases, from %s." % (len(not_run), not_run[0]))
+    return lines
+
+
+def slower(cases):
+    """Per forkattn path and direction: the geometric mean of SDPA's time over forkattn's, and the
+    cases where forkattn is the slower."""
+    lines = []
+    for fa in ("c", "binding"):
+        for k, what in (("fwd", "forward"), ("fwd_bwd", "forward+backward")):
+            key = "sdpa/%s %s" % (fa, k)
+            have = [c for c in cases if key in c.get("ratios", {})]
+            if not have:
+                continue
+            slow = [c for c in have if c["ratios"][key] < 1]
+            mean = math.exp(statistics.fmean(math.log(c["ratios"][key]) for c in have))
+            lines.append("- SDPA / %s, %s: geometric mean %.2f over %d cases; slower than SDPA in %d%s" % (
+                LABELS[fa], what, mean, len(have), len(slow),
+                (": " + ", ".join("%s (%.2f)" % (c["name"], c["ratios"][key]) for c in slow) if slow else "") + "."))
     return lines
 
 
@@ -320,7 +342,7 @@ def section(meta, cases):
                 meta["elapsed_s"]))
     expl = ("Times in ms, forward / forward+backward (gradients of sum(o·dout)). Ratios: PyTorch's time over "
             "forkattn's (above 1: forkattn is faster). ideal: FLOPs of the replicated batch over the packed "
-            "rows'; reached: SDPA / C over ideal. A check passes when every output of both forkattn paths is within "
+            "rows'; reached: SDPA / C over ideal (the binding's in the JSON). A check passes when every output of both forkattn paths is within "
             "2x PyTorch's bf16 error + %g of a float32 reference, all written." % ct.ABS_TOL)
     return "\n".join(["#### The latest run", "", head, "", "Command: `%s`" % meta["command"], ""] + table(cases)
                      + ["", expl, ""] + notes(cases)) + "\n"

@@ -37,7 +37,7 @@ on an H100):
       --lib build-gpu/libforkattn.so --json $OUT/grid.json
   --results PATH (default bench/RESULTS.md, '' for none): replace its section between
   <!-- grid:begin --> and <!-- grid:end --> (appended the first time); written after every case.
-  --time-limit SECONDS (default 540, 0 for none): start no case after that (the table lists the
+  --time-limit SECONDS (default 480, 0 for none): start no case after that (the table lists the
   rest as not run). Below the table, per forkattn path and direction: the geometric mean of SDPA's
   time over forkattn's and the cases where forkattn is the slower.
   --device cpu --quick: the quick grid on the CPU backend with host pointers (its times mean
@@ -77,7 +77,7 @@ group) and compiled flex_attention (the layout's block mask) over a grid of shap
 sequences x heads x d x causal/bidirectional, GRPO groups, a random RL trie and a tiny call; bf16,
 forward and forward+backward, median of CUDA-event times in interleaved rounds, every forkattn
 output checked against a float32 reference. Command (GPU machine, offload build; the full grid is
-sized for under 8 minutes on an H100, and `--time-limit`, default 540 s, starts no case after
+sized for under 8 minutes on an H100, and `--time-limit`, default 480 s, starts no case after
 that): `OMP_TARGET_OFFLOAD=mandatory bash bench/gpu_run.sh python3 bench/grid.py --lib
 build-gpu/libforkattn.so --json $OUT/grid.json` (`--grid dense|grpo`, `--filter SUBSTR` for part
 of it). The block below is written by the script (`--results`)."""
@@ -380,7 +380,7 @@ def main():
     ap.add_argument("--rounds", type=int, help="interleaved timing rounds (default 4; quick 1)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls before the first round")
     ap.add_argument("--case-seconds", type=float, default=0.8, help="time of timed calls to aim for per case")
-    ap.add_argument("--time-limit", type=float, default=540, help="start no case after this many seconds (0: none)")
+    ap.add_argument("--time-limit", type=float, default=480, help="start no case after this many seconds (0: none)")
     ap.add_argument("--no-flex", action="store_true", help="leave flex_attention out")
     ap.add_argument("--list", action="store_true", help="print the selected cases' names and stop")
     ap.add_argument("--seed", type=int, default=1)
@@ -424,12 +424,14 @@ def main():
             break
         print("[%d/%d %.0fs] %s: %s, %d/%d heads" % (i + 1, len(cases), time.time() - start, case.name,
                                                     case.spec.desc, case.spec.hq, case.spec.hkv), flush=True)
+        t0 = time.time()
         try:
             rec = run_case(i, case, a, fa, dev)
         except Exception as e:  # the reference or the inputs (out of memory): recorded, the grid goes on
             rec = {"case": i, "name": case.name, "kind": case.kind, "skipped": ct.describe(e)}
         if a.cuda:
             torch.cuda.empty_cache()
+        rec["seconds"] = time.time() - t0
         done.append(rec)
         ok = ok and rec.get("pass", True) and not any(
             "error" in r for r in rec.get("impls", ()) if r["impl"] in ("binding", "c"))

@@ -3,7 +3,8 @@
 
 Per case (bf16 inputs, softmax scale 1/sqrt(d)), each timed forward and forward+backward
 (gradients of sum(o * dout), dout random):
-  forkattn binding: forkattn.varlen_attention (dense cases; cu_seqlens on the host),
+  forkattn binding: forkattn.varlen_attention (dense cases; int32 cu_seqlens on the inputs' device,
+      as flash-attn takes them),
       forkattn.prefix_attention with a SharedPrefixLayout (GRPO groups) or forkattn.tree_attention
       with a TreeLayout (the trie), backward by autograd on the binding's outputs;
   forkattn C: the C library's forkattn_prefix_* / forkattn_tree_* through ctypes, arguments built
@@ -124,7 +125,7 @@ def grid(which, seed):
     return cases
 
 
-def binding_call(case):
+def binding_call(case, dev):
     """The binding's attention on packed q, k, v for the case's layout."""
     import forkattn
 
@@ -135,7 +136,7 @@ def binding_call(case):
     if case.kind == "trie":
         layout = forkattn.TreeLayout(torch.tensor(lay.offsets), torch.tensor(lay.parents))
         return lambda q, k, v: forkattn.tree_attention(q, k, v, layout)
-    cu, longest = torch.tensor(lay.offsets[1:], dtype=torch.int32), max(lay.lengths)
+    cu, longest = torch.tensor(lay.offsets[1:], dtype=torch.int32, device=dev), max(lay.lengths)
     return lambda q, k, v: forkattn.varlen_attention(q, k, v, cu, cu, longest, longest, causal=lay.causal)
 
 
@@ -150,7 +151,7 @@ def poison_allocator(t):
 def run_binding(case, t, ref):
     r = {"name": LABELS["binding"], "impl": "binding"}
     try:
-        call = binding_call(case)
+        call = binding_call(case, t["q"].device)
         q, k, v = (t[n].detach().requires_grad_() for n in ("q", "k", "v"))
 
         def fwd():

@@ -203,7 +203,8 @@ class Layout:
             assert all(p == 0 for p in self.parents[1:])
             P = self.lengths[0]
             self._arrays = [int64_array([o - P for o in self.offsets[1:]])]
-            return Prefix(P, len(self.lengths) - 1, C.addressof(self._arrays[0]), CAUSAL if self.causal else BIDIRECTIONAL)
+            mask = CAUSAL if self.causal else BIDIRECTIONAL
+            return Prefix(P, len(self.lengths) - 1, C.addressof(self._arrays[0]), mask)
         assert self.causal
         self._arrays = [int64_array(self.offsets), int64_array(self.parents)]
         return TreeC(len(self.lengths), *(C.addressof(x) for x in self._arrays))
@@ -487,8 +488,8 @@ def run_case(n, a, seed, fa, dev):
     spec = case_spec(n, a, seed)
     lay = spec.layout
     gflop = 4e-9 * spec.d * spec.hq * lay.pairs
-    rec = {"case": n, "name": spec.name, "desc": spec.desc, "rows": lay.rows, "hq": spec.hq, "hkv": spec.hkv, "d": spec.d,
-           "useful_gflop": gflop, "replicated_gflop": 4e-9 * spec.d * spec.hq * lay.replicated_pairs, "impls": []}
+    rec = {"case": n, "name": spec.name, "desc": spec.desc, "rows": lay.rows, "hq": spec.hq, "hkv": spec.hkv,
+           "d": spec.d, "useful_gflop": gflop, "replicated_gflop": 4e-9 * spec.d * spec.hq * lay.replicated_pairs, "impls": []}
     print("case %d (%s): %s" % (n, spec.name, spec.desc), flush=True)
     try:
         torch.manual_seed(seed + n)

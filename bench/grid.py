@@ -343,8 +343,9 @@ def section(meta, cases):
                 meta["elapsed_s"]))
     expl = ("Times in ms, forward / forward+backward (gradients of sum(o·dout)). Ratios: PyTorch's time over "
             "forkattn's (above 1: forkattn is faster). ideal: FLOPs of the replicated batch over the packed "
-            "rows'; reached: SDPA / C over ideal (the binding's in the JSON). A check passes when every output of both forkattn paths is within "
-            "2x PyTorch's bf16 error + %g of a float32 reference, all written." % ct.ABS_TOL)
+            "rows'; reached: SDPA / C over ideal (the binding's in the JSON). A check passes when every output "
+            "of both forkattn paths is within 2x PyTorch's bf16 error + %g of a float32 reference, all "
+            "written." % ct.ABS_TOL)
     return "\n".join(["#### The latest run", "", head, "", "Command: `%s`" % meta["command"], ""] + table(cases)
                      + ["", expl, ""] + notes(cases)) + "\n"
 

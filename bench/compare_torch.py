@@ -489,7 +489,8 @@ def run_case(n, a, seed, fa, dev):
     lay = spec.layout
     gflop = 4e-9 * spec.d * spec.hq * lay.pairs
     rec = {"case": n, "name": spec.name, "desc": spec.desc, "rows": lay.rows, "hq": spec.hq, "hkv": spec.hkv,
-           "d": spec.d, "useful_gflop": gflop, "replicated_gflop": 4e-9 * spec.d * spec.hq * lay.replicated_pairs, "impls": []}
+           "d": spec.d, "useful_gflop": gflop, "replicated_gflop": 4e-9 * spec.d * spec.hq * lay.replicated_pairs,
+           "impls": []}
     print("case %d (%s): %s" % (n, spec.name, spec.desc), flush=True)
     try:
         torch.manual_seed(seed + n)

@@ -59,16 +59,15 @@ from compare_kl import DEVICE, HOST, CtxOpt, Prefix, Tensor, ctx_options
 
 BACKEND_CPU, BACKEND_GPU = 1, 2  # forkattn_backend
 BF16 = 1  # FORKATTN_DTYPE_BF16
-CAUSAL = 0  # FORKATTN_MASK_CAUSAL
+CAUSAL, BIDIRECTIONAL = 0, 1  # forkattn_mask
 D = 128
-SCALE = 1.0 / math.sqrt(D)
 OUTS = ("o", "dq", "dk", "dv")
 ABS_TOL = 1e-3
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- compare_torch:begin -->", "<!-- compare_torch:end -->"
 SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
-Spec = collections.namedtuple("Spec", "name desc layout hq hkv torch")
+Spec = collections.namedtuple("Spec", "name desc layout hq hkv torch d", defaults=(D,))
 
 
 class TreeC(C.Structure):
@@ -77,6 +76,11 @@ class TreeC(C.Structure):
 
 class LibraryError(RuntimeError):
     pass
+
+
+def softmax_scale(x):
+    """1/sqrt(d) of a tensor [..., d]."""
+    return 1.0 / math.sqrt(x.shape[-1])
 
 
 def load(path):
@@ -147,10 +151,11 @@ class Forkattn:
 
     def prepared(self, lay, t):
         """fwd() and bwd() closures on tensors t (their data pointers must not change)."""
+        s = softmax_scale(t["q"])
         fwd = self._prepare("fwd", lay, desc(t["q"]), desc(t["k"]), desc(t["v"]), desc(t["o"]),
-                            t["lse"].data_ptr(), SCALE)
+                            t["lse"].data_ptr(), s)
         bwd = self._prepare("bwd", lay, desc(t["q"]), desc(t["k"]), desc(t["v"]), desc(t["o"]), desc(t["do"]),
-                            t["lse"].data_ptr(), desc(t["dq"]), desc(t["dk"]), desc(t["dv"]), SCALE)
+                            t["lse"].data_ptr(), desc(t["dq"]), desc(t["dk"]), desc(t["dv"]), s)
         return fwd, bwd
 
 
@@ -158,11 +163,12 @@ class Layout:
     """A forest packed depth first, every subtree a contiguous row range: node i owns rows
     [offsets[i], offsets[i+1]) and has parent parents[i] < i (-1: a root). A row sees every row of
     its node's ancestors and, causally, its own node's: row r sees key row j iff j <= r < end[j],
-    end[j] being where the subtree of j's node ends. kind "prefix" (a root and its children) runs
-    forkattn_prefix_*, "tree" forkattn_tree_*."""
+    end[j] being where the subtree of j's node ends; not causal, a row also sees every row of its own
+    node. kind "prefix" (a root and its children; a root of 0 rows: plain variable-length attention)
+    runs forkattn_prefix_*, "tree" (causal only) forkattn_tree_*."""
 
-    def __init__(self, kind, lengths, parents):
-        self.kind, self.lengths, self.parents = kind, lengths, parents
+    def __init__(self, kind, lengths, parents, causal=True):
+        self.kind, self.lengths, self.parents, self.causal = kind, lengths, parents, causal
         self.offsets = [0]
         for n in lengths:
             self.offsets.append(self.offsets[-1] + n)
@@ -176,24 +182,39 @@ class Layout:
             if parents[i] >= 0:
                 self.sub_end[parents[i]] = max(self.sub_end[parents[i]], self.sub_end[i])
         self.leaves = sorted(set(range(len(lengths))) - set(parents))
-        self.pairs = sum(n * a + n * (n + 1) // 2 for n, a in zip(lengths, self.above))
-        self.replicated_pairs = sum(self.path_rows(i) * (self.path_rows(i) + 1) // 2 for i in self.leaves)
+        own = (lambda n: n * (n + 1) // 2) if causal else (lambda n: n * n)
+        self.pairs = sum(n * a + own(n) for n, a in zip(lengths, self.above))
+        self.replicated_pairs = sum(self.path_pairs(i, own) for i in self.leaves)
         self.c = self._c_struct()
 
     def path_rows(self, node):
         return self.above[node] + self.lengths[node]
+
+    def path_pairs(self, node, own):
+        """Visible pairs of the sequence of the root-to-node path alone."""
+        pairs = 0
+        while node >= 0:
+            pairs += self.lengths[node] * self.above[node] + own(self.lengths[node])
+            node = self.parents[node]
+        return pairs
 
     def _c_struct(self):
         if self.kind == "prefix":
             assert all(p == 0 for p in self.parents[1:])
             P = self.lengths[0]
             self._arrays = [int64_array([o - P for o in self.offsets[1:]])]
-            return Prefix(P, len(self.lengths) - 1, C.addressof(self._arrays[0]), CAUSAL)
+            mask = CAUSAL if self.causal else BIDIRECTIONAL
+            return Prefix(P, len(self.lengths) - 1, C.addressof(self._arrays[0]), mask)
+        assert self.causal
         self._arrays = [int64_array(self.offsets), int64_array(self.parents)]
         return TreeC(len(self.lengths), *(C.addressof(x) for x in self._arrays))
 
     def row_end(self, dev):
         return torch.repeat_interleave(torch.tensor(self.sub_end), torch.tensor(self.lengths)).to(dev)
+
+    def row_node_end(self, dev):
+        """Where each row's node ends."""
+        return torch.repeat_interleave(torch.tensor(self.offsets[1:]), torch.tensor(self.lengths)).to(dev)
 
     def sequences(self, dev):
         """[leaves, L]: the packed rows of every root-to-leaf sequence (they must have one length)."""
@@ -244,7 +265,7 @@ def case_spec(n, a, seed):
 
 def inputs(spec, dev):
     T = spec.layout.rows
-    mk = lambda h: torch.randn(T, h, D, device=dev, dtype=torch.bfloat16)
+    mk = lambda h: torch.randn(T, h, spec.d, device=dev, dtype=torch.bfloat16)
     t = {"q": mk(spec.hq), "k": mk(spec.hkv), "v": mk(spec.hkv), "do": mk(spec.hq)}
     t.update(o=torch.empty_like(t["q"]), lse=torch.empty(T, spec.hq, device=dev), dq=torch.empty_like(t["q"]),
              dk=torch.empty_like(t["k"]), dv=torch.empty_like(t["v"]))
@@ -258,22 +279,25 @@ def reference(t, lay, dtype):
     q, k, v, do = (t[n].to(dtype) for n in ("q", "k", "v", "do"))
     T, hq, d = q.shape
     hkv = k.shape[1]
-    g, s = hq // hkv, SCALE
+    g, s = hq // hkv, softmax_scale(q)
     end, rows = lay.row_end(q.device), torch.arange(T, device=q.device)
+    node_end = None if lay.causal else lay.row_node_end(q.device)
     out = {"o": torch.empty_like(q), "dq": torch.empty_like(q), "dk": torch.zeros_like(k), "dv": torch.zeros_like(v)}
     chunk = max(1, (1 << 28) // (hq * T))
     for r0 in range(0, T, chunk):
         r1 = min(T, r0 + chunk)
         qc, dc = q[r0:r1].view(r1 - r0, hkv, g, d), do[r0:r1].view(r1 - r0, hkv, g, d)
-        kc, vc = k[:r1], v[:r1]  # later keys are masked
-        seen = (rows[:r1] <= rows[r0:r1, None]) & (rows[r0:r1, None] < end[:r1])
+        k1 = r1 if lay.causal else int(node_end[r1 - 1])
+        kc, vc = k[:k1], v[:k1]  # later keys are masked
+        last = rows[r0:r1, None] if lay.causal else node_end[r0:r1, None] - 1  # last key row seen
+        seen = (rows[:k1] <= last) & (rows[r0:r1, None] < end[:k1])
         p = torch.softmax((torch.einsum("chgd,khd->hgck", qc, kc) * s).masked_fill(~seen, -math.inf), -1)
         oc = torch.einsum("hgck,khd->chgd", p, vc)
         ds = p * (torch.einsum("chgd,khd->hgck", dc, vc) - (oc * dc).sum(-1).permute(1, 2, 0)[..., None])
         out["o"][r0:r1] = oc.reshape(r1 - r0, hq, d)
         out["dq"][r0:r1] = s * torch.einsum("hgck,khd->chgd", ds, kc).reshape(r1 - r0, hq, d)
-        out["dk"][:r1] += s * torch.einsum("hgck,chgd->khd", ds, qc)
-        out["dv"][:r1] += torch.einsum("hgck,chgd->khd", p, dc)
+        out["dk"][:k1] += s * torch.einsum("hgck,chgd->khd", ds, qc)
+        out["dv"][:k1] += torch.einsum("hgck,chgd->khd", p, dc)
     return out
 
 
@@ -316,12 +340,12 @@ class TorchAttention:
         return out.index_add_(0, self.idx.flatten(), x.flatten(0, 1))
 
 
-def sdpa(q, k, v):
+def sdpa(q, k, v, causal=True):
     g = q.shape[1] // k.shape[1]
     if g > 1 and not SDPA_GQA:
         k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     gqa = {"enable_gqa": True} if g > 1 and SDPA_GQA else {}
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE, **gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale(q), **gqa)
 
 
 def flex(lay, cuda, dev):
@@ -337,7 +361,7 @@ def flex(lay, cuda, dev):
     fn = torch.compile(flex_attention, dynamic=False) if cuda else flex_attention
 
     def attend(q, k, v):
-        return fn(q, k, v, block_mask=mask, scale=SCALE, enable_gqa=q.shape[1] != k.shape[1])
+        return fn(q, k, v, block_mask=mask, scale=softmax_scale(q), enable_gqa=q.shape[1] != k.shape[1])
     return attend, mask_ms
 
 
@@ -346,7 +370,7 @@ def torch_impls(spec, t, cuda, dev):
     lay = spec.layout
 
     def make_sdpa():
-        return TorchAttention(sdpa, lay.sequences(dev), t, True)
+        return TorchAttention(lambda q, k, v: sdpa(q, k, v, lay.causal), lay.sequences(dev), t, True)
 
     def make_flex():
         attend, mask_ms = flex(lay, cuda, dev)
@@ -463,9 +487,10 @@ def check(fa, torch_rows, t, lay, ref):
 def run_case(n, a, seed, fa, dev):
     spec = case_spec(n, a, seed)
     lay = spec.layout
-    gflop = 4e-9 * D * spec.hq * lay.pairs
-    rec = {"case": n, "name": spec.name, "desc": spec.desc, "rows": lay.rows, "hq": spec.hq, "hkv": spec.hkv, "d": D,
-           "useful_gflop": gflop, "replicated_gflop": 4e-9 * D * spec.hq * lay.replicated_pairs, "impls": []}
+    gflop = 4e-9 * spec.d * spec.hq * lay.pairs
+    rec = {"case": n, "name": spec.name, "desc": spec.desc, "rows": lay.rows, "hq": spec.hq, "hkv": spec.hkv,
+           "d": spec.d, "useful_gflop": gflop, "replicated_gflop": 4e-9 * spec.d * spec.hq * lay.replicated_pairs,
+           "impls": []}
     print("case %d (%s): %s" % (n, spec.name, spec.desc), flush=True)
     try:
         torch.manual_seed(seed + n)
@@ -582,11 +607,13 @@ def section(meta, cases):
                       "Command: `%s`" % meta["command"], ""] + table(cases) + ["", expl, ""] + notes(cases)) + "\n"
 
 
-def write_results(path, text):
+def write_results(path, text, begin=BEGIN, end=END):
+    """Replace the block between the markers begin and end in the file at path (appended the first
+    time)."""
     old = open(path).read() if os.path.exists(path) else ""
-    block = "%s\n%s%s" % (BEGIN, text, END)
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + block + old[old.index(END) + len(END):]
+    block = "%s\n%s%s" % (begin, text, end)
+    if begin in old and end in old:
+        new = old[:old.index(begin)] + block + old[old.index(end) + len(end):]
     else:
         new = (old.rstrip("\n") + "\n\n" if old else "") + block + "\n"
     with open(path, "w") as f:

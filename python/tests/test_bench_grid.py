@@ -1,0 +1,43 @@
+"""Smoke test of bench/grid.py: its quick grid on the CPU backend, every case checked."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GRID = os.path.join(REPO, "bench", "grid.py")
+
+
+def quick_case_names():
+    spec = importlib.util.spec_from_file_location("bench_grid", GRID)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return [c.name for c in mod.grid("quick", 1)]
+
+
+def test_quick_grid_on_cpu(tmp_path):
+    lib = os.environ.get("FORKATTN_LIBRARY") or os.path.join(REPO, "build", "libforkattn.so")
+    if not os.path.exists(lib):
+        pytest.skip("no library at %s" % lib)
+    out = tmp_path / "grid.json"
+    r = subprocess.run([sys.executable, GRID, "--device", "cpu", "--quick", "--seed", "1", "--results", "",
+                        "--lib", lib, "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    rows = {line.split("|")[1].strip(): line for line in r.stdout.splitlines() if line.startswith("| ")}
+    for name in quick_case_names():
+        assert name in rows, (name, r.stdout[-4000:])
+        assert rows[name].rstrip().endswith("| PASS |"), rows[name]
+    data = json.loads(out.read_text())
+    assert data["passed"]
+    assert [c["name"] for c in data["cases"]] == quick_case_names()
+    for c in data["cases"]:
+        impls = {x["impl"]: x for x in c["impls"]}
+        for fa in ("binding", "c"):
+            assert impls[fa]["check"]["pass"] and impls[fa]["fwd_ms"] > 0 and impls[fa]["fwd_bwd_ms"] > 0, c["name"]
+        assert ("sdpa" in impls) == (c["kind"] != "trie") and ("flex" in impls) == (c["kind"] in ("grpo", "trie"))

@@ -318,6 +318,13 @@ FORKATTN_API size_t forkattn_ctx_peak_workspace(const forkattn_ctx *ctx);
  * The context's scratch memory is reused in stream order: use a context
  * from one stream, and one thread, at a time.
  *
+ * While @p stream is being captured into a CUDA graph, a queued call is
+ * recorded (only its kernels; its plan is uploaded during the call and its
+ * device memory stays allocated until the context is destroyed, so destroy
+ * it after its graphs) and every other call returns
+ * FORKATTN_ERR_UNSUPPORTED. Setting, clearing and synchronizing do not wait
+ * for a stream that is being captured.
+ *
  * @param ctx a GPU context
  * @param stream a CUstream (cudaStream_t) of the device's primary context,
  *        cast to a pointer: the CUDA runtime's streams and PyTorch's

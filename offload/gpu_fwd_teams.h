@@ -193,8 +193,7 @@ static inline __attribute__((always_inline)) void fa_wg_pair_fwd_team(const int 
   FA_TL(FA_TL_START);
   FA_TL(FA_TL_BEGIN);
 
-  fa_mma_load_rows(sm, qt, D, FA_MMA_ROWS, D, ga.q, blk.start + wg * FA_MMA_ROWS,
-                   qrows < 0 ? 0 : qrows > FA_MMA_ROWS ? FA_MMA_ROWS : qrows, h, wt);
+  fa_wg_pair_load_rows(sm, &t, qt, D, &ga.q, &blk, qrows < 0 ? 0 : qrows > FA_MMA_ROWS ? FA_MMA_ROWS : qrows, h);
   fa_cp_async_commit();
   fa_tile_walk w = fa_wg_pair_first(&k);
   /* tiles 0 .. S - 2 (buffer S - 1 holds "tile -1"); wl: thread 0 of each warpgroup's next tile to copy
@@ -229,7 +228,7 @@ static inline __attribute__((always_inline)) void fa_wg_pair_fwd_team(const int 
      * say so copies tile j - 2 + S into it. Here warp 0's release work (~500 cycles, which the other warps
      * waited for at the products' issue when it followed P V's wait) falls in the time the products wait
      * for the other warpgroup's anyway (in-kernel timeline) */
-    if (wt == 0 && j > 0) wl = fa_wg_pair_release(&k, sm, bpp, wl);
+    if (wt == 0 && j > 0) wl = fa_wg_pair_release(&k, sm, bpp, &wl);
     const int nk = fa_walk_keys(w, BK);
     unsigned long long vf[2] = {0, 0}; /* bit r: V row r (64 + r) of tile j was non-finite (zeroed) */
     if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst)) fa_tile_ring_scan(smem + kt + BK * D, BK, D, f16, rg, tid, vf);

@@ -5,10 +5,10 @@
  * first tile, the ring's start, arrival, the rows' key limits, release,
  * next tile and buffer). Always inlined with their structs by pointer, so
  * the structs live in registers; each team's SASS is what it was written
- * out. Helpers for the tile's scan, a warp's all-visible test and the
- * query rows' cp.async changed some kernel's schedule or registers (the
- * inliner and ptxas follow the code's shape), so those steps stay in the
- * teams. */
+ * out. Helpers for the tile's scan and a warp's all-visible test (and,
+ * in the dQ, the query rows' cp.async and the release) changed some
+ * kernel's schedule or registers (the inliner and ptxas follow the code's
+ * shape), so those steps stay in the teams. */
 #ifndef FORKATTN_GPU_WG_PAIR_TEAM_H
 #define FORKATTN_GPU_WG_PAIR_TEAM_H
 #include <stdint.h>
@@ -61,6 +61,15 @@ static inline __attribute__((always_inline)) int64_t fa_wg_pair_qrows(const fa_w
 static inline __attribute__((always_inline)) int64_t fa_wg_pair_nq(const fa_wg_pair_rows *t, fa_block blk) {
   const int64_t qrows = fa_wg_pair_qrows(t, blk);
   return qrows < 0 ? 0 : qrows > FA_MMA_ROWS ? FA_MMA_ROWS : qrows;
+}
+
+/* By each warpgroup: its nq rows (fa_wg_pair_nq) of tensor x (head h)
+ * into its 64 x D tile at element `at` of team memory, by cp.async (the
+ * caller commits). */
+static inline __attribute__((always_inline)) void fa_wg_pair_load_rows(fa_smem sm, const fa_wg_pair_rows *t, int at,
+                                                                       int D, const fa_dev_tensor *x,
+                                                                       const fa_block *blk, int64_t nq, int64_t h) {
+  fa_mma_load_rows(sm, at, D, FA_MMA_ROWS, D, *x, blk->start + t->wg * FA_MMA_ROWS, nq, h, t->wt);
 }
 
 /* The team's cp.async copies (its query tiles) landed and, with its other
@@ -124,8 +133,8 @@ static inline __attribute__((always_inline)) fa_wg_pair_lims fa_wg_pair_row_keys
  * second of the two copies tile wl into it (fa_tile_ring_release). Returns
  * the next tile to copy. */
 static inline __attribute__((always_inline)) fa_tile_walk fa_wg_pair_release(const fa_wg_pair_walk *k, fa_smem sm,
-                                                                             int b, fa_tile_walk wl) {
-  return fa_tile_ring_release(sm, k->rg, b, k->tma, k->g, wl, k->BK, k->D, k->seg, k->pair, k->blk, k->qshift);
+                                                                             int b, const fa_tile_walk *wl) {
+  return fa_tile_ring_release(sm, k->rg, b, k->tma, k->g, *wl, k->BK, k->D, k->seg, k->pair, k->blk, k->qshift);
 }
 
 /* The tile after w. */

@@ -1,6 +1,6 @@
 /* The dK/dV team functions (one key unit x one KV head), in a header so the
  * host tests can run them under the SIMT emulation of gpu_mma.h
- * (tests/test_mma_emulated.c); launched by gpu_mma_bwd.c. Each composes
+ * (tests/test_mma_emulated.c); launched by gpu_tc_bwd_launch.c. Each composes
  * its K/V tile loads, the query-tile producer of gpu_dkv_loads.h, the
  * score products (gpu_products.h), the gradient steps of gpu_grad_step.h,
  * dV += P^T dO, dK += dS^T Q and the store of gpu_epilogue.h:

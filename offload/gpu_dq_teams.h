@@ -1,6 +1,6 @@
 /* The dQ team functions (one query block x one query head), in a header so
  * the host tests can run them under the SIMT emulation of gpu_mma.h
- * (tests/test_mma_emulated.c); launched by gpu_mma_bwd.c. Each composes
+ * (tests/test_mma_emulated.c); launched by gpu_tc_bwd_launch.c. Each composes
  * the K/V loads (gpu_mma_tiles.h, or the tile ring of gpu_tile_ring.h),
  * S and dP products, the gradient steps of gpu_grad_step.h, dQ += dS K and
  * a store (gpu_epilogue.h):

@@ -1,6 +1,6 @@
 /* The forward's team functions (one query block x one query head), in a
  * header so the host tests can run them under the SIMT emulation of
- * gpu_mma.h (tests/test_mma_emulated.c); launched by gpu_mma_fwd.c. Each
+ * gpu_mma.h (tests/test_mma_emulated.c); launched by gpu_tc_fwd_launch.c. Each
  * composes K/V loads, S = Q K^T, the online-softmax step of
  * gpu_softmax_step.h, O += P V and the epilogue of gpu_epilogue.h:
  *   fa_mma_fwd_team  mma.sync, 64 rows, K/V double-buffered by cp.async

@@ -1,6 +1,6 @@
 /* GPU forward of segment attention: OpenMP offload, `ompx_bare` teams.
  * Staging and dispatch for both kernels, and the FP32 CUDA-core kernel that
- * serves every call the tensor-core kernel (gpu_mma_fwd.c) does not: f32,
+ * serves every call the tensor-core kernel (gpu_tc_fwd_launch.c) does not: f32,
  * other head_dims, strides not 16-byte aligned, kept sets. FP32 kernel:
  * teams of 128 threads, team-shared Q/K/V tiles, one online softmax per
  * query row across every pair of its segment; one team = (query block of

@@ -193,7 +193,7 @@ static inline __attribute__((always_inline)) void fa_wg_pair_fwd_team(const int 
   FA_TL(FA_TL_START);
   FA_TL(FA_TL_BEGIN);
 
-  fa_wg_pair_load_rows(sm, &t, qt, D, &ga.q, &blk, qrows < 0 ? 0 : qrows > FA_MMA_ROWS ? FA_MMA_ROWS : qrows, h);
+  fa_wg_pair_load_rows(sm, &t, qt, D, &ga.q, &blk, fa_wg_pair_nq(&t, blk), h);
   fa_cp_async_commit();
   fa_tile_walk w = fa_wg_pair_first(&k);
   /* tiles 0 .. S - 2 (buffer S - 1 holds "tile -1"); wl: thread 0 of each warpgroup's next tile to copy

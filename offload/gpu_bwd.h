@@ -1,5 +1,5 @@
 /* The GPU backward's staged arguments, shared by its FP32 kernels
- * (gpu_segment_bwd.c) and its tensor-core kernels (gpu_mma_bwd.c). Both
+ * (gpu_segment_bwd.c) and its tensor-core kernels (gpu_tc_bwd_launch.c). Both
  * compute D = rowsum(dO * O) first, dQ by query block, dK/dV by key block
  * over its readers (units of a heavily read block summed in order by the
  * reduce kernel: deterministic, no atomics). */

@@ -1,6 +1,6 @@
 /* The dK/dV team functions (one key unit x one KV head), in a header so the
  * host tests can run them under the SIMT emulation of gpu_mma.h
- * (tests/test_mma_emulated.c); launched by gpu_mma_bwd.c. Each composes
+ * (tests/test_mma_emulated.c); launched by gpu_tc_bwd_launch.c. Each composes
  * its K/V tile loads, the query-tile producer of gpu_dkv_loads.h, the
  * score products (gpu_products.h), the gradient steps of gpu_grad_step.h,
  * dV += P^T dO, dK += dS^T Q and the store of gpu_epilogue.h:
@@ -78,10 +78,10 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
   }
   ompx_sync_block_acq_rel();
 
-  const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
-  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
-  const int kfirst = (int)blk.start, qsh = (int)qshift; /* keys are rows of the key frame */
-  const int k_pos0 = kfirst + r0, k_pos1 = k_pos0 + 8;
+  fa_dkv_lane kl;
+  fa_dkv_lane_of(&kl, tid, lane, blk, qshift);
+  const int r0 = kl.r0, c0 = kl.c0, ok0 = kl.ok0, ok1 = kl.ok1, kfirst = kl.kfirst, qsh = kl.qsh;
+  const int k_pos0 = kl.k_pos0, k_pos1 = kl.k_pos1;
   fa_f4 dk[FA_MMA_MAX_D / 8], dv[FA_MMA_MAX_D / 8];
 #pragma unroll
   for (int n = 0; n < D / 8; n++) dk[n] = fa_f4_zero(), dv[n] = fa_f4_zero();
@@ -181,10 +181,10 @@ static inline __attribute__((always_inline)) void fa_wg_dkv_team(const int D, co
 
   fa_query_walk w = fa_wg_dkv_start(sm, ktile, vtile, qbuf0, ld0, D, BQ, &b, u, blk, g, group, tid);
 
-  const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
-  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
-  const int kfirst = (int)blk.start, qsh = (int)qshift; /* keys are rows of the key frame */
-  const int k_pos0 = kfirst + r0, k_pos1 = k_pos0 + 8;
+  fa_dkv_lane kl;
+  fa_dkv_lane_of(&kl, tid, lane, blk, qshift);
+  const int r0 = kl.r0, c0 = kl.c0, ok0 = kl.ok0, ok1 = kl.ok1, kfirst = kl.kfirst, qsh = kl.qsh;
+  const int k_pos0 = kl.k_pos0, k_pos1 = kl.k_pos1;
   fa_f4 dk[FA_MMA_MAX_D / 8], dv[FA_MMA_MAX_D / 8];
 #pragma unroll
   for (int n = 0; n < D / 8; n++) dk[n] = fa_f4_zero(), dv[n] = fa_f4_zero();

@@ -1,6 +1,6 @@
 /* The dQ team functions (one query block x one query head), in a header so
  * the host tests can run them under the SIMT emulation of gpu_mma.h
- * (tests/test_mma_emulated.c); launched by gpu_mma_bwd.c. Each composes
+ * (tests/test_mma_emulated.c); launched by gpu_tc_bwd_launch.c. Each composes
  * the K/V loads (gpu_mma_tiles.h, or the tile ring of gpu_tile_ring.h),
  * S and dP products, the gradient steps of gpu_grad_step.h, dQ += dS K and
  * a store (gpu_epilogue.h):
@@ -21,6 +21,7 @@
 #include "gpu_tile_ring.h"
 #include "gpu_timeline.h"
 #include "gpu_tma.h"
+#include "gpu_wg_pair_team.h"
 #include "gpu_wgmma.h"
 #include "gpu_work_scheduler.h"
 
@@ -150,7 +151,8 @@ static inline __attribute__((always_inline)) void fa_wg_pair_dq_team(const int D
                                                                      const fa_gpu_bwd b, fa_block blk, int64_t h,
                                                                      int64_t g, unsigned short *smem) {
   const int S = FA_WG_PAIR_DQ_STAGES(D), KP = FA_WG_PAIR_DQ_PART, HK = FA_WG_PAIR_DQ_HALF;
-  const int tid = ompx_thread_id_x(), wg = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
+  fa_wg_pair_rows t = fa_wg_pair_rows_of();
+  const int tid = t.tid, wg = t.wg, wt = t.wt, warp = t.warp, lane = t.lane;
   smem += fa_wg_align(fa_smem_of(smem));
   const fa_smem sm = fa_smem_of(smem);
   /* element offsets of this warpgroup's Q and dO tiles; the ring follows both warpgroups' */
@@ -160,8 +162,9 @@ static inline __attribute__((always_inline)) void fa_wg_pair_dq_team(const int D
   const fa_range *seg = b.seg;
   const fa_pair *pair = b.pair;
   const int64_t qshift = b.qshift;
+  const fa_wg_pair_walk k = {rg, tma, b.qoff, seg, pair, blk, qshift, g, BK, D};
   const float mul = b.scale * FA_LOG2E;
-  const int64_t qrows = blk.len - wg * FA_MMA_ROWS, nq = qrows < 0 ? 0 : qrows > FA_MMA_ROWS ? FA_MMA_ROWS : qrows;
+  const int64_t nq = fa_wg_pair_nq(&t, blk);
   FA_TL_DECL;
   FA_TL(FA_TL_START);
   FA_TL(FA_TL_BEGIN);
@@ -169,24 +172,22 @@ static inline __attribute__((always_inline)) void fa_wg_pair_dq_team(const int D
   fa_mma_load_rows(sm, qt, D, FA_MMA_ROWS, D, b.q, blk.start + wg * FA_MMA_ROWS, nq, h, wt);
   fa_mma_load_rows(sm, ot, D, FA_MMA_ROWS, D, b.dout, blk.start + wg * FA_MMA_ROWS, nq, h, wt);
   fa_cp_async_commit();
-  fa_tile_walk w = fa_walk_first(b.qoff, seg, pair, blk, qshift);
+  fa_tile_walk w = fa_wg_pair_first(&k);
   /* tiles 0 .. S - 1; wl: thread 0 of each warpgroup's next tile to copy (tile j + S after iteration j) */
-  fa_tile_walk wl = fa_tile_ring_start(sm, rg, S, tma, g, w, BK, D, seg, pair, blk, qshift);
+  fa_tile_walk wl = fa_wg_pair_ring_start(&k, sm, S, w);
   /* O's rows for D and the rows' lse: loads in flight while the copies land */
   const fa_dq_orow ov = fa_dq_rowsum_load(b, blk, wg * FA_MMA_ROWS, h, D, warp, lane);
-  const int r0 = wg * FA_MMA_ROWS + warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
-  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
+  fa_wg_pair_lane_rows(&t, blk);
+  const int r0 = t.r0, c0 = t.c0, ok0 = t.ok0, ok1 = t.ok1;
   const int64_t row0 = blk.start + r0;
   const float lse0 = fa_row_lse_log2(&b, ok0, row0, h), lse1 = fa_row_lse_log2(&b, ok1, row0 + 8, h);
-  fa_cp_async_wait(0);
-  fa_fence_proxy_async(); /* Q and dO for the tensor cores' reads */
-  ompx_sync_block_acq_rel();
+  fa_wg_pair_tiles_ready(); /* Q and dO */
   FA_TL(FA_TL_READY);
 
   float dd0, dd1;
   fa_dq_rowsum_of(b, blk, wg * FA_MMA_ROWS, h, &ov, smem + ot, D, D, f16, warp, lane, &dd0, &dd1);
-  const int qfirst = (int)(blk.start + qshift); /* key-frame position of the team's first row */
-  const int q_pos0 = qfirst + r0, q_pos1 = q_pos0 + 8, wfirst = qfirst + wg * FA_MMA_ROWS + warp * 16;
+  fa_wg_pair_positions(&t, blk, qshift);
+  const int qfirst = t.qfirst, wfirst = t.wfirst;
   fa_f4 dq[FA_MMA_MAX_D / 8];
 #pragma unroll
   for (int n = 0; n < D / 8; n++) dq[n] = fa_f4_zero();
@@ -195,14 +196,14 @@ static inline __attribute__((always_inline)) void fa_wg_pair_dq_team(const int D
   while (w.pi < w.pend) {
     const int kt = fa_tile_ring_buf(rg, bi), vt = kt + BK * D;
     FA_TL(FA_TL_TILE);
-    fa_mbar_wait(sm, rg.full + 4 * bi, (j / S) & 1);
+    fa_wg_pair_wait(&k, sm, bi, j);
     FA_TL(FA_TL_ARRIVED);
     const int nk = fa_walk_keys(w, BK);
     unsigned long long kf[2] = {0, 0}; /* bit r: K row 64 h + r of tile j was non-finite (zeroed) */
     if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst)) fa_tile_ring_scan(smem + kt, BK, D, f16, rg, tid, kf);
     const int all = nk == BK && (!w.causal || w.kb + BK - 1 <= wfirst);
-    const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
-    const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
+    const fa_wg_pair_lims lim = fa_wg_pair_row_keys(&t, w, nk);
+    const int lim0 = lim.lim0, lim1 = lim.lim1;
     fa_u4 pa[FA_WG_PAIR_DQ_HALF / 16];
 #pragma unroll
     for (int hh = 0; hh < 2; hh++) {
@@ -241,8 +242,8 @@ static inline __attribute__((always_inline)) void fa_wg_pair_dq_team(const int D
     }
     /* tile j's buffer is free for this warpgroup; the second to say so copies tile j + S into it */
     if (wt == 0) wl = fa_tile_ring_release(sm, rg, bi, tma, g, wl, BK, D, seg, pair, blk, qshift);
-    w = fa_walk_next(w, BK, seg, pair, blk, qshift);
-    bi = bi == S - 1 ? 0 : bi + 1;
+    w = fa_wg_pair_next(&k, w);
+    bi = fa_wg_pair_next_buf(&k, bi);
     j++;
     FA_TL(FA_TL_NEXT);
   }

@@ -1,6 +1,6 @@
 /* The GPU forward's staged arguments, shared by its kernels: the FP32
  * CUDA-core kernel (any dtype, head_dim, stride, kept set: gpu_segment_fwd.c)
- * and the tensor-core kernels (bf16/f16, head_dim 64 or 128: gpu_mma_fwd.c). */
+ * and the tensor-core kernels (bf16/f16, head_dim 64 or 128: gpu_tc_fwd_launch.c). */
 #ifndef FORKATTN_GPU_FWD_H
 #define FORKATTN_GPU_FWD_H
 #include <stdint.h>

@@ -1,6 +1,6 @@
 /* The forward's team functions (one query block x one query head), in a
  * header so the host tests can run them under the SIMT emulation of
- * gpu_mma.h (tests/test_mma_emulated.c); launched by gpu_mma_fwd.c. Each
+ * gpu_mma.h (tests/test_mma_emulated.c); launched by gpu_tc_fwd_launch.c. Each
  * composes K/V loads, S = Q K^T, the online-softmax step of
  * gpu_softmax_step.h, O += P V and the epilogue of gpu_epilogue.h:
  *   fa_mma_fwd_team  mma.sync, 64 rows, K/V double-buffered by cp.async
@@ -21,6 +21,7 @@
 #include "gpu_tile_ring.h"
 #include "gpu_timeline.h"
 #include "gpu_tma.h"
+#include "gpu_wg_pair_team.h"
 #include "gpu_wgmma.h"
 #include "gpu_work_scheduler.h"
 
@@ -175,7 +176,8 @@ static inline __attribute__((always_inline)) void fa_wg_pair_fwd_team(const int 
                                                                       const fa_gpu_fwd_args ga, fa_block blk,
                                                                       int64_t h, int64_t g, unsigned short *smem) {
   const int S = FA_WG_PAIR_FWD_STAGES(D);
-  const int tid = ompx_thread_id_x(), wg = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
+  fa_wg_pair_rows t = fa_wg_pair_rows_of();
+  const int tid = t.tid, wg = t.wg, wt = t.wt, lane = t.lane;
   smem += fa_wg_align(fa_smem_of(smem));
   const fa_smem sm = fa_smem_of(smem);
   const int qt = wg * FA_MMA_ROWS * D; /* element offset of this warpgroup's Q tile; the ring follows both */
@@ -184,25 +186,23 @@ static inline __attribute__((always_inline)) void fa_wg_pair_fwd_team(const int 
   const fa_range *seg = ga.seg;
   const fa_pair *pair = ga.pair;
   const int64_t qshift = ga.qshift;
+  const fa_wg_pair_walk k = {rg, tma, ga.qoff, seg, pair, blk, qshift, g, BK, D};
   const float mul = ga.scale * FA_LOG2E;
-  const int64_t qrows = blk.len - wg * FA_MMA_ROWS; /* this warpgroup's rows of the block (may be <= 0) */
+  const int64_t qrows = fa_wg_pair_qrows(&t, blk); /* may be <= 0 or past 64 */
   FA_TL_DECL;
   FA_TL(FA_TL_START);
   FA_TL(FA_TL_BEGIN);
 
-  fa_mma_load_rows(sm, qt, D, FA_MMA_ROWS, D, ga.q, blk.start + wg * FA_MMA_ROWS,
-                   qrows < 0 ? 0 : qrows > FA_MMA_ROWS ? FA_MMA_ROWS : qrows, h, wt);
+  fa_wg_pair_load_rows(sm, &t, qt, D, &ga.q, &blk, fa_wg_pair_nq(&t, blk), h);
   fa_cp_async_commit();
-  fa_tile_walk w = fa_walk_first(ga.qoff, seg, pair, blk, qshift);
+  fa_tile_walk w = fa_wg_pair_first(&k);
   /* tiles 0 .. S - 2 (buffer S - 1 holds "tile -1"); wl: thread 0 of each warpgroup's next tile to copy
    * (tile j - 1 + S in iteration j) */
-  fa_tile_walk wl = fa_tile_ring_start(sm, rg, S - 1, tma, g, w, BK, D, seg, pair, blk, qshift);
+  fa_tile_walk wl = fa_wg_pair_ring_start(&k, sm, S - 1, w);
   const int zt = fa_tile_ring_buf(rg, S - 1) + BK * D; /* V of buffer S - 1: zeros, "tile -1" */
   const fa_u4 z4 = {0, 0, 0, 0};
   for (int e = tid * 8; e < BK * D; e += FA_WG_PAIR_THREADS * 8) fa_store_u4(smem + zt + e, z4);
-  fa_cp_async_wait(0);
-  fa_fence_proxy_async(); /* Q and the zeros for the tensor cores' reads */
-  ompx_sync_block_acq_rel();
+  fa_wg_pair_tiles_ready(); /* Q and the zeros */
   FA_TL(FA_TL_READY);
 
   fa_f4 s[FA_WG_PAIR_BK / 8], o[FA_MMA_MAX_D / 8];
@@ -212,28 +212,28 @@ static inline __attribute__((always_inline)) void fa_wg_pair_fwd_team(const int 
 #pragma unroll
   for (int n = 0; n < BK / 16; n++) pa[n] = z4;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
-  const int r0 = wg * FA_MMA_ROWS + warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
-  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
+  fa_wg_pair_lane_rows(&t, blk);
+  const int r0 = t.r0, c0 = t.c0, ok0 = t.ok0, ok1 = t.ok1;
   int bad0 = 0, bad1 = 0;
-  const int qfirst = (int)(blk.start + qshift); /* key-frame position of the team's first row */
-  const int q_pos0 = qfirst + r0, q_pos1 = q_pos0 + 8, wfirst = qfirst + wg * FA_MMA_ROWS + warp * 16;
+  fa_wg_pair_positions(&t, blk, qshift);
+  const int qfirst = t.qfirst, wfirst = t.wfirst;
   int j = 0, b = 0, bp = S - 1, bpp = S - 1; /* tile j's buffer, tile j - 1's, tile j - 2's */
 
   while (w.pi < w.pend) {
     const int kt = fa_tile_ring_buf(rg, b);
     FA_TL(FA_TL_TILE);
-    fa_mbar_wait(sm, rg.full + 4 * b, (j / S) & 1);
+    fa_wg_pair_wait(&k, sm, b, j);
     FA_TL(FA_TL_ARRIVED);
     /* tile j - 2's buffer (its P V waited for in iteration j - 1) is free for this warpgroup; the second to
      * say so copies tile j - 2 + S into it. Here warp 0's release work (~500 cycles, which the other warps
      * waited for at the products' issue when it followed P V's wait) falls in the time the products wait
      * for the other warpgroup's anyway (in-kernel timeline) */
-    if (wt == 0 && j > 0) wl = fa_tile_ring_release(sm, rg, bpp, tma, g, wl, BK, D, seg, pair, blk, qshift);
+    if (wt == 0 && j > 0) wl = fa_wg_pair_release(&k, sm, bpp, &wl);
     const int nk = fa_walk_keys(w, BK);
     unsigned long long vf[2] = {0, 0}; /* bit r: V row r (64 + r) of tile j was non-finite (zeroed) */
     if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst)) fa_tile_ring_scan(smem + kt + BK * D, BK, D, f16, rg, tid, vf);
-    const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
-    const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
+    const fa_wg_pair_lims lim = fa_wg_pair_row_keys(&t, w, nk);
+    const int lim0 = lim.lim0, lim1 = lim.lim1;
 
     fa_wg_acc_abt(s, qt, sm, kt, BK, D, f16);
     fa_wg_commit();
@@ -257,10 +257,10 @@ static inline __attribute__((always_inline)) void fa_wg_pair_fwd_team(const int 
     FA_TL(FA_TL_PV);
     fa_fwd_rescale(o, D, a0, a1);
     fa_wg_pack(pa, s, BK, f16);
-    w = fa_walk_next(w, BK, seg, pair, blk, qshift);
+    w = fa_wg_pair_next(&k, w);
     bpp = bp;
     bp = b;
-    b = b == S - 1 ? 0 : b + 1;
+    b = fa_wg_pair_next_buf(&k, b);
     j++;
     FA_TL(FA_TL_NEXT);
   }

@@ -152,6 +152,25 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_rows(float *lq, flo
   }
 }
 
+/* Thread tid (lane: tid % 32, the team's own) of a key-major dK/dV team
+ * (FA_MMA_ROWS keys of block blk, 16 a warp): its keys r0 and r0 + 8 of the
+ * block (ok0, ok1: they exist) and first fragment column c0; in the key
+ * frame, the block's first key (kfirst), the lane's keys (k_pos0, k_pos1)
+ * and the queries' shift (qsh). The lane comes from the team and the warp
+ * is derived here: the other ways round changed the teams' SASS. */
+typedef struct fa_dkv_lane {
+  int r0, c0, ok0, ok1, kfirst, qsh, k_pos0, k_pos1;
+} fa_dkv_lane;
+
+static inline __attribute__((always_inline)) void fa_dkv_lane_of(fa_dkv_lane *l, int tid, int lane, fa_block blk,
+                                                                 int64_t qshift) {
+  const int warp = tid / 32;
+  l->r0 = warp * 16 + fa_acc_row(lane, 0), l->c0 = fa_acc_col(lane, 0);
+  l->ok0 = l->r0 < blk.len, l->ok1 = l->r0 + 8 < blk.len;
+  l->kfirst = (int)blk.start, l->qsh = (int)qshift;
+  l->k_pos0 = l->kfirst + l->r0, l->k_pos1 = l->k_pos0 + 8;
+}
+
 /* A key-major dK/dV tile's masks: its nq queries, the first query each of
  * the lane's keys k_pos0, k_pos1 sees (lo0, lo1: fa_mma_key_first_query),
  * and, where some key of the block (kfirst, klen) cannot see some query of

@@ -17,6 +17,7 @@
 #include "gpu_stage.h"
 #include "gpu_stream.h"
 #include "gpu_trace.h"
+#include "gpu_segment_walk.h"
 #include "gpu_tiles.h"
 #include "gpu_select_ctx.h"
 #include "gpu_tma.h"
@@ -154,10 +155,7 @@ static void fa_gpu_dq(const fa_gpu_bwd *b, int dev) {
       const int64_t k0 = keys.start, kn = keys.len;
       for (int64_t kb = k0; kb < k0 + kn; kb += bk) {
         const int64_t nk = k0 + kn - kb < bk ? k0 + kn - kb : bk;
-        if (fa_kept_tile_dropped(kp, h, h + 1, blk.start, blk.len, kb, nk)) continue; /* team-uniform */
-        fa_gpu_load_tile(Ks, pitch, bk, k, kb, nk, g, d, 1.0f, tid);
-        fa_gpu_load_tile(Vs, pitch, bk, v, kb, nk, g, d, 1.0f, tid);
-        ompx_sync_block_acq_rel();
+        if (!fa_seg_key_tile(Ks, Vs, pitch, bk, &k, &v, kp, &blk, h, g, kb, nk, d, tid)) continue; /* team-uniform */
         for (int64_t j = lane; j < bk; j += FA_GPU_LANES) {
           float ds = 0.0f;
           if (valid && j < nk && fa_visible((int)pr.causal, q_pos, kb + j) && fa_kept_visible(kp, h, r, kb + j)) {

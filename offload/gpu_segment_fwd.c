@@ -1,6 +1,6 @@
 /* GPU forward of segment attention: OpenMP offload, `ompx_bare` teams.
  * Staging and dispatch for both kernels, and the FP32 CUDA-core kernel that
- * serves every call the tensor-core kernel (gpu_mma_fwd.c) does not: f32,
+ * serves every call the tensor-core kernel (gpu_tc_fwd_launch.c) does not: f32,
  * other head_dims, strides not 16-byte aligned, kept sets. FP32 kernel:
  * teams of 128 threads, team-shared Q/K/V tiles, one online softmax per
  * query row across every pair of its segment; one team = (query block of
@@ -22,6 +22,7 @@
 #include "gpu_tma.h"
 #include "gpu_stage.h"
 #include "gpu_stream.h"
+#include "gpu_segment_walk.h"
 #include "gpu_tiles.h"
 #include "gpu_trace.h"
 #include "online_softmax.h"
@@ -66,10 +67,7 @@ static void fa_gpu_fp32_fwd(const fa_gpu_fwd_args *ga) {
       const int64_t k0 = keys.start, kn = keys.len;
       for (int64_t kb = k0; kb < k0 + kn; kb += bk) {
         const int64_t nk = k0 + kn - kb < bk ? k0 + kn - kb : bk;
-        if (fa_kept_tile_dropped(kp, h, h + 1, blk.start, blk.len, kb, nk)) continue; /* team-uniform */
-        fa_gpu_load_tile(Ks, pitch, bk, k, kb, nk, g, d, 1.0f, tid);
-        fa_gpu_load_tile(Vs, pitch, bk, v, kb, nk, g, d, 1.0f, tid);
-        ompx_sync_block_acq_rel();
+        if (!fa_seg_key_tile(Ks, Vs, pitch, bk, &k, &v, kp, &blk, h, g, kb, nk, d, tid)) continue; /* team-uniform */
         for (int64_t j = lane; j < bk; j += FA_GPU_LANES) {
           float s = -INFINITY;
           if (valid && j < nk && fa_visible((int)pr.causal, q_pos, kb + j) &&

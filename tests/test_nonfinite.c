@@ -14,7 +14,7 @@
 #include "test_common.h"
 
 /* head_dim 128 so bf16/f16 calls take the GPU's tensor-core kernels, whose
- * products would turn 0 * NaN of a masked key into NaN (offload/gpu_mma_fwd.c),
+ * products would turn 0 * NaN of a masked key into NaN (offload/gpu_tc_fwd_launch.c),
  * and a 70-row prompt so their tiles include the case where a tile crosses
  * the team's first diagonal yet a warp sees all of it (its unmasked path). */
 enum { P = 70, N = 3, HQ = 4, HKV = 2, D = 128, G = HQ / HKV };

@@ -1,6 +1,6 @@
-/* Tensor-core GPU backward of segment attention (FlashAttention-2 shape), for
- * bf16/f16 with head_dim 64 or 128; the same plan, blocks, key units and
- * reduce as the FP32 backward (gpu_segment_bwd.c), which computes D first.
+/* Launches of the tensor-core backward of segment attention (the mma.sync and
+ * wgmma teams of gpu_bwd_teams.h), for bf16/f16, head_dim 64 or 128; the same
+ * plan, blocks, key units and reduce as the FP32 backward (gpu_segment_bwd.c).
  *
  * dQ: a team owns 64 query rows of one query head (4 warps x 16 rows, Q and
  * dO fragments in registers) and walks its key tiles like the forward:

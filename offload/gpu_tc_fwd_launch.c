@@ -1,8 +1,8 @@
-/* Tensor-core GPU forward of segment attention (FlashAttention-2 shape), for
- * bf16/f16 q/k/v with head_dim 64 or 128. The same segment plan as the FP32
- * kernel: a team owns FA_MMA_ROWS query rows of one segment and one query
- * head, and walks the key tiles of every pair of its segment in one online
- * softmax.
+/* Launches of the tensor-core forward of segment attention (the mma.sync and
+ * wgmma teams of gpu_fwd_teams.h), for bf16/f16 q/k/v, head_dim 64 or 128. The
+ * same segment plan as the FP32 kernel: a team owns FA_MMA_ROWS query rows of
+ * one segment and one query head, and walks the key tiles of every pair of its
+ * segment in one online softmax.
  *
  * Team: 4 warps, each owning 16 query rows (Q fragments in registers for the
  * whole walk). Key tiles of BK keys x head_dim of K and V are copied with

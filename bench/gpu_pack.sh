@@ -15,7 +15,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=$root/.gpu
 die() { echo "gpu_pack: $*" >&2; exit 1; }
-install_hint="install them with: sudo apt-get install clang-19 libomp-19-dev"
+install_hint="install it with: apt-get install clang-19 libomp-19-dev"
 
 command -v xz > /dev/null || die "xz not found: sudo apt-get install xz-utils"
 
@@ -42,21 +42,7 @@ pack() {
   echo "$stamp" > "$stampfile"
 }
 
-# --- the offload runtime: libomptarget and libomp from LLVM's libdir, and the libLLVM and libz3
-# the loader resolves for libomptarget (Debian keeps those in the system libdir).
-llvm_lib=$(llvm-config-19 --libdir 2> /dev/null || echo /usr/lib/llvm-19/lib)
-omptarget=$llvm_lib/libomptarget.so.19.1
-[ -f "$omptarget" ] || die "$omptarget not found (LLVM 19's offload runtime): $install_hint"
-runtime=("$omptarget")
-for name in libomp.so.5 libLLVM.so.19.1 libz3.so.4; do
-  path=$(ldd "$omptarget" | awk -v n="$name" '$1 == n && $3 ~ /^\// {print $3}')
-  [ -n "$path" ] || die "$name, which libomptarget.so.19.1 loads, not found: $install_hint"
-  runtime+=("$path")
-done
-mkdir -p "$out"
-pack "$out/runtime.tar.xz" "$out/runtime.stamp" "${runtime[@]}"
-
-# --- the extra libraries of the binaries
+# --- the binaries and the extra libraries they load (checked before any packing)
 binaries=()
 [ $# -gt 0 ] || set -- "$root/build-gpu"
 for arg in "$@"; do
@@ -71,7 +57,7 @@ for arg in "$@"; do
   fi
 done
 [ ${#binaries[@]} -gt 0 ] || die "no binaries in $* (build the offload build first: docs/build.md)"
-# glibc, the offload runtime (packed above) and our own library (in the build folder) stay out
+# glibc, the offload runtime (packed apart) and our own library (in the build folder) stay out
 skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libpthread|libdl|librt|libomptarget|libomp\.so|libLLVM|libz3|libforkattn)'
 declare -A extra=()
 for b in "${binaries[@]}"; do
@@ -86,6 +72,21 @@ for b in "${binaries[@]}"; do
     fi
   done <<< "$deps"
 done
+
+# --- the offload runtime: libomptarget and libomp from LLVM's libdir, and the libLLVM and libz3
+# the loader resolves for libomptarget (Debian keeps those in the system libdir).
+llvm_lib=$(llvm-config-19 --libdir 2> /dev/null || echo /usr/lib/llvm-19/lib)
+omptarget=$llvm_lib/libomptarget.so.19.1
+[ -f "$omptarget" ] || die "LLVM 19's offload runtime ($omptarget) not found; $install_hint"
+runtime=("$omptarget")
+for name in libomp.so.5 libLLVM.so.19.1 libz3.so.4; do
+  path=$(ldd "$omptarget" | awk -v n="$name" '$1 == n && $3 ~ /^\// {print $3}')
+  [ -n "$path" ] || die "$name, which LLVM 19's offload runtime loads, not found; $install_hint"
+  runtime+=("$path")
+done
+
+mkdir -p "$out"
+pack "$out/runtime.tar.xz" "$out/runtime.stamp" "${runtime[@]}"
 if [ ${#extra[@]} -gt 0 ]; then
   pack "$out/extra.tar.xz" "$out/extra.stamp" "${extra[@]}"
 else

@@ -101,22 +101,27 @@ cat > "$out/run" << 'RUN'
 # once per packing, puts them first on LD_LIBRARY_PATH and runs the program.
 set -e
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-# unpack NAME into DIR unless DIR/.ok holds NAME's stamp
+# unpack NAME.tar.xz into DIR unless DIR/.ok holds NAME.stamp
 unpack() {
-  local stamp
+  local stamp have f
   stamp=$(cat "$here/$1.stamp")
   [ "$(cat "$2/.ok" 2> /dev/null)" = "$stamp" ] && return
-  rm -rf "$2" && mkdir -p "$2" && tar -C "$2" -xJf "$here/$1.tar.xz"
-  if [ "$1" = extra ]; then
-    # keep only what this machine lacks: shadowing its own libstdc++, libz, ... breaks tools
-    # injected into the process (compute-sanitizer)
-    local have f
-    have=$( (ldconfig -p || /sbin/ldconfig -p) 2> /dev/null | awk '{print $1}')
-    for f in "$2"/*; do
-      if grep -qxF "$(basename "$f")" <<< "$have"; then rm -f "$f"; fi
-    done
+  # one process unpacks, the others (ranks that mpirun starts together) wait for it
+  exec 9> "$2.lock"
+  flock 9
+  if [ "$(cat "$2/.ok" 2> /dev/null)" != "$stamp" ]; then
+    rm -rf "$2" && mkdir -p "$2" && tar -C "$2" -xJf "$here/$1.tar.xz"
+    if [ "$1" = extra ]; then
+      # keep only what this machine lacks: shadowing its own libstdc++, libz, ... breaks tools
+      # injected into the process (compute-sanitizer)
+      have=$( (ldconfig -p || /sbin/ldconfig -p) 2> /dev/null | awk '{print $1}')
+      for f in "$2"/*; do
+        if grep -qxF "$(basename "$f")" <<< "$have"; then rm -f "$f"; fi
+      done
+    fi
+    echo "$stamp" > "$2/.ok"
   fi
-  echo "$stamp" > "$2/.ok"
+  exec 9>&-
 }
 rt=/tmp/forkattn-gpu-rt
 unpack runtime "$rt"

@@ -17,7 +17,7 @@ out=$root/.gpu
 die() { echo "gpu_pack: $*" >&2; exit 1; }
 install_hint="install it with: apt-get install clang-19 libomp-19-dev"
 
-command -v xz > /dev/null || die "xz not found: sudo apt-get install xz-utils"
+command -v xz > /dev/null || die "xz not found; install it with: apt-get install xz-utils"
 
 # Fingerprint of files (name, size, modification time): the tarballs are rebuilt when it changes.
 fingerprint() { stat -L -c '%n %s %Y' "$@" | md5sum | cut -d' ' -f1; }

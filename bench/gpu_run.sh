@@ -1,19 +1,12 @@
 #!/usr/bin/env bash
-# On the GPU machine: unpack .gpu/extra.tar.xz (see gpu_pack_libs.sh) once,
-# put it after the offload runtime on LD_LIBRARY_PATH, and run the command
-# through .gpu/run (the LLVM 19 offload runtime bundle).
+# On the GPU node: run a program of a copied build folder through .gpu/run (the offload runtime
+# and extra libraries packed by bench/gpu_pack.sh), with that build folder on LD_LIBRARY_PATH.
 # Usage: bash bench/gpu_run.sh <program> [args...]
 set -e
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-extra=/tmp/forkattn-gpu-extra
-if [ -f "$root/.gpu/extra.tar.xz" ] && [ ! -f "$extra/.ok" ]; then
-  mkdir -p "$extra" && tar -C "$extra" -xJf "$root/.gpu/extra.tar.xz"
-  # keep only what the machine lacks: shadowing its own libc++/libstdc++/... breaks
-  # tools injected into the process (compute-sanitizer)
-  for f in "$extra"/*; do
-    if ldconfig -p | grep -qF "$(printf '\t%s ' "$(basename "$f")")"; then rm -f "$f"; fi
-  done
-  touch "$extra/.ok"
+if [ ! -f "$root/.gpu/run" ] || [ ! -f "$root/.gpu/runtime.stamp" ]; then
+  echo "gpu_run: no .gpu bundle from bench/gpu_pack.sh: run bash bench/gpu_pack.sh [build folder]" >&2
+  exit 1
 fi
 # The program's build folder (its own, or the one above for tests/) after the caller's entries,
 # which still win (a variant library under test): the binaries' RUNPATH names the folder they
@@ -27,5 +20,5 @@ if [ -n "$prog" ]; then
     fi
   done
 fi
-export LD_LIBRARY_PATH="$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH
 exec bash "$root/.gpu/run" "$@"

@@ -419,6 +419,7 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
   /* the tensor-core kernels and the reduce read their arguments from a device copy that rides with the plan */
   const fa_gpu_bwd *b_dev = !bad ? fa_stage_array(&st, &b, sizeof b) : NULL;
   bad = bad || !b_dev;
+  const int grid = bad ? 0 : fa_gpu_choose_grid(ctx, FA_PASS_DQ, kdq, b.nqb * a->hq, p, qb_h, b.nqb);
   fa_free(qb_h);
   fa_free(kb_h);
   fa_free(units_h);
@@ -438,7 +439,6 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
     fa_gpu_rowsum(&b, ctx->device);
     fa_gpu_trace_mark(&tr, "rowsum");
   }
-  const int grid = fa_gpu_choose_grid(ctx, FA_PASS_DQ, kdq, b.nqb * a->hq);
   fa_gpu_log_kernels(ctx, "attn_bwd", "dQ %s%s, dK/dV %s", fa_gpu_kernel_name(FA_PASS_DQ, kdq),
                      grid ? ", persistent teams" : "", fa_gpu_kernel_name(FA_PASS_DKV, kdkv));
   if (mma) {

@@ -161,6 +161,7 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
   const int64_t *qoff = plan_d[3];
   const fa_block *blocks = plan_d[4];
   if (!bad && a->lse) bad = !(lse = fa_stage_floats(&st, a->lse, (size_t)(rows * hq), 0));
+  const int grid = bad ? 0 : fa_gpu_choose_grid(ctx, FA_PASS_FWD, kern, nb * hq, p, blocks_h, nb);
   fa_free(blocks_h); /* allocated even for 0 blocks; NULL if never built */
   const fa_gpu_fwd_args ga = {q,  k,    v,      o,        lse,         seg,         pair,
                               qoff, blocks, nb, hq, hkv, d, qshift, a->scale, kept, has_kept, ctx->device,
@@ -177,7 +178,6 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
   fa_note_workspace(ctx, st.bytes);
   fa_gpu_trace_mark(&tr, "upload");
 
-  const int grid = fa_gpu_choose_grid(ctx, FA_PASS_FWD, kern, nb * hq);
   fa_gpu_log_kernels(ctx, "attn_fwd", "forward %s%s", fa_gpu_kernel_name(FA_PASS_FWD, kern),
                      grid ? ", persistent teams" : "");
   if (mma) fa_gpu_mma_fwd(&ga, ga_dev, grid);

@@ -33,9 +33,9 @@ fa_gpu_kernel fa_gpu_select(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, 
 int fa_gpu_select_needs_tma(fa_gpu_kernel k) { return k == FA_KERNEL_WG_PAIR || k == FA_KERNEL_WG_KEY_MAJOR; }
 
 int fa_gpu_select_grid(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, fa_gpu_pass pass, fa_gpu_kernel k,
-                       int64_t nteams) {
+                       int64_t nteams, int64_t item_keys) {
   if (k != FA_KERNEL_WG_PAIR || (pass != FA_PASS_FWD && pass != FA_PASS_DQ)) return 0;
-  return fa_persist_grid_for(caps->sms, nteams, knobs->persist);
+  return fa_persist_grid_for(caps->sms, nteams, item_keys, knobs->persist);
 }
 
 const char *fa_gpu_kernel_name(fa_gpu_pass pass, fa_gpu_kernel k) {

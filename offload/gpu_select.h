@@ -79,10 +79,11 @@ fa_gpu_kernel fa_gpu_select(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, 
  * if the driver refuses them, selects again with call->tma = 0). */
 int fa_gpu_select_needs_tma(fa_gpu_kernel k);
 
-/* Teams of the launch of nteams items (query block x head) of `pass` on kernel k: 0 for a team an
- * item, else persistent teams (only the two-warpgroup forward and dQ; gpu_persist.h). */
+/* Teams of the launch of nteams items (query block x head) seeing item_keys keys each (mean), of
+ * `pass` on kernel k: 0 for a team an item, else persistent teams (only the two-warpgroup forward
+ * and dQ; gpu_persist.h). */
 int fa_gpu_select_grid(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, fa_gpu_pass pass, fa_gpu_kernel k,
-                       int64_t nteams);
+                       int64_t nteams, int64_t item_keys);
 
 /* A short name of kernel k of `pass`, for logs and `forkattn info`. */
 const char *fa_gpu_kernel_name(fa_gpu_pass pass, fa_gpu_kernel k);

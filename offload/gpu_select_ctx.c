@@ -44,9 +44,12 @@ fa_gpu_kernel fa_gpu_choose_mapped(const forkattn_ctx *ctx, fa_gpu_pass pass, co
   return fa_gpu_choose(ctx, pass, &without);
 }
 
-int fa_gpu_choose_grid(const forkattn_ctx *ctx, fa_gpu_pass pass, fa_gpu_kernel k, int64_t nteams) {
+int fa_gpu_choose_grid(const forkattn_ctx *ctx, fa_gpu_pass pass, fa_gpu_kernel k, int64_t nteams, const fa_plan *p,
+                       const fa_block *blocks, int64_t nblocks) {
   /* persistent teams count their work on a device counter the call zeroes; a graph's replays would not */
-  return !fa_gpu_capturing() && fa_gpu_select_grid(&ctx->gpu->caps, &ctx->gpu->knobs, pass, k, nteams);
+  if (fa_gpu_capturing()) return 0;
+  const int64_t keys = nblocks > 0 ? fa_plan_query_keys(p, blocks, nblocks) / nblocks : 0;
+  return fa_gpu_select_grid(&ctx->gpu->caps, &ctx->gpu->knobs, pass, k, nteams, keys);
 }
 
 void fa_gpu_log_kernels(const forkattn_ctx *ctx, const char *call, const char *fmt, ...) {

@@ -22,8 +22,10 @@ fa_gpu_kernel fa_gpu_choose(const forkattn_ctx *ctx, fa_gpu_pass pass, const fa_
 fa_gpu_kernel fa_gpu_choose_mapped(const forkattn_ctx *ctx, fa_gpu_pass pass, const fa_gpu_call *c, fa_gpu_kernel k,
                                    int encoded);
 
-/* Persistent teams of a launch of nteams items of `pass` on kernel k (fa_gpu_select_grid). */
-int fa_gpu_choose_grid(const forkattn_ctx *ctx, fa_gpu_pass pass, fa_gpu_kernel k, int64_t nteams);
+/* Persistent teams of a launch of nteams items of `pass` on kernel k, the plan's query blocks
+ * `blocks` [nblocks] (fa_gpu_select_grid; none while the call is captured into a CUDA graph). */
+int fa_gpu_choose_grid(const forkattn_ctx *ctx, fa_gpu_pass pass, fa_gpu_kernel k, int64_t nteams, const fa_plan *p,
+                       const fa_block *blocks, int64_t nblocks);
 
 /* On a verbose context: "forkattn gpu <call>: <what>" on stderr, what printf-style. */
 void fa_gpu_log_kernels(const forkattn_ctx *ctx, const char *call, const char *fmt, ...)

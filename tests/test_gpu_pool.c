@@ -404,18 +404,24 @@ Test(gpu_stream, a_captured_call_owns_its_blocks_and_copies_its_plan_at_once) {
 }
 
 /* The choice between persistent teams and a team an item (gpu_persist.h). */
+/* Keys an item of case 2 sees (a response block: its 4096-row prompt and ~half its 1024 rows). */
+#define LONG 4600
 Test(gpu_persist, persistent_teams_only_where_an_sm_gets_many_items) {
   const int sms = 132;
-  cr_assert_eq(fa_persist_grid_for(sms, 5120, -1), sms, "case 2: ~39 items an SM, one team an SM");
-  cr_assert_eq(fa_persist_grid_for(sms, 512, -1), 0, "case 1: ~4 items an SM, a team an item");
-  cr_assert_eq(fa_persist_grid_for(sms, FA_PERSIST_MIN_ITEMS_PER_SM * sms, -1), sms, "the threshold itself");
-  cr_assert_eq(fa_persist_grid_for(sms, FA_PERSIST_MIN_ITEMS_PER_SM * sms - 1, -1), 0, "just below it");
-  cr_assert_eq(fa_persist_grid_for(sms, 5120, 0), 0, "gpu_persist 0");
-  cr_assert_eq(fa_persist_grid_for(sms, 512, 1), sms, "gpu_persist 1");
-  cr_assert_eq(fa_persist_grid_for(sms, 40, 1), 40, "never more teams than items");
-  cr_assert_eq(fa_persist_grid_for(sms, 40, 3), 3, "gpu_persist 3: at most 3 teams");
-  cr_assert_eq(fa_persist_grid_for(sms, 2, 3), 2, "gpu_persist 3, two items");
-  cr_assert_eq(fa_persist_grid_for(sms, 5120, 1000), sms, "gpu_persist 1000: one an SM at most");
-  cr_assert_eq(fa_persist_grid_for(0, 5120, 1), 0, "unknown multiprocessors: a team an item");
-  cr_assert_eq(fa_persist_grid_for(sms, 0, 1), 0, "no items");
+  cr_assert_eq(fa_persist_grid_for(sms, 5120, LONG, -1), sms, "case 2: ~39 items an SM, one team an SM");
+  cr_assert_eq(fa_persist_grid_for(sms, 512, LONG, -1), 0, "case 1: ~4 items an SM, a team an item");
+  cr_assert_eq(fa_persist_grid_for(sms, FA_PERSIST_MIN_ITEMS_PER_SM * sms, LONG, -1), sms, "the threshold itself");
+  cr_assert_eq(fa_persist_grid_for(sms, FA_PERSIST_MIN_ITEMS_PER_SM * sms - 1, LONG, -1), 0, "just below it");
+  cr_assert_eq(fa_persist_grid_for(sms, 5120, LONG, 0), 0, "gpu_persist 0");
+  cr_assert_eq(fa_persist_grid_for(sms, 512, LONG, 1), sms, "gpu_persist 1");
+  cr_assert_eq(fa_persist_grid_for(sms, 40, LONG, 1), 40, "never more teams than items");
+  cr_assert_eq(fa_persist_grid_for(sms, 40, LONG, 3), 3, "gpu_persist 3: at most 3 teams");
+  cr_assert_eq(fa_persist_grid_for(sms, 2, LONG, 3), 2, "gpu_persist 3, two items");
+  cr_assert_eq(fa_persist_grid_for(sms, 5120, LONG, 1000), sms, "gpu_persist 1000: one an SM at most");
+  cr_assert_eq(fa_persist_grid_for(0, 5120, LONG, 1), 0, "unknown multiprocessors: a team an item");
+  cr_assert_eq(fa_persist_grid_for(sms, 0, LONG, 1), 0, "no items");
+  const int64_t many = 31 * sms; /* 64 causal sequences of 512 rows, 16 heads: ~320 keys an item */
+  cr_assert_eq(fa_persist_grid_for(sms, many, 320, -1), 0, "short items: a team an item");
+  cr_assert_eq(fa_persist_grid_for(sms, many, FA_PERSIST_MIN_KEYS_PER_ITEM, -1), sms, "the keys threshold itself");
+  cr_assert_eq(fa_persist_grid_for(sms, many, 320, 1), sms, "gpu_persist 1 still forces them");
 }

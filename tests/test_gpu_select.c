@@ -135,19 +135,20 @@ Test(gpu_select, the_wgmma_kernels_load_by_bulk_copies) {
 Test(gpu_select, persistent_teams_only_for_the_two_warpgroup_forward_and_dq) {
   const fa_gpu_caps c = h100();
   const int64_t many = (int64_t)FA_PERSIST_MIN_ITEMS_PER_SM * c.sms, few = many - 1;
-  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_FWD, FA_KERNEL_WG_PAIR, many), c.sms);
-  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_DQ, FA_KERNEL_WG_PAIR, many), c.sms);
-  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_FWD, FA_KERNEL_WG_PAIR, few), 0, "auto: too few items");
-  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_DKV, FA_KERNEL_WG_PAIR, many), 0, "the dK/dV never");
-  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_FWD, FA_KERNEL_MMA, many), 0, "mma.sync never");
+  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_FWD, FA_KERNEL_WG_PAIR, many, 4600), c.sms);
+  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_DQ, FA_KERNEL_WG_PAIR, many, 4600), c.sms);
+  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_FWD, FA_KERNEL_WG_PAIR, few, 4600), 0, "auto: too few items");
+  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_DQ, FA_KERNEL_WG_PAIR, many, 320), 0, "auto: short items");
+  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_DKV, FA_KERNEL_WG_PAIR, many, 4600), 0, "the dK/dV never");
+  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_FWD, FA_KERNEL_MMA, many, 4600), 0, "mma.sync never");
   const fa_gpu_knobs never = {.persist = 0}, always = {.persist = 1}, three = {.persist = 3};
-  cr_expect_eq(fa_gpu_select_grid(&c, &never, FA_PASS_FWD, FA_KERNEL_WG_PAIR, many), 0);
-  cr_expect_eq(fa_gpu_select_grid(&c, &always, FA_PASS_FWD, FA_KERNEL_WG_PAIR, 40), 40, "at most one team an item");
-  cr_expect_eq(fa_gpu_select_grid(&c, &always, FA_PASS_DQ, FA_KERNEL_WG_PAIR, many), c.sms);
-  cr_expect_eq(fa_gpu_select_grid(&c, &three, FA_PASS_FWD, FA_KERNEL_WG_PAIR, 40), 3);
+  cr_expect_eq(fa_gpu_select_grid(&c, &never, FA_PASS_FWD, FA_KERNEL_WG_PAIR, many, 4600), 0);
+  cr_expect_eq(fa_gpu_select_grid(&c, &always, FA_PASS_FWD, FA_KERNEL_WG_PAIR, 40, 4600), 40, "at most one team an item");
+  cr_expect_eq(fa_gpu_select_grid(&c, &always, FA_PASS_DQ, FA_KERNEL_WG_PAIR, many, 4600), c.sms);
+  cr_expect_eq(fa_gpu_select_grid(&c, &three, FA_PASS_FWD, FA_KERNEL_WG_PAIR, 40, 4600), 3);
   fa_gpu_caps unknown = c;
   unknown.sms = 0;
-  cr_expect_eq(fa_gpu_select_grid(&unknown, &always, FA_PASS_FWD, FA_KERNEL_WG_PAIR, many), 0, "SMs unknown");
+  cr_expect_eq(fa_gpu_select_grid(&unknown, &always, FA_PASS_FWD, FA_KERNEL_WG_PAIR, many, 4600), 0, "SMs unknown");
 }
 
 Test(gpu_select, the_summary_names_each_pass) {

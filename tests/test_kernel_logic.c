@@ -475,6 +475,32 @@ static int64_t kl_block_rows(const fa_plan *p, const fa_block *b) {
   return rows;
 }
 
+Test(segment_plan, query_keys_sum_what_each_query_block_sees) {
+  /* 64 causal sequences of 512 rows (varlen), 128-row query blocks: 128 + 256 + 384 + 512 keys each */
+  fa_plan p;
+  int64_t off[65];
+  for (int i = 0; i <= 64; i++) off[i] = 512 * i;
+  cr_assert_eq(fa_plan_prefix(&p, 0, 64, off, 1), 0);
+  fa_block *blk;
+  int64_t nb = fa_plan_blocks(&p, 128, 0, &blk);
+  cr_assert_eq(nb, 256);
+  cr_assert_eq(fa_plan_query_keys(&p, blk, nb), 64 * (128 + 256 + 384 + 512));
+  free(blk);
+  fa_plan_free(&p);
+  /* a GRPO group: a 4096-row prompt (causal), 16 responses of 1024 that see it all */
+  int64_t roff[17];
+  for (int i = 0; i <= 16; i++) roff[i] = 1024 * i;
+  cr_assert_eq(fa_plan_prefix(&p, 4096, 16, roff, 1), 0);
+  nb = fa_plan_blocks(&p, 128, 0, &blk);
+  cr_assert_eq(nb, 32 + 16 * 8);
+  int64_t prompt = 0, response = 0;
+  for (int b = 1; b <= 32; b++) prompt += 128 * b;
+  for (int b = 1; b <= 8; b++) response += 4096 + 128 * b;
+  cr_assert_eq(fa_plan_query_keys(&p, blk, nb), prompt + 16 * response);
+  free(blk);
+  fa_plan_free(&p);
+}
+
 Test(segment_plan, key_chunk_splits_only_blocks_above_a_slots_share) {
   /* case 1: one causal sequence of 4096, 64-row key blocks, 16 KV heads */
   fa_plan p;

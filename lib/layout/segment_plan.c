@@ -379,6 +379,14 @@ int64_t fa_plan_blocks(const fa_plan *p, int64_t block_rows, int by_key, fa_bloc
   return n;
 }
 
+int64_t fa_plan_query_keys(const fa_plan *p, const fa_block *blocks, int64_t nblocks) {
+  int64_t keys = 0;
+  for (int64_t b = 0; b < nblocks; b++)
+    for (int64_t j = p->q_pair_off[blocks[b].seg]; j < p->q_pair_off[blocks[b].seg + 1]; j++)
+      keys += fa_pair_keys(p->seg, p->pair[j], blocks[b].start, blocks[b].len, p->qshift).len;
+  return keys;
+}
+
 int64_t fa_plan_key_chunk(const fa_plan *p, const fa_block *blocks, int64_t nblocks, int64_t teams_per_block,
                           int64_t slots) {
   int64_t work = 0, heaviest = 0;

@@ -50,6 +50,10 @@ typedef struct fa_block {
   int64_t seg, start, len; /* start is an absolute row */
 } fa_block;
 
+/* Keys the query blocks `blocks` [nblocks] see, summed over the blocks (each block's keys
+ * through all its segment's pairs; a causal pair counted up to the block's last row). */
+int64_t fa_plan_query_keys(const fa_plan *p, const fa_block *blocks, int64_t nblocks);
+
 /* Build the plan from segments and pairs (pairs must be grouped by qseg in
  * increasing order); qshift = 0. Copies the inputs. Returns 0, or -1 on
  * allocation failure. */

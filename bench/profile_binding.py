@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Where a call through the Python binding spends its time, against the C call and SDPA.
+
+For each case (varlen causal attention, bf16) it times forkattn.varlen_attention (cu_seqlens on
+the GPU and on the host; the torch.library custom op and the autograd.Function), the same call
+through C with ctypes arguments built once (compare_torch's binding, on torch's stream), and SDPA
+on the sequences' batch, forward and forward+backward, and prints per call the wall time on the
+CPU, the CUDA-event time, the kernel time and the phases of profile_calls.py (torch.profiler).
+Then a cProfile of the binding's tiny call shows the Python functions that cost most. The wall
+time minus the kernels is the host's cost per call: the binding's Python and PyTorch's dispatch
+on top of the library's host work (the C row).
+
+Usage (GPU machine, offload build):
+  OMP_TARGET_OFFLOAD=mandatory bash bench/gpu_run.sh python3 bench/profile_binding.py \\
+      --lib build-gpu/libforkattn.so [--cases tiny,dense,varlen]
+"""
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
+
+CASES = {  # name: (sequences, rows each, query heads, KV heads, head_dim)
+    "tiny": (1, 64, 8, 8, 64),
+    "dense": (1, 4096, 16, 16, 128),
+    "varlen": (64, 512, 16, 16, 128),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lib", default="build-gpu/libforkattn.so")
+    ap.add_argument("--cases", default="tiny,dense,varlen")
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args()
+    os.environ["FORKATTN_LIBRARY"] = os.path.abspath(a.lib)
+    import torch
+    import torch.nn.functional as F
+    import forkattn
+    import compare_torch as ct
+    import profile_calls as pc
+
+    dev, bf = "cuda", torch.bfloat16
+    print(torch.cuda.get_device_name(), "forkattn", forkattn.__version__ if hasattr(forkattn, "__version__") else "")
+    fa = ct.Forkattn(a.lib, True, True)
+    for name in a.cases.split(","):
+        B, L, hq, hkv, d = CASES[name]
+        T = B * L
+        q = torch.randn(T, hq, d, device=dev, dtype=bf, requires_grad=True)
+        k = torch.randn(T, hkv, d, device=dev, dtype=bf, requires_grad=True)
+        v = torch.randn(T, hkv, d, device=dev, dtype=bf, requires_grad=True)
+        dout = torch.randn_like(q)
+        heads = lambda x: x.detach().view(B, L, x.shape[1], d).transpose(1, 2).contiguous().requires_grad_()
+        qs, ks, vs = heads(q), heads(k), heads(v)
+        douts = dout.view(B, L, hq, d).transpose(1, 2).contiguous()
+        cu_d = torch.arange(0, T + 1, L, device=dev, dtype=torch.int32)
+        print("== %s: %d x %d rows, %d/%d heads, d %d" % (name, B, L, hq, hkv, d), flush=True)
+        for label, cu in (("cu on the GPU", cu_d), ("cu on the host", cu_d.cpu())):
+            f = lambda: forkattn.varlen_attention(q, k, v, cu, cu, L, L)
+            pc.report("  binding fwd (%s)" % label, f, a.reps, None)
+            pc.report("  binding fwd+bwd (%s)" % label, lambda: f().backward(dout), a.reps, None)
+        forkattn.ops.USE_CUSTOM_OPS = False
+        cu_h = cu_d.cpu()
+        f = lambda: forkattn.varlen_attention(q, k, v, cu_h, cu_h, L, L)
+        pc.report("  binding fwd (autograd.Function)", f, a.reps, None)
+        pc.report("  binding fwd+bwd (autograd.Function)", lambda: f().backward(dout), a.reps, None)
+        forkattn.ops.USE_CUSTOM_OPS = True
+        t = {"q": q.detach(), "k": k.detach(), "v": v.detach(), "do": dout, "o": torch.empty_like(q),
+             "lse": torch.empty(T, hq, device=dev), "dq": torch.empty_like(q), "dk": torch.empty_like(k),
+             "dv": torch.empty_like(v)}
+        lay = ct.Layout("prefix", [L], [-1]) if B == 1 else ct.Layout("prefix", [0] + [L] * B, [-1] + [0] * B)
+        cf, cb = fa.prepared(lay, t)
+        pc.report("  C fwd", cf, a.reps, None)
+        pc.report("  C fwd+bwd", lambda: (cf(), cb()), a.reps, None)
+        s = lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        pc.report("  SDPA fwd", s, a.reps, None)
+        pc.report("  SDPA fwd+bwd", lambda: s().backward(douts), a.reps, None)
+        if name == "tiny":
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(50):
+                forkattn.varlen_attention(q, k, v, cu_h, cu_h, L, L).backward(dout)
+            torch.cuda.synchronize()
+            pr.disable()
+            out = io.StringIO()
+            pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(14)
+            print(out.getvalue())
+        del q, k, v, t
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

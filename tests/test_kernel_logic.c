@@ -475,6 +475,13 @@ static int64_t kl_block_rows(const fa_plan *p, const fa_block *b) {
   return rows;
 }
 
+/* compare_torch's case 2: a causal 4096-row prompt shared by 16 responses of 1024 rows */
+static void plan_case2(fa_plan *p) {
+  int64_t off[17];
+  for (int i = 0; i <= 16; i++) off[i] = 1024 * i;
+  cr_assert_eq(fa_plan_prefix(p, 4096, 16, off, 1), 0);
+}
+
 Test(segment_plan, query_keys_sum_what_each_query_block_sees) {
   /* 64 causal sequences of 512 rows (varlen), 128-row query blocks: 128 + 256 + 384 + 512 keys each */
   fa_plan p;
@@ -488,9 +495,7 @@ Test(segment_plan, query_keys_sum_what_each_query_block_sees) {
   free(blk);
   fa_plan_free(&p);
   /* a GRPO group: a 4096-row prompt (causal), 16 responses of 1024 that see it all */
-  int64_t roff[17];
-  for (int i = 0; i <= 16; i++) roff[i] = 1024 * i;
-  cr_assert_eq(fa_plan_prefix(&p, 4096, 16, roff, 1), 0);
+  plan_case2(&p);
   nb = fa_plan_blocks(&p, 128, 0, &blk);
   cr_assert_eq(nb, 32 + 16 * 8);
   int64_t prompt = 0, response = 0;
@@ -533,9 +538,7 @@ Test(segment_plan, key_chunk_splits_only_blocks_above_a_slots_share) {
 
   /* case 2's shape: prompt 4096 read by 16 responses of 1024 -> prompt blocks
    * have 4096 - 64 i + 16 * 1024 readers; 8 KV heads, two passes, 264 slots */
-  int64_t off2[17];
-  for (int i = 0; i <= 16; i++) off2[i] = 1024 * i;
-  cr_assert_eq(fa_plan_prefix(&p, 4096, 16, off2, 1), 0);
+  plan_case2(&p);
   nb = fa_plan_blocks(&p, 64, 1, &blk);
   cr_assert_eq(nb, 64 + 16 * 16);
   cr_assert_eq(kl_block_rows(&p, &blk[0]), 4096 + 16 * 1024, "heaviest first: the prompt's first block");

@@ -31,6 +31,12 @@ struct fa_gpu_pool { /* typedef in context_internal.h */
 void *llvm_omp_target_alloc_host(size_t size, int device_num) __attribute__((weak));
 void llvm_omp_target_free_host(void *ptr, int device_num) __attribute__((weak));
 
+/* The context's pool, made on first use (NULL when that allocation fails). */
+static fa_gpu_pool *fa_pool_of(forkattn_ctx *ctx) {
+  if (!ctx->gpu_pool) ctx->gpu_pool = fa_calloc(1, sizeof *ctx->gpu_pool);
+  return ctx->gpu_pool;
+}
+
 static void fa_pool_drop(forkattn_ctx *ctx, int i) {
   fa_gpu_pool *pool = ctx->gpu_pool;
   omp_target_free(pool->b[i].p, ctx->device);
@@ -57,8 +63,8 @@ static int fa_pool_trim(forkattn_ctx *ctx, int all) {
 void *fa_gpu_pool_get(forkattn_ctx *ctx, size_t bytes) {
   if (fa_alloc_inject_failure()) return NULL;
   if (!bytes) bytes = 1;
-  if (!ctx->gpu_pool && !(ctx->gpu_pool = fa_calloc(1, sizeof *ctx->gpu_pool))) return NULL;
-  fa_gpu_pool *pool = ctx->gpu_pool;
+  fa_gpu_pool *pool = fa_pool_of(ctx);
+  if (!pool) return NULL;
   /* best fit among unused blocks no more than twice (plus 64 KiB) too large */
   int pick = -1;
   for (int i = 0; i < pool->n; i++) {
@@ -92,8 +98,8 @@ void fa_gpu_pool_put(forkattn_ctx *ctx, void *p) {
 void *fa_gpu_pool_keep(forkattn_ctx *ctx, size_t bytes) {
   if (fa_alloc_inject_failure()) return NULL;
   if (!bytes) bytes = 1;
-  if (!ctx->gpu_pool && !(ctx->gpu_pool = fa_calloc(1, sizeof *ctx->gpu_pool))) return NULL;
-  fa_gpu_pool *pool = ctx->gpu_pool;
+  fa_gpu_pool *pool = fa_pool_of(ctx);
+  if (!pool) return NULL;
   if (pool->nkept == pool->kept_cap) {
     const int cap = pool->kept_cap ? 2 * pool->kept_cap : 16;
     void **grown = fa_malloc_array(cap, sizeof *grown);
@@ -114,8 +120,8 @@ size_t fa_gpu_pool_kept_bytes(const forkattn_ctx *ctx) { return ctx->gpu_pool ? 
 
 void *fa_gpu_pool_pinned(forkattn_ctx *ctx, size_t bytes) {
   if (!llvm_omp_target_alloc_host || !llvm_omp_target_free_host) return NULL;
-  if (!ctx->gpu_pool && !(ctx->gpu_pool = fa_calloc(1, sizeof *ctx->gpu_pool))) return NULL;
-  fa_gpu_pool *pool = ctx->gpu_pool;
+  fa_gpu_pool *pool = fa_pool_of(ctx);
+  if (!pool) return NULL;
   if (pool->pinned_used) return NULL;
   if (pool->pinned_bytes < bytes) {
     if (pool->pinned) llvm_omp_target_free_host(pool->pinned, ctx->device);

@@ -26,7 +26,7 @@ import torch
 
 from . import _lib
 from .layouts import SharedPrefixLayout, TreeLayout, _ints_as_i64
-from .ops import HAVE_CUSTOM_OPS, _check_qkv, _check_bwd, _ctx_for, _desc, _DTYPES, _host_i64, _ints
+from .ops import HAVE_CUSTOM_OPS, use_custom_ops, _check_qkv, _check_bwd, _ctx_for, _desc, _DTYPES, _host_i64, _ints
 from .ops import _scale_of
 
 __all__ = [
@@ -596,12 +596,6 @@ if HAVE_CUSTOM_OPS:
 # public functions
 
 
-def _use_ops():
-    from . import ops
-
-    return ops.USE_CUSTOM_OPS and HAVE_CUSTOM_OPS
-
-
 def _direction(direction):
     if isinstance(direction, str):
         d = direction.lower()
@@ -630,7 +624,7 @@ def _stream_kl_raw(q_t, k_t, q_s, k_s, layout, kept, direction, temperature, sca
     args = (q_t, k_t, q_s, k_s) + _layout_args(layout, q_t.shape[0]) + _kept_args(kept) + (
         _direction(direction), _opt_scale(scale_teacher), _opt_scale(scale_student), float(temperature),
         bool(scale_by_tau2))
-    if _use_ops():
+    if use_custom_ops():
         return torch.ops.forkattn.kl_fwd(*args)
     return StreamKLFunction.apply(*args)
 
@@ -690,7 +684,7 @@ def kept_attention(q, k, v, layout=None, kept=None, *, softmax_scale=None, retur
     _check_qkv(q, k, v)
     scale = _scale_of(q, softmax_scale)
     args = (q, k, v) + _layout_args(layout, q.shape[0]) + _kept_args(kept) + (scale,)
-    if _use_ops():
+    if use_custom_ops():
         out, lse = torch.ops.forkattn.kept_fwd(*args)
     else:
         out, lse = KeptAttentionFunction.apply(*args)

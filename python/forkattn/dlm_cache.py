@@ -214,7 +214,7 @@ def _floats(x, name):
 
 if torch is not None:
     from .ops import HAVE_CUSTOM_OPS, _check_bwd, _check_qkv, _ctx_for, _descs, _ints, _new_grads, _new_outputs
-    from .ops import _compiling, _scale_of
+    from .ops import _compiling, _scale_of, use_custom_ops
 
     Tensor = torch.Tensor
 else:  # pragma: no cover - numpy-only installs
@@ -324,12 +324,6 @@ if HAVE_CUSTOM_OPS:
     prefix_cached_fwd.register_autograd(_cached_backward, setup_context=_cached_setup)
 
 
-def _use_ops():
-    from . import ops
-
-    return ops.USE_CUSTOM_OPS and HAVE_CUSTOM_OPS
-
-
 def prefix_cached_attention(q, k, v, layout, *, scale=None, causal=False, return_lse=False, softmax_scale=None,
                             block_size=None):
     """Attention of one group's responses against a shared prompt whose K/V are cached
@@ -389,7 +383,7 @@ def prefix_cached_attention(q, k, v, layout, *, scale=None, causal=False, return
     args = (q, k, v, layout.prompt_lens, layout.response_lens, s, bool(causal))
     if block:  # only then: the seven-argument op / Function calls stay as they were
         args += (block,)
-    if _use_ops():
+    if use_custom_ops():
         out, lse = torch.ops.forkattn.prefix_cached_fwd(*args)
     else:
         out, lse = PrefixCachedAttentionFunction.apply(*args)

@@ -10,7 +10,10 @@ Each operation exists twice:
   :class:`TreeAttentionFunction`, :class:`VarlenAttentionFunction`) for eager use and older
   PyTorch without ``torch.library.custom_op``.
 
-The public functions use the custom ops when available (``USE_CUSTOM_OPS``).
+Which one a public function calls is ``USE_CUSTOM_OPS``: ``"compile"`` (the default) takes the
+custom ops while ``torch.compile`` or ``torch.export`` traces and the autograd.Functions in eager
+mode, where the custom ops' dispatch costs more than a small call's kernels; ``True`` always
+the custom ops, ``False`` never.
 """
 
 from __future__ import annotations
@@ -328,7 +331,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
 # torch.library custom ops
 
 HAVE_CUSTOM_OPS = hasattr(torch, "library") and hasattr(torch.library, "custom_op")
-USE_CUSTOM_OPS = HAVE_CUSTOM_OPS
+USE_CUSTOM_OPS = "compile"
 
 
 def _fake_fwd(q, k, v):
@@ -452,8 +455,11 @@ def _scale_of(q, softmax_scale):
     return _lib.softmax_scale(q.shape[-1], softmax_scale)
 
 
-def _use_ops():
-    return USE_CUSTOM_OPS and HAVE_CUSTOM_OPS
+def use_custom_ops():
+    """Whether a call now goes through the torch.library custom ops (see ``USE_CUSTOM_OPS``)."""
+    if not HAVE_CUSTOM_OPS or not USE_CUSTOM_OPS:
+        return False
+    return USE_CUSTOM_OPS != "compile" or _compiling()
 
 
 def prefix_attention(q, k, v, layout, *, softmax_scale=None, causal=True, return_lse=False):
@@ -471,7 +477,7 @@ def prefix_attention(q, k, v, layout, *, softmax_scale=None, causal=True, return
     _check_qkv(q, k, v)
     scale = _scale_of(q, softmax_scale)
     args = (q, k, v, layout.prompt_lens, layout.response_lens, layout.group_sizes, scale, bool(causal))
-    if _use_ops():
+    if use_custom_ops():
         out, lse = torch.ops.forkattn.prefix_fwd(*args)
     else:
         out, lse = PrefixAttentionFunction.apply(*args)
@@ -487,7 +493,7 @@ def tree_attention(q, k, v, layout, *, softmax_scale=None, return_lse=False):
     _check_qkv(q, k, v)
     scale = _scale_of(q, softmax_scale)
     args = (q, k, v, layout.node_offsets, layout.parents, scale)
-    if _use_ops():
+    if use_custom_ops():
         out, lse = torch.ops.forkattn.tree_fwd(*args)
     else:
         out, lse = TreeAttentionFunction.apply(*args)
@@ -523,7 +529,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                              % (int(max_seqlen_q), longest))
     scale = _scale_of(q, softmax_scale)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, scale, bool(causal))
-    if _use_ops():
+    if use_custom_ops():
         out, lse = torch.ops.forkattn.varlen_fwd(*args)
     else:
         out, lse = VarlenAttentionFunction.apply(*args)

@@ -120,3 +120,33 @@ def test_compile_fullgraph_inductor():
     q.grad = None
     f(q, k, v).backward()
     assert torch.allclose(g, q.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_eager_calls_functions_and_compile_traces_custom_ops(monkeypatch):
+    """USE_CUSTOM_OPS = "compile" (the default): eager calls take the autograd.Functions (cheaper
+    dispatch), a torch.compile trace records the custom ops; True takes the ops in eager too."""
+    assert ops.USE_CUSTOM_OPS == "compile"
+    lay, q, k, v = _prefix_case()
+    out = forkattn.prefix_attention(q, k, v, lay)
+    assert type(out.grad_fn).__name__ == "PrefixAttentionFunctionBackward"
+    cu = torch.tensor([0, 3, lay.num_rows], dtype=torch.int32)
+    out_v = forkattn.varlen_attention(q, k, v, cu, cu, lay.num_rows, lay.num_rows)
+    assert type(out_v.grad_fn).__name__ == "VarlenAttentionFunctionBackward"
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: forkattn.prefix_attention(q, k, v, lay), backend=backend,
+                             fullgraph=True)
+    got = compiled(q, k, v)
+    assert any("forkattn.prefix_fwd" in s for s in seen), seen
+    assert torch.equal(got, out)
+
+    monkeypatch.setattr(ops, "USE_CUSTOM_OPS", True)
+    out_op = forkattn.prefix_attention(q, k, v, lay)
+    assert "PrefixAttentionFunction" not in type(out_op.grad_fn).__name__
+    assert torch.equal(out_op, out)

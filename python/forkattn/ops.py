@@ -99,43 +99,55 @@ def _ctx_for(x):
 
 
 class _HostInts:
-    """Host copies of small integer tensors on a GPU (cu_seqlens): reading one waits for the
-    GPU, so each tensor is read once per version (``Tensor._version``, which every in-place
-    write bumps) and reused by the other layers' and the backward's calls. An entry holds a weak
-    reference, so a new tensor at a freed one's address is read again."""
+    """Host copies (tuples) of small integer tensors: layouts' lengths and cu_seqlens. Reading a GPU
+    tensor waits for the GPU, and turning any tensor into Python ints costs time that grows with
+    its length, so each tensor is read once per version (``Tensor._version``, which every in-place
+    write bumps) and reused by the other layers' and the backward's calls, with what is derived
+    from it (``longest``). An entry holds a weak reference, so a new tensor at a freed one's
+    address is read again."""
 
     def __init__(self, limit=64):
         self.limit, self.items = limit, {}
 
-    def get(self, t, name):
+    def _entry(self, t, name):
         key = id(t)
         hit = self.items.get(key)
         if hit is not None and hit[0]() is t and hit[1] == t._version:
-            return hit[2]
+            return hit
+        if t.is_floating_point():
+            raise TypeError("forkattn: %s must be an integer tensor" % name)
         if t.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "forkattn: %s is on the GPU and this tensor (at this version) was not read before the "
                 "CUDA graph capture began; run the call once before capturing, or pass it on the CPU"
                 % name)
-        values = t.detach().reshape(-1).cpu().tolist()
+        values = tuple(t.detach().reshape(-1).tolist())
         if len(self.items) >= self.limit:
             self.items.clear()
-        self.items[key] = (weakref.ref(t), t._version, values)
-        return values
+        hit = self.items[key] = (weakref.ref(t), t._version, values, {})
+        return hit
+
+    def get(self, t, name):
+        return self._entry(t, name)[2]
+
+    def longest(self, t, name):
+        """The largest difference of consecutive values (cu_seqlens: the longest sequence)."""
+        entry = self._entry(t, name)
+        got = entry[3].get("longest")
+        if got is None:
+            v = entry[2]
+            got = entry[3]["longest"] = max((b - a for a, b in zip(v, v[1:])), default=0)
+        return got
 
 
 _host_ints = _HostInts()
 
 
 def _ints(t, name):
-    """The values of a 1-D integer tensor or sequence as Python ints (a GPU tensor: read once
-    per version, see _HostInts)."""
+    """The values of a 1-D integer tensor or sequence as a tuple of Python ints (a tensor: read
+    once per version, see _HostInts)."""
     if not isinstance(t, torch.Tensor):
-        return [int(a) for a in t]
-    if t.is_floating_point():
-        raise TypeError("forkattn: %s must be an integer tensor" % name)
-    if t.device.type == "cpu":
-        return t.detach().reshape(-1).tolist()
+        return tuple(int(a) for a in t)
     return _host_ints.get(t, name)
 
 
@@ -522,8 +534,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         raise NotImplementedError("forkattn.varlen_attention: cu_seqlens_q and cu_seqlens_k differ "
                                   "(self-attention only)")
     if not _compiling() and cu_seqlens_q.numel() > 1:
-        cu = _ints(cu_seqlens_q, "cu_seqlens_q")  # the call reads the same host copy
-        longest = max(b - a for a, b in zip(cu, cu[1:]))
+        longest = _host_ints.longest(cu_seqlens_q, "cu_seqlens_q")  # the call reads the same host copy
         if longest > int(max_seqlen_q):
             raise ValueError("forkattn: max_seqlen_q = %d but a sequence has %d tokens"
                              % (int(max_seqlen_q), longest))

@@ -20,14 +20,16 @@ def _cu(lens):
 def test_host_ints_follow_in_place_writes_and_new_tensors():
     cache = ops._HostInts(limit=4)
     t = torch.tensor([0, 3, 7])
-    assert cache.get(t, "t") == [0, 3, 7]
+    assert cache.get(t, "t") == (0, 3, 7) and cache.longest(t, "t") == 4
     t[2] = 9  # bumps t._version
-    assert cache.get(t, "t") == [0, 3, 9]
+    assert cache.get(t, "t") == (0, 3, 9) and cache.longest(t, "t") == 6
     u = torch.tensor([0, 1, 2])
-    assert cache.get(u, "u") == [0, 1, 2]
+    assert cache.get(u, "u") == (0, 1, 2) and cache.longest(u, "u") == 1
     for i in range(6):  # overflow empties the cache; entries stay correct
-        assert cache.get(torch.tensor([0, i]), "x") == [0, i]
-    assert cache.get(t, "t") == [0, 3, 9]
+        assert cache.get(torch.tensor([0, i]), "x") == (0, i)
+    assert cache.get(t, "t") == (0, 3, 9) and cache.longest(t, "t") == 6
+    with pytest.raises(TypeError, match="integer tensor"):
+        cache.get(torch.tensor([0.0, 1.0]), "f")
 
 
 def test_varlen_layouts_are_not_confused():

@@ -71,6 +71,8 @@ def _desc(x):
     """(tensor kept alive, forkattn_tensor) for a [rows, heads, d] tensor; copies only when the
     head_dim stride is not 1 or the strides are not a layout the C library accepts."""
     rows, heads, d = x.shape
+    if x.is_contiguous():  # the common case, row-major as make_tensor would normalize it
+        return x, _lib.Tensor(x.data_ptr() or None, _DTYPES[x.dtype], rows, heads, d, heads * d, d)
     if d > 1 and x.stride(2) != 1:
         x = x.contiguous()
     t = _lib.make_tensor(x.data_ptr(), _DTYPES[x.dtype], rows, heads, d, x.stride(0), x.stride(1))

@@ -98,3 +98,14 @@ def test_layout_cache_limit():
     for i in list(range(5)) + [4]:
         cache.get(i, lambda: built.append(i) or i)
     assert built == [0, 1, 2, 3, 4] and len(cache.items) <= 3
+
+
+@pytest.mark.parametrize("shape", [(5, 3, 8), (1, 3, 8), (5, 1, 8), (0, 3, 8), (5, 3, 1), (1, 1, 1)])
+def test_contiguous_descriptor_fast_path_matches_make_tensor(shape):
+    """_desc builds a contiguous tensor's descriptor directly; it must be the one make_tensor
+    (which normalizes strides of size-1 and empty axes) builds."""
+    x = torch.randn(*shape)
+    _, fast = ops._desc(x)
+    ref = _lib.make_tensor(x.data_ptr(), ops._DTYPES[x.dtype], *shape, x.stride(0), x.stride(1))
+    names = [f[0] for f in _lib.Tensor._fields_]
+    assert [getattr(fast, n) for n in names] == [getattr(ref, n) for n in names]

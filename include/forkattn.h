@@ -206,7 +206,8 @@ typedef struct forkattn_ctx_options {
   int bind_threads;         /**< non-zero: pin CPU worker threads to cores (hwloc) during a
                                  call; previous affinities are restored when it returns */
   int verbose;              /**< non-zero: log the backend decision to stderr and, on a GPU
-                                 context, the kernels each call runs */
+                                 context, the kernels each call runs and how its
+                                 forward and dQ work is scheduled, with why */
   forkattn_gpu_kernels gpu_kernels; /**< GPU contexts: the kernel families allowed (default
                                          AUTO); FORKATTN_GPU_KERNELS=auto|mma|fp32 overrides it */
   int gpu_persist;          /**< GPU contexts: the wgmma two-warpgroup forward and dQ as

@@ -38,6 +38,25 @@ int fa_gpu_select_grid(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, fa_gp
   return fa_persist_grid_for(caps->sms, nteams, item_keys, knobs->persist);
 }
 
+void fa_gpu_grid_reason(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, int64_t nteams, int64_t item_keys,
+                        int grid, char *buf, size_t len) {
+  const double per_sm = caps->sms > 0 ? (double)nteams / caps->sms : 0.0;
+  const int n = snprintf(buf, len, "%lld items (%.1f an SM, %lld keys an item): ", (long long)nteams, per_sm,
+                         (long long)item_keys);
+  if (n < 0 || (size_t)n >= len) return;
+  buf += n;
+  len -= (size_t)n;
+  if (knobs->persist >= 0)
+    snprintf(buf, len, grid ? "%d persistent teams (gpu_persist = %d)" : "a team an item (gpu_persist = %d)",
+             grid ? grid : knobs->persist, knobs->persist);
+  else if (grid)
+    snprintf(buf, len, "%d persistent teams", grid);
+  else if (caps->sms <= 0 || nteams < (int64_t)FA_PERSIST_MIN_ITEMS_PER_SM * caps->sms)
+    snprintf(buf, len, "a team an item (persistent from %d items an SM)", FA_PERSIST_MIN_ITEMS_PER_SM);
+  else
+    snprintf(buf, len, "a team an item (persistent from %d keys an item)", FA_PERSIST_MIN_KEYS_PER_ITEM);
+}
+
 const char *fa_gpu_kernel_name(fa_gpu_pass pass, fa_gpu_kernel k) {
   switch (k) {
   case FA_KERNEL_WG_PAIR:

@@ -86,6 +86,11 @@ int fa_gpu_select_grid(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, fa_gp
                        int64_t nteams, int64_t item_keys);
 
 /* A short name of kernel k of `pass`, for logs and `forkattn info`. */
+/* Why a two-warpgroup forward or dQ launch of nteams items seeing item_keys keys each (mean) runs
+ * `grid` persistent teams (fa_gpu_select_grid's answer) or a team an item, in words, for a verbose
+ * context's log. */
+void fa_gpu_grid_reason(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, int64_t nteams, int64_t item_keys,
+                        int grid, char *buf, size_t len);
 const char *fa_gpu_kernel_name(fa_gpu_pass pass, fa_gpu_kernel k);
 
 /* One line naming each pass's kernel for bf16/f16 calls at head_dim 64 and 128 with aligned rows. */

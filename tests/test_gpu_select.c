@@ -5,6 +5,7 @@
 #define _POSIX_C_SOURCE 200809L /* setenv */
 #include <criterion/criterion.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "gpu_persist.h"
@@ -149,6 +150,33 @@ Test(gpu_select, persistent_teams_only_for_the_two_warpgroup_forward_and_dq) {
   fa_gpu_caps unknown = c;
   unknown.sms = 0;
   cr_expect_eq(fa_gpu_select_grid(&unknown, &always, FA_PASS_FWD, FA_KERNEL_WG_PAIR, many, 4600), 0, "SMs unknown");
+}
+
+/* The reason a verbose context logs for grid = fa_gpu_select_grid's answer on the same inputs. */
+static void expect_reason(const fa_gpu_knobs *k, int64_t nteams, int64_t keys, const char *want) {
+  const fa_gpu_caps c = h100();
+  char why[160];
+  const int grid = fa_gpu_select_grid(&c, k, FA_PASS_FWD, FA_KERNEL_WG_PAIR, nteams, keys);
+  fa_gpu_grid_reason(&c, k, nteams, keys, grid, why, sizeof why);
+  cr_expect(strstr(why, want), "%lld items, %lld keys: '%s' lacks '%s'", (long long)nteams, (long long)keys, why,
+            want);
+}
+
+Test(gpu_select, the_verbose_log_says_why_a_launch_is_persistent_or_not) {
+  const fa_gpu_caps c = h100();
+  const int64_t many = (int64_t)FA_PERSIST_MIN_ITEMS_PER_SM * c.sms;
+  char n[64];
+  snprintf(n, sizeof n, "%d persistent teams", c.sms);
+  expect_reason(&auto_knobs, many, 4600, n);
+  expect_reason(&auto_knobs, many, 4600, "8.0 an SM, 4600 keys an item");
+  expect_reason(&auto_knobs, many - 1, 4600, "a team an item (persistent from 8 items an SM)");
+  expect_reason(&auto_knobs, 4096, 320, "a team an item (persistent from 1024 keys an item)");
+  const fa_gpu_knobs never = {.persist = 0}, three = {.persist = 3};
+  expect_reason(&never, many, 4600, "a team an item (gpu_persist = 0)");
+  expect_reason(&three, 40, 300, "3 persistent teams (gpu_persist = 3)");
+  char tiny[24];
+  fa_gpu_grid_reason(&c, &auto_knobs, many, 4600, c.sms, tiny, sizeof tiny);
+  cr_expect_lt(strlen(tiny), sizeof tiny, "truncated, terminated");
 }
 
 Test(gpu_select, the_summary_names_each_pass) {

@@ -82,6 +82,10 @@ def _desc(x):
     return x, t
 
 
+# The current stream's raw handle without building a torch.cuda.Stream object (a few µs a call).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _ctx_for(x):
     """(context, memory kind) for a call on tensors like ``x``, in PyTorch's stream order: a GPU
     context follows PyTorch's current stream (forkattn_ctx_set_stream), so its tensor-core calls
@@ -89,13 +93,15 @@ def _ctx_for(x):
     library cannot take a stream, or FORKATTN_TORCH_STREAM=0, the stream is synchronized here and
     the call runs on the library's own stream."""
     if x.is_cuda:
-        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        dev = x.device.index
+        if dev is None:
+            dev = torch.cuda.current_device()
         ctx = _lib.current_context(dev)
-        stream = torch.cuda.current_stream(x.device)
+        stream = _raw_stream(dev) if _raw_stream is not None else torch.cuda.current_stream(dev)
         if os.environ.get("FORKATTN_TORCH_STREAM") == "0" or not ctx.follow_stream(stream):
             if ctx.stream is not None:
                 ctx.clear_stream()
-            stream.synchronize()
+            torch.cuda.current_stream(dev).synchronize()
         return ctx, _lib.MEMORY_DEVICE
     return _lib.current_context(), _lib.MEMORY_HOST
 
@@ -476,6 +482,12 @@ def use_custom_ops():
     return USE_CUSTOM_OPS != "compile" or _compiling()
 
 
+def _needs_grad(q, k, v):
+    """Whether autograd records this call; without it (torch.no_grad, or inputs that need no
+    gradient: a reference model's forward) the call skips the autograd.Function's bookkeeping."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
 def prefix_attention(q, k, v, layout, *, softmax_scale=None, causal=True, return_lse=False):
     """Shared-prompt attention over the packed rows of a :class:`SharedPrefixLayout`.
 
@@ -493,8 +505,10 @@ def prefix_attention(q, k, v, layout, *, softmax_scale=None, causal=True, return
     args = (q, k, v, layout.prompt_lens, layout.response_lens, layout.group_sizes, scale, bool(causal))
     if use_custom_ops():
         out, lse = torch.ops.forkattn.prefix_fwd(*args)
-    else:
+    elif _needs_grad(q, k, v):
         out, lse = PrefixAttentionFunction.apply(*args)
+    else:
+        out, lse = _prefix_fwd_impl(*args)
     return (out, lse) if return_lse else out
 
 
@@ -509,8 +523,10 @@ def tree_attention(q, k, v, layout, *, softmax_scale=None, return_lse=False):
     args = (q, k, v, layout.node_offsets, layout.parents, scale)
     if use_custom_ops():
         out, lse = torch.ops.forkattn.tree_fwd(*args)
-    else:
+    elif _needs_grad(q, k, v):
         out, lse = TreeAttentionFunction.apply(*args)
+    else:
+        out, lse = _tree_fwd_impl(*args)
     return (out, lse) if return_lse else out
 
 
@@ -544,8 +560,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, scale, bool(causal))
     if use_custom_ops():
         out, lse = torch.ops.forkattn.varlen_fwd(*args)
-    else:
+    elif _needs_grad(q, k, v):
         out, lse = VarlenAttentionFunction.apply(*args)
+    else:
+        out, lse = _varlen_fwd_impl(*args)
     if return_lse:
         return out, lse.t().contiguous()
     return out

@@ -109,3 +109,29 @@ def test_contiguous_descriptor_fast_path_matches_make_tensor(shape):
     ref = _lib.make_tensor(x.data_ptr(), ops._DTYPES[x.dtype], *shape, x.stride(0), x.stride(1))
     names = [f[0] for f in _lib.Tensor._fields_]
     assert [getattr(fast, n) for n in names] == [getattr(ref, n) for n in names]
+
+
+def test_calls_without_autograd_skip_the_function_and_give_the_same_bits():
+    """A forward autograd does not record (torch.no_grad, or inputs needing no gradient) runs the
+    implementation directly: no grad_fn, the same output as the recorded call."""
+    lay = forkattn.SharedPrefixLayout.from_lengths([5, 3], [[4, 2], [6]])
+    T = lay.num_rows
+    q, k, v, _ = make_qkv(T, HQ, HKV, D, torch.float32, seed=11)
+    cu = _cu([7, 5, T - 12])
+    tree = forkattn.TreeLayout.from_sequences([[1, 2, 3], [1, 2, 4, 5], [6]])
+    qt, kt, vt, _ = make_qkv(tree.num_rows, HQ, HKV, D, torch.float32, seed=12)
+    calls = [
+        (lambda a, b, c: forkattn.prefix_attention(a, b, c, lay, return_lse=True), (q, k, v)),
+        (lambda a, b, c: forkattn.varlen_attention(a, b, c, cu, cu, T, T, return_lse=True), (q, k, v)),
+        (lambda a, b, c: forkattn.tree_attention(a, b, c, tree, return_lse=True), (qt, kt, vt)),
+    ]
+    for fn, inputs in calls:
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out, lse = fn(*leaves)
+        assert out.grad_fn is not None
+        with torch.no_grad():
+            out_ng, lse_ng = fn(*leaves)
+        out_plain, lse_plain = fn(*inputs)
+        for o, l in ((out_ng, lse_ng), (out_plain, lse_plain)):
+            assert o.grad_fn is None and not o.requires_grad
+            assert torch.equal(o, out.detach()) and torch.equal(l, lse)

@@ -2,7 +2,8 @@
 """Where a call through the Python binding spends its time, against the C call and SDPA.
 
 For each case (varlen causal attention, bf16) it times forkattn.varlen_attention (cu_seqlens on
-the GPU and on the host; the torch.library custom op and the autograd.Function), the same call
+the GPU and on the host; eager calls as users make them, which run the autograd.Function, a
+forward under torch.no_grad, and the torch.library custom op forced in eager mode), the same call
 through C with ctypes arguments built once (compare_torch's binding, on torch's stream), and SDPA
 on the sequences' batch, forward and forward+backward, and prints per call the wall time on the
 CPU, the CUDA-event time, the kernel time and the phases of profile_calls.py (torch.profiler).
@@ -64,12 +65,18 @@ def main():
             f = lambda: forkattn.varlen_attention(q, k, v, cu, cu, L, L)
             pc.report("  binding fwd (%s)" % label, f, a.reps, None)
             pc.report("  binding fwd+bwd (%s)" % label, lambda: f().backward(dout), a.reps, None)
-        forkattn.ops.USE_CUSTOM_OPS = False
         cu_h = cu_d.cpu()
         f = lambda: forkattn.varlen_attention(q, k, v, cu_h, cu_h, L, L)
-        pc.report("  binding fwd (autograd.Function)", f, a.reps, None)
-        pc.report("  binding fwd+bwd (autograd.Function)", lambda: f().backward(dout), a.reps, None)
+
+        def no_grad():
+            with torch.no_grad():
+                return f()
+        pc.report("  binding fwd under torch.no_grad", no_grad, a.reps, None)
+        mode = forkattn.ops.USE_CUSTOM_OPS
         forkattn.ops.USE_CUSTOM_OPS = True
+        pc.report("  binding fwd (custom op in eager)", f, a.reps, None)
+        pc.report("  binding fwd+bwd (custom op in eager)", lambda: f().backward(dout), a.reps, None)
+        forkattn.ops.USE_CUSTOM_OPS = mode
         t = {"q": q.detach(), "k": k.detach(), "v": v.detach(), "do": dout, "o": torch.empty_like(q),
              "lse": torch.empty(T, hq, device=dev), "dq": torch.empty_like(q), "dk": torch.empty_like(k),
              "dv": torch.empty_like(v)}

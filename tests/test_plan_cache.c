@@ -165,35 +165,42 @@ static void pc_offsets(tc_rng *rng, int64_t *off, int64_t n, int64_t lo, int64_t
   for (int64_t i = 0; i < n; i++) off[i + 1] = off[i] + tc_randint(rng, lo, hi);
 }
 
+/* Every test: a caching context and its own random stream. */
+static forkattn_ctx *ctx;
+static tc_rng rng;
+
+static void pc_setup(void) {
+  ctx = pc_ctx(1, 0);
+  rng = tc_rng_for(criterion_current_test->name);
+}
+
+static void pc_teardown(void) { forkattn_ctx_destroy(ctx); }
+
+TestSuite(plan_cache, .init = pc_setup, .fini = pc_teardown);
+
+/* A prefix layout of P prompt rows and n responses of lo..hi rows, twice on ctx (the second a hit). */
+static void pc_check_prefix_twice(int64_t P, int64_t n, int64_t lo, int64_t hi,
+                                  forkattn_mask mask, const char *what) {
+  int64_t off[MAXN + 1];
+  pc_offsets(&rng, off, n, lo, hi);
+  const forkattn_prefix_layout lay = {P, n, off, mask};
+  const pc_layout l = {.prefix = &lay};
+  for (int rep = 0; rep < 2; rep++) pc_check(ctx, &l, tc_next(&rng), what);
+}
+
 Test(plan_cache, prefix_bitwise) {
-  tc_rng rng = tc_rng_for("plan_cache/prefix_bitwise");
-  forkattn_ctx *ctx = pc_ctx(1, 0);
   for (int causal = 0; causal < 2; causal++) {
-    int64_t off[MAXN + 1];
-    const int64_t n = tc_randint(&rng, 1, 6);
-    pc_offsets(&rng, off, n, 0, 30); /* empty responses too */
-    const forkattn_prefix_layout lay = {tc_randint(&rng, 1, 40), n, off,
-                                        causal ? FORKATTN_MASK_CAUSAL : FORKATTN_MASK_BIDIRECTIONAL};
-    const pc_layout l = {.prefix = &lay};
-    for (int rep = 0; rep < 2; rep++) pc_check(ctx, &l, tc_next(&rng), "prefix");
+    const int64_t P = tc_randint(&rng, 1, 40), n = tc_randint(&rng, 1, 6);
+    pc_check_prefix_twice(P, n, 0, 30, causal ? FORKATTN_MASK_CAUSAL : FORKATTN_MASK_BIDIRECTIONAL,
+                          "prefix"); /* empty responses too */
   }
-  forkattn_ctx_destroy(ctx);
 }
 
 Test(plan_cache, varlen_bitwise) {
-  tc_rng rng = tc_rng_for("plan_cache/varlen_bitwise");
-  forkattn_ctx *ctx = pc_ctx(1, 0);
-  int64_t off[MAXN + 1];
-  pc_offsets(&rng, off, 20, 1, 12);
-  const forkattn_prefix_layout lay = {0, 20, off, FORKATTN_MASK_CAUSAL};
-  const pc_layout l = {.prefix = &lay};
-  for (int rep = 0; rep < 2; rep++) pc_check(ctx, &l, tc_next(&rng), "varlen");
-  forkattn_ctx_destroy(ctx);
+  pc_check_prefix_twice(0, 20, 1, 12, FORKATTN_MASK_CAUSAL, "varlen");
 }
 
 Test(plan_cache, tree_bitwise) {
-  tc_rng rng = tc_rng_for("plan_cache/tree_bitwise");
-  forkattn_ctx *ctx = pc_ctx(1, 0);
   tt_tree t;
   tt_random_trie(&t, &rng, 16, 6, 12);
   tt_packed p;
@@ -202,12 +209,9 @@ Test(plan_cache, tree_bitwise) {
   for (int rep = 0; rep < 2; rep++) pc_check(ctx, &l, tc_next(&rng), "tree");
   tt_packed_free(&p);
   tt_free(&t);
-  forkattn_ctx_destroy(ctx);
 }
 
 Test(plan_cache, equal_rows_different_splits) {
-  tc_rng rng = tc_rng_for("plan_cache/equal_rows_different_splits");
-  forkattn_ctx *ctx = pc_ctx(1, 0);
   const int64_t off_a[4] = {0, 10, 30, 40}, off_b[4] = {0, 20, 25, 40};
   const forkattn_prefix_layout a = {8, 3, off_a, FORKATTN_MASK_CAUSAL}, b = {8, 3, off_b, FORKATTN_MASK_CAUSAL};
   const pc_layout la = {.prefix = &a}, lb = {.prefix = &b};
@@ -222,12 +226,9 @@ Test(plan_cache, equal_rows_different_splits) {
   cr_assert(!pc_same(&x, &y), "splits A and B should differ");
   pc_call_free(&x);
   pc_call_free(&y);
-  forkattn_ctx_destroy(ctx);
 }
 
 Test(plan_cache, arrays_changed_in_place) {
-  tc_rng rng = tc_rng_for("plan_cache/arrays_changed_in_place");
-  forkattn_ctx *ctx = pc_ctx(1, 0);
   int64_t off[5] = {0, 7, 19, 20, 33};
   const forkattn_prefix_layout lay = {5, 4, off, FORKATTN_MASK_CAUSAL};
   const pc_layout l = {.prefix = &lay};
@@ -240,12 +241,9 @@ Test(plan_cache, arrays_changed_in_place) {
   pc_check(ctx, &lt, tc_next(&rng), "parents before");
   par[3] = 0; /* same offsets, another tree */
   pc_check(ctx, &lt, tc_next(&rng), "parents rewritten");
-  forkattn_ctx_destroy(ctx);
 }
 
 Test(plan_cache, eviction) {
-  tc_rng rng = tc_rng_for("plan_cache/eviction");
-  forkattn_ctx *ctx = pc_ctx(1, 0);
   enum { NL = 12 }; /* more than the cache's entries */
   int64_t off[NL][5];
   forkattn_prefix_layout lay[NL];
@@ -258,12 +256,9 @@ Test(plan_cache, eviction) {
       const pc_layout l = {.prefix = &lay[i]};
       pc_check(ctx, &l, tc_next(&rng), "eviction");
     }
-  forkattn_ctx_destroy(ctx);
 }
 
 Test(plan_cache, causal_vs_bidirectional) {
-  tc_rng rng = tc_rng_for("plan_cache/causal_vs_bidirectional");
-  forkattn_ctx *ctx = pc_ctx(1, 0);
   int64_t off[4];
   pc_offsets(&rng, off, 3, 4, 20);
   const forkattn_prefix_layout c = {6, 3, off, FORKATTN_MASK_CAUSAL}, b = {6, 3, off, FORKATTN_MASK_BIDIRECTIONAL};
@@ -272,12 +267,9 @@ Test(plan_cache, causal_vs_bidirectional) {
     pc_check(ctx, &lc, tc_next(&rng), "causal");
     pc_check(ctx, &lb, tc_next(&rng), "bidirectional");
   }
-  forkattn_ctx_destroy(ctx);
 }
 
 Test(plan_cache, tree_and_prefix_same_array) {
-  tc_rng rng = tc_rng_for("plan_cache/tree_and_prefix_same_array");
-  forkattn_ctx *ctx = pc_ctx(1, 0);
   const int64_t arr[5] = {0, 5, 9, 14, 20}, chain[4] = {-1, 0, 1, 2};
   const forkattn_prefix_layout pre = {0, 4, arr, FORKATTN_MASK_CAUSAL}; /* four sequences */
   const forkattn_tree_layout tree = {4, arr, chain};                     /* one sequence of 20 rows */
@@ -287,12 +279,9 @@ Test(plan_cache, tree_and_prefix_same_array) {
     pc_check(ctx, &lp, seed, "prefix over the array");
     pc_check(ctx, &lt, seed, "tree over the array");
   }
-  forkattn_ctx_destroy(ctx);
 }
 
 Test(plan_cache, cached_prefix_and_kl) {
-  tc_rng rng = tc_rng_for("plan_cache/cached_prefix_and_kl");
-  forkattn_ctx *ctx = pc_ctx(1, 0);
   int64_t off[4];
   pc_offsets(&rng, off, 3, 5, 17);
   const forkattn_prefix_layout lay = {12, 3, off, FORKATTN_MASK_CAUSAL};
@@ -305,11 +294,10 @@ Test(plan_cache, cached_prefix_and_kl) {
     const pc_layout kl = {.prefix = &lay, .kl = 1};
     pc_check(ctx, &kl, tc_next(&rng), "StreamKL");
   }
-  forkattn_ctx_destroy(ctx);
 }
 
 /* Lines containing `what` that a verbose context logs while it runs `calls`. */
-static int pc_count_log(forkattn_ctx *ctx, const pc_layout *const *calls, int ncalls, const char *what) {
+static int pc_count_log(forkattn_ctx *vctx, const pc_layout *const *calls, int ncalls, const char *what) {
   char path[] = "/tmp/test_plan_cache_XXXXXX";
   const int fd = mkstemp(path);
   cr_assert_geq(fd, 0);
@@ -318,7 +306,7 @@ static int pc_count_log(forkattn_ctx *ctx, const pc_layout *const *calls, int nc
   dup2(fd, 2);
   for (int i = 0; i < ncalls; i++) {
     pc_call c;
-    pc_run(ctx, calls[i], 1, &c);
+    pc_run(vctx, calls[i], 1, &c);
     pc_call_free(&c);
   }
   fflush(stderr);
@@ -336,7 +324,7 @@ static int pc_count_log(forkattn_ctx *ctx, const pc_layout *const *calls, int nc
 }
 
 Test(plan_cache, verbose_log_hits_misses_lru) {
-  forkattn_ctx *ctx = pc_ctx(1, 1);
+  forkattn_ctx *verbose = pc_ctx(1, 1);
   enum { NL = 9 }; /* one more than the entries */
   int64_t off[NL][3];
   forkattn_prefix_layout lay[NL];
@@ -348,13 +336,13 @@ Test(plan_cache, verbose_log_hits_misses_lru) {
   }
   /* each call: forward (a miss the first time) and backward (a hit) */
   const pc_layout *fill[8] = {&l[0], &l[1], &l[2], &l[3], &l[4], &l[5], &l[6], &l[7]};
-  cr_assert_eq(pc_count_log(ctx, fill, 8, "plan cache miss"), 8);
+  cr_assert_eq(pc_count_log(verbose, fill, 8, "plan cache miss"), 8);
   /* l0 used again, so l8 evicts l1, the least recently used; l0 still hits, l1 misses */
   const pc_layout *next[4] = {&l[0], &l[8], &l[0], &l[1]};
-  cr_assert_eq(pc_count_log(ctx, next, 4, "evicting"), 2, "l8 and then l1 evict one plan each");
+  cr_assert_eq(pc_count_log(verbose, next, 4, "evicting"), 2, "l8 and then l1 evict one plan each");
   const pc_layout *last[2] = {&l[8], &l[1]};
-  cr_assert_eq(pc_count_log(ctx, last, 2, "plan cache hit"), 4, "l8 and l1 are both cached");
-  forkattn_ctx_destroy(ctx);
+  cr_assert_eq(pc_count_log(verbose, last, 2, "plan cache hit"), 4, "l8 and l1 are both cached");
+  forkattn_ctx_destroy(verbose);
   forkattn_ctx *off_ctx = pc_ctx(0, 1);
   cr_assert_eq(pc_count_log(off_ctx, last, 2, "plan cache"), 0, "FORKATTN_PLAN_CACHE=0 has no cache");
   forkattn_ctx_destroy(off_ctx);
@@ -362,11 +350,11 @@ Test(plan_cache, verbose_log_hits_misses_lru) {
 
 Test(plan_cache, env_switch) {
   setenv("FORKATTN_PLAN_CACHE", "yes", 1);
-  forkattn_ctx *ctx = NULL;
-  cr_assert_eq(forkattn_ctx_create(&ctx, NULL), FORKATTN_ERR_INVALID_ARGUMENT);
-  cr_assert_null(ctx);
+  forkattn_ctx *c = NULL;
+  cr_assert_eq(forkattn_ctx_create(&c, NULL), FORKATTN_ERR_INVALID_ARGUMENT);
+  cr_assert_null(c);
   cr_assert(strstr(forkattn_ctx_create_error(), "FORKATTN_PLAN_CACHE"), "%s", forkattn_ctx_create_error());
   setenv("FORKATTN_PLAN_CACHE", "", 1); /* empty: the default */
-  cr_assert_eq(forkattn_ctx_create(&ctx, NULL), FORKATTN_OK);
-  forkattn_ctx_destroy(ctx);
+  cr_assert_eq(forkattn_ctx_create(&c, NULL), FORKATTN_OK);
+  forkattn_ctx_destroy(c);
 }

@@ -151,8 +151,8 @@ forkattn_status forkattn_ctx_create(forkattn_ctx **ctx, const forkattn_ctx_optio
   if (env > 0) src = "FORKATTN_BACKEND";
   const int plan_cache = fa_plan_cache_env();
   if (plan_cache < 0)
-    return fa_create_fail(FORKATTN_ERR_INVALID_ARGUMENT, o.verbose, "ctx_create: FORKATTN_PLAN_CACHE='%s' is not 0 or 1",
-                          getenv("FORKATTN_PLAN_CACHE"));
+    return fa_create_fail(FORKATTN_ERR_INVALID_ARGUMENT, o.verbose,
+                          "ctx_create: FORKATTN_PLAN_CACHE='%s' is not 0 or 1", getenv("FORKATTN_PLAN_CACHE"));
 
   forkattn_ctx *c = fa_calloc(1, sizeof *c);
   if (!c) return fa_create_fail(FORKATTN_ERR_OUT_OF_MEMORY, o.verbose, "ctx_create: out of memory");

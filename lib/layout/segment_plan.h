@@ -126,7 +126,8 @@ int64_t fa_plan_blocks(const fa_plan *p, int64_t block_rows, int by_key, fa_bloc
  * (freed by fa_plan_free) and must not be modified: a caller that changes its
  * blocks takes fa_plan_blocks' own copy. Block sizes come from the kernels'
  * few fixed choices, so a plan keeps a handful. One thread at a time (a plan
- * serves one context). Returns the count, or -1 on allocation failure. */
+ * serves one context); p comes from a fa_plan_* builder (they make its memo).
+ * Returns the count, or -1 on allocation failure. */
 int64_t fa_plan_blocks_memo(const fa_plan *p, int64_t block_rows, int by_key, const fa_block **out);
 
 /* A slice of one key block's readers, for splitting a heavily read block

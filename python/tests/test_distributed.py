@@ -49,6 +49,18 @@ def _entry(rank, worker, world, init_file, out_dir, args):
         dist.destroy_process_group()
 
 
+def _two_layers(attend, q, k, v, w):
+    """Attention, a row-wise projection by the parameter ``w`` [D, D], attention again: the
+    second layer's q/k of a duplicated row depend on the first layer's output there."""
+    o = attend(q, k, v)
+    return attend(o @ w, o[:, :HKV] @ w, v)
+
+
+def _weight(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.eye(D) + 0.2 * torch.rand(D, D, generator=g)
+
+
 def _tree_worker(rank, world, out_dir, seed):
     lay = _random_tree(seed)
     q, k, v, do = make_qkv(lay.num_rows, HQ, HKV, D, torch.float32, seed=seed)
@@ -66,6 +78,14 @@ def _tree_worker(rank, world, out_dir, seed):
             if mode == "owned":  # each row's gradient on one rank: their sum (as DDP's) is exact
                 dist.all_reduce(t.grad)
                 res["modes"][mode]["full_" + name] = t.grad
+    # a model's layers on the part rows: parameter gradients summed across ranks (as DDP) are exact
+    w = _weight(seed).requires_grad_()
+    fq, fk, fv = (t.clone().requires_grad_() for t in (q, k, v))
+    o = _two_layers(dt.attention, *(dt.gather(t) for t in (fq, fk, fv)), w)
+    (o * dt.gather(do)).sum().backward()
+    for t in (w, fq, fk, fv):
+        dist.all_reduce(t.grad)
+    res["two_layers"] = (dt.assemble(o.detach()), w.grad, fq.grad, fk.grad, fv.grad)
     with torch.no_grad():  # no autograd: the forward alone
         res["no_grad_o"] = dt.attention(*(dt.gather(t) for t in (q, k, v)))
     torch.save(res, os.path.join(out_dir, "rank%d.pt" % rank))
@@ -96,6 +116,14 @@ def test_partitioned_forward_backward_equals_single_process(world, tmp_path):
     f32, f64 = _reference(lay, seed)
     tol = TOL["float32"]
     res = [torch.load(tmp_path / ("rank%d.pt" % r)) for r in range(world)]
+    q, k, v, do = make_qkv(T, HQ, HKV, D, torch.float32, seed=seed)
+    w = _weight(seed).requires_grad_()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = _two_layers(lambda *qkv: forkattn.tree_attention(*qkv, lay), *leaves, w)
+    (o * do).sum().backward()
+    for r in res:
+        for got, ref in zip(r["two_layers"], (o.detach(), w.grad, *(t.grad for t in leaves))):
+            assert rel_err(got, ref) <= tol["grad"]
     owners = torch.zeros(T, dtype=torch.int64)
     for r in res:
         owners.index_add_(0, r["rows"][r["owned"]], torch.ones(int(r["owned"].sum()), dtype=torch.int64))

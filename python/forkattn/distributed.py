@@ -97,8 +97,11 @@ class DistributedTree:
         self.model = DEFAULT_MODEL if model is None else model
         self.tree = layout
         self.num_rows = layout.num_rows
-        self.partition = tree_partition(layout, self.world_size, self.model)
-        self._check_ranks_agree()
+        try:
+            self.partition, failed = tree_partition(layout, self.world_size, self.model), None
+        except Exception as e:  # still join the check below, so the other ranks raise too
+            self.partition, failed = None, e
+        self._check_ranks_agree(failed)
         part = self.partition[self.rank]
         self.layout, self.rows, self.owned, self.cost = part.layout, part.rows, part.owned, part.cost
         # Rows held by several parts, in increasing order: the rows of the backward's all_reduce.
@@ -112,15 +115,23 @@ class DistributedTree:
         self._shared_slot = torch.searchsorted(shared, self.rows[mine])  # their row in the buffer
         self._on_device = {}
 
-    def _check_ranks_agree(self):
-        m = self.model.as_dict() if isinstance(self.model, TreeCostModel) else dict(self.model)
-        sums = torch.tensor([_digest(self.tree.node_offsets, self.tree.parents, repr(sorted(m.items()))),
-                             _digest(self.partition.row_owner)], dtype=torch.int64,
+    def _check_ranks_agree(self, failed):
+        """One all_gather of (failed, layout and model checksum, partition checksum) per rank;
+        raises on every rank when a rank failed to partition or the ranks disagree."""
+        m = self.model.as_dict() if isinstance(self.model, TreeCostModel) else self.model
+        sums = torch.tensor([int(failed is not None),
+                             _digest(self.tree.node_offsets, self.tree.parents, repr(m)),
+                             0 if failed else _digest(self.partition.row_owner)], dtype=torch.int64,
                             device=_collective_device(self.group))
         got = [torch.empty_like(sums) for _ in range(self.world_size)]
         dist.all_gather(got, sums, group=self.group)
         got = torch.stack(got).cpu()
-        for col, what in ((0, "layouts (node_offsets, parents) or cost models"), (1, "partitions")):
+        if failed is not None:
+            raise failed
+        if bool(got[:, 0].any()):
+            raise ValueError("forkattn.distributed: ranks %s could not partition the tree (they raised the error)"
+                             % got[:, 0].nonzero().flatten().tolist())
+        for col, what in ((1, "layouts (node_offsets, parents) or cost models"), (2, "partitions")):
             if not bool((got[:, col] == got[0, col]).all()):
                 same = (got[:, col] == got[self.rank, col]).nonzero().flatten().tolist()
                 raise ValueError("forkattn.distributed: the ranks passed different %s: ranks %s agree with "

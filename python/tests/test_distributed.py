@@ -158,6 +158,11 @@ def _mismatch_and_prefix_worker(rank, world, out_dir):
         DistributedTree(lay)
     with pytest.raises(ValueError, match="different layouts"):  # same tree, different cost models
         DistributedTree(_random_tree(7), model=forkattn.TreeCostModel(HQ, D, 1e-9, 1e-8 * (rank + 1)))
+    # a rank whose partition fails raises its error, the others say which rank failed
+    bad = forkattn.TreeCostModel(0 if rank == 1 else HQ, D, 1e-9)
+    with pytest.raises(forkattn.ForkattnInvalidArgument if rank == 1 else ValueError,
+                       match="heads_q" if rank == 1 else r"ranks \[1\] could not partition"):
+        DistributedTree(_random_tree(7), model=bad)
     # the groups of a shared-prefix layout: the partitioned tree equals prefix_attention
     spl = forkattn.SharedPrefixLayout.from_lengths([5, 9, 3], [[4, 7, 2], [6], [3, 3, 8, 1]])
     q, k, v, do = make_qkv(spl.num_rows, HQ, HKV, D, torch.float32, seed=3)

@@ -86,6 +86,18 @@ def _tree_worker(rank, world, out_dir, seed):
     for t in (w, fq, fk, fv):
         dist.all_reduce(t.grad)
     res["two_layers"] = (dt.assemble(o.detach()), w.grad, fq.grad, fk.grad, fv.grad)
+    # fewer leaves than ranks: the last rank's part is empty, yet it joins the reduction
+    small = forkattn.TreeLayout.from_sequences([[1, 2, 3, 4], [1, 2, 5]])
+    sq, sk, sv, sdo = make_qkv(small.num_rows, HQ, HKV, D, torch.float32, seed=seed + 1)
+    ds = DistributedTree(small)
+    assert ds.rows.numel() == 0 if rank == 2 else ds.num_shared_rows == 2
+    leaves = [t.clone().requires_grad_() for t in (sq, sk, sv)]
+    (ds.attention(*(ds.gather(t) for t in leaves)) * ds.gather(sdo)).sum().backward()
+    ref = [t.clone().requires_grad_() for t in (sq, sk, sv)]
+    (forkattn.tree_attention(*ref, small) * sdo).sum().backward()
+    for got, want in zip(leaves, ref):
+        dist.all_reduce(got.grad)
+        assert rel_err(got.grad, want.grad) <= TOL["float32"]["grad"]
     with torch.no_grad():  # no autograd: the forward alone
         res["no_grad_o"] = dt.attention(*(dt.gather(t) for t in (q, k, v)))
     torch.save(res, os.path.join(out_dir, "rank%d.pt" % rank))

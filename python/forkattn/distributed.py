@@ -119,6 +119,7 @@ class DistributedTree:
         """One all_gather of (failed, layout and model checksum, partition checksum) per rank;
         raises on every rank when a rank failed to partition or the ranks disagree."""
         m = self.model.as_dict() if isinstance(self.model, TreeCostModel) else self.model
+        m = sorted(m.items()) if isinstance(m, dict) else m  # the same fields in any order
         sums = torch.tensor([int(failed is not None),
                              _digest(self.tree.node_offsets, self.tree.parents, repr(m)),
                              0 if failed else _digest(self.partition.row_owner)], dtype=torch.int64,
@@ -131,12 +132,12 @@ class DistributedTree:
         if bool(got[:, 0].any()):
             raise ValueError("forkattn.distributed: ranks %s could not partition the tree (they raised the error)"
                              % got[:, 0].nonzero().flatten().tolist())
-        for col, what in ((1, "layouts (node_offsets, parents) or cost models"), (2, "partitions")):
+        for col, what in ((1, "passed different layouts (node_offsets, parents) or cost models"),
+                          (2, "computed different partitions of the same tree (different library builds?)")):
             if not bool((got[:, col] == got[0, col]).all()):
                 same = (got[:, col] == got[self.rank, col]).nonzero().flatten().tolist()
-                raise ValueError("forkattn.distributed: the ranks passed different %s: ranks %s agree with "
-                                 "rank %d, the others do not; every rank must partition the same tree"
-                                 % (what, same, self.rank))
+                raise ValueError("forkattn.distributed: the ranks %s: ranks %s agree with rank %d, the others "
+                                 "do not; every rank must partition the same tree" % (what, same, self.rank))
 
     def _indices(self, device):
         """(rows, owned, shared part rows, their buffer rows) on ``device``, cached."""

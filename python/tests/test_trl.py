@@ -23,19 +23,20 @@ from forkattn.integrations import trl as fa_trl  # noqa: E402
 from conftest import rel_err  # noqa: E402
 
 TOL = 1e-5
-WORDS = ["w%d" % i for i in range(60)]
+WORDS = ["w%d" % i for i in range(12)]  # a small vocabulary: <eos> often ends a completion early
 G = 4  # completions per prompt
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A 2-layer Qwen2 (hidden 32, GQA) and a word-level tokenizer, saved together."""
+    """A 2-layer Qwen2 (hidden 32, GQA) saved to a directory, and a word-level tokenizer (passed
+    to the trainer: AutoProcessor would load Qwen2's own tokenizer class)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>"] + WORDS)}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>",
-                                               unk_token="<unk>")
+                                               unk_token="<unk>", padding_side="left")
     cfg = transformers.Qwen2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                                    num_hidden_layers=2, intermediate_size=64, vocab_size=len(vocab),
                                    max_position_embeddings=128, pad_token_id=0, eos_token_id=1,
@@ -44,8 +45,7 @@ def model_dir(tmp_path_factory):
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     d = tmp_path_factory.mktemp("tiny_qwen2")
     model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return str(d)
+    return str(d), tok
 
 
 @pytest.fixture(autouse=True)
@@ -74,10 +74,11 @@ def _reward(completions, **kw):
 
 
 def _trainer(model_dir, tmp_path, beta=0.1, temperature=0.7, steps=2):
+    path, tok = model_dir
     # fresh configs: from_pretrained per trainer, so policy and reference share no config object
     ds = datasets.Dataset.from_dict({"prompt": [" ".join(WORDS[i:i + 3 + 2 * (i % 3)]) for i in range(4)]})
     args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=G,
-                          max_completion_length=6, max_steps=steps, learning_rate=1e-2, beta=beta,
+                          max_completion_length=8, max_steps=steps, learning_rate=1e-2, beta=beta,
                           temperature=temperature, num_iterations=2, steps_per_generation=1,
                           gradient_accumulation_steps=1, logging_steps=1, save_strategy="no",
                           report_to=[], use_cpu=True, seed=1, bf16=False, fp16=False,
@@ -85,7 +86,8 @@ def _trainer(model_dir, tmp_path, beta=0.1, temperature=0.7, steps=2):
                           model_init_kwargs={"attn_implementation": "sdpa", "dtype": torch.float32})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return trl.GRPOTrainer(model=model_dir, reward_funcs=_reward, args=args, train_dataset=ds)
+        return trl.GRPOTrainer(model=path, reward_funcs=_reward, args=args, train_dataset=ds,
+                                processing_class=tok)
 
 
 def _batch(gen, vocab, groups=3, Lp=7, K=6):
@@ -117,6 +119,9 @@ def test_packed_logps_match_trainer(model_dir, tmp_path, count_calls):
     for model in (tr.model, tr.ref_model):  # the reference model's fused head has no entropy
         ent_too = model is tr.model
         ref_lp, ref_ent, _ = tr._get_per_token_logps_and_entropies(model, ids, am, K, compute_entropy=ent_too)
+        with pytest.raises(ValueError, match="not to forkattn"):  # still sdpa: refused, not mixed
+            fa_trl.packed_per_token_logps(model, ids, am, K)
+        fa_trl.use_forkattn(model)
         n0 = len(count_calls)
         lp, ent = fa_trl.packed_per_token_logps(model, ids, am, K, tr.temperature, compute_entropy=ent_too)
         assert len(count_calls) - n0 == model.config.num_hidden_layers
@@ -127,12 +132,82 @@ def test_packed_logps_match_trainer(model_dir, tmp_path, count_calls):
         assert rel_err(lp, ref_lp) < TOL
         if ent_too:
             assert rel_err(ent, ref_ent) < TOL
-        assert model.config._attn_implementation == "sdpa"  # switched back for generation
-    # the patched method, chunked as the trainer calls it (a chunk splits groups)
-    ref_lp = tr._get_per_token_logps_and_entropies(tr.model, ids, am, K)[0]
+            policy_lp = ref_lp
+    # the patched method, chunked as the trainer calls it (chunks split groups)
     fa_trl.patch_grpo_trainer(tr)
     n0 = len(count_calls)
     lp5, ent5, aux = tr._get_per_token_logps_and_entropies(tr.model, ids, am, K, batch_size=5)
     assert len(count_calls) - n0 == 3 * tr.model.config.num_hidden_layers  # 12 rows in chunks of 5
     assert ent5 is None and aux is None
-    assert rel_err(lp5, ref_lp) < TOL
+    assert rel_err(lp5, policy_lp) < TOL
+
+
+def _train(model_dir, tmp_path, packed):
+    """Two GRPO steps (one generation, two iterations over it: old, reference and policy
+    log-probs all computed); every log-prob call's result and every loss recorded."""
+    tr = _trainer(model_dir, tmp_path)
+    if packed:
+        fa_trl.patch_grpo_trainer(tr)
+    logps, losses, masks = [], [], []
+    inner, compute_loss = tr._get_per_token_logps_and_entropies, tr.compute_loss
+
+    def recorded_logps(*a, **k):
+        out = inner(*a, **k)
+        logps.append(out[0].detach().clone())
+        masks.append(a[2][:, -a[3]:].clone())
+        return out
+
+    def recorded_loss(*a, **k):
+        loss = compute_loss(*a, **k)
+        losses.append(float(loss))
+        return loss
+
+    tr._get_per_token_logps_and_entropies = recorded_logps
+    tr.compute_loss = recorded_loss
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tr.train()
+    gc = bool(tr.args.gradient_checkpointing)
+    return logps, losses, masks, gc
+
+
+def test_grpo_steps_match(model_dir, tmp_path, count_calls):
+    ref_logps, ref_losses, ref_masks, _ = _train(model_dir, tmp_path / "stock", packed=False)
+    assert not count_calls
+    logps, losses, masks, gc = _train(model_dir, tmp_path / "packed", packed=True)
+    # per layer: old and reference log-probs, then in each step the loss's forward (and its
+    # recomputation in backward with gradient checkpointing, on by default in TRL)
+    assert len(count_calls) == 2 * (2 + 2 * (1 + gc))
+    assert len(logps) == len(ref_logps) == 4 and len(losses) == len(ref_losses) == 2
+    for m, ref in zip(masks, ref_masks):
+        assert torch.equal(m, ref)  # the same completions
+    assert not bool(masks[0].all())  # some ended early: completion padding exercised
+    for lp, ref in zip(logps, ref_logps):
+        assert lp.shape == ref.shape and rel_err(lp, ref) < TOL
+    for loss, ref in zip(losses, ref_losses):
+        assert abs(loss - ref) <= TOL * max(1.0, abs(ref))
+    assert ref_losses[1] != ref_losses[0]  # the second step saw updated weights
+
+
+def test_refused(model_dir, tmp_path, count_calls):
+    tr = fa_trl.patch_grpo_trainer(_trainer(model_dir, tmp_path))
+    gen = torch.Generator().manual_seed(5)
+    ids, am, K = _batch(gen, tr.model.config.vocab_size, groups=2)
+    call = tr._get_per_token_logps_and_entropies
+    with pytest.raises(fa_trl.Unsupported, match="multimodal"):
+        call(tr.model, ids, am, K, pixel_values=torch.zeros(1, 3))
+    with pytest.raises(fa_trl.Unsupported, match="auxiliary"):
+        call(tr.model, ids, am, K, compute_aux_loss=True)
+    gap = am.clone()
+    gap[0, -K - 1] = 0  # a gap before the completion: the packed positions would differ
+    with pytest.raises(fa_trl.Unsupported, match="not left-padded"):
+        call(tr.model, ids, gap, K)
+    gap = am.clone()
+    gap[:, -K] = 0  # a gap at the start of the completions
+    with pytest.raises(fa_trl.Unsupported, match="not right-padded"):
+        call(tr.model, ids, gap, K)
+    assert not count_calls
+    liger = _trainer(model_dir, tmp_path)
+    liger.args.use_liger_kernel = True  # set after construction: Liger itself need not be installed
+    with pytest.raises(fa_trl.Unsupported, match="use_liger_kernel"):
+        fa_trl.patch_grpo_trainer(liger)

@@ -9,35 +9,37 @@ Usage (one line after building the trainer)::
     forkattn.integrations.trl.patch_grpo_trainer(trainer)
     trainer.train()
 
-The model keeps its own attention implementation (e.g. ``"sdpa"``) for generation; each
-log-prob computation switches it to ``"forkattn"`` for the packed forward and back. Rows
-with identical prompt tokens form a group, whatever their order in the batch (TRL puts the
-``num_generations`` completions of a prompt next to each other). Calls the packed path
-cannot reproduce (multimodal inputs, MoE auxiliary loss, prompts not left-padded or
-completions not right-padded, an empty prompt) go to TRL's own computation with a warning
-(or raise with ``fallback=False``).
+The policy and reference models are switched to the ``"forkattn"`` attention implementation
+for good (gradient checkpointing recomputes the forward during backward, so the switch must
+outlast the log-prob call); ``generate()`` switches the policy back to its own implementation
+(e.g. ``"sdpa"``) while it runs. Rows with identical prompt tokens form a group, whatever their
+order in the batch (TRL puts the ``num_generations`` completions of a prompt next to each
+other). What the packed path cannot reproduce is refused with :class:`Unsupported`: when
+patching (multimodal models, MoE auxiliary loss, Liger kernels, continuous-batching
+generation) or at the call (prompts not left-padded, completions not right-padded, an empty
+prompt).
 
-Tested with trl 1.16 (its ``GRPOTrainer._get_per_token_logps_and_entropies``).
+Written against trl 1.16 (``GRPOTrainer._get_per_token_logps_and_entropies``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import warnings
+import functools
 
 import torch
 
 from .. import hf as _hf
 from ..layouts import SharedPrefixLayout
 
-__all__ = ["Unsupported", "patch_grpo_trainer", "packed_per_token_logps"]
+__all__ = ["Unsupported", "packed_per_token_logps", "patch_grpo_trainer", "use_forkattn"]
 
 _METHOD = "_get_per_token_logps_and_entropies"
 _PATCHED = "_forkattn_packed_logps"
+_GENERATE = "_forkattn_generate_impl"
 
 
 class Unsupported(NotImplementedError):
-    """A log-prob call the packed path cannot compute exactly as the trainer would."""
+    """A trainer setting or log-prob call the packed path cannot compute as the trainer would."""
 
 
 def _pretrained(model):
@@ -49,25 +51,37 @@ def _pretrained(model):
     return model
 
 
-@contextlib.contextmanager
-def _forkattn_attention(model):
-    """Switch the model's attention implementation to forkattn's for the block (generation
-    needs the model's own: forkattn's function refuses calls without a layout)."""
+def use_forkattn(model, generate_with=None):
+    """Switch ``model`` (a transformers model, possibly inside DDP/PEFT wrappers) to forkattn's
+    attention implementation, registering it if needed, and make its ``generate()`` run with
+    ``generate_with`` (default: the implementation it had, ``"sdpa"`` if that was forkattn's)
+    for the duration of the call. Returns ``model``; calling it again is harmless."""
     inner = _pretrained(model)
-    before = getattr(inner.config, "_attn_implementation", None)
-    if _hf._dispatches_to_forkattn(before):
-        yield
-        return
     if not hasattr(inner, "set_attn_implementation"):
-        raise Unsupported("%s cannot switch its attention implementation (no set_attn_implementation)"
-                          % type(inner).__name__)
+        raise Unsupported("forkattn.integrations.trl: %s cannot switch its attention implementation "
+                          "(no set_attn_implementation)" % type(inner).__name__)
     if not _hf._dispatches_to_forkattn(_hf.ATTN_IMPLEMENTATION):
         _hf.register()
+    before = inner.config._attn_implementation
+    if inner.__dict__.get(_GENERATE) is None:
+        own = generate_with or ("sdpa" if _hf._dispatches_to_forkattn(before) else before)
+        inner.__dict__[_GENERATE] = own
+        generate = inner.generate
+
+        @functools.wraps(generate)
+        def generate_own_attention(*args, **kwargs):
+            inner.set_attn_implementation(inner.__dict__[_GENERATE])
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                inner.set_attn_implementation(_hf.ATTN_IMPLEMENTATION)
+
+        inner.generate = generate_own_attention
+    elif generate_with is not None:
+        inner.__dict__[_GENERATE] = generate_with
     inner.set_attn_implementation(_hf.ATTN_IMPLEMENTATION)
-    try:
-        yield
-    finally:
-        inner.set_attn_implementation(before)
+    _hf.check_model(inner)
+    return model
 
 
 def _layout(input_ids, attention_mask, logits_to_keep):
@@ -106,8 +120,9 @@ def packed_per_token_logps(model, input_ids, attention_mask, logits_to_keep, tem
     ``logits_to_keep`` completion columns (right-padded). Returns ``(logps, entropies)``
     [B, logits_to_keep] float32, zero at padding (``entropies`` is None unless
     ``compute_entropy``); logits are divided by ``temperature``. Only the logits of rows that
-    predict a completion token are computed (a group's last prompt row once). Raises
-    :class:`Unsupported` for batches it cannot pack exactly."""
+    predict a completion token are computed (a group's last prompt row once). ``model`` must
+    dispatch to forkattn's attention (:func:`use_forkattn`). Raises :class:`Unsupported` for
+    batches it cannot pack exactly."""
     K = int(logits_to_keep)
     layout = _layout(input_ids, attention_mask, K)
     dev = input_ids.device
@@ -117,9 +132,8 @@ def packed_per_token_logps(model, input_ids, attention_mask, logits_to_keep, tem
     valid = pred > 0
     rows, inv = torch.unique(pred[valid] - 1, return_inverse=True)
     labels = input_ids[:, input_ids.shape[1] - K:][valid.to(dev)]
-    with _forkattn_attention(model):
-        kw = _hf.packed_inputs(model, layout, input_ids)
-        logits = model(**kw, logits_to_keep=rows.to(dev)).logits[0]       # [U, V]
+    kw = _hf.packed_inputs(model, layout, input_ids)
+    logits = model(**kw, logits_to_keep=rows.to(dev)).logits[0]           # [U, V]
     logits = logits.float() / float(temperature)
     lse = torch.logsumexp(logits, -1)                                          # [U]
     inv = inv.to(dev)
@@ -134,48 +148,47 @@ def packed_per_token_logps(model, input_ids, attention_mask, logits_to_keep, tem
     return logps, ent
 
 
-def patch_grpo_trainer(trainer, fallback=True):
+def patch_grpo_trainer(trainer):
     """Make ``trainer`` (a ``trl.GRPOTrainer``) compute per-token log-probs on packed rows:
     policy (loss and old log-probs) and reference model alike. Returns the trainer.
 
-    Replaces the trainer's ``_get_per_token_logps_and_entropies`` with
-    :func:`packed_per_token_logps` over each of its ``batch_size`` chunks, at the trainer's
-    temperature and under its autocast. A call it cannot reproduce goes to the original method
-    with a ``UserWarning`` (once per reason), or raises :class:`Unsupported` with
-    ``fallback=False``. Calling it twice is harmless."""
+    Switches the policy and reference models to forkattn's attention (:func:`use_forkattn`:
+    generation keeps the policy's own) and replaces the trainer's
+    ``_get_per_token_logps_and_entropies`` with :func:`packed_per_token_logps` over each of its
+    ``batch_size`` chunks, at the trainer's temperature and under its autocast. Raises
+    :class:`Unsupported` for settings it cannot reproduce. Calling it twice is harmless."""
     original = getattr(trainer, _METHOD, None)
     if original is None:
-        raise TypeError("forkattn.integrations.trl: %s has no %s method (tested with trl 1.16's "
+        raise TypeError("forkattn.integrations.trl: %s has no %s method (written against trl 1.16's "
                         "GRPOTrainer)" % (type(trainer).__name__, _METHOD))
     if getattr(original, _PATCHED, False):
         return trainer
-    if getattr(getattr(trainer, "args", None), "use_liger_kernel", False):
-        raise Unsupported("forkattn.integrations.trl: use_liger_kernel=True computes the loss in "
-                          "Liger's kernels, not through %s" % _METHOD)
-    warned = set()
+    args = getattr(trainer, "args", None)
+    refuse = [
+        (getattr(args, "use_liger_kernel", False), "use_liger_kernel=True (Liger computes the loss "
+                                                   "without this method)"),
+        (getattr(trainer, "aux_loss_enabled", False), "a MoE router auxiliary loss (it depends on "
+                                                      "every replicated row)"),
+        (getattr(trainer, "_is_vlm", False), "a vision-language model (multimodal inputs)"),
+        (getattr(trainer, "use_transformers_continuous_batching", False),
+         "use_transformers_continuous_batching=True (generate_batch would run forkattn's attention)"),
+    ]
+    for bad, what in refuse:
+        if bad:
+            raise Unsupported("forkattn.integrations.trl: packed log-probs do not support %s" % what)
+    for model in (trainer.model, getattr(trainer, "ref_model", None)):
+        if model is not None:
+            use_forkattn(model)
 
     def per_token_logps(model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                         compute_entropy=False, compute_aux_loss=False, **extra):
-        why = None
-        if compute_aux_loss:
-            why = "the MoE load-balancing loss depends on every (replicated) row"
-        elif any(v is not None for v in extra.values()):
-            why = "multimodal / token-type inputs (%s)" % ", ".join(
-                sorted(k for k, v in extra.items() if v is not None))
-        if why is None:
-            try:
-                return _packed_chunks(trainer, model, input_ids, attention_mask, logits_to_keep,
-                                      batch_size, compute_entropy)
-            except Unsupported as e:
-                why = str(e)
-        msg = "forkattn.integrations.trl: packed log-probs unsupported here (%s)" % why
-        if not fallback:
-            raise Unsupported(msg)
-        if why not in warned:
-            warned.add(why)
-            warnings.warn(msg + "; using the trainer's own computation", UserWarning, stacklevel=2)
-        return original(model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
-                        compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra)
+        used = sorted(k for k, v in extra.items() if v is not None)
+        if compute_aux_loss or used:
+            raise Unsupported("forkattn.integrations.trl: packed log-probs do not support %s"
+                              % ("the MoE auxiliary loss" if compute_aux_loss
+                                 else "multimodal / token-type inputs (%s)" % ", ".join(used)))
+        return _packed_chunks(trainer, model, input_ids, attention_mask, logits_to_keep,
+                              batch_size, compute_entropy)
 
     setattr(per_token_logps, _PATCHED, True)
     setattr(trainer, _METHOD, per_token_logps)
@@ -188,10 +201,9 @@ def _packed_chunks(trainer, model, input_ids, attention_mask, logits_to_keep, ba
     B = input_ids.shape[0]
     step = batch_size or B or 1
     temperature = getattr(trainer, "temperature", 1.0)
-    acc = getattr(trainer, "accelerator", None)
     logps, ents = [], []
     for s in range(0, B, step):
-        with acc.autocast() if acc is not None else contextlib.nullcontext():
+        with trainer.accelerator.autocast():
             lp, en = packed_per_token_logps(model, input_ids[s:s + step], attention_mask[s:s + step],
                                             logits_to_keep, temperature, compute_entropy)
         logps.append(lp)

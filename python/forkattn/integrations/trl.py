@@ -33,6 +33,7 @@ from ..layouts import SharedPrefixLayout
 
 __all__ = ["Unsupported", "packed_per_token_logps", "patch_grpo_trainer", "use_forkattn"]
 
+_WHO = "forkattn.integrations.trl"
 _METHOD = "_get_per_token_logps_and_entropies"
 _PATCHED = "_forkattn_packed_logps"
 _GENERATE = "_forkattn_generate_impl"
@@ -91,7 +92,7 @@ def _layout(input_ids, attention_mask, logits_to_keep):
     B, L = input_ids.shape
     C = L - int(logits_to_keep)
     if not 0 <= C <= L:
-        raise Unsupported("logits_to_keep %d outside the %d columns" % (logits_to_keep, L))
+        raise Unsupported("%s: logits_to_keep %d outside the %d columns" % (_WHO, logits_to_keep, L))
     am = attention_mask.detach().cpu().bool()
     cols = torch.arange(L)
     pm = am & (cols < C)
@@ -100,12 +101,13 @@ def _layout(input_ids, attention_mask, logits_to_keep):
     # left-padded prompts ending at column C-1, right-padded completions starting at column C:
     # then each row's tokens are contiguous and RoPE sees the same relative positions
     if not torch.equal(pm, (cols >= C - plen[:, None]) & (cols < C)):
-        raise Unsupported("prompts are not left-padded (a row's prompt tokens do not end at the "
-                          "last prompt column without gaps)")
+        raise Unsupported("%s: prompts are not left-padded (a row's prompt tokens do not end at the "
+                          "last prompt column without gaps)" % _WHO)
     if not torch.equal(rm, (cols >= C) & (cols < C + rlen[:, None])):
-        raise Unsupported("completions are not right-padded (a gap in the completion mask)")
+        raise Unsupported("%s: completions are not right-padded (a gap in the completion mask)" % _WHO)
     if bool(((plen == 0) & (rlen > 0)).any()):
-        raise Unsupported("a row has an empty prompt (its first completion token has no predictor)")
+        raise Unsupported("%s: a row has an empty prompt (its first completion token has no "
+                          "predictor)" % _WHO)
     ids = input_ids.detach().cpu()[:, :C].masked_fill(~pm[:, :C], -1)
     uid = torch.unique(ids, dim=0, return_inverse=True)[1] if B else torch.zeros(0, dtype=torch.long)
     return SharedPrefixLayout.from_uid(uid, pm, rm)

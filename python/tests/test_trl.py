@@ -6,7 +6,6 @@ trainer's own (fused LM head on the replicated padded batch) within 1e-5 normwis
 float32, directly on fixed prompts/completions and along two real GRPO steps (policy, old and
 reference log-probs, loss), and the packed run must go through forkattn. Skipped without trl."""
 
-import copy
 import warnings
 
 import pytest
@@ -16,8 +15,6 @@ transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl", reason="trl is not installed (pip install trl)")
 datasets = pytest.importorskip("datasets", reason="datasets (a trl dependency) is not installed")
 
-import forkattn  # noqa: E402
-import forkattn.hf as fhf  # noqa: E402
 import forkattn.ops  # noqa: E402
 from forkattn.integrations import trl as fa_trl  # noqa: E402
 from conftest import rel_err  # noqa: E402
@@ -77,17 +74,17 @@ def _trainer(model_dir, tmp_path, beta=0.1, temperature=0.7, steps=2):
     path, tok = model_dir
     # fresh configs: from_pretrained per trainer, so policy and reference share no config object
     ds = datasets.Dataset.from_dict({"prompt": [" ".join(WORDS[i:i + 3 + 2 * (i % 3)]) for i in range(4)]})
-    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=G,
-                          max_completion_length=8, max_steps=steps, learning_rate=1e-2, beta=beta,
-                          temperature=temperature, num_iterations=2, steps_per_generation=1,
-                          gradient_accumulation_steps=1, logging_steps=1, save_strategy="no",
-                          report_to=[], use_cpu=True, seed=1, bf16=False, fp16=False,
-                          dataloader_num_workers=0,
-                          model_init_kwargs={"attn_implementation": "sdpa", "dtype": torch.float32})
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # TRL's and transformers' deprecation notices
         warnings.simplefilter("ignore")
+        args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=G,
+                              max_completion_length=8, max_steps=steps, learning_rate=1e-2, beta=beta,
+                              temperature=temperature, num_iterations=2, steps_per_generation=1,
+                              gradient_accumulation_steps=1, logging_steps=1, save_strategy="no",
+                              report_to=[], use_cpu=True, seed=1, bf16=False, fp16=False,
+                              dataloader_num_workers=0,
+                              model_init_kwargs={"attn_implementation": "sdpa", "dtype": torch.float32})
         return trl.GRPOTrainer(model=path, reward_funcs=_reward, args=args, train_dataset=ds,
-                                processing_class=tok)
+                               processing_class=tok)
 
 
 def _batch(gen, vocab, groups=3, Lp=7, K=6):

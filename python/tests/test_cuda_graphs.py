@@ -1,7 +1,7 @@
 """CUDA graphs: forkattn's calls recorded into a graph (torch.cuda.graph) and replayed with new
 inputs give what eager calls give on those inputs, forward and forward+backward; calls that cannot
-be recorded refuse with a message; torch.compile(mode="reduce-overhead") is expected to run them
-(not yet: see the test). Skipped unless
+be recorded refuse with a message; torch.compile(mode="reduce-overhead") runs them with inductor's graph
+partitioning off (on, its own pool check refuses the graph: see the tests). Skipped unless
 torch sees a GPU; needs an offload build (see test_cuda.py)."""
 
 import pytest
@@ -128,18 +128,30 @@ def test_graph_refuses_an_unread_gpu_cu_seqlens():
     torch.cuda.synchronize()
 
 
-@pytest.mark.xfail(strict=False, reason="CUDA-graph trees refuse the graph: 'storage data ptrs are not allocated "
-                   "in pool' (torch 2.11, H100); cause not found yet")
-def test_compile_reduce_overhead():
+def _reduce_overhead_matches_eager():
+    """torch.compile(mode="reduce-overhead") (CUDA-graph trees) on a function calling prefix_attention:
+    four calls with fresh inputs (warm-up, recording, replays) equal the eager calls bit for bit."""
     lay = forkattn.SharedPrefixLayout.from_lengths([96], [[32, 64]])
-    q, k, v, do = _inputs(lay.num_rows, 8, 2, 64, torch.bfloat16, seed=5)
 
     def step(q, k, v):
         return forkattn.prefix_attention(q, k, v, lay) * 2
 
+    torch._dynamo.reset()
     compiled = torch.compile(step, mode="reduce-overhead")
-    for seed in (6, 7, 8):
+    for seed in (6, 7, 8, 9):
         q, k, v, _ = _inputs(lay.num_rows, 8, 2, 64, torch.bfloat16, seed=seed)
         got = compiled(q, k, v).clone()
-        want = step(q, k, v)
-        assert (got.float() - want.float()).abs().max().item() <= 1e-2 * want.float().abs().max().item()
+        assert torch.equal(got, step(q, k, v)), "seed %d" % seed
+
+
+def test_compile_reduce_overhead_without_graph_partition():
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(graph_partition=False):
+        _reduce_overhead_matches_eager()
+
+
+@pytest.mark.xfail(strict=False, reason="with inductor's graph partitioning (torch 2.11's default) its own "
+                   "check refuses the graph: 'storage data ptrs are not allocated in pool'")
+def test_compile_reduce_overhead_with_graph_partition():
+    _reduce_overhead_matches_eager()

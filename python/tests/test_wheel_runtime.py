@@ -1,7 +1,9 @@
-"""An installed offload build (pip install . -C cmake.define.FORKATTN_OFFLOAD=...) carries LLVM's
+"""The installed package (pip install .): its version is the library's (one source: CMakeLists'
+project version), and an offload build (-C cmake.define.FORKATTN_OFFLOAD=...) carries LLVM's
 offload runtime beside libforkattn in the package folder and finds it there through an $ORIGIN
 runpath, with no LD_LIBRARY_PATH: on a node with only the NVIDIA driver nothing else provides it.
-Skipped for CPU builds and for libraries loaded from outside the package (a build folder)."""
+Skipped for a source checkout's package, and the runtime checks for CPU builds and for libraries
+loaded from outside the package (a build folder)."""
 
 import os
 import struct
@@ -47,6 +49,18 @@ def dynamic_entries(path):
 def runpath(path):
     entries = dynamic_entries(path)
     return ":".join(entries.get(DT_RUNPATH, []) + entries.get(DT_RPATH, [])).split(":")
+
+
+def test_installed_version_is_the_library_version():
+    try:
+        from importlib import metadata
+        dist = metadata.distribution("forkattn")
+    except Exception:  # Python 3.7's importlib, or no installed distribution
+        pytest.skip("forkattn is not installed (a source checkout's python/forkattn)")
+    init = os.path.realpath(str(dist.locate_file("forkattn/__init__.py")))
+    if init != os.path.realpath(forkattn.__file__):
+        pytest.skip("the imported forkattn (%s) is not the installed distribution's" % forkattn.__file__)
+    assert dist.version == forkattn.version() == forkattn.__version__
 
 
 @pytest.fixture(scope="module")

@@ -189,12 +189,11 @@ static void fa_kl_fwd_team(fa_cpu_ws *ws, void *arg) {
 
 forkattn_status fa_cpu_kl_fwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_memory memory) {
   (void)memory; /* host */
-  fa_block *qblocks;
-  const int64_t nq = fa_plan_blocks(c->plan, FA_KL_QB, 0, &qblocks);
+  const fa_block *qblocks;
+  const int64_t nq = fa_plan_blocks_memo(c->plan, FA_KL_QB, 0, &qblocks);
   if (nq < 0) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "kl_fwd: cannot allocate blocks");
   fa_kl_job job = {c, qblocks, NULL, nq, 0};
   int rc = fa_cpu_team_run(ctx, fa_kl_ws_floats(c), sizeof(fa_block) * (size_t)nq, fa_kl_fwd_team, &job);
-  fa_free(qblocks);
   return rc ? fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "kl_fwd: cannot allocate CPU tiles") : FORKATTN_OK;
 }
 
@@ -327,9 +326,9 @@ static void fa_kl_bwd_team(fa_cpu_ws *ws, void *arg) {
 forkattn_status fa_cpu_kl_bwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_memory memory) {
   (void)memory; /* host */
   const fa_plan *p = c->plan;
-  fa_block *qblocks = NULL, *kblocks = NULL;
-  const int64_t nq = fa_plan_blocks(p, FA_KL_QB, 0, &qblocks);
-  const int64_t nk = fa_plan_blocks(p, FA_KL_KB, 1, &kblocks);
+  const fa_block *qblocks = NULL, *kblocks = NULL;
+  const int64_t nq = fa_plan_blocks_memo(p, FA_KL_QB, 0, &qblocks);
+  const int64_t nk = fa_plan_blocks_memo(p, FA_KL_KB, 1, &kblocks);
   unsigned char *read = fa_malloc((size_t)p->rows);
   int rc = -1;
   if (nq >= 0 && nk >= 0 && read) {
@@ -339,8 +338,6 @@ forkattn_status fa_cpu_kl_bwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_m
     rc = fa_cpu_team_run(ctx, fa_kl_ws_floats(c), sizeof(fa_block) * (size_t)(nq + nk) + (size_t)p->rows,
                          fa_kl_bwd_team, &job);
   }
-  fa_free(qblocks);
-  fa_free(kblocks);
   fa_free(read);
   return rc ? fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "kl_bwd: cannot allocate workspace") : FORKATTN_OK;
 }

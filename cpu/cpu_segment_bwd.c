@@ -226,12 +226,12 @@ forkattn_status fa_cpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
   const int64_t bk = FA_CPU_KEY_BLOCK;
   int64_t M; /* an absurd GQA group saturates M: the scratch size below refuses it */
   if (__builtin_mul_overflow(group, bq, &M)) M = INT64_MAX;
-  fa_block *qblocks = NULL, *kblocks = NULL;
+  const fa_block *qblocks = NULL, *kblocks = NULL;
   /* rows x hq fits int64 (q was validated), the bytes need not fit size_t */
   const size_t dsum_bytes = sizeof(float) * (size_t)(a->plan->rows * a->hq);
   float *dsum = fa_malloc_array(a->plan->rows * a->hq, sizeof(float));
-  int64_t nq = fa_plan_blocks(a->plan, bq, 0, &qblocks);
-  int64_t nk = fa_plan_blocks(a->plan, bk, 1, &kblocks);
+  int64_t nq = fa_plan_blocks_memo(a->plan, bq, 0, &qblocks);
+  int64_t nk = fa_plan_blocks_memo(a->plan, bk, 1, &kblocks);
   int rc = -1;
   if (dsum && nq >= 0 && nk >= 0) {
     const int64_t acc_rows = M > bk ? M : bk;
@@ -242,8 +242,6 @@ forkattn_status fa_cpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkatt
     rc = fa_cpu_team_run(ctx, ws_floats, dsum_bytes + sizeof(fa_block) * (size_t)(nq + nk), fa_bwd_team, &job);
   }
   fa_free(dsum);
-  fa_free(qblocks);
-  fa_free(kblocks);
   if (rc) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "prefix_bwd: cannot allocate workspace");
   return FORKATTN_OK;
 }

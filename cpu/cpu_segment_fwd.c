@@ -103,15 +103,14 @@ forkattn_status fa_cpu_attn_fwd(forkattn_ctx *ctx, const fa_attn_fwd *a, forkatt
   const int64_t bk = FA_CPU_KEY_BLOCK;
   int64_t M; /* an absurd GQA group saturates M: the scratch size below refuses it */
   if (__builtin_mul_overflow(group, bq, &M)) M = INT64_MAX;
-  fa_block *blocks;
-  int64_t nb = fa_plan_blocks(a->plan, bq, 0, &blocks);
+  const fa_block *blocks;
+  int64_t nb = fa_plan_blocks_memo(a->plan, bq, 0, &blocks);
   if (nb < 0) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "prefix_fwd: cannot allocate blocks");
   fa_fwd_job job = {a, blocks, nb * a->hkv, M, bk};
   const double Md = (double)M;
   const int64_t ws_floats = fa_cpu_ws_floats(2 * Md * (double)d + Md * (double)bk + 2.0 * (double)(bk * d) + 2 * Md +
                                              7 * 16); /* 7 carves, 16-aligned */
   int rc = fa_cpu_team_run(ctx, ws_floats, sizeof(fa_block) * (size_t)nb, fa_fwd_team, &job);
-  fa_free(blocks);
   if (rc) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "prefix_fwd: cannot allocate CPU tiles");
   return FORKATTN_OK;
 }

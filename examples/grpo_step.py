@@ -7,15 +7,17 @@
 
 Both compute per-token log-probs of the responses, group-normalised advantages from synthetic
 rewards, the PPO-clip policy-gradient loss (token mean), backward and an AdamW step. The
-script prints the log-prob and gradient differences and the time and peak memory of each run.
-Each run is measured in its own subprocess (peak RSS growth on the CPU, reset through
-/proc/self/clear_refs; torch.cuda.max_memory_allocated on CUDA); the model weights and the
-batch are made once here and handed to both.
+script prints the log-prob and gradient differences (first timed step) and, for each run, the
+median step time over --steps timed steps after --warmup untimed ones, with the fastest and
+slowest step, and the peak memory. Each run is measured in its own subprocess (peak RSS growth
+over the timed steps on the CPU, reset through /proc/self/clear_refs;
+torch.cuda.max_memory_allocated on CUDA); the model weights and the batch are made once here
+and handed to both.
 
 No download: the model is built from a config (LlamaConfig / Qwen2Config). Needs torch,
 transformers (pip install transformers) and libforkattn (build/, or FORKATTN_LIBRARY).
 
-  python3 examples/grpo_step.py                       # small defaults, ~20 s on 2 CPU cores
+  python3 examples/grpo_step.py                       # small defaults, ~30 s on 2 CPU cores
   python3 examples/grpo_step.py --prompt 2048 --rmax 1024 --hidden 512 --layers 4
   python3 examples/grpo_step.py --device cuda --dtype bfloat16   # needs an offload build
 """
@@ -23,6 +25,7 @@ transformers (pip install transformers) and libforkattn (build/, or FORKATTN_LIB
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,7 +60,8 @@ def parse_args(argv=None):
     r.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     r.add_argument("--ref-attn", choices=("sdpa", "eager"), default="sdpa",
                    help="stock attention of the replicated run")
-    r.add_argument("--warmup", type=int, default=1, help="untimed steps before the timed one")
+    r.add_argument("--warmup", type=int, default=2, help="untimed steps before the timed ones")
+    r.add_argument("--steps", type=int, default=5, help="timed steps (the median is reported)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     r.add_argument("--clip", type=float, default=0.2, help="PPO clip range")
@@ -68,6 +72,8 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.rmin < 1 or a.rmax < a.rmin or a.prompt < 1 or a.n < 1 or a.groups < 1:
         p.error("need 1 <= rmin <= rmax, prompt >= 1, n >= 1, groups >= 1")
+    if a.steps < 1 or a.warmup < 0:
+        p.error("need steps >= 1, warmup >= 0")
     return a
 
 
@@ -184,14 +190,18 @@ def report(a, info, res, fa, st, total):
     print()
     w = 28
     print("%-24s %*s %*s" % ("", w, "forkattn (packed)", w, "stock %s (replicated)" % a.ref_attn))
-    print("%-24s %*.3f %*.3f   stock/forkattn %.2fx" % ("step time (s)", w, f["t_step"], w, s["t_step"], s["t_step"] / f["t_step"]))
+    print("%-24s %*.3f %*.3f   stock/forkattn %.2fx" % (
+        "step time (s), median", w, f["t_step"], w, s["t_step"], s["t_step"] / f["t_step"]))
+    print("%-24s %*s %*s" % ("  fastest .. slowest", w, "%.3f .. %.3f" % (f["t_min"], f["t_max"]),
+                             w, "%.3f .. %.3f" % (s["t_min"], s["t_max"])))
     print("%-24s %*s %*s" % ("  forward / backward+opt", w, "%.3f / %.3f" % (f["t_fwd"], f["t_bwd"]),
                              w, "%.3f / %.3f" % (s["t_fwd"], s["t_bwd"])))
+    print("%-24s %*s" % ("  timed steps", w, "%d after %d warm-up, each run" % (a.steps, a.warmup)))
     mem_f, mem_s = f["peak_mib"], s["peak_mib"]
     print("%-24s %*.1f %*.1f   stock/forkattn %.2fx" % ("peak memory (MiB)", w, mem_f, w, mem_s,
                                              mem_s / mem_f if mem_f > 0 else float("nan")))
     print("%-24s %*s %*s" % ("  measured as", w, f["mem_how"], w, s["mem_how"]))
-    print("%-24s %*.6f %*.6f" % ("loss", w, f["loss"], w, s["loss"]))
+    print("%-24s %*.6f %*.6f" % ("loss (first timed step)", w, f["loss"], w, s["loss"]))
     print()
     mask = fa["mask"]
     lp_f, lp_s = fa["logp"][mask], st["logp"][mask]
@@ -287,13 +297,12 @@ def worker(a):
         sync()
         t1 = time.perf_counter()
         loss.backward()
-        if record:
-            grads = {n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters()}
         opt.step()
         sync()
         t2 = time.perf_counter()
         out = dict(t_fwd=t1 - t0, t_bwd=t2 - t1, t_step=t2 - t0, loss=loss.item(), **extra)
-        if record:
+        if record:  # after the clock: the step's gradients are still in .grad
+            grads = {n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters()}
             out["_save"] = dict(logp=logp.detach().float().cpu(), mask=mask.cpu(), grads=grads)
         return out
 
@@ -307,7 +316,8 @@ def worker(a):
         opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
         opt.load_state_dict(init_opt)
     del init_model
-    # the measured step
+    # the timed steps: the first from the initial state (compared between the runs), the others
+    # continue training
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
@@ -317,7 +327,7 @@ def worker(a):
         if base is None:
             import resource
             base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    out = step(True)
+    steps = [step(i == 0) for i in range(a.steps)]
     if cuda:
         peak = torch.cuda.max_memory_allocated(dev) - base
         how = "cuda max_memory_allocated"
@@ -330,7 +340,10 @@ def worker(a):
         else:
             how = "peak RSS growth"
         peak = hwm - base
-    save = out.pop("_save")
+    save = steps[0].pop("_save")
+    out = dict(steps[0])
+    out.update({k: statistics.median(x[k] for x in steps) for k in ("t_fwd", "t_bwd", "t_step")})
+    out.update(t_min=min(x["t_step"] for x in steps), t_max=max(x["t_step"] for x in steps))
     torch.save(save, os.path.join(a.workdir, a.worker + ".pt"))
     out.update(peak_mib=peak / 2**20, mem_how=how, device=str(dev),
                backend=forkattn.backend((dev.index if dev.index is not None else torch.cuda.current_device()) if cuda else None) if a.worker == "forkattn" else "-")

@@ -419,17 +419,15 @@ static forkattn_status fa_gpu_kl_stage_failed(forkattn_ctx *ctx, fa_stage *st, c
 
 forkattn_status fa_gpu_kl_fwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_memory memory) {
   const fa_plan *p = c->plan;
-  fa_block *qb_h;
+  const fa_block *qb_h;
   const fa_gpu_call call = fa_gpu_kl_call(c, memory, 0);
   const fa_gpu_kernel kern = fa_gpu_choose(ctx, FA_PASS_KL_FWD, &call);
   const int mma = kern != FA_KERNEL_FP32;
-  const int64_t nqb = fa_plan_blocks(p, mma ? FA_MMA_ROWS : FA_GPU_ROWS, 0, &qb_h);
+  const int64_t nqb = fa_plan_blocks_memo(p, mma ? FA_MMA_ROWS : FA_GPU_ROWS, 0, &qb_h);
   if (nqb < 0) return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "gpu kl_fwd: cannot allocate blocks");
-  if (nqb * c->h > INT_MAX) {
-    fa_free(qb_h);
+  if (nqb * c->h > INT_MAX)
     return fa_fail(ctx, FORKATTN_ERR_UNSUPPORTED, "gpu kl_fwd: %lld teams exceed one launch",
                    (long long)(nqb * c->h));
-  }
   const size_t n = (size_t)(p->rows * c->h);
   fa_stage st;
   fa_stage_init(&st, ctx, memory == FORKATTN_MEMORY_HOST);
@@ -442,7 +440,6 @@ forkattn_status fa_gpu_kl_fwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_m
   int bad = !b.qoff || !b.qblocks || !b.kl || fa_gpu_kl_stage_inputs(&st, c, &b);
   if (!bad && c->stats) bad = !(b.stats = fa_stage_floats(&st, c->stats, n * FORKATTN_KL_STATS, 0));
   if (!bad && c->outside) bad = !(b.outside = fa_stage_floats(&st, c->outside, n, 0));
-  fa_free(qb_h);
   if (bad) return fa_gpu_kl_stage_failed(ctx, &st, "kl_fwd");
   fa_note_workspace(ctx, st.bytes);
   fa_gpu_log_kernels(ctx, "kl_fwd", "StreamKL forward %s", fa_gpu_kernel_name(FA_PASS_KL_FWD, kern));
@@ -498,15 +495,15 @@ static int fa_gpu_kl_stage_blocks(fa_stage *st, const fa_plan *p, const fa_kl_ca
 
 forkattn_status fa_gpu_kl_bwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_memory memory) {
   const fa_plan *p = c->plan;
-  fa_block *qb_h = NULL, *kb_h = NULL;
+  const fa_block *qb_h = NULL, *kb_h = NULL;
   fa_key_unit *units_h = NULL;
   int64_t *unit_off_h = NULL, nunits = -1;
   const fa_gpu_call call = fa_gpu_kl_call(c, memory, 1);
   const fa_gpu_kernel kern = fa_gpu_choose(ctx, FA_PASS_KL_BWD, &call);
   const int mma = kern != FA_KERNEL_FP32;
   const int64_t krows = mma ? FA_MMA_ROWS : FA_GPU_ROWS;
-  const int64_t nqb = fa_plan_blocks(p, krows, 0, &qb_h);
-  const int64_t nkb = fa_plan_blocks(p, krows, 1, &kb_h);
+  const int64_t nqb = fa_plan_blocks_memo(p, krows, 0, &qb_h);
+  const int64_t nkb = fa_plan_blocks_memo(p, krows, 1, &kb_h);
   if (nqb >= 0 && nkb >= 0)
     nunits = fa_plan_key_units(p, kb_h, nkb, fa_gpu_dkv_chunk(p, kb_h, nkb, c->hkv_s, mma), &units_h, &unit_off_h);
   const int64_t hkv_max = c->teacher_grad && c->hkv_t > c->hkv_s ? c->hkv_t : c->hkv_s;
@@ -536,8 +533,6 @@ forkattn_status fa_gpu_kl_bwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_m
     if (!bad && c->teacher_grad)
       bad = fa_stage_tensor(&st, &c->dqt, 0, &b.dqt) || fa_stage_tensor(&st, &c->dkt, 0, &b.dkt);
   }
-  fa_free(qb_h);
-  fa_free(kb_h);
   fa_free(units_h);
   fa_free(unit_off_h);
   if (status) return status;

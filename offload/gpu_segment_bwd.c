@@ -337,7 +337,7 @@ int64_t fa_gpu_dkv_chunk(const fa_plan *p, const fa_block *kb, int64_t nkb, int6
 static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, forkattn_memory memory, int mma) {
   const fa_attn_bwd *a = args;
   const fa_plan *p = a->plan;
-  fa_block *qb_h = NULL, *kb_h = NULL;
+  const fa_block *qb_h = NULL, *kb_h = NULL;
   fa_key_unit *units_h = NULL;
   int64_t *unit_off_h = NULL;
   fa_gpu_trace tr;
@@ -375,16 +375,14 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
   const int64_t qrows = b.dq_wg_pair ? FA_WG_PAIR_ROWS : mma ? FA_MMA_ROWS : FA_GPU_ROWS;
   fa_gpu_trace_mark(&tr, "maps");
   if (!bad) {
-    b.nkb = fa_plan_blocks(p, b.krows, 1, &kb_h);
+    b.nkb = fa_plan_blocks_memo(p, b.krows, 1, &kb_h);
     const int64_t chunk = b.nkb < 0 ? 0 : fa_gpu_dkv_chunk(p, kb_h, b.nkb, a->hkv, b.dkv_wg_pair ? 2 : mma);
     b.nunits = b.nkb < 0 ? -1 : fa_plan_key_units(p, kb_h, b.nkb, chunk, &units_h, &unit_off_h);
-    b.nqb = fa_plan_blocks(p, qrows, 0, &qb_h);
+    b.nqb = fa_plan_blocks_memo(p, qrows, 0, &qb_h);
     bad = b.nkb < 0 || b.nunits < 0 || b.nqb < 0;
   }
   if (!bad && (b.nqb * a->hq > INT_MAX || b.nunits * a->hkv > INT_MAX || b.nkb * a->hkv * b.krows > INT_MAX ||
                p->rows * a->hq / FA_ROWSUM_WARPS >= INT_MAX)) {
-    fa_free(qb_h);
-    fa_free(kb_h);
     fa_free(units_h);
     fa_free(unit_off_h);
     fa_stage_free(&st);
@@ -420,8 +418,6 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
   const fa_gpu_bwd *b_dev = !bad ? fa_stage_array(&st, &b, sizeof b) : NULL;
   bad = bad || !b_dev;
   const int grid = bad ? 0 : fa_gpu_choose_grid(ctx, FA_PASS_DQ, kdq, b.nqb * a->hq, p, qb_h, b.nqb);
-  fa_free(qb_h);
-  fa_free(kb_h);
   fa_free(units_h);
   fa_free(unit_off_h);
   if (bad) {

@@ -114,7 +114,7 @@ static void fa_gpu_fp32_fwd(const fa_gpu_fwd_args *ga) {
 static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, forkattn_memory memory, int mma) {
   const fa_attn_fwd *a = args;
   const fa_plan *p = a->plan;
-  fa_block *blocks_h = NULL;
+  const fa_block *blocks_h = NULL;
   fa_gpu_trace tr;
   fa_gpu_trace_begin(&tr, ctx->gpu->knobs.trace);
   fa_stage st;
@@ -140,9 +140,8 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
   fa_gpu_trace_mark(&tr, "maps");
   /* query blocks: the tensor-core kernels' teams (two warpgroups: 128 rows), or the FP32 kernel's */
   const int64_t block_rows = wg_pair ? FA_WG_PAIR_ROWS : mma ? FA_MMA_ROWS : FA_GPU_ROWS;
-  const int64_t nb = bad ? 0 : fa_plan_blocks(p, block_rows, 0, &blocks_h);
+  const int64_t nb = bad ? 0 : fa_plan_blocks_memo(p, block_rows, 0, &blocks_h);
   if (!bad && (nb < 0 || nb * a->hq > INT_MAX)) {
-    fa_free(blocks_h); /* NULL when fa_plan_blocks failed */
     fa_stage_free(&st);
     return nb < 0 ? fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "gpu fwd: cannot allocate blocks")
                   : fa_fail(ctx, FORKATTN_ERR_UNSUPPORTED, "gpu fwd: %lld teams exceed one launch",
@@ -162,7 +161,6 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
   const fa_block *blocks = plan_d[4];
   if (!bad && a->lse) bad = !(lse = fa_stage_floats(&st, a->lse, (size_t)(rows * hq), 0));
   const int grid = bad ? 0 : fa_gpu_choose_grid(ctx, FA_PASS_FWD, kern, nb * hq, p, blocks_h, nb);
-  fa_free(blocks_h); /* allocated even for 0 blocks; NULL if never built */
   const fa_gpu_fwd_args ga = {q,  k,    v,      o,        lse,         seg,         pair,
                               qoff, blocks, nb, hq, hkv, d, qshift, a->scale, kept, has_kept, ctx->device,
                               tma ? (const fa_tma_map *)plan_d[0] : NULL, wg_pair, plan_d[5]};

@@ -5,9 +5,12 @@
  * (the trie and partition builders sweep theirs in their own tests). Every failure must return
  * FORKATTN_ERR_OUT_OF_MEMORY (never crash), the next call on the same context
  * must work and give the same bits as an undisturbed run, and nothing may leak
- * (the ASan build's LeakSanitizer checks at exit). [host or device] */
+ * (the ASan build's LeakSanitizer checks at exit). The same with the plan cache off, and
+ * the plan cache's allocations on a miss. [host or device] */
+#define _POSIX_C_SOURCE 200809L
 #include <criterion/criterion.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "test_common.h"
@@ -124,6 +127,27 @@ static forkattn_status run(forkattn_ctx *ctx, problem *p, int op) {
   }
 }
 
+/* p's outputs of op equal want's, bit for bit. */
+static void expect_same(const problem *p, const problem *want, int op, const char *name) {
+  if (op == PATH_WALK) return; /* its outputs are compared in test_path_stack */
+  if (op == KV_SELECT) {
+    cr_assert(memcmp(p->sel_off, want->sel_off, sizeof p->sel_off) == 0 &&
+                  memcmp(p->sel_idx, want->sel_idx, sizeof p->sel_idx) == 0,
+              "%s: kept keys differ from an undisturbed run", name);
+    return;
+  }
+  if (op == KL_FWD) {
+    cr_assert(memcmp(p->kl, want->kl, sizeof p->kl) == 0 && memcmp(p->stats, want->stats, sizeof p->stats) == 0,
+              "%s: kl or stats differ from an undisturbed run", name);
+    return;
+  }
+  const int bwd = op == PREFIX_BWD || op == TREE_BWD || op == KEPT_BWD || op == KL_BWD;
+  const int first = op == KL_BWD ? 4 : bwd ? 5 : 3, last = bwd ? 7 : 3;
+  for (int i = first; i <= last; i++)
+    cr_assert(memcmp(p->buf[i].data, want->buf[i].data, p->buf[i].elems * (p->t[i].dtype ? 2 : 4)) == 0,
+              "%s: tensor %d differs from an undisturbed run", name, i);
+}
+
 /* Sweep one operation; returns the number of failure points exercised. */
 static int sweep(forkattn_ctx *ctx, problem *p, problem *want, int op, const char *name) {
   int n = 0;
@@ -139,24 +163,30 @@ static int sweep(forkattn_ctx *ctx, problem *p, problem *want, int op, const cha
     /* the very next call on the same context works */
     cr_assert_eq(run(ctx, p, op), FORKATTN_OK, "%s: call after failure %d: %s", name, n, forkattn_ctx_last_error(ctx));
   }
-  if (op == PATH_WALK) return n; /* its outputs are compared in test_path_stack */
-  if (op == KV_SELECT) {
-    cr_assert(memcmp(p->sel_off, want->sel_off, sizeof p->sel_off) == 0 &&
-                  memcmp(p->sel_idx, want->sel_idx, sizeof p->sel_idx) == 0,
-              "%s: kept keys differ from an undisturbed run", name);
-    return n;
-  }
-  if (op == KL_FWD) {
-    cr_assert(memcmp(p->kl, want->kl, sizeof p->kl) == 0 && memcmp(p->stats, want->stats, sizeof p->stats) == 0,
-              "%s: kl or stats differ from an undisturbed run", name);
-    return n;
-  }
-  const int bwd = op == PREFIX_BWD || op == TREE_BWD || op == KEPT_BWD || op == KL_BWD;
-  const int first = op == KL_BWD ? 4 : bwd ? 5 : 3, last = bwd ? 7 : 3;
-  for (int i = first; i <= last; i++)
-    cr_assert(memcmp(p->buf[i].data, want->buf[i].data, p->buf[i].elems * (p->t[i].dtype ? 2 : 4)) == 0,
-              "%s: tensor %d differs from an undisturbed run", name, i);
+  expect_same(p, want, op, name);
   return n;
+}
+
+/* The plan cache's own allocations on a miss (a fresh context each time): a failure
+ * there plans the call without the cache, so each failure point gives OUT_OF_MEMORY
+ * or the undisturbed bits, and the next call works. */
+static void sweep_plan_cache_miss(problem *p, problem *want, int op, const char *name) {
+  forkattn_ctx *ctx = tc_ctx_default(name);
+  forkattn_test_fail_alloc_after(-1);
+  cr_assert_eq(run(ctx, want, op), FORKATTN_OK, "%s: %s", name, op_names[op]);
+  const int64_t allocs = forkattn_test_fail_alloc_after(-1);
+  forkattn_ctx_destroy(ctx);
+  for (int64_t n = 0; n < allocs; n++) {
+    cr_assert_eq(forkattn_ctx_create(&ctx, NULL), FORKATTN_OK);
+    forkattn_test_fail_alloc_after(n);
+    forkattn_status st = run(ctx, p, op);
+    forkattn_test_fail_alloc_after(-1);
+    cr_assert(st == FORKATTN_OK || st == FORKATTN_ERR_OUT_OF_MEMORY, "%s: allocation %lld failed with status %s",
+              name, (long long)n, forkattn_status_string(st));
+    if (st) cr_assert_eq(run(ctx, p, op), FORKATTN_OK, "%s: call after failure %lld", name, (long long)n);
+    expect_same(p, want, op, name);
+    forkattn_ctx_destroy(ctx);
+  }
 }
 
 static void sweep_all(forkattn_dtype dt, const char *name) {
@@ -198,4 +228,19 @@ static void sweep_all(forkattn_dtype dt, const char *name) {
 }
 
 Test(alloc_failures, sweep_f32) { sweep_all(FORKATTN_DTYPE_F32, "alloc_failures/f32"); }
+/* The sweeps above run on cached plans after their first call; planning every call
+ * sweeps the plan builders' allocations too. */
+Test(alloc_failures, sweep_f32_uncached) {
+  setenv("FORKATTN_PLAN_CACHE", "0", 1);
+  sweep_all(FORKATTN_DTYPE_F32, "alloc_failures/f32_uncached");
+}
+Test(alloc_failures, plan_cache_miss) {
+  problem want, p;
+  problem_init(&want, FORKATTN_DTYPE_F32, "alloc_failures/plan_cache_miss");
+  problem_init(&p, FORKATTN_DTYPE_F32, "alloc_failures/plan_cache_miss");
+  const int ops[3] = {PREFIX_FWD, TREE_FWD, KL_FWD};
+  for (int i = 0; i < 3; i++) sweep_plan_cache_miss(&p, &want, ops[i], op_names[ops[i]]);
+  problem_free(&want);
+  problem_free(&p);
+}
 Test(alloc_failures, sweep_bf16) { sweep_all(FORKATTN_DTYPE_BF16, "alloc_failures/bf16"); }

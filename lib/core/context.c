@@ -11,6 +11,7 @@
 #include <strings.h>
 
 #include "hostinfo.h"
+#include "plan_cache.h"
 #include "struct_size.h"
 
 forkattn_status fa_fail(forkattn_ctx *ctx, forkattn_status status, const char *fmt, ...) {
@@ -148,6 +149,10 @@ forkattn_status forkattn_ctx_create(forkattn_ctx **ctx, const forkattn_ctx_optio
                           "ctx_create: FORKATTN_BACKEND='%s' is not one of cpu, gpu, auto",
                           getenv("FORKATTN_BACKEND"));
   if (env > 0) src = "FORKATTN_BACKEND";
+  const int plan_cache = fa_plan_cache_env();
+  if (plan_cache < 0)
+    return fa_create_fail(FORKATTN_ERR_INVALID_ARGUMENT, o.verbose,
+                          "ctx_create: FORKATTN_PLAN_CACHE='%s' is not 0 or 1", getenv("FORKATTN_PLAN_CACHE"));
 
   forkattn_ctx *c = fa_calloc(1, sizeof *c);
   if (!c) return fa_create_fail(FORKATTN_ERR_OUT_OF_MEMORY, o.verbose, "ctx_create: out of memory");
@@ -155,6 +160,7 @@ forkattn_status forkattn_ctx_create(forkattn_ctx **ctx, const forkattn_ctx_optio
   c->threads = o.threads > 0 ? o.threads : fa_host_physical_cores();
   c->bind_threads = o.bind_threads;
   c->verbose = o.verbose;
+  c->plan_cache_on = plan_cache;
   forkattn_status st = fa_choose_backend(c, o.backend, src);
   if (st != FORKATTN_OK) {
     st = fa_create_fail(st, o.verbose, "ctx_create: %s", c->reason);
@@ -177,6 +183,7 @@ void forkattn_ctx_destroy(forkattn_ctx *ctx) {
     forkattn_ctx_clear_stream(ctx); /* its queued kernels may read what the backend cached */
     ctx->ops->ctx_teardown(ctx);
   }
+  if (ctx) fa_plan_cache_free(ctx->plan_cache);
   fa_free(ctx);
 }
 

@@ -7,6 +7,7 @@
 
 typedef struct fa_gpu_pool fa_gpu_pool;
 struct fa_backend;
+struct fa_plan_cache;
 struct forkattn_ctx {
   forkattn_backend backend;      /* CPU or GPU, never AUTO */
   const struct fa_backend *ops;  /* that backend's operations (backend.h) */
@@ -22,6 +23,8 @@ struct forkattn_ctx {
   void *stream;                 /* the caller's CUDA stream (offload/gpu_stream.h) */
   struct fa_gpu_choice *gpu;    /* GPU backend's kernel choice, fixed at creation (offload/gpu_select.h) */
   char kernels[384];            /* the kernels its calls use, in words (forkattn_ctx_gpu_kernels) */
+  int plan_cache_on;            /* reuse segment plans across calls (FORKATTN_PLAN_CACHE, lib/layout/plan_cache.h) */
+  struct fa_plan_cache *plan_cache; /* made on first use */
 };
 
 /* Record a failure on ctx (may be NULL) and return status, printf-style. */

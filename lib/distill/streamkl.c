@@ -88,17 +88,16 @@ static forkattn_status fa_kl_run(forkattn_ctx *ctx, const fa_layout_ops *ops, co
   unsigned char *owned = NULL;
   forkattn_status st = fa_kept_build(ctx, kept, rows, c->h, &km, &owned);
   if (st || rows == 0) return st;
-  fa_plan plan;
-  if (ops->plan(l, &plan)) {
+  fa_plan own;
+  if ((st = fa_layout_plan(ctx, ops, l, &own, &c->plan))) {
     fa_free(owned);
-    return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "layout: cannot allocate the segment plan");
+    return st;
   }
-  c->plan = &plan;
   c->kept = kept ? &km : NULL;
   st = (st = fa_ctx_wait_stream(ctx, backward ? "streamkl_bwd" : "streamkl_fwd")) ? st
        : backward ? ctx->ops->kl_bwd(ctx, c, memory)
                   : ctx->ops->kl_fwd(ctx, c, memory);
-  fa_plan_free(&plan);
+  fa_plan_free(&own);
   fa_free(owned);
   return st;
 }

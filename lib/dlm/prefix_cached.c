@@ -46,12 +46,32 @@ static forkattn_status fa_tensor_zero(forkattn_ctx *ctx, const forkattn_tensor *
   return failed ? fa_fail(ctx, FORKATTN_ERR_DEVICE, "prefix_cached_bwd: zeroing dk/dv failed") : FORKATTN_OK;
 }
 
-/* block 0: the layout's mask; > 0: block-causal over blocks of that many rows. */
-static forkattn_status fa_cached_plan(forkattn_ctx *ctx, const forkattn_prefix_layout *l, int64_t block, fa_plan *plan) {
-  const int rc = block > 0 ? fa_plan_prefix_cached_blocks(plan, l->prompt_len, l->num_responses, l->response_offsets, block)
-                           : fa_plan_prefix_cached(plan, l->prompt_len, l->num_responses, l->response_offsets,
-                                                   l->mask == FORKATTN_MASK_CAUSAL);
-  return rc ? fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "layout: cannot allocate the segment plan") : FORKATTN_OK;
+/* A layout and its block: 0 for the layout's mask, > 0 block-causal over
+ * blocks of that many rows. */
+typedef struct {
+  const forkattn_prefix_layout *l;
+  int64_t block;
+} fa_cached_layout;
+
+static int fa_cached_build(const void *arg, fa_plan *plan) {
+  const fa_cached_layout *c = arg;
+  const forkattn_prefix_layout *l = c->l;
+  return c->block > 0
+             ? fa_plan_prefix_cached_blocks(plan, l->prompt_len, l->num_responses, l->response_offsets, c->block)
+             : fa_plan_prefix_cached(plan, l->prompt_len, l->num_responses, l->response_offsets,
+                                     l->mask == FORKATTN_MASK_CAUSAL);
+}
+
+/* The call's plan, from the context's plan cache or built into *own. */
+static forkattn_status fa_cached_plan(forkattn_ctx *ctx, const forkattn_prefix_layout *l, int64_t block, fa_plan *own,
+                                      const fa_plan **plan) {
+  const fa_cached_layout arg = {l, block};
+  const int64_t n = l->num_responses;
+  const fa_plan_key key = {{FA_PLAN_KEY_PREFIX_CACHED, block > 0 ? 0 : l->mask == FORKATTN_MASK_CAUSAL, block,
+                            l->prompt_len, n},
+                           {l->response_offsets},
+                           {n ? n + 1 : 0}};
+  return fa_plan_for_call(ctx, &key, fa_cached_build, &arg, own, plan);
 }
 
 static forkattn_status fa_check_block(forkattn_ctx *ctx, int64_t block) {
@@ -67,11 +87,12 @@ static forkattn_status fa_cached_fwd(forkattn_ctx *ctx, const forkattn_prefix_la
   forkattn_status st = fa_cached_begin(ctx, layout, q, k, v, scale, memory, &r, &hq, &hkv, &d);
   if (st || (st = fa_check_tensor(ctx, "o", o, q->dtype, r, hq, d))) return st;
   if (r == 0) return FORKATTN_OK;
-  fa_plan plan;
-  if ((st = fa_cached_plan(ctx, layout, block, &plan))) return st;
-  fa_attn_fwd a = {&plan, *q, *k, *v, *o, lse, scale, hq, hkv, d, NULL};
+  fa_plan own;
+  const fa_plan *plan;
+  if ((st = fa_cached_plan(ctx, layout, block, &own, &plan))) return st;
+  fa_attn_fwd a = {plan, *q, *k, *v, *o, lse, scale, hq, hkv, d, NULL};
   st = fa_attn_fwd_run(ctx, &a, memory);
-  fa_plan_free(&plan);
+  fa_plan_free(&own);
   return st;
 }
 
@@ -94,11 +115,12 @@ static forkattn_status fa_cached_bwd(forkattn_ctx *ctx, const forkattn_prefix_la
     if ((st = fa_tensor_zero(ctx, dk, memory))) return st;
     return fa_tensor_zero(ctx, dv, memory);
   }
-  fa_plan plan;
-  if ((st = fa_cached_plan(ctx, layout, block, &plan))) return st;
-  fa_attn_bwd a = {&plan, *q, *k, *v, *o, *dout, *dq, *dk, *dv, lse, scale, hq, hkv, d, NULL};
+  fa_plan own;
+  const fa_plan *plan;
+  if ((st = fa_cached_plan(ctx, layout, block, &own, &plan))) return st;
+  fa_attn_bwd a = {plan, *q, *k, *v, *o, *dout, *dq, *dk, *dv, lse, scale, hq, hkv, d, NULL};
   st = fa_attn_bwd_run(ctx, &a, memory);
-  fa_plan_free(&plan);
+  fa_plan_free(&own);
   return st;
 }
 

@@ -15,11 +15,11 @@ static forkattn_status fa_layout_begin(forkattn_ctx *ctx, const fa_layout_ops *o
   return fa_check_scale(ctx, scale);
 }
 
-static forkattn_status fa_layout_plan(forkattn_ctx *ctx, const fa_layout_ops *ops, const void *layout,
-                                      fa_plan *plan) {
-  if (ops->plan(layout, plan))
-    return fa_fail(ctx, FORKATTN_ERR_OUT_OF_MEMORY, "layout: cannot allocate the segment plan");
-  return FORKATTN_OK;
+forkattn_status fa_layout_plan(forkattn_ctx *ctx, const fa_layout_ops *ops, const void *layout, fa_plan *own,
+                               const fa_plan **plan) {
+  fa_plan_key key;
+  ops->key(layout, &key);
+  return fa_plan_for_call(ctx, &key, ops->plan, layout, own, plan);
 }
 
 forkattn_status fa_layout_pick(forkattn_ctx *ctx, const forkattn_layout *layout, const fa_layout_ops **ops,
@@ -48,14 +48,15 @@ forkattn_status fa_layout_fwd(forkattn_ctx *ctx, const fa_layout_ops *ops, const
   unsigned char *owned = NULL;
   if ((st = fa_kept_build(ctx, kept, rows, hq, &km, &owned))) return st;
   if (rows == 0) return FORKATTN_OK;
-  fa_plan plan;
-  if ((st = fa_layout_plan(ctx, ops, layout, &plan))) {
+  fa_plan own;
+  const fa_plan *plan;
+  if ((st = fa_layout_plan(ctx, ops, layout, &own, &plan))) {
     fa_free(owned);
     return st;
   }
-  fa_attn_fwd a = {&plan, *q, *k, *v, *o, lse, scale, hq, hkv, d, kept ? &km : NULL};
+  fa_attn_fwd a = {plan, *q, *k, *v, *o, lse, scale, hq, hkv, d, kept ? &km : NULL};
   st = fa_attn_fwd_run(ctx, &a, memory);
-  fa_plan_free(&plan);
+  fa_plan_free(&own);
   fa_free(owned);
   return st;
 }
@@ -83,14 +84,15 @@ forkattn_status fa_layout_bwd(forkattn_ctx *ctx, const fa_layout_ops *ops, const
   unsigned char *owned = NULL;
   if ((st = fa_kept_build(ctx, kept, rows, hq, &km, &owned))) return st;
   if (rows == 0) return FORKATTN_OK;
-  fa_plan plan;
-  if ((st = fa_layout_plan(ctx, ops, layout, &plan))) {
+  fa_plan own;
+  const fa_plan *plan;
+  if ((st = fa_layout_plan(ctx, ops, layout, &own, &plan))) {
     fa_free(owned);
     return st;
   }
-  fa_attn_bwd a = {&plan, *q, *k, *v, *o, *dout, *dq, *dk, *dv, lse, scale, hq, hkv, d, kept ? &km : NULL};
+  fa_attn_bwd a = {plan, *q, *k, *v, *o, *dout, *dq, *dk, *dv, lse, scale, hq, hkv, d, kept ? &km : NULL};
   st = fa_attn_bwd_run(ctx, &a, memory);
-  fa_plan_free(&plan);
+  fa_plan_free(&own);
   fa_free(owned);
   return st;
 }

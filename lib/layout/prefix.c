@@ -41,7 +41,15 @@ static int fa_prefix_plan(const void *layout, fa_plan *plan) {
                         l->mask == FORKATTN_MASK_CAUSAL);
 }
 
-const fa_layout_ops fa_prefix_ops = {fa_check_prefix_layout, fa_prefix_plan};
+static void fa_prefix_key(const void *layout, fa_plan_key *key) {
+  const forkattn_prefix_layout *l = layout;
+  const int64_t n = l->num_responses;
+  *key = (fa_plan_key){{FA_PLAN_KEY_PREFIX, l->mask == FORKATTN_MASK_CAUSAL, l->prompt_len, n},
+                       {l->response_offsets},
+                       {n ? n + 1 : 0}};
+}
+
+const fa_layout_ops fa_prefix_ops = {fa_check_prefix_layout, fa_prefix_plan, fa_prefix_key};
 
 forkattn_status forkattn_prefix_fwd(forkattn_ctx *ctx, const forkattn_prefix_layout *layout,
                                     const forkattn_tensor *q, const forkattn_tensor *k,

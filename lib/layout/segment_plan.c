@@ -6,7 +6,30 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Block lists derived from a plan, one per (block_rows, by_key) asked for. */
+typedef struct fa_blocks_memo {
+  struct fa_blocks_memo *next;
+  int64_t block_rows, n;
+  int by_key;
+  fa_block *blocks;
+} fa_blocks_memo;
+
+struct fa_plan_memo {
+  fa_blocks_memo *blocks;
+};
+
+static void fa_plan_memo_free(struct fa_plan_memo *m) {
+  if (!m) return;
+  for (fa_blocks_memo *b = m->blocks, *next; b; b = next) {
+    next = b->next;
+    fa_free(b->blocks);
+    fa_free(b);
+  }
+  fa_free(m);
+}
+
 void fa_plan_free(fa_plan *p) {
+  fa_plan_memo_free(p->memo);
   fa_free(p->seg);
   fa_free(p->pair);
   fa_free(p->q_pair_off);
@@ -26,7 +49,8 @@ int fa_plan_build_owned(fa_plan *p, int64_t rows, int64_t nseg, const fa_range *
   p->q_pair_off = fa_calloc((size_t)nseg + 1, sizeof *p->q_pair_off);
   p->k_pair_off = fa_calloc((size_t)nseg + 1, sizeof *p->k_pair_off);
   p->k_pair_idx = fa_malloc_array(npairs, sizeof *p->k_pair_idx);
-  if (!p->seg || !p->pair || !p->q_pair_off || !p->k_pair_off || !p->k_pair_idx) {
+  p->memo = fa_calloc(1, sizeof *p->memo);
+  if (!p->seg || !p->pair || !p->q_pair_off || !p->k_pair_off || !p->k_pair_idx || !p->memo) {
     fa_plan_free(p);
     return -1;
   }
@@ -377,6 +401,28 @@ int64_t fa_plan_blocks(const fa_plan *p, int64_t block_rows, int by_key, fa_bloc
   for (int64_t j = 0; j < n; j++) (*out)[j] = cb[j].b;
   fa_free(cb);
   return n;
+}
+
+int64_t fa_plan_blocks_memo(const fa_plan *p, int64_t block_rows, int by_key, const fa_block **out) {
+  for (const fa_blocks_memo *b = p->memo->blocks; b; b = b->next)
+    if (b->block_rows == block_rows && b->by_key == by_key) {
+      *out = b->blocks;
+      return b->n;
+    }
+  *out = NULL;
+  fa_blocks_memo *b = fa_malloc(sizeof *b);
+  if (!b) return -1;
+  b->n = fa_plan_blocks(p, block_rows, by_key, &b->blocks);
+  if (b->n < 0) {
+    fa_free(b);
+    return -1;
+  }
+  b->block_rows = block_rows;
+  b->by_key = by_key;
+  b->next = p->memo->blocks;
+  p->memo->blocks = b;
+  *out = b->blocks;
+  return b->n;
 }
 
 int64_t fa_plan_query_keys(const fa_plan *p, const fa_block *blocks, int64_t nblocks) {

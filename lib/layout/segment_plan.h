@@ -33,6 +33,8 @@ typedef struct fa_pair {
   int64_t qseg, kseg, causal;
 } fa_pair;
 
+struct fa_plan_memo;
+
 typedef struct fa_plan {
   int64_t rows;        /* query rows (= key rows unless queries have their own space) */
   int64_t qshift;      /* key-frame row of query row 0 (causal pairs) */
@@ -43,6 +45,9 @@ typedef struct fa_plan {
   int64_t *q_pair_off; /* [nseg+1]: pairs of query segment s are pair[q_pair_off[s]..q_pair_off[s+1]) */
   int64_t *k_pair_off; /* [nseg+1]: CSR over k_pair_idx by owning key segment (a view's owner) */
   int64_t *k_pair_idx; /* [npairs]: pair indices grouped by owning key segment */
+  /* Derived data kept with the plan (fa_plan_blocks_memo): a cache, so it may
+   * grow through a const plan; freed by fa_plan_free. */
+  struct fa_plan_memo *memo;
 } fa_plan;
 
 /* A block of rows inside one segment: queries (forward, dQ) or keys (dK/dV). */
@@ -114,6 +119,16 @@ int fa_plan_prefix_cached_blocks(fa_plan *p, int64_t prompt_len, int64_t n, cons
  * by_key = 1: key blocks of segments read by at least one pair.
  * *out is malloc'ed (free() it); returns the count, or -1 on allocation failure. */
 int64_t fa_plan_blocks(const fa_plan *p, int64_t block_rows, int by_key, fa_block **out);
+
+/* fa_plan_blocks kept with the plan: the first call for (block_rows, by_key)
+ * splits the plan, later ones return the same blocks, so a plan reused across
+ * calls (the context's plan cache) is split once. *out belongs to the plan
+ * (freed by fa_plan_free) and must not be modified: a caller that changes its
+ * blocks takes fa_plan_blocks' own copy. Block sizes come from the kernels'
+ * few fixed choices, so a plan keeps a handful. One thread at a time (a plan
+ * serves one context); p comes from a fa_plan_* builder (they make its memo).
+ * Returns the count, or -1 on allocation failure. */
+int64_t fa_plan_blocks_memo(const fa_plan *p, int64_t block_rows, int by_key, const fa_block **out);
 
 /* A slice of one key block's readers, for splitting a heavily read block
  * (a shared prompt) over several GPU teams: the query rows of readers

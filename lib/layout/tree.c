@@ -39,7 +39,13 @@ static int fa_tree_plan(const void *layout, fa_plan *plan) {
   return fa_plan_tree(plan, t->num_nodes, t->node_offsets, t->parents, 1);
 }
 
-const fa_layout_ops fa_tree_ops = {fa_check_tree_layout, fa_tree_plan};
+static void fa_tree_key(const void *layout, fa_plan_key *key) {
+  const forkattn_tree_layout *t = layout;
+  const int64_t n = t->num_nodes;
+  *key = (fa_plan_key){{FA_PLAN_KEY_TREE, 1, n}, {t->node_offsets, t->parents}, {n ? n + 1 : 0, n}};
+}
+
+const fa_layout_ops fa_tree_ops = {fa_check_tree_layout, fa_tree_plan, fa_tree_key};
 
 forkattn_status forkattn_tree_fwd(forkattn_ctx *ctx, const forkattn_tree_layout *tree,
                                   const forkattn_tensor *q, const forkattn_tensor *k,

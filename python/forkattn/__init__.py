@@ -115,7 +115,7 @@ def __getattr__(name):
     if name in _TORCH_NAMES and not HAVE_TORCH:
         raise ImportError("forkattn.%s needs PyTorch, which could not be imported (%s); the numpy "
                           "functions are in forkattn.numpy_api" % (name, _TORCH_ERROR))
-    if name in ("numpy_api", "hf", "distill", "tree_exec", "dlm_cache"):  # lazy submodules (forkattn.hf imports transformers only in register())
+    if name in ("numpy_api", "hf", "distill", "tree_exec", "dlm_cache", "distributed"):  # lazy submodules (forkattn.hf imports transformers only in register())
         import importlib
 
         return importlib.import_module("." + name, __name__)

@@ -452,7 +452,7 @@ def _candidate_paths():
     """Where load_library() looks, in order (FORKATTN_LIBRARY is handled before these)."""
     here = os.path.dirname(os.path.abspath(__file__))
     out = []
-    # 1. next to the package (wheels that bundle the library)
+    # 1. next to the package: what `pip install <repository>` puts there (pyproject.toml)
     for pat in ("libforkattn.so", "libforkattn.so.*", "lib/libforkattn.so", "lib/libforkattn.so.*",
                 "libforkattn.dylib", "forkattn.dll"):
         out.extend(sorted(glob.glob(os.path.join(here, pat))))
@@ -490,7 +490,7 @@ def load_library(path=None):
     """Load libforkattn (once per process) and return the ``ctypes.CDLL``.
 
     Search order: ``path`` if given; the ``FORKATTN_LIBRARY`` environment variable; a library
-    next to this package (wheels that bundle it); the repository's ``build/`` and
+    next to this package (what ``pip install`` of the repository builds there); the repository's ``build/`` and
     ``build-gpu/`` folders (source checkouts; ``build-gpu`` first on a machine with
     ``/dev/nvidiactl``); ``ctypes.util.find_library("forkattn")`` and ``libforkattn.so.0``
     (installed by ``cmake --install``). A candidate that fails to load (e.g. an offload build
@@ -529,8 +529,9 @@ def load_library(path=None):
             _lib, _lib_path = lib, getattr(lib, "_name", cand)
             return _lib
         raise OSError(
-            "forkattn: could not load libforkattn. Build it (cmake -S . -B build && cmake --build "
-            "build) and/or set FORKATTN_LIBRARY=/path/to/libforkattn.so. Tried:\n  "
+            "forkattn: could not load libforkattn. Install the package with its library (pip install "
+            "<forkattn repository>: docs/python.md), or build it (cmake -S . -B build && cmake --build "
+            "build) and set FORKATTN_LIBRARY=/path/to/libforkattn.so. Tried:\n  "
             + "\n  ".join(tried or ["(no candidate found)"])
         )
 
@@ -809,8 +810,9 @@ def default_context(cuda_device=None):
                 raise ForkattnError(
                     e.status,
                     "CUDA tensors need a GPU context on device %d and it could not be created (%s). "
-                    "Load an offload build (FORKATTN_LIBRARY=.../build-gpu/libforkattn.so, see "
-                    "docs/build.md) or move the tensors to the CPU. Loaded: %s (offload: %s)"
+                    "Install an offload build (pip install . -C cmake.define.FORKATTN_OFFLOAD=nvptx:sm_90a "
+                    "..., docs/python.md), load one (FORKATTN_LIBRARY=.../build-gpu/libforkattn.so) or "
+                    "move the tensors to the CPU. Loaded: %s (offload: %s)"
                     % (int(cuda_device), e.message, _lib_path, bool(_lib.forkattn_build_has_offload())),
                 ) from None
         cache[key] = ctx

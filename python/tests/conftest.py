@@ -7,9 +7,11 @@ import sys
 
 import pytest
 
-# Run from a source checkout without installing: python/ on the path.
+# In a source checkout the tests import its python/forkattn; a copy of the tests beside no
+# package (run_tests.sh --installed) imports the installed forkattn instead.
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))
+if os.path.isdir(os.path.join(os.path.dirname(_HERE), "forkattn")):
+    sys.path.insert(0, os.path.dirname(_HERE))
 
 try:
     import torch

@@ -15,7 +15,8 @@ torch.cuda.max_memory_allocated on CUDA); the model weights and the batch are ma
 and handed to both.
 
 No download: the model is built from a config (LlamaConfig / Qwen2Config). Needs torch,
-transformers (pip install transformers) and libforkattn (build/, or FORKATTN_LIBRARY).
+transformers (pip install transformers) and forkattn (pip install . from the repository root, or a
+source checkout with build/ or FORKATTN_LIBRARY).
 
   python3 examples/grpo_step.py                       # small defaults, ~30 s on 2 CPU cores
   python3 examples/grpo_step.py --prompt 2048 --rmax 1024 --hidden 512 --layers 4

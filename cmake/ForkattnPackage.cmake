@@ -2,7 +2,8 @@
 # the command-line program, a CMake package exporting forkattn::forkattn (and
 # forkattn::forkattn_static in CPU builds) with a same-major version file, and forkattn.pc.
 # FORKATTN_PYTHON_WHEEL: the library alone (the wheel's forkattn/ folder is the prefix);
-# FORKATTN_BUNDLE_OFFLOAD_RUNTIME: LLVM's offload runtime beside it (ForkattnBundleRuntime.cmake).
+# FORKATTN_BUNDLE_OFFLOAD_RUNTIME: every library it loads beyond glibc and the compiler runtime
+# (LLVM's offload runtime, OpenBLAS, hwloc, ...) beside it (ForkattnBundleRuntime.cmake).
 include(CMakePackageConfigHelpers)
 
 if(FORKATTN_PYTHON_WHEEL)
@@ -21,8 +22,9 @@ if(FORKATTN_PYTHON_WHEEL OR _fa_bundle)
   set_target_properties(forkattn PROPERTIES INSTALL_RPATH "$ORIGIN")
 endif()
 
-# Install rule: LLVM's offload runtime beside the installed library (named FILE_NAME in
+# Install rule: the libraries it loads beside the installed library (named FILE_NAME in
 # _fa_libdir), whose runpath then becomes $ORIGIN alone: the build's LLVM libdir would come first.
+set(_fa_system_libs ${CMAKE_CURRENT_LIST_DIR}/forkattn_system_libraries.txt)
 function(_fa_install_bundled_runtime file_name)
   if(IS_ABSOLUTE "${_fa_libdir}")
     set(dest "${_fa_libdir}")
@@ -32,7 +34,8 @@ function(_fa_install_bundled_runtime file_name)
   install(CODE "set(FORKATTN_BUNDLE_LIB \"$<TARGET_FILE:forkattn>\")
     set(FORKATTN_BUNDLE_DEST \"${dest}\")
     set(FORKATTN_BUNDLE_INSTALLED \"${file_name}\")
-    set(FORKATTN_BUNDLE_DIRS \"${FORKATTN_LLVM_LIBDIR}\")")
+    set(FORKATTN_BUNDLE_DIRS \"${FORKATTN_LLVM_LIBDIR}\")
+    set(FORKATTN_BUNDLE_SYSTEM_LIBS \"${_fa_system_libs}\")")
   install(SCRIPT ${CMAKE_CURRENT_FUNCTION_LIST_DIR}/ForkattnBundleRuntime.cmake)
 endfunction()
 
@@ -44,6 +47,8 @@ if(FORKATTN_PYTHON_WHEEL)
     FILES \"$<TARGET_FILE:forkattn>\" RENAME \"$<TARGET_SONAME_FILE_NAME:forkattn>\")")
   if(_fa_bundle)
     _fa_install_bundled_runtime("$<TARGET_SONAME_FILE_NAME:forkattn>")
+    # the allow-list of what may resolve outside the package, for tests/test_wheel_runtime.py
+    install(FILES ${_fa_system_libs} DESTINATION . RENAME system_libraries.txt)
   endif()
   return()
 endif()

@@ -1,11 +1,15 @@
 """The installed package (pip install .): its version is the library's (one source: CMakeLists'
-project version), and an offload build (-C cmake.define.FORKATTN_OFFLOAD=...) carries LLVM's
-offload runtime beside libforkattn in the package folder and finds it there through an $ORIGIN
-runpath, with no LD_LIBRARY_PATH: on a node with only the NVIDIA driver nothing else provides it.
-Skipped for a source checkout's package, and the runtime checks for CPU builds and for libraries
+project version), and an offload build (-C cmake.define.FORKATTN_OFFLOAD=...) carries every shared
+library it loads beside libforkattn in the package folder (LLVM's offload runtime, OpenBLAS, hwloc,
+ICU, ...), except glibc and the compiler runtime (system_libraries.txt, installed from
+cmake/forkattn_system_libraries.txt), and finds them there through $ORIGIN runpaths with an empty
+environment: on a node with only the NVIDIA driver nothing else provides them. libcuda.so.1 is not
+linked: libomptarget's CUDA plugin dlopens it, so the node's driver supplies it at run time.
+Skipped for a source checkout's package, for CPU wheels (they bundle nothing) and for libraries
 loaded from outside the package (a build folder)."""
 
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -14,7 +18,8 @@ import pytest
 
 import forkattn
 
-# what the offload library loads from LLVM 19 (cmake/ForkattnBundleRuntime.cmake bundles them)
+# what the offload library loads from LLVM 19 (cmake/ForkattnBundleRuntime.cmake bundles them, and
+# all else it loads)
 BUNDLED = ("libomptarget.so", "libomp.so", "libLLVM.so", "libz3.so")
 PT_LOAD, PT_DYNAMIC = 1, 2
 DT_NEEDED, DT_STRTAB, DT_RPATH, DT_RUNPATH = 1, 5, 15, 29
@@ -63,44 +68,75 @@ def test_installed_version_is_the_library_version():
     assert dist.version == forkattn.version() == forkattn.__version__
 
 
-@pytest.fixture(scope="module")
-def package_library():
-    if not forkattn.build_has_offload():
-        pytest.skip("a CPU build of libforkattn: no offload runtime to bundle")
-    lib = os.path.realpath(forkattn.library_path())
-    pkg = os.path.dirname(os.path.realpath(forkattn.__file__))
-    if os.path.dirname(lib) != pkg:
-        pytest.skip("%s is not the installed package's library (%s): pip install the repository" % (lib, pkg))
-    return lib, pkg
+def shared_libraries(pkg):
+    """The ELF shared libraries in the package folder (libforkattn and what it bundles)."""
+    return sorted(os.path.join(pkg, f) for f in os.listdir(pkg) if ".so" in f and not f.endswith(".txt"))
 
 
-def test_library_and_bundled_runtime_have_origin_runpaths(package_library):
-    lib, pkg = package_library
-    assert runpath(lib)[0] == "$ORIGIN", (lib, runpath(lib))
-    omptarget = [f for f in os.listdir(pkg) if f.startswith("libomptarget.so")]
-    assert omptarget, "no libomptarget bundled in %s: %s" % (pkg, sorted(os.listdir(pkg)))
-    assert "$ORIGIN" in runpath(os.path.join(pkg, omptarget[0]))
+def system_sonames(path):
+    """The allow-list: soname stems (before ".so") that may resolve outside the package."""
+    with open(path) as f:
+        return {line.strip() for line in f if line.strip() and not line.startswith("#")}
 
 
-def test_bundled_runtime_resolves_inside_the_package(package_library):
-    lib, pkg = package_library
-    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
-    out = subprocess.run(["ldd", lib], capture_output=True, text=True, env=env, check=True).stdout
+def ldd(path):
+    """{needed name: resolved path or None} from ldd with an empty environment (no LD_LIBRARY_PATH)."""
+    out = subprocess.run([shutil.which("ldd"), path], capture_output=True, text=True, env={}, check=True).stdout
     resolved = {}
     for line in out.splitlines():
         parts = line.split()
         if len(parts) >= 3 and parts[1] == "=>":
-            resolved[parts[0]] = parts[2]
-    assert not [n for n, p in resolved.items() if p == "not"], "unresolved libraries:\n" + out
+            resolved[parts[0]] = None if parts[2:4] == ["not", "found"] else parts[2]
+        elif parts and parts[0].startswith("/"):  # the dynamic loader itself
+            resolved[os.path.basename(parts[0])] = parts[0]
+    return resolved
+
+
+@pytest.fixture(scope="module")
+def package_library():
+    lib = os.path.realpath(forkattn.library_path())
+    pkg = os.path.dirname(os.path.realpath(forkattn.__file__))
+    if os.path.dirname(lib) != pkg:
+        pytest.skip("%s is not the installed package's library (%s): pip install the repository" % (lib, pkg))
+    allow = os.path.join(pkg, "system_libraries.txt")
+    if not os.path.exists(allow):
+        assert not forkattn.build_has_offload(), "an offload build installed without its bundle: no %s" % allow
+        pytest.skip("a CPU wheel: it bundles nothing, the system provides OpenBLAS, hwloc and libgomp")
+    return lib, pkg, system_sonames(allow)
+
+
+def test_library_and_bundled_libraries_have_origin_runpaths(package_library):
+    lib, pkg, _ = package_library
+    libs = shared_libraries(pkg)
+    assert lib in libs and any(os.path.basename(p).startswith("libomptarget.so") for p in libs), libs
+    for path in libs:
+        assert runpath(path) == ["$ORIGIN"], (path, runpath(path))
+
+
+def test_every_dependency_resolves_inside_the_package_or_the_system(package_library):
+    _, pkg, system = package_library
+    for path in shared_libraries(pkg):
+        resolved = ldd(path)
+        assert set(dynamic_entries(path).get(DT_NEEDED, [])) <= set(resolved), (path, resolved)
+        assert None not in resolved.values(), "%s: unresolved %s" % (path, resolved)
+        outside = {name: where for name, where in resolved.items()
+                   if os.path.dirname(os.path.realpath(where)) != pkg and name.split(".so")[0] not in system}
+        assert not outside, "%s loads these from outside %s and the allow-list: %s" % (path, pkg, outside)
+
+
+def test_offload_runtime_is_bundled(package_library):
+    lib, pkg, _ = package_library
+    resolved = ldd(lib)
     for prefix in BUNDLED:
         names = [n for n in resolved if n.startswith(prefix)]
-        assert names, "%s does not load %s*:\n%s" % (lib, prefix, out)
-        for n in names:
-            assert os.path.dirname(os.path.realpath(resolved[n])) == pkg, (n, resolved[n], pkg)
+        assert names, "%s does not load %s*: %s" % (lib, prefix, resolved)
+        assert all(os.path.dirname(os.path.realpath(resolved[n])) == pkg for n in names), (names, resolved)
+    assert not [n for p in shared_libraries(pkg) for n in dynamic_entries(p).get(DT_NEEDED, [])
+                if n.startswith("libcuda.so")], "libcuda linked: the plugin must dlopen the node's driver"
 
 
 def test_this_process_maps_the_bundled_libomptarget(package_library):
-    _, pkg = package_library
+    _, pkg, _ = package_library
     if not sys.platform.startswith("linux"):
         pytest.skip("/proc/self/maps is Linux's")
     with open("/proc/self/maps") as f:

@@ -502,6 +502,12 @@ Test(segment_plan, query_keys_sum_what_each_query_block_sees) {
   for (int b = 1; b <= 32; b++) prompt += 128 * b;
   for (int b = 1; b <= 8; b++) response += 4096 + 128 * b;
   cr_assert_eq(fa_plan_query_keys(&p, blk, nb), prompt + 16 * response);
+  /* the plan's own blocks keep the sum: the same on the first and a later call */
+  const fa_block *memo;
+  cr_assert_eq(fa_plan_blocks_memo(&p, 128, 0, &memo), nb);
+  cr_assert_eq(fa_plan_query_keys(&p, memo, nb), prompt + 16 * response);
+  cr_assert_eq(fa_plan_query_keys(&p, memo, nb), prompt + 16 * response);
+  cr_assert_eq(fa_plan_query_keys(&p, memo, nb / 2), fa_plan_query_keys(&p, blk, nb / 2), "a prefix of them: not the memo");
   free(blk);
   fa_plan_free(&p);
 }

@@ -11,6 +11,7 @@ typedef struct fa_blocks_memo {
   struct fa_blocks_memo *next;
   int64_t block_rows, n;
   int by_key;
+  int64_t query_keys; /* fa_plan_query_keys of query blocks once asked for; -1 before */
   fa_block *blocks;
 } fa_blocks_memo;
 
@@ -419,6 +420,7 @@ int64_t fa_plan_blocks_memo(const fa_plan *p, int64_t block_rows, int by_key, co
   }
   b->block_rows = block_rows;
   b->by_key = by_key;
+  b->query_keys = -1;
   b->next = p->memo->blocks;
   p->memo->blocks = b;
   *out = b->blocks;
@@ -426,10 +428,15 @@ int64_t fa_plan_blocks_memo(const fa_plan *p, int64_t block_rows, int by_key, co
 }
 
 int64_t fa_plan_query_keys(const fa_plan *p, const fa_block *blocks, int64_t nblocks) {
+  fa_blocks_memo *memo = NULL;
+  for (fa_blocks_memo *m = p->memo ? p->memo->blocks : NULL; m && !memo; m = m->next)
+    if (m->blocks == blocks && m->n == nblocks && !m->by_key) memo = m;
+  if (memo && memo->query_keys >= 0) return memo->query_keys;
   int64_t keys = 0;
   for (int64_t b = 0; b < nblocks; b++)
     for (int64_t j = p->q_pair_off[blocks[b].seg]; j < p->q_pair_off[blocks[b].seg + 1]; j++)
       keys += fa_pair_keys(p->seg, p->pair[j], blocks[b].start, blocks[b].len, p->qshift).len;
+  if (memo) memo->query_keys = keys;
   return keys;
 }
 

@@ -56,7 +56,8 @@ typedef struct fa_block {
 } fa_block;
 
 /* Keys the query blocks `blocks` [nblocks] see, summed over the blocks (each block's keys
- * through all its segment's pairs; a causal pair counted up to the block's last row). */
+ * through all its segment's pairs; a causal pair counted up to the block's last row). Blocks
+ * from fa_plan_blocks_memo keep the sum with them: a cached plan's calls walk its pairs once. */
 int64_t fa_plan_query_keys(const fa_plan *p, const fa_block *blocks, int64_t nblocks);
 
 /* Build the plan from segments and pairs (pairs must be grouped by qseg in

@@ -18,14 +18,20 @@
  * case 2's items (~4600 keys) gain 2 %. */
 #define FA_PERSIST_MIN_KEYS_PER_ITEM 1024
 
+/* Why the automatic choice runs a launch a team an item, or FA_PERSIST_AUTO_YES. */
+typedef enum { FA_PERSIST_AUTO_YES, FA_PERSIST_FEW_ITEMS, FA_PERSIST_SHORT_ITEMS } fa_persist_auto;
+static inline fa_persist_auto fa_persist_auto_for(int sms, int64_t nteams, int64_t item_keys) {
+  if (sms <= 0 || nteams < (int64_t)FA_PERSIST_MIN_ITEMS_PER_SM * sms) return FA_PERSIST_FEW_ITEMS;
+  return item_keys < FA_PERSIST_MIN_KEYS_PER_ITEM ? FA_PERSIST_SHORT_ITEMS : FA_PERSIST_AUTO_YES;
+}
+
 /* Teams of the launch for nteams items of seeing item_keys keys each (mean) on `sms`
  * multiprocessors; 0: a team an item. mode (the context's gpu_persist, gpu_select.h): 0 never,
  * 1 always, n > 1 always with at most n teams (many items a team on small launches, for the
  * sanitizers and test_persist), -1 auto. */
 static inline int fa_persist_grid_for(int sms, int64_t nteams, int64_t item_keys, int mode) {
   if (mode == 0 || sms <= 0 || nteams <= 0) return 0;
-  if (mode < 0 && (nteams < (int64_t)FA_PERSIST_MIN_ITEMS_PER_SM * sms || item_keys < FA_PERSIST_MIN_KEYS_PER_ITEM))
-    return 0;
+  if (mode < 0 && fa_persist_auto_for(sms, nteams, item_keys) != FA_PERSIST_AUTO_YES) return 0;
   const int cap = mode > 1 && mode < sms ? mode : sms;
   return nteams < cap ? (int)nteams : cap;
 }

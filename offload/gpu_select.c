@@ -51,7 +51,7 @@ void fa_gpu_grid_reason(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, int6
              grid ? grid : knobs->persist, knobs->persist);
   else if (grid)
     snprintf(buf, len, "%d persistent teams", grid);
-  else if (caps->sms <= 0 || nteams < (int64_t)FA_PERSIST_MIN_ITEMS_PER_SM * caps->sms)
+  else if (fa_persist_auto_for(caps->sms, nteams, item_keys) == FA_PERSIST_FEW_ITEMS)
     snprintf(buf, len, "a team an item (persistent from %d items an SM)", FA_PERSIST_MIN_ITEMS_PER_SM);
   else
     snprintf(buf, len, "a team an item (persistent from %d keys an item)", FA_PERSIST_MIN_KEYS_PER_ITEM);

@@ -488,6 +488,17 @@ def _needs_grad(q, k, v):
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
+def _forward(op, function, impl, args):
+    """(out, lse) of a forward whose args start with q, k, v: through the custom op ``op`` (see
+    ``USE_CUSTOM_OPS``), the autograd.Function ``function`` where autograd records the call, or
+    the implementation ``impl`` directly."""
+    if use_custom_ops():
+        return getattr(torch.ops.forkattn, op)(*args)
+    if _needs_grad(*args[:3]):
+        return function.apply(*args)
+    return impl(*args)
+
+
 def prefix_attention(q, k, v, layout, *, softmax_scale=None, causal=True, return_lse=False):
     """Shared-prompt attention over the packed rows of a :class:`SharedPrefixLayout`.
 
@@ -503,12 +514,7 @@ def prefix_attention(q, k, v, layout, *, softmax_scale=None, causal=True, return
     _check_qkv(q, k, v)
     scale = _scale_of(q, softmax_scale)
     args = (q, k, v, layout.prompt_lens, layout.response_lens, layout.group_sizes, scale, bool(causal))
-    if use_custom_ops():
-        out, lse = torch.ops.forkattn.prefix_fwd(*args)
-    elif _needs_grad(q, k, v):
-        out, lse = PrefixAttentionFunction.apply(*args)
-    else:
-        out, lse = _prefix_fwd_impl(*args)
+    out, lse = _forward("prefix_fwd", PrefixAttentionFunction, _prefix_fwd_impl, args)
     return (out, lse) if return_lse else out
 
 
@@ -521,12 +527,7 @@ def tree_attention(q, k, v, layout, *, softmax_scale=None, return_lse=False):
     _check_qkv(q, k, v)
     scale = _scale_of(q, softmax_scale)
     args = (q, k, v, layout.node_offsets, layout.parents, scale)
-    if use_custom_ops():
-        out, lse = torch.ops.forkattn.tree_fwd(*args)
-    elif _needs_grad(q, k, v):
-        out, lse = TreeAttentionFunction.apply(*args)
-    else:
-        out, lse = _tree_fwd_impl(*args)
+    out, lse = _forward("tree_fwd", TreeAttentionFunction, _tree_fwd_impl, args)
     return (out, lse) if return_lse else out
 
 
@@ -558,12 +559,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                              % (int(max_seqlen_q), longest))
     scale = _scale_of(q, softmax_scale)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, scale, bool(causal))
-    if use_custom_ops():
-        out, lse = torch.ops.forkattn.varlen_fwd(*args)
-    elif _needs_grad(q, k, v):
-        out, lse = VarlenAttentionFunction.apply(*args)
-    else:
-        out, lse = _varlen_fwd_impl(*args)
+    out, lse = _forward("varlen_fwd", VarlenAttentionFunction, _varlen_fwd_impl, args)
     if return_lse:
         return out, lse.t().contiguous()
     return out

@@ -23,7 +23,8 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from .layouts import SharedPrefixLayout, TreeLayout, _excl_cumsum
+from . import _lib
+from .layouts import SharedPrefixLayout, TreeLayout
 from .ops import _check_qkv, _needs_grad, _scale_of, _tree_bwd_impl, _tree_fwd_impl
 from .tree_exec import TreeCostModel, tree_partition
 
@@ -38,15 +39,9 @@ def prefix_tree(layout):
     """The :class:`TreeLayout` of a :class:`SharedPrefixLayout`'s packed rows: per group a root
     node (the prompt) with one child per response. Tree attention over it equals
     ``prefix_attention(..., causal=True)``."""
-    G, N = layout.num_groups, layout.num_responses
-    first = _excl_cumsum(layout.group_sizes)[:-1]
-    prompt_node = torch.arange(G, dtype=torch.int64) + first  # segments: [prompt, responses] per group
-    resp_node = layout.response_group + 1 + torch.arange(N, dtype=torch.int64)
-    lens = torch.zeros(G + N, dtype=torch.int64)
-    parents = torch.full((G + N,), -1, dtype=torch.int64)
-    lens[prompt_node], lens[resp_node] = layout.prompt_lens, layout.response_lens
-    parents[resp_node] = prompt_node[layout.response_group]
-    return TreeLayout(_excl_cumsum(lens), parents)
+    offsets, parents = _lib._forest(layout.prompt_lens.tolist(), layout.group_sizes.tolist(),
+                                    layout.response_lens.tolist())
+    return TreeLayout(offsets, parents)
 
 
 def _digest(*tensors_and_text):

@@ -133,20 +133,21 @@ def packed_per_token_logps(model, input_ids, attention_mask, logits_to_keep, tem
     pred = layout.unpack_responses(torch.arange(1, layout.num_rows + 1), K, shift=True)
     valid = pred > 0
     rows, inv = torch.unique(pred[valid] - 1, return_inverse=True)
-    labels = input_ids[:, input_ids.shape[1] - K:][valid.to(dev)]
+    valid = valid.to(dev)
+    labels = input_ids[:, input_ids.shape[1] - K:][valid]
     kw = _hf.packed_inputs(model, layout, input_ids)
     logits = model(**kw, logits_to_keep=rows.to(dev)).logits[0]           # [U, V]
     logits = logits.float() / float(temperature)
     lse = torch.logsumexp(logits, -1)                                          # [U]
     inv = inv.to(dev)
     logps = torch.zeros(B, K, dtype=torch.float32, device=dev)
-    logps[valid.to(dev)] = logits[inv, labels] - lse[inv]
+    logps[valid] = logits[inv, labels] - lse[inv]
     ent = None
     if compute_entropy:
         p = torch.softmax(logits, -1)
         row_ent = lse - (p * logits).sum(-1)
         ent = torch.zeros(B, K, dtype=torch.float32, device=dev)
-        ent[valid.to(dev)] = row_ent[inv]
+        ent[valid] = row_ent[inv]
     return logps, ent
 
 

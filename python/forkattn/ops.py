@@ -202,9 +202,18 @@ def _descs(q, *ts):
     return keep, ds
 
 
-def _prefix_fwd_impl(q, k, v, prompt_lens, response_lens, group_sizes, scale, causal):
-    _check_qkv(q, k, v)
-    P, S, R = _ints(prompt_lens, "prompt_lens"), _ints(group_sizes, "group_sizes"), _ints(response_lens, "response_lens")
+# Each layout has an _impl pair (checks, reads the layout's host values, then runs: what the
+# custom ops and the no-grad path call) and a _run pair on host values. The autograd.Functions
+# keep the forward's host values on their ctx, so the backward neither reads nor checks the
+# layout again.
+
+
+def _prefix_ints(prompt_lens, response_lens, group_sizes):
+    return (_ints(prompt_lens, "prompt_lens"), _ints(response_lens, "response_lens"),
+            _ints(group_sizes, "group_sizes"))
+
+
+def _prefix_fwd_run(q, k, v, P, R, S, scale, causal):
     if not P and q.shape[0] != 0:
         raise _lib.ForkattnInvalidArgument(_lib.ERR_INVALID_ARGUMENT,
                                            "q has %d rows, the (empty) layout needs 0" % q.shape[0])
@@ -215,10 +224,19 @@ def _prefix_fwd_impl(q, k, v, prompt_lens, response_lens, group_sizes, scale, ca
     return out, lse
 
 
+def _prefix_fwd_impl(q, k, v, prompt_lens, response_lens, group_sizes, scale, causal):
+    _check_qkv(q, k, v)
+    return _prefix_fwd_run(q, k, v, *_prefix_ints(prompt_lens, response_lens, group_sizes), scale, causal)
+
+
 def _prefix_bwd_impl(dout, q, k, v, out, lse, prompt_lens, response_lens, group_sizes, scale, causal):
     _check_qkv(q, k, v)
     _check_bwd(dout, out, lse, q)
-    P, S, R = _ints(prompt_lens, "prompt_lens"), _ints(group_sizes, "group_sizes"), _ints(response_lens, "response_lens")
+    return _prefix_bwd_run(dout, q, k, v, out, lse, *_prefix_ints(prompt_lens, response_lens, group_sizes),
+                           scale, causal)
+
+
+def _prefix_bwd_run(dout, q, k, v, out, lse, P, R, S, scale, causal):
     dq, dk, dv = _new_grads(q, k, v)
     if not P:
         return dq, dk, dv
@@ -232,7 +250,10 @@ def _prefix_bwd_impl(dout, q, k, v, out, lse, prompt_lens, response_lens, group_
 
 def _tree_fwd_impl(q, k, v, node_offsets, parents, scale):
     _check_qkv(q, k, v)
-    offs, par = _host_i64(node_offsets), _host_i64(parents)
+    return _tree_fwd_run(q, k, v, _host_i64(node_offsets), _host_i64(parents), scale)
+
+
+def _tree_fwd_run(q, k, v, offs, par, scale):
     out, lse = _new_outputs(q)
     keep, ds = _descs(q, k, v, out)
     ctx, mem = _ctx_for(q)
@@ -244,7 +265,10 @@ def _tree_fwd_impl(q, k, v, node_offsets, parents, scale):
 def _tree_bwd_impl(dout, q, k, v, out, lse, node_offsets, parents, scale):
     _check_qkv(q, k, v)
     _check_bwd(dout, out, lse, q)
-    offs, par = _host_i64(node_offsets), _host_i64(parents)
+    return _tree_bwd_run(dout, q, k, v, out, lse, _host_i64(node_offsets), _host_i64(parents), scale)
+
+
+def _tree_bwd_run(dout, q, k, v, out, lse, offs, par, scale):
     dq, dk, dv = _new_grads(q, k, v)
     keep, ds = _descs(q, k, v, out, dout, dq, dk, dv)
     lse_c = lse.contiguous()
@@ -269,7 +293,10 @@ def _varlen_seqlens(cu_seqlens_q, cu_seqlens_k):
 
 def _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal):
     _check_qkv(q, k, v)
-    cu = _varlen_seqlens(cu_seqlens_q, cu_seqlens_k)
+    return _varlen_fwd_run(q, k, v, _varlen_seqlens(cu_seqlens_q, cu_seqlens_k), scale, causal)
+
+
+def _varlen_fwd_run(q, k, v, cu, scale, causal):
     out, lse = _new_outputs(q)
     keep, ds = _descs(q, k, v, out)
     ctx, mem = _ctx_for(q)
@@ -280,7 +307,10 @@ def _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal):
 def _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, causal):
     _check_qkv(q, k, v)
     _check_bwd(dout, out, lse, q)
-    cu = _varlen_seqlens(cu_seqlens_q, cu_seqlens_k)
+    return _varlen_bwd_run(dout, q, k, v, out, lse, _varlen_seqlens(cu_seqlens_q, cu_seqlens_k), scale, causal)
+
+
+def _varlen_bwd_run(dout, q, k, v, out, lse, cu, scale, causal):
     dq, dk, dv = _new_grads(q, k, v)
     keep, ds = _descs(q, k, v, out, dout, dq, dk, dv)
     lse_c = lse.contiguous()
@@ -298,16 +328,18 @@ class PrefixAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, prompt_lens, response_lens, group_sizes, scale, causal):
-        out, lse = _prefix_fwd_impl(q, k, v, prompt_lens, response_lens, group_sizes, scale, causal)
-        ctx.save_for_backward(q, k, v, out, lse, prompt_lens, response_lens, group_sizes)
+        _check_qkv(q, k, v)
+        ctx.ints = _prefix_ints(prompt_lens, response_lens, group_sizes)
+        out, lse = _prefix_fwd_run(q, k, v, *ctx.ints, scale, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.causal = scale, causal
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, P, R, S = ctx.saved_tensors
-        dq, dk, dv = _prefix_bwd_impl(dout, q, k, v, out, lse, P, R, S, ctx.scale, ctx.causal)
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _prefix_bwd_run(dout, q, k, v, out, lse, *ctx.ints, ctx.scale, ctx.causal)
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -316,16 +348,18 @@ class TreeAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, node_offsets, parents, scale):
-        out, lse = _tree_fwd_impl(q, k, v, node_offsets, parents, scale)
-        ctx.save_for_backward(q, k, v, out, lse, node_offsets, parents)
+        _check_qkv(q, k, v)
+        ctx.ints = _host_i64(node_offsets), _host_i64(parents)
+        out, lse = _tree_fwd_run(q, k, v, *ctx.ints, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = scale
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, offs, par = ctx.saved_tensors
-        dq, dk, dv = _tree_bwd_impl(dout, q, k, v, out, lse, offs, par, ctx.scale)
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _tree_bwd_run(dout, q, k, v, out, lse, *ctx.ints, ctx.scale)
         return dq, dk, dv, None, None, None
 
 
@@ -334,16 +368,18 @@ class VarlenAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal):
-        out, lse = _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        _check_qkv(q, k, v)
+        ctx.cu = _varlen_seqlens(cu_seqlens_q, cu_seqlens_k)
+        out, lse = _varlen_fwd_run(q, k, v, ctx.cu, scale, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.causal = scale, causal
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, cq, ck = ctx.saved_tensors
-        dq, dk, dv = _varlen_bwd_impl(dout, q, k, v, out, lse, cq, ck, ctx.scale, ctx.causal)
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _varlen_bwd_run(dout, q, k, v, out, lse, ctx.cu, ctx.scale, ctx.causal)
         return dq, dk, dv, None, None, None, None
 
 

@@ -7,7 +7,9 @@ forward under torch.no_grad, and the torch.library custom op forced in eager mod
 through C with ctypes arguments built once (compare_torch's binding, on torch's stream), and SDPA
 on the sequences' batch, forward and forward+backward, and prints per call the wall time on the
 CPU, the CUDA-event time, the kernel time and the phases of profile_calls.py (torch.profiler).
-Then a cProfile of the binding's tiny call shows the Python functions that cost most. The wall
+For the tiny case it splits a forward+backward's host time by phase (the forward, the autograd
+engine until it enters the binding's backward, that backward, the engine after it) beside SDPA's,
+and a cProfile of the binding's tiny call shows the Python functions that cost most. The wall
 time minus the kernels is the host's cost per call: the binding's Python and PyTorch's dispatch
 on top of the library's host work (the C row).
 
@@ -88,6 +90,7 @@ def main():
         pc.report("  SDPA fwd", s, a.reps, None)
         pc.report("  SDPA fwd+bwd", lambda: s().backward(douts), a.reps, None)
         if name == "tiny":
+            backward_phases(forkattn, q, k, v, cu_h, L, dout, qs, ks, vs, douts)
             pr = cProfile.Profile()
             pr.enable()
             for _ in range(50):
@@ -99,6 +102,57 @@ def main():
             print(out.getvalue())
         del q, k, v, t
         torch.cuda.empty_cache()
+
+
+def backward_phases(forkattn, q, k, v, cu, L, dout, qs, ks, vs, douts, reps=50):
+    """Host time of a forward+backward by phase (perf_counter, medians, µs): the forward call, the
+    autograd engine until it enters VarlenAttentionFunction.backward (on its device thread for
+    CUDA), that backward, and the engine after it; SDPA's forward and backward beside it."""
+    import statistics
+    import time
+    import torch
+    import torch.nn.functional as F
+
+    fn = forkattn.ops.VarlenAttentionFunction
+    inner, marks = fn.backward, {}
+
+    def backward(ctx, *grads):
+        marks["in"] = time.perf_counter()
+        r = inner(ctx, *grads)
+        marks["out"] = time.perf_counter()
+        return r
+    fn.backward = staticmethod(backward)
+    rows = {}
+    try:
+        for i in range(reps + 10):
+            for x in (q, k, v, qs, ks, vs):
+                x.grad = None
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            o = forkattn.varlen_attention(q, k, v, cu, cu, L, L)
+            t1 = time.perf_counter()
+            o.backward(dout)
+            t2 = time.perf_counter()
+            torch.cuda.synchronize()
+            t3 = time.perf_counter()
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            t4 = time.perf_counter()
+            o.backward(douts)
+            t5 = time.perf_counter()
+            torch.cuda.synchronize()
+            if i < 10:
+                continue
+            for key, val in (("binding forward", t1 - t0), ("engine until backward", marks["in"] - t1),
+                             ("binding backward", marks["out"] - marks["in"]),
+                             ("engine after backward", t2 - marks["out"]), ("binding fwd+bwd", t2 - t0),
+                             ("SDPA forward", t4 - t3), ("SDPA backward (engine)", t5 - t4),
+                             ("SDPA fwd+bwd", t5 - t3)):
+                rows.setdefault(key, []).append(val)
+    finally:
+        fn.backward = inner
+    print("  host time by phase (perf_counter, grads reset each step, median of %d, µs):" % reps)
+    for key, val in rows.items():
+        print("    %-24s %7.1f" % (key, 1e6 * statistics.median(val)))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ import torch
 
 from .layouts import SharedPrefixLayout, TreeLayout
 from . import ops as _ops
+from .ops import _compiling
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -359,11 +360,6 @@ def _check_layout_type(layout):
     if not isinstance(layout, (SharedPrefixLayout, TreeLayout)):
         raise TypeError("forkattn.hf: %s must be a forkattn.SharedPrefixLayout or TreeLayout, got %s"
                         % (LAYOUT_KWARG, type(layout).__name__))
-
-
-def _compiling():
-    c = getattr(torch, "compiler", None)
-    return c is not None and hasattr(c, "is_compiling") and c.is_compiling()
 
 
 def _max_seq_len(layout):

@@ -610,6 +610,5 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return out
 
 
-def _compiling():
-    c = getattr(torch, "compiler", None)
-    return c is not None and hasattr(c, "is_compiling") and c.is_compiling()
+# torch.compiler.is_compiling, looked up once (every call asks); torch before 2.3 has none.
+_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)

@@ -196,18 +196,11 @@ def _descs(q, *ts):
     """Descriptors of q and the other [rows, heads, d] tensors (cast to q's dtype, copied when
     the C library cannot take their strides). Returns (tensors kept alive, descriptors).
     Any copy is queued on PyTorch's stream: call _ctx_for() (which orders the call after it) afterwards."""
-    keep, ds, dtype = [], [], q.dtype
-    code = _DTYPES[dtype]
+    keep, ds = [], []
     for t in (q,) + ts:
-        if t.dtype != dtype:
-            t = t.to(dtype)
-        if t.is_contiguous():  # _desc's common case, inline: a call's largest share of Python time
-            rows, heads, d = t.shape
-            ds.append(_lib.Tensor(t.data_ptr() or None, code, rows, heads, d, heads * d, d))
-        else:
-            t, desc = _desc(t)
-            ds.append(desc)
+        t, d = _desc(t.to(q.dtype) if t.dtype != q.dtype else t)
         keep.append(t)
+        ds.append(d)
     return keep, ds
 
 

@@ -8,8 +8,8 @@ through C with ctypes arguments built once (compare_torch's binding, on torch's 
 on the sequences' batch, forward and forward+backward, and prints per call the wall time on the
 CPU, the CUDA-event time, the kernel time and the phases of profile_calls.py (torch.profiler).
 For the tiny case it splits a forward+backward's host time by phase (the forward, the autograd
-engine until it enters the binding's backward, that backward, the engine after it) beside SDPA's,
-and a cProfile of the binding's tiny call shows the Python functions that cost most. The wall
+engine until it enters the binding's backward, that backward, the engine after it) beside SDPA's
+and an autograd.Function that does no work (the floor of a Python backward), and a cProfile of the binding's tiny call shows the Python functions that cost most. The wall
 time minus the kernels is the host's cost per call: the binding's Python and PyTorch's dispatch
 on top of the library's host work (the C row).
 
@@ -122,6 +122,18 @@ def backward_phases(forkattn, q, k, v, cu, L, dout, qs, ks, vs, douts, reps=50):
         marks["out"] = time.perf_counter()
         return r
     fn.backward = staticmethod(backward)
+
+    class Floor(torch.autograd.Function):
+        """No work at all: what any Python autograd.Function costs the engine (its floor)."""
+
+        @staticmethod
+        def forward(ctx, q, k, v):
+            return torch.empty_like(q)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, torch.empty_like(g), torch.empty_like(g)
+
     rows = {}
     try:
         for i in range(reps + 10):
@@ -140,13 +152,20 @@ def backward_phases(forkattn, q, k, v, cu, L, dout, qs, ks, vs, douts, reps=50):
             o.backward(douts)
             t5 = time.perf_counter()
             torch.cuda.synchronize()
+            for x in (q, k, v):
+                x.grad = None
+            t6 = time.perf_counter()
+            o = Floor.apply(q, k, v)
+            o.backward(dout)
+            t7 = time.perf_counter()
+            torch.cuda.synchronize()
             if i < 10:
                 continue
             for key, val in (("binding forward", t1 - t0), ("engine until backward", marks["in"] - t1),
                              ("binding backward", marks["out"] - marks["in"]),
                              ("engine after backward", t2 - marks["out"]), ("binding fwd+bwd", t2 - t0),
                              ("SDPA forward", t4 - t3), ("SDPA backward (engine)", t5 - t4),
-                             ("SDPA fwd+bwd", t5 - t3)):
+                             ("SDPA fwd+bwd", t5 - t3), ("empty Function fwd+bwd", t7 - t6)):
                 rows.setdefault(key, []).append(val)
     finally:
         fn.backward = inner

@@ -383,9 +383,12 @@ def plot(res, out):
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "dlm_real_weights_curve.dat", "w") as f:
         f.write("# setting mean_depth requests_per_s cos_mean self_retrieval (%s, %s)\n" % (res["device"], res["dtype"]))
-        for r in res["curve"]:
-            f.write("%s %.3f %.3f %.6f %.4f\n" % (r["setting"], r["mean_depth"], r["requests_per_s"], r["cos_mean"],
-                                                 r["self_retrieval"]))
+        fixed = [r for r in res["curve"] if r["setting"].startswith("b=")]
+        for block in (fixed, [r for r in res["curve"] if r not in fixed]):  # two gnuplot data sets
+            for r in block:
+                f.write('"%s" %.3f %.3f %.6f %.4f\n' % (r["setting"].replace("b(r) at ", "b(r)@"), r["mean_depth"],
+                                                       r["requests_per_s"], r["cos_mean"], r["self_retrieval"]))
+            f.write("\n\n")
     with open(out / "dlm_real_weights_drift.dat", "w") as f:
         f.write("# r_mid then per layer min(K,V) similarity\n")
         for t in res["drift"]:
@@ -396,10 +399,14 @@ def plot(res, out):
         "set terminal svg size 1000,420 font 'sans,11'",
         "set output 'dlm_real_weights.svg'",
         "set multiplot layout 1,2",
-        "set title 'all-MiniLM-L6-v2: accuracy vs throughput (%s, %s)'" % (res["device"], res["dtype"]),
+        "set termoption noenhanced",
+        'set title "all-MiniLM-L6-v2 served from the cache\\n%s, %s"' % (res["device"], res["dtype"]),
         "set xlabel 'requests/s'", "set ylabel 'embedding cosine to recomputation'", "set grid",
-        "plot 'dlm_real_weights_curve.dat' using 3:4 with linespoints pt 7 notitle, "
-        "'' using 3:4:1 with labels offset 0,1 notitle",
+        "set key bottom left",
+        "plot 'dlm_real_weights_curve.dat' index 0 using 3:4 with linespoints pt 7 title 'fixed depth b', "
+        "'' index 0 using 3:4:1 with labels offset 0,0.8 notitle, "
+        "'' index 1 using 3:4 with points pt 5 ps 1.3 title 'profile depths b(r)', "
+        "'' index 1 using 3:4:1 with labels left offset 1.2,0 notitle",
         "set title 'prompt K/V drift by layer'", "set xlabel 'prefix share r'", "set ylabel 'min(K, V) cosine'",
         "set key bottom right",
         "plot " + ", ".join("'dlm_real_weights_drift.dat' using 1:%d with linespoints title 'layer %d'" % (i + 2, i)

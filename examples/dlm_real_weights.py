@@ -227,16 +227,20 @@ def sync(enc):
         torch.cuda.synchronize(enc.device)
 
 
-def timed(enc, fn, reps):
-    fn()  # warm-up: plans, allocator
-    times = []
-    for _ in range(reps):
-        sync(enc)
-        t = time.perf_counter()
+def timed(enc, fns, reps):
+    """Median seconds of each of fns, the repetitions taken in turns (fn 0, fn 1, ..., fn 0, ...)
+    so that a machine's drifting speed weighs on all of them alike; one untimed warm-up each."""
+    for fn in fns:
         fn()
-        sync(enc)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, ts in zip(fns, times):
+            sync(enc)
+            t = time.perf_counter()
+            fn()
+            sync(enc)
+            ts.append(time.perf_counter() - t)
+    return [statistics.median(ts) for ts in times]
 
 
 def accuracy(emb, ref):
@@ -261,13 +265,14 @@ def curve(enc, store, requests, profiles, reps):
     n_tok = sum(len(r.tokens) for r in requests)
     settings = [("b=%d" % b, [b] * len(requests)) for b in range(enc.layers + 1)]
     settings += [("b(r) at %g" % th, [p.depth(r.ratio) for r in requests]) for th, p in profiles.items()]
-    t_recompute = timed(enc, lambda: recompute_all(enc, requests), reps)
+    fns = [lambda: recompute_all(enc, requests)]
+    fns += [(lambda d: lambda: serve_all(enc, store, requests, d))(depths) for _, depths in settings]
+    t_recompute, *times = timed(enc, fns, reps)
     out = []
-    for name, depths in settings:
+    for (name, depths), t in zip(settings, times):
         hidden, emb = serve_all(enc, store, requests, depths)
         if name == "b=0":  # the serving loop with nothing reused is the recomputation itself
             same = all(torch.equal(a, b) for a, b in zip(hidden, ref_hidden))
-        t = timed(enc, lambda: serve_all(enc, store, requests, depths), reps)
         row = {"setting": name, "mean_depth": statistics.fmean(depths), "seconds": t,
                "requests_per_s": len(requests) / t, "tokens_per_s": n_tok / t,
                "speedup": t_recompute / t}
@@ -427,7 +432,7 @@ def main(argv=None):
     ap.add_argument("--curve-thresholds", default="0.95,0.98,0.99",
                     help="thresholds whose profiles' depths the curve also serves (comma-separated)")
     ap.add_argument("--per-prefix", type=int, default=16, help="requests per prompt in each split")
-    ap.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+    ap.add_argument("--reps", type=int, default=7, help="timed repetitions of each setting, in turns (median)")
     ap.add_argument("--check", action="store_true", help="assert the checks (see the docstring)")
     ap.add_argument("--plot", metavar="DIR")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")

@@ -437,15 +437,18 @@ class StreamKLFunction(torch.autograd.Function):
         ctx.save_for_backward(q_t, k_t, q_s, k_s, stats, *lay, *kept[:3])
         ctx.ints = tuple(kept[3:]) + tuple(args[_N_LAYOUT + _N_KEPT:])
         ctx.mark_non_differentiable(stats, outside)
+        ctx.set_materialize_grads(False)  # no zero tensors for stats' and outside's gradients
         return kl, stats, outside
 
     @staticmethod
     def backward(ctx, dkl, _ds, _do):
+        n = _N_LAYOUT + _N_KEPT + _N_KLOPT
+        if dkl is None:  # only the statistics were used
+            return (None,) * (4 + n)
         q_t, k_t, q_s, k_s, stats, *rest = ctx.saved_tensors
         lay, kt = rest[:_N_LAYOUT], rest[_N_LAYOUT:]
         tg = bool(ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         dq_s, dk_s, dq_t, dk_t = _kl_bwd_impl(dkl.float(), q_t, k_t, q_s, k_s, stats, *lay, *kt, *ctx.ints, tg)
-        n = _N_LAYOUT + _N_KEPT + _N_KLOPT
         return (dq_t if tg else None, dk_t if tg else None, dq_s, dk_s) + (None,) * n
 
 
@@ -459,10 +462,13 @@ class KeptAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, *lay, *kept[:3])
         ctx.ints = tuple(kept[3:]) + (args[-1],)
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:
+            return (None,) * (3 + _N_LAYOUT + _N_KEPT + 1)
         q, k, v, out, lse, *rest = ctx.saved_tensors
         dq, dk, dv = _kept_bwd_impl(dout, q, k, v, out, lse, *rest, *ctx.ints)
         return (dq, dk, dv) + (None,) * (_N_LAYOUT + _N_KEPT + 1)

@@ -265,10 +265,13 @@ if torch is not None:
             ctx.save_for_backward(q, k, v, out, lse, prompt_lens, response_lens)
             ctx.scale, ctx.causal, ctx.block_size = scale, causal, block_size
             ctx.mark_non_differentiable(lse)
+            ctx.set_materialize_grads(False)  # no zero tensor for lse's gradient every backward
             return out, lse
 
         @staticmethod
         def backward(ctx, dout, _dlse):
+            if dout is None:  # only lse was used
+                return (None,) * 8
             q, k, v, out, lse, P, R = ctx.saved_tensors
             dq, dk, dv = _cached_bwd_impl(dout, q, k, v, out, lse, P, R, ctx.scale, ctx.causal, ctx.block_size)
             return dq, dk, dv, None, None, None, None, None

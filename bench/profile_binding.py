@@ -9,7 +9,9 @@ on the sequences' batch, forward and forward+backward, and prints per call the w
 CPU, the CUDA-event time, the kernel time and the phases of profile_calls.py (torch.profiler).
 For the tiny case it splits a forward+backward's host time by phase (the forward, the autograd
 engine until it enters the binding's backward, that backward, the engine after it) beside SDPA's
-and an autograd.Function that does no work (the floor of a Python backward), and a cProfile of the binding's tiny call shows the Python functions that cost most. The wall
+and an autograd.Function that does no work (the floor of a Python backward), with the autograd
+engine's worker threads on and off (torch.autograd.set_multithreading_enabled), and a cProfile
+of the binding's tiny call shows the Python functions that cost most. The wall
 time minus the kernels is the host's cost per call: the binding's Python and PyTorch's dispatch
 on top of the library's host work (the C row).
 
@@ -134,8 +136,8 @@ def backward_phases(forkattn, q, k, v, cu, L, dout, qs, ks, vs, douts, reps=50):
         def backward(ctx, g):
             return g, torch.empty_like(g), torch.empty_like(g)
 
-    rows = {}
-    try:
+    def measure(suffix):
+        rows = {}
         for i in range(reps + 10):
             for x in (q, k, v, qs, ks, vs):
                 x.grad = None
@@ -166,12 +168,20 @@ def backward_phases(forkattn, q, k, v, cu, L, dout, qs, ks, vs, douts, reps=50):
                              ("engine after backward", t2 - marks["out"]), ("binding fwd+bwd", t2 - t0),
                              ("SDPA forward", t4 - t3), ("SDPA backward (engine)", t5 - t4),
                              ("SDPA fwd+bwd", t5 - t3), ("empty Function fwd+bwd", t7 - t6)):
-                rows.setdefault(key, []).append(val)
+                rows.setdefault(key + suffix, []).append(val)
+        return rows
+
+    try:
+        rows = measure("")
+        # the engine runs a CUDA backward on its device thread, which a Python backward must enter
+        # with the GIL; without its worker threads the backward runs on the calling thread
+        with torch.autograd.set_multithreading_enabled(False):
+            rows.update(measure(", no engine threads"))
     finally:
         fn.backward = inner
     print("  host time by phase (perf_counter, grads reset each step, median of %d, µs):" % reps)
     for key, val in rows.items():
-        print("    %-24s %7.1f" % (key, 1e6 * statistics.median(val)))
+        print("    %-44s %7.1f" % (key, 1e6 * statistics.median(val)))
 
 
 if __name__ == "__main__":

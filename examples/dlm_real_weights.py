@@ -247,7 +247,8 @@ def accuracy(emb, ref):
     """Cosine to the recomputed embedding; self-retrieval (the cached embedding's nearest
     recomputed embedding is its own); neighbour agreement (its nearest other request, among the
     recomputed embeddings, is the recomputed embedding's)."""
-    emb, ref = emb.double().cpu(), ref.double().cpu()
+    # renormalised in double: a 16-bit embedding's norm is only 1 to its precision
+    emb, ref = F.normalize(emb.double().cpu(), dim=-1), F.normalize(ref.double().cpu(), dim=-1)
     cos = (emb * ref).sum(-1)
     sims = emb @ ref.T
     self_hit = (sims.argmax(1) == torch.arange(len(ref))).double().mean().item()

@@ -111,20 +111,27 @@ def test_contiguous_descriptor_fast_path_matches_make_tensor(shape):
     assert [getattr(fast, n) for n in names] == [getattr(ref, n) for n in names]
 
 
+def _three_layouts(seed, **kw):
+    """(Function class, call, inputs) for a prefix, a varlen and a tree call on small random
+    inputs; kw goes to each public function."""
+    lay = forkattn.SharedPrefixLayout.from_lengths([5, 3], [[4, 2], [6]])
+    T = lay.num_rows
+    q, k, v, _ = make_qkv(T, HQ, HKV, D, torch.float32, seed=seed)
+    cu = _cu([7, 5, T - 12])
+    tree = forkattn.TreeLayout.from_sequences([[1, 2, 3], [1, 2, 4, 5], [6]])
+    qt, kt, vt, _ = make_qkv(tree.num_rows, HQ, HKV, D, torch.float32, seed=seed + 1)
+    return [
+        (ops.PrefixAttentionFunction, lambda a, b, c: forkattn.prefix_attention(a, b, c, lay, **kw), (q, k, v)),
+        (ops.VarlenAttentionFunction, lambda a, b, c: forkattn.varlen_attention(a, b, c, cu, cu, T, T, **kw),
+         (q, k, v)),
+        (ops.TreeAttentionFunction, lambda a, b, c: forkattn.tree_attention(a, b, c, tree, **kw), (qt, kt, vt)),
+    ]
+
+
 def test_calls_without_autograd_skip_the_function_and_give_the_same_bits():
     """A forward autograd does not record (torch.no_grad, or inputs needing no gradient) runs the
     implementation directly: no grad_fn, the same output as the recorded call."""
-    lay = forkattn.SharedPrefixLayout.from_lengths([5, 3], [[4, 2], [6]])
-    T = lay.num_rows
-    q, k, v, _ = make_qkv(T, HQ, HKV, D, torch.float32, seed=11)
-    cu = _cu([7, 5, T - 12])
-    tree = forkattn.TreeLayout.from_sequences([[1, 2, 3], [1, 2, 4, 5], [6]])
-    qt, kt, vt, _ = make_qkv(tree.num_rows, HQ, HKV, D, torch.float32, seed=12)
-    calls = [
-        (lambda a, b, c: forkattn.prefix_attention(a, b, c, lay, return_lse=True), (q, k, v)),
-        (lambda a, b, c: forkattn.varlen_attention(a, b, c, cu, cu, T, T, return_lse=True), (q, k, v)),
-        (lambda a, b, c: forkattn.tree_attention(a, b, c, tree, return_lse=True), (qt, kt, vt)),
-    ]
+    calls = [(fn, inputs) for _, fn, inputs in _three_layouts(11, return_lse=True)]
     for fn, inputs in calls:
         leaves = [t.clone().requires_grad_() for t in inputs]
         out, lse = fn(*leaves)
@@ -141,17 +148,7 @@ def test_backward_gets_no_zero_tensor_for_lse():
     """lse is not differentiable: the backward must not make autograd allocate and fill a zero
     gradient for it on every call (a kernel launch on a GPU). The gradients stay those of a
     backward that did receive the zeros."""
-    lay = forkattn.SharedPrefixLayout.from_lengths([5, 3], [[4, 2], [6]])
-    T = lay.num_rows
-    q, k, v, _ = make_qkv(T, HQ, HKV, D, torch.float32, seed=13)
-    cu = _cu([7, 5, T - 12])
-    tree = forkattn.TreeLayout.from_sequences([[1, 2, 3], [1, 2, 4, 5], [6]])
-    qt, kt, vt, _ = make_qkv(tree.num_rows, HQ, HKV, D, torch.float32, seed=14)
-    calls = [
-        (ops.PrefixAttentionFunction, lambda a, b, c: forkattn.prefix_attention(a, b, c, lay), (q, k, v)),
-        (ops.VarlenAttentionFunction, lambda a, b, c: forkattn.varlen_attention(a, b, c, cu, cu, T, T), (q, k, v)),
-        (ops.TreeAttentionFunction, lambda a, b, c: forkattn.tree_attention(a, b, c, tree), (qt, kt, vt)),
-    ]
+    calls = _three_layouts(13)
     for fn_cls, fn, inputs in calls:
         inner, seen = fn_cls.backward, []
 

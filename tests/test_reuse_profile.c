@@ -795,6 +795,10 @@ Test(profile, malformed_files) {
       {"forkattn-reuse-profile 1\nlayers 0\n", "line 2: layers '0' must be an integer in 1..65536"},
       {"forkattn-reuse-profile 1\nlayers 65537\n", "layers '65537'"},
       {"forkattn-reuse-profile 1\nlayers 2x\n", "layers '2x'"},
+      /* strtoll/strtod would skip a carriage return (or \v, \f) before the digits */
+      {"forkattn-reuse-profile 1\nlayers \r2\n", "line 2: layers '\r2'"},
+      {"forkattn-reuse-profile 1\nlayers 2\nthreshold \v0.5\n", "line 3: threshold '\v0.5'"},
+      {"forkattn-reuse-profile 1\nlayers 2\nthreshold 0.5\nbins 1\n3 \f4 0.9 0.1\nend\n", "count '\f4'"},
       {"forkattn-reuse-profile 1\nlayers 99999999999999999999\n", "layers '99999999999999999999'"},
       {"forkattn-reuse-profile 1\nlayers 2\nthreshold nan\n", "line 3: threshold 'nan'"},
       {"forkattn-reuse-profile 1\nlayers 2\nthreshold 1.5\n", "threshold '1.5'"},

@@ -19,6 +19,7 @@
  * "end" and trailing lines hold at most FA_LINE_SHORT bytes, a bin line at most
  * FA_LINE_BIN(L) (about 40 bytes a mean, a saved one needs at most 25), at most
  * FA_TRAILING_LINES blank lines may follow "end", and a NUL byte stops at once. */
+#include <ctype.h>
 #include <errno.h>
 #include <locale.h>
 #include <math.h>
@@ -70,8 +71,13 @@ static void fa_fmt(char *buf, size_t n, double x, int digits) {
   memmove(at + 1, at + dl, strlen(at + dl) + 1);
 }
 
+/* strtod/strtoll skip leading white space, but tokens are split at blanks only: a token that
+ * starts with another white-space character ('\r', '\v', '\f') is not a number. */
+static int fa_starts_number(const char *tok) { return *tok && !isspace((unsigned char)*tok); }
+
 /* A whole token as a double ('.' as the decimal point). 0 or -1. */
 static int fa_parse_double(const char *tok, double *x) {
+  if (!fa_starts_number(tok)) return -1;
   char buf[96];
   const char *dp = fa_decimal_point();
   const size_t dl = strlen(dp), tl = strlen(tok);
@@ -93,6 +99,7 @@ static int fa_parse_double(const char *tok, double *x) {
 
 /* A whole token as a decimal int64. 0 or -1. */
 static int fa_parse_i64(const char *tok, int64_t *v) {
+  if (!fa_starts_number(tok)) return -1;
   char *end;
   errno = 0;
   const long long x = strtoll(tok, &end, 10);

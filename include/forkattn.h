@@ -195,6 +195,23 @@ typedef enum forkattn_gpu_kernels {
   FORKATTN_GPU_KERNELS_FP32 = 2  /**< the FP32 CUDA-core kernels only */
 } forkattn_gpu_kernels;
 
+/** How a GPU context multiplies f32 inputs (forkattn_ctx_options.f32_precision), after PyTorch's
+ *  torch.set_float32_matmul_precision. Sums and the softmax are f32 in every mode; CPU contexts
+ *  always multiply in f32. Only the attention forward at head_dim 64 or 128 without a kept set has
+ *  tensor-core kernels for f32 inputs; every other f32 pass runs the FP32 kernels whatever the mode.
+ *  Error bounds and measurements: docs/numerics.md "f32 on tensor cores". */
+typedef enum forkattn_f32_precision {
+  FORKATTN_F32_PRECISION_HIGH = 0,    /**< f32 values as sums of bf16 pieces, products as sums of
+                                           bf16 tensor-core products: Q and K in three pieces (six
+                                           products, ~2^-24 relative), P and V in two (three
+                                           products, ~2^-16): within the f32 test tolerances
+                                           (default) */
+  FORKATTN_F32_PRECISION_HIGHEST = 1, /**< f32 products on CUDA cores (the FP32 kernels) */
+  FORKATTN_F32_PRECISION_MEDIUM = 2   /**< every operand in two bf16 pieces, three products
+                                           (bf16x3, ~2^-16 relative: finer than TF32's 2^-11);
+                                           faster than HIGH, looser on large logits */
+} forkattn_f32_precision;
+
 /** Options for forkattn_ctx_create(). Initialize with forkattn_ctx_options_init(). */
 typedef struct forkattn_ctx_options {
   size_t struct_size;       /**< sizeof(forkattn_ctx_options), set by forkattn_ctx_options_init() */
@@ -215,10 +232,13 @@ typedef struct forkattn_ctx_options {
                                  -1 when a launch has at least 8 items an SM (default), 0 never,
                                  1 always, n > 1 always with at most n teams (at most 2^20);
                                  FORKATTN_GPU_PERSIST=auto|0|1|n overrides it */
+  forkattn_f32_precision f32_precision; /**< GPU contexts: how f32 inputs are multiplied (default
+                                             HIGH); FORKATTN_F32_PRECISION=high|highest|medium
+                                             overrides it */
 } forkattn_ctx_options;
 
 /** Fill @p opt with defaults: struct_size, auto backend, device 0, threads 0, no
- *  binding, quiet, GPU kernels AUTO, gpu_persist -1.
+ *  binding, quiet, GPU kernels AUTO, gpu_persist -1, f32_precision HIGH.
  *  @param opt options to initialize (NULL is ignored) */
 FORKATTN_API void forkattn_ctx_options_init(forkattn_ctx_options *opt);
 

@@ -26,6 +26,10 @@ typedef struct fa_gpu_fwd_args {
   const struct fa_tma_map *tma; /* device copies of K's and V's tensor maps (gpu_tma.h) for the wgmma kernel */
   int wg_pair; /* the two-warpgroup wgmma kernel runs: blocks of FA_WG_PAIR_ROWS, tma set */
   int *work; /* device counter of a persistent launch's items, zeroed by the plan copy */
+  /* f32 inputs split into bf16 pieces (lib/core/split_bf16.h): q and k in qk_pieces, v in v_pieces,
+   * piece p of input x (q, k, v) p * pstride[x] elements past piece 0; 1 and 1: the inputs as they are */
+  int qk_pieces, v_pieces;
+  int64_t pstride[3];
 } fa_gpu_fwd_args;
 
 /* Query rows per team of the tensor-core forward (16 per warp, 4 warps). */
@@ -46,6 +50,9 @@ void fa_gpu_mma_fwd_smem(size_t smem[2]);
 /* The tensor-core forward of g; argp: g's device copy (fa_stage_array), which the kernels read;
  * grid: persistent teams of the two-warpgroup kernel (fa_gpu_select_grid), 0 for a team an item. */
 void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g, const fa_gpu_fwd_args *argp, int grid);
+/* Team memory of the mma.sync forward of f32 inputs split into qk_pieces (3: HIGH, 2: MEDIUM; V in 2) bf16
+ * pieces, at head_dim d (64 or 128). */
+size_t fa_gpu_mma_fwd_split_smem(int64_t d, int qk_pieces);
 /* 1 when the driver encoded the tensor maps of a and b (device views of [rows][heads][d]) into
  * maps[0], maps[1], boxes of box_rows rows: the wgmma kernels' bulk tensor copies. */
 int fa_gpu_mma_tma_pair(struct fa_tma_map *maps, const fa_dev_tensor *a, int64_t a_rows, const fa_dev_tensor *b,

@@ -24,50 +24,109 @@
 #include "gpu_wg_pair_team.h"
 #include "gpu_wgmma.h"
 #include "gpu_work_scheduler.h"
+#include "split_bf16.h"
 
 #pragma omp declare target
+/* Piece p of input x (0 q, 1 k, 2 v) of the forward's arguments (gpu_fwd.h: qk_pieces, v_pieces). */
+static inline __attribute__((always_inline)) fa_dev_tensor fa_fwd_piece(const fa_gpu_fwd_args *ga,
+                                                                         fa_dev_tensor t, int x, int p) {
+  if (p) t.data = (unsigned short *)t.data + p * ga->pstride[x];
+  return t;
+}
+
+/* The NP pieces of tile w's rows of input x (1 K, 2 V), head g, to element
+ * at and on, BK * P elements apart. */
+static inline __attribute__((always_inline)) void fa_fwd_load_pieces(fa_smem sm, int at, int P, int BK, int D, int NP,
+                                                                     const fa_gpu_fwd_args *ga, int x, int64_t g,
+                                                                     fa_tile_walk w, int tid) {
+#pragma unroll
+  for (int p = 0; p < NP; p++)
+    fa_mma_load_rows(sm, at + p * BK * P, P, BK, D, fa_fwd_piece(ga, x == 1 ? ga->k : ga->v, x, p), w.kb,
+                     fa_walk_keys(w, BK), g, tid);
+}
+
 /* The forward's copies in iteration j: K of tile j + 2 (walk w2) into the
- * buffer at element kt, V of tile j + 1 (w1) to element vt, one copy group
- * committed. */
+ * buffer at element kt, V of tile j + 1 (w1) to element vt (NQK and NV
+ * pieces), one copy group committed. */
 static inline __attribute__((always_inline)) void fa_fwd_load_next(fa_smem sm, int kt, int vt, int P, int BK, int D,
-                                                                   const fa_gpu_fwd_args *ga, int64_t g,
-                                                                   fa_tile_walk w1, fa_tile_walk w2, int tid) {
-  if (w2.pi < w2.pend) fa_mma_load_rows(sm, kt, P, BK, D, ga->k, w2.kb, fa_walk_keys(w2, BK), g, tid);
-  if (w1.pi < w1.pend) fa_mma_load_rows(sm, vt, P, BK, D, ga->v, w1.kb, fa_walk_keys(w1, BK), g, tid);
+                                                                   int NQK, int NV, const fa_gpu_fwd_args *ga,
+                                                                   int64_t g, fa_tile_walk w1, fa_tile_walk w2,
+                                                                   int tid) {
+  if (w2.pi < w2.pend) fa_fwd_load_pieces(sm, kt, P, BK, D, NQK, ga, 1, g, w2, tid);
+  if (w1.pi < w1.pend) fa_fwd_load_pieces(sm, vt, P, BK, D, NV, ga, 2, g, w1, tid);
   fa_cp_async_commit();
 }
 
 /* The mma.sync forward (any sm_80+ build). One team: FA_MMA_ROWS query rows
- * of block blk, query head h, KV head g. D and BK are compile-time
+ * of block blk, query head h, KV head g. D, BK, NQK and NV are compile-time
  * constants after inlining (register arrays); K and V tiles double-buffered
- * by cp.async into padded rows, read by ldmatrix. */
-static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, const int BK, const int f16,
-                                                                   const fa_gpu_fwd_args ga, fa_block blk,
-                                                                   int64_t h, int64_t g, unsigned short *smem) {
+ * by cp.async into padded rows, read by ldmatrix.
+ * NQK, NV: the pieces of Q and K, and of V (lib/core/split_bf16.h): 1 and 1
+ * for bf16/f16 inputs; for f32 inputs 3 and 2 (f32 precision HIGH: bf16x6
+ * scores, bf16x3 P V) or 2 and 2 (MEDIUM: bf16x3), the products of
+ * gpu_products.h. A buffer holds K's pieces then V's. One Q piece streams
+ * into buffer 1 while tile 0 streams into buffer 0; Q's first two pieces of
+ * a split call fill the buffers from 0 on, and tile 0 follows them; its
+ * third piece stays in team memory past the buffers and their flags
+ * (FA_MMA_FWD_Q2). Only piece 0 of a non-finite value is non-finite, so
+ * only V's piece 0 is scanned. */
+#define FA_MMA_FWD_Q2(BK, P, NQK, NV) (2 * ((NQK) + (NV)) * (BK) * (P) + 16) /* element of Q's piece 2 */
+/* Keys a tile of the split teams: half the bf16 team's, so that S, its successor and Q's two pieces in
+ * registers fit without spilling */
+#define FA_MMA_SPLIT_BK(D) (FA_MMA_BK(D) / 2)
+/* Team memory of the forward team with NQK and NV pieces (1 and 1: bf16/f16, BK FA_MMA_BK; else
+ * FA_MMA_SPLIT_BK) */
+#define FA_MMA_FWD_SMEM(D, NQK, NV)                                                                                \
+  ((NQK) > 2   ? (size_t)(FA_MMA_FWD_Q2(FA_MMA_SPLIT_BK(D), (D) + 8, NQK, NV) + FA_MMA_ROWS * ((D) + 8)) * 2      \
+   : (NQK) > 1 ? (size_t)(2 * ((NQK) + (NV)) * FA_MMA_SPLIT_BK(D) * ((D) + 8)) * 2 + 4 * sizeof(unsigned)      \
+               : (size_t)(2 * ((NQK) + (NV)) * FA_MMA_BK(D) * ((D) + 8)) * 2 + 4 * sizeof(unsigned))
+static inline __attribute__((always_inline)) void fa_mma_fwd_team_of(const int D, const int BK, const int f16,
+                                                                      const int NQK, const int NV,
+                                                                      const fa_gpu_fwd_args ga, fa_block blk,
+                                                                      int64_t h, int64_t g, unsigned short *smem) {
   const int P = D + 8; /* pitch: rows 16 bytes apart modulo 128, so ldmatrix is conflict-free */
   const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
   const fa_smem sm = fa_smem_of(smem);
-  const int buf0 = 0, buf1 = buf0 + 2 * BK * P; /* element offsets of the two K/V buffers */
-  unsigned *vbad = (unsigned *)(smem + buf0 + 4 * BK * P); /* per-warp flags of non-finite V rows */
+  const int buf0 = 0, buf1 = buf0 + (NQK + NV) * BK * P; /* element offsets of the two K/V buffers */
+  unsigned *vbad = (unsigned *)(smem + buf0 + 2 * (NQK + NV) * BK * P); /* per-warp flags of non-finite V rows */
   const fa_range *seg = ga.seg;
   const fa_pair *pair = ga.pair;
   const int64_t qshift = ga.qshift;
   const float mul = ga.scale * FA_LOG2E;
 
-  /* Q (64 rows) streams into buffer 1 while tile 0 streams into buffer 0. */
-  fa_mma_load_rows(sm, buf1, P, FA_MMA_ROWS, D, ga.q, blk.start, blk.len, h, tid);
+  /* Q (64 rows a piece): into buffer 1 while tile 0 streams into buffer 0, or, split, from buffer 0 on */
+  const int qat = NQK == 1 ? buf1 : buf0, q2at = FA_MMA_FWD_Q2(BK, P, NQK, NV);
+  if (NQK == 1) fa_mma_load_rows(sm, qat, P, FA_MMA_ROWS, D, ga.q, blk.start, blk.len, h, tid);
+#pragma unroll
+  for (int p = 0; p < (NQK > 1 ? NQK : 0); p++)
+    fa_mma_load_rows(sm, p < 2 ? qat + p * FA_MMA_ROWS * P : q2at, P, FA_MMA_ROWS, D, fa_fwd_piece(&ga, ga.q, 0, p),
+                     blk.start, blk.len, h, tid);
   fa_cp_async_commit();
   fa_tile_walk w = fa_walk_first(ga.qoff, seg, pair, blk, qshift);
-  if (w.pi < w.pend) fa_mma_load_kv(sm, buf0, P, BK, D, ga.k, g, ga.v, g, w, tid);
+  if (NQK == 1 && w.pi < w.pend) {
+    fa_fwd_load_pieces(sm, buf0, P, BK, D, NQK, &ga, 1, g, w, tid);
+    fa_fwd_load_pieces(sm, buf0 + NQK * BK * P, P, BK, D, NV, &ga, 2, g, w, tid);
+  }
   fa_cp_async_commit();
   fa_cp_async_wait(0);
   ompx_sync_block_acq_rel();
-  fa_u4 qf[FA_MMA_MAX_D / 16]; /* fixed sizes: a VLA would be globalized (gpu_mma.h) */
+  fa_u4 qf[2][FA_MMA_MAX_D / 16]; /* fixed sizes: a VLA would be globalized (gpu_mma.h) */
+  const int q2 = q2at + (warp * 16 + fa_ldsm_a_row(lane)) * P + fa_ldsm_a_col(lane); /* this lane's piece 2 */
   {
     const int r = warp * 16 + fa_ldsm_a_row(lane), c = fa_ldsm_a_col(lane);
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ks++) qf[ks] = fa_ldmatrix_x4(sm, buf1 + r * P + ks * 16 + c, 0);
-    ompx_sync_block_acq_rel(); /* buffer 1 is free for tile 1's K */
+    for (int p = 0; p < (NQK < 2 ? NQK : 2); p++)
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ks++)
+        qf[p][ks] = fa_ldmatrix_x4(sm, qat + p * FA_MMA_ROWS * P + r * P + ks * 16 + c, 0);
+    ompx_sync_block_acq_rel(); /* Q's buffers are free for tile 1's K (and, split, tile 0) */
+  }
+  if (NQK > 1) {
+    if (w.pi < w.pend) {
+      fa_fwd_load_pieces(sm, buf0, P, BK, D, NQK, &ga, 1, g, w, tid);
+      fa_fwd_load_pieces(sm, buf0 + NQK * BK * P, P, BK, D, NV, &ga, 2, g, w, tid);
+    }
+    fa_cp_async_commit();
   }
 
   /* Software pipeline: K runs one tile ahead of V, so S of tile j + 1 is
@@ -76,10 +135,14 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
    * cannot hide the softmax's latency alone). Buffer i holds K then V:
    * in iteration j, K(j+1) and V(j) are read, K(j+2) and V(j+1) stream in. */
   fa_tile_walk w1 = fa_walk_next(w, BK, seg, pair, blk, qshift);
-  if (w1.pi < w1.pend) fa_mma_load_rows(sm, buf1, P, BK, D, ga.k, w1.kb, fa_walk_keys(w1, BK), g, tid);
+  if (w1.pi < w1.pend) fa_fwd_load_pieces(sm, buf1, P, BK, D, NQK, &ga, 1, g, w1, tid);
   fa_cp_async_commit();
+  if (NQK > 1) { /* tile 0 (the group before tile 1's K) landed */
+    fa_cp_async_wait(1);
+    ompx_sync_block_acq_rel();
+  }
   fa_f4 s[FA_MMA_MAX_BK / 8], sn[FA_MMA_MAX_BK / 8];
-  if (w.pi < w.pend) fa_mma_qk(s, qf, sm, buf0, P, BK, D, f16, lane);
+  if (w.pi < w.pend) fa_mma_qk_pieces(s, qf, q2, NQK, sm, buf0, P, BK, D, f16, lane);
 
   fa_f4 o[FA_MMA_MAX_D / 8];
 #pragma unroll
@@ -95,9 +158,9 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
   while (w.pi < w.pend) {
     fa_cp_async_wait(0); /* K(j+1), V(j) */
     ompx_sync_block_acq_rel(); /* ... visible, and iteration j - 1's reads of K(j), V(j-1) done */
-    const int kt = cur ? buf1 : buf0, kn = cur ? buf0 : buf1, vt = kt + BK * P;
+    const int kt = cur ? buf1 : buf0, kn = cur ? buf0 : buf1, vt = kt + NQK * BK * P;
     const fa_tile_walk w2 = fa_walk_next(w1, BK, seg, pair, blk, qshift);
-    fa_fwd_load_next(sm, kt, kn + BK * P, P, BK, D, &ga, g, w1, w2, tid);
+    fa_fwd_load_next(sm, kt, kn + NQK * BK * P, P, BK, D, NQK, NV, &ga, g, w1, w2, tid);
     const int nk = fa_walk_keys(w, BK);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
     const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
@@ -113,13 +176,13 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
                     &bad0, &bad1);
     /* S of tile j + 1 (after the last tile: tile j's K again, discarded, so
      * no branch splits this block from the softmax it overlaps) */
-    fa_mma_qk(sn, qf, sm, w1.pi < w1.pend ? kn : kt, P, BK, D, f16, lane);
+    fa_mma_qk_pieces(sn, qf, q2, NQK, sm, w1.pi < w1.pend ? kn : kt, P, BK, D, f16, lane);
     float a0, a1;
     fa_fwd_tile_exp(s, BK, mx0, mx1, mul, &m0, &m1, &l0, &l1, &a0, &a1);
     fa_fwd_rescale(o, D, a0, a1);
 
     /* O += P V: P from the S accumulators (two n-tiles make one A fragment). */
-    fa_mma_acc_ab(o, s, sm, vt, P, BK, D, f16, lane);
+    fa_mma_pv_pieces(o, s, NV, sm, vt, P, BK, D, f16, lane);
 #pragma unroll
     for (int n = 0; n < BK / 8; n++) s[n] = sn[n];
     cur ^= 1;
@@ -128,6 +191,27 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, c
   }
 
   fa_fwd_finish(ga, o, D, blk.start + r0, h, c0, lane, ok0, ok1, m0, m1, l0, l1, bad0, bad1);
+}
+
+/* The mma.sync forward of bf16/f16 inputs, and of f32 inputs split at HIGH (Q, K in 3 pieces, V in 2) and
+ * MEDIUM (2 pieces each) precision. */
+static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, const int BK, const int f16,
+                                                                   const fa_gpu_fwd_args ga, fa_block blk,
+                                                                   int64_t h, int64_t g, unsigned short *smem) {
+  fa_mma_fwd_team_of(D, BK, f16, 1, 1, ga, blk, h, g, smem);
+}
+static inline __attribute__((always_inline)) void fa_mma_fwd_team_f32_high(const int D, const int BK, const int f16,
+                                                                            const fa_gpu_fwd_args ga, fa_block blk,
+                                                                            int64_t h, int64_t g,
+                                                                            unsigned short *smem) {
+  fa_mma_fwd_team_of(D, BK, f16, 3, 2, ga, blk, h, g, smem);
+}
+static inline __attribute__((always_inline)) void fa_mma_fwd_team_f32_medium(const int D, const int BK,
+                                                                              const int f16,
+                                                                              const fa_gpu_fwd_args ga,
+                                                                              fa_block blk, int64_t h, int64_t g,
+                                                                              unsigned short *smem) {
+  fa_mma_fwd_team_of(D, BK, f16, 2, 2, ga, blk, h, g, smem);
 }
 
 /* The two-warpgroup wgmma forward (sm_90a, bulk tensor copies required).

@@ -445,6 +445,20 @@ static inline fa_u4 fa_mma_p_frag(fa_f4 lo, fa_f4 hi, int f16) {
   return a;
 }
 
+/* x and y minus their bf16 pair as fa_mma_pack rounds it: what a product of
+ * the packed pair leaves out (the second bf16 piece, lib/core/split_bf16.h). */
+static inline void fa_mma_pack_rest(float *x, float *y) {
+  const uint32_t p = fa_mma_pack(*x, *y, 0);
+  *x -= fa_bits_to_f32(p << 16);
+  *y -= fa_bits_to_f32(p & 0xffff0000u);
+}
+
+/* Accumulators a[0 .. n) (P or dS) replaced by what their bf16 A fragments
+ * (fa_mma_p_frag) leave: packed again, they are its second piece. */
+static inline __attribute__((always_inline)) void fa_mma_split_rest(fa_f4 *a, int n) {
+  for (int i = 0; i < n; i++) fa_mma_pack_rest(&a[i].x, &a[i].y), fa_mma_pack_rest(&a[i].z, &a[i].w);
+}
+
 #pragma omp end declare target
 
 #endif

@@ -271,6 +271,25 @@ static inline __attribute__((always_inline)) void fa_mma_acc_abt(fa_f4 *acc, con
     }
 }
 
+/* fa_mma_acc_abt with A read from team memory a k-step at a time (ldmatrix
+ * at al: this lane's A address in a [16][P] tile, the rows' element plus
+ * fa_ldsm_a_row * P + fa_ldsm_a_col): an operand kept out of registers (the
+ * third piece of a split f32 Q). */
+static inline __attribute__((always_inline)) void fa_mma_acc_abt_sa(fa_f4 *acc, fa_smem sm, int al, int tile, int P,
+                                                                    int N, int D, int f16, int lane) {
+  const int bl = tile + fa_ldsm_b_row(lane) * P + fa_ldsm_b_col(lane);
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ks++) {
+    const fa_u4 a = fa_ldmatrix_x4(sm, al + ks * 16, 0);
+#pragma unroll
+    for (int np = 0; np < N / 16; np++) {
+      const fa_u4 b = fa_ldmatrix_x4(sm, bl + np * 16 * P + ks * 16, 0);
+      acc[2 * np] = fa_mma_16816(acc[2 * np], a, b.x, b.y, f16);
+      acc[2 * np + 1] = fa_mma_16816(acc[2 * np + 1], a, b.z, b.w, f16);
+    }
+  }
+}
+
 /* Key block partial sums of one (unit, KV head) slot, [64 rows][d] f32, as a
  * tensor of one head: the dK/dV teams store them like their gradients. */
 static inline fa_dev_tensor fa_mma_part_view(float *slot, int64_t d) {

@@ -20,6 +20,40 @@ static inline __attribute__((always_inline)) void fa_mma_qk(fa_f4 *s, const fa_u
   fa_mma_acc_abt(s, qf, sm, kt, P, BK, D, f16, lane);
 }
 
+/* fa_mma_qk of inputs split into NP bf16 pieces (lib/core/split_bf16.h):
+ * Q's pieces 0 and 1 in fragments qf[p], piece 2 in team memory at this
+ * lane's A address q2 (fa_mma_acc_abt_sa: 32 registers fewer, which the
+ * head_dim 128 team spilled), K's pieces BK * P elements apart from kt.
+ * NP 1: Q K^T; 2: Q0 K0 + Q0 K1 + Q1 K0 (bf16x3); 3: those and Q0 K2 +
+ * Q2 K0 + Q1 K1 (bf16x6). */
+static inline __attribute__((always_inline)) void fa_mma_qk_pieces(fa_f4 *s, const fa_u4 (*qf)[FA_MMA_MAX_D / 16],
+                                                                   int q2, int NP, fa_smem sm, int kt, int P, int BK,
+                                                                   int D, int f16, int lane) {
+  fa_mma_qk(s, qf[0], sm, kt, P, BK, D, f16, lane);
+  if (NP > 1) {
+    fa_mma_acc_abt(s, qf[0], sm, kt + BK * P, P, BK, D, f16, lane);
+    fa_mma_acc_abt(s, qf[1], sm, kt, P, BK, D, f16, lane);
+  }
+  if (NP > 2) {
+    fa_mma_acc_abt(s, qf[0], sm, kt + 2 * BK * P, P, BK, D, f16, lane);
+    fa_mma_acc_abt_sa(s, sm, q2, kt, P, BK, D, f16, lane);
+    fa_mma_acc_abt(s, qf[1], sm, kt + BK * P, P, BK, D, f16, lane);
+  }
+}
+
+/* O += P V with V split into NP pieces BK * P elements apart from vt: P's
+ * accumulators s are packed to bf16 (fa_mma_acc_ab); with two pieces P0 V0 +
+ * P0 V1 + P1 V0, P1 what P0's packing left in s (s is consumed). */
+static inline __attribute__((always_inline)) void fa_mma_pv_pieces(fa_f4 *o, fa_f4 *s, int NP, fa_smem sm, int vt,
+                                                                   int P, int BK, int D, int f16, int lane) {
+  fa_mma_acc_ab(o, s, sm, vt, P, BK, D, f16, lane);
+  if (NP > 1) {
+    fa_mma_acc_ab(o, s, sm, vt + BK * P, P, BK, D, f16, lane);
+    fa_mma_split_rest(s, BK / 8);
+    fa_mma_acc_ab(o, s, sm, vt, P, BK, D, f16, lane);
+  }
+}
+
 /* S = Q K^T and dP = dO V^T of a warp's 16 rows x BK keys (the dQ teams):
  * Q's and dO's A fragments qf, of; K then V, [BK][P] each, at element kt.
  * One loop for both: as two fa_mma_acc_abt calls, ptxas orders the loads

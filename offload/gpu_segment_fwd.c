@@ -23,6 +23,7 @@
 #include "gpu_stage.h"
 #include "gpu_stream.h"
 #include "gpu_segment_walk.h"
+#include "gpu_split.h"
 #include "gpu_tiles.h"
 #include "gpu_trace.h"
 #include "online_softmax.h"
@@ -138,6 +139,14 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
                                   fa_gpu_wg_pair_kv_tma(maps, &k, a->k.rows, &v, a->v.rows, hkv, d));
   const int wg_pair = kern == FA_KERNEL_WG_PAIR, tma = wg_pair;
   fa_gpu_trace_mark(&tr, "maps");
+  /* f32 inputs on tensor cores: their bf16 pieces (the kernel writes o and lse in f32) */
+  int qk_pieces, v_pieces;
+  fa_gpu_select_pieces(&ctx->gpu->knobs, FA_PASS_FWD, kern, &call, &qk_pieces, &v_pieces);
+  int64_t pstride[3] = {0, 0, 0};
+  if (!bad && qk_pieces)
+    bad = fa_gpu_split_pieces(&st, &q, &pstride[0], &q, a->q.rows, hq, d, qk_pieces) ||
+          fa_gpu_split_pieces(&st, &k, &pstride[1], &k, a->k.rows, hkv, d, qk_pieces) ||
+          fa_gpu_split_pieces(&st, &v, &pstride[2], &v, a->v.rows, hkv, d, v_pieces);
   /* query blocks: the tensor-core kernels' teams (two warpgroups: 128 rows), or the FP32 kernel's */
   const int64_t block_rows = wg_pair ? FA_WG_PAIR_ROWS : mma ? FA_MMA_ROWS : FA_GPU_ROWS;
   const int64_t nb = bad ? 0 : fa_plan_blocks_memo(p, block_rows, 0, &blocks_h);
@@ -163,7 +172,8 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
   const int grid = bad ? 0 : fa_gpu_choose_grid(ctx, FA_PASS_FWD, kern, nb * hq, p, blocks_h, nb);
   const fa_gpu_fwd_args ga = {q,  k,    v,      o,        lse,         seg,         pair,
                               qoff, blocks, nb, hq, hkv, d, qshift, a->scale, kept, has_kept, ctx->device,
-                              tma ? (const fa_tma_map *)plan_d[0] : NULL, wg_pair, plan_d[5]};
+                              tma ? (const fa_tma_map *)plan_d[0] : NULL, wg_pair, plan_d[5], qk_pieces ? qk_pieces : 1,
+                              v_pieces ? v_pieces : 1, {pstride[0], pstride[1], pstride[2]}};
   /* the tensor-core kernels read their arguments from a device copy that rides with the plan */
   const fa_gpu_fwd_args *ga_dev = !bad && mma ? fa_stage_array(&st, &ga, sizeof ga) : NULL;
   bad = bad || (mma && !ga_dev);
@@ -176,7 +186,8 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
   fa_note_workspace(ctx, st.bytes);
   fa_gpu_trace_mark(&tr, "upload");
 
-  fa_gpu_log_kernels(ctx, "attn_fwd", "forward %s%s", fa_gpu_kernel_name(FA_PASS_FWD, kern),
+  fa_gpu_log_kernels(ctx, "attn_fwd", "forward %s%s%s", fa_gpu_kernel_name(FA_PASS_FWD, kern),
+                     qk_pieces == 3 ? ", f32 as bf16x6/x3" : qk_pieces == 2 ? ", f32 as bf16x3" : "",
                      grid ? ", persistent teams" : "");
   if (mma) fa_gpu_mma_fwd(&ga, ga_dev, grid);
   else fa_gpu_fp32_fwd(&ga);

@@ -8,9 +8,21 @@
 #include "gpu_persist.h"
 #include "gpu_select.h"
 
-/* Tensor-core kernels exist for bf16/f16 at head_dim 64 and 128 without a kept set, on 16-byte rows. */
-static int fa_select_tensor_cores(fa_gpu_pass pass, const fa_gpu_call *c) {
-  if (!c->half || c->kept || !c->rows16 || !c->same_d || (c->d != 64 && c->d != 128)) return 0;
+/* f32 inputs reach the tensor cores split into bf16 pieces: the forward, unless the context asks for f32
+ * products, when its team memory fits the device. */
+static int fa_select_split(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, fa_gpu_pass pass,
+                           const fa_gpu_call *c) {
+  const size_t need = caps->split_smem[c->d == 128];
+  return c->f32 && pass == FA_PASS_FWD && knobs->f32 != FORKATTN_F32_PRECISION_HIGHEST && need &&
+         need <= caps->team_memory;
+}
+
+/* Tensor-core kernels exist for bf16/f16 (and f32 split into bf16, fa_select_split) at head_dim 64 and 128
+ * without a kept set, on 16-byte rows. */
+static int fa_select_tensor_cores(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, fa_gpu_pass pass,
+                                  const fa_gpu_call *c) {
+  if (c->kept || !c->rows16 || !c->same_d || (c->d != 64 && c->d != 128)) return 0;
+  if (!c->half) return fa_select_split(caps, knobs, pass, c);
   return pass != FA_PASS_KL_BWD || c->same_kv_heads; /* a team's K tiles of both sides: one KV head */
 }
 
@@ -25,9 +37,17 @@ static fa_gpu_kernel fa_select_wgmma(const fa_gpu_caps *caps, fa_gpu_pass pass, 
 
 fa_gpu_kernel fa_gpu_select(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, fa_gpu_pass pass,
                             const fa_gpu_call *call) {
-  if (knobs->kernels == FORKATTN_GPU_KERNELS_FP32 || !fa_select_tensor_cores(pass, call)) return FA_KERNEL_FP32;
-  if (knobs->kernels == FORKATTN_GPU_KERNELS_MMA) return FA_KERNEL_MMA;
+  if (knobs->kernels == FORKATTN_GPU_KERNELS_FP32 || !fa_select_tensor_cores(caps, knobs, pass, call))
+    return FA_KERNEL_FP32;
+  if (knobs->kernels == FORKATTN_GPU_KERNELS_MMA || !call->half) return FA_KERNEL_MMA; /* split f32: mma.sync */
   return fa_select_wgmma(caps, pass, call);
+}
+
+void fa_gpu_select_pieces(const fa_gpu_knobs *knobs, fa_gpu_pass pass, fa_gpu_kernel k, const fa_gpu_call *call,
+                          int *qk, int *v) {
+  const int split = call->f32 && k != FA_KERNEL_FP32 && pass == FA_PASS_FWD;
+  *qk = !split ? 0 : knobs->f32 == FORKATTN_F32_PRECISION_MEDIUM ? 2 : 3;
+  *v = split ? 2 : 0;
 }
 
 int fa_gpu_select_needs_tma(fa_gpu_kernel k) { return k == FA_KERNEL_WG_PAIR || k == FA_KERNEL_WG_KEY_MAJOR; }
@@ -101,7 +121,16 @@ void fa_gpu_select_describe(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, 
     n = snprintf(buf + at, len - at, "persistent teams, one an SM");
   else
     n = snprintf(buf + at, len - at, "persistent teams, at most %d", knobs->persist);
-  if (n > 0 && (size_t)n < len - at) snprintf(buf + at + (size_t)n, len - at - (size_t)n, "; other calls fp32");
+  if (n < 0 || (size_t)n >= len - at) return;
+  at += (size_t)n;
+  const fa_gpu_call f32 = {.f32 = 1, .d = 128, .rows16 = 1, .same_d = 1, .same_kv_heads = 1, .tma = 1};
+  if (fa_gpu_select(caps, knobs, FA_PASS_FWD, &f32) == FA_KERNEL_MMA)
+    n = snprintf(buf + at, len - at, knobs->f32 == FORKATTN_F32_PRECISION_MEDIUM
+                                         ? "; f32 forward mma.sync bf16x3"
+                                         : "; f32 forward mma.sync bf16x6/x3");
+  else
+    n = 0;
+  if (n >= 0 && (size_t)n < len - at) snprintf(buf + at + (size_t)n, len - at - (size_t)n, "; other calls fp32");
 }
 
 /* A count 0..2^20 in s: the value, or -1. */
@@ -115,6 +144,7 @@ int fa_gpu_knobs_read(const forkattn_ctx_options *o, fa_gpu_knobs *k, char *err,
   k->kernels = o ? (int)o->gpu_kernels : FORKATTN_GPU_KERNELS_AUTO;
   k->persist = o ? o->gpu_persist : -1;
   k->trace = 0;
+  k->f32 = o ? (int)o->f32_precision : FORKATTN_F32_PRECISION_HIGH;
   const char *e = getenv("FORKATTN_GPU_KERNELS");
   if (e && *e) {
     if (!strcasecmp(e, "auto")) k->kernels = FORKATTN_GPU_KERNELS_AUTO;
@@ -129,10 +159,19 @@ int fa_gpu_knobs_read(const forkattn_ctx_options *o, fa_gpu_knobs *k, char *err,
       return snprintf(err, len, "FORKATTN_GPU_PERSIST='%s' is not auto or a count 0..%ld", e, 1L << 20), -1;
     k->persist = (int)v;
   }
+  e = getenv("FORKATTN_F32_PRECISION");
+  if (e && *e) {
+    if (!strcasecmp(e, "high")) k->f32 = FORKATTN_F32_PRECISION_HIGH;
+    else if (!strcasecmp(e, "highest")) k->f32 = FORKATTN_F32_PRECISION_HIGHEST;
+    else if (!strcasecmp(e, "medium")) k->f32 = FORKATTN_F32_PRECISION_MEDIUM;
+    else return snprintf(err, len, "FORKATTN_F32_PRECISION='%s' is not one of high, highest, medium", e), -1;
+  }
   e = getenv("FORKATTN_GPU_TRACE");
   k->trace = e && !strcmp(e, "1");
   if (k->kernels < FORKATTN_GPU_KERNELS_AUTO || k->kernels > FORKATTN_GPU_KERNELS_FP32)
     return snprintf(err, len, "gpu_kernels (%d) is not a forkattn_gpu_kernels value", k->kernels), -1;
+  if (k->f32 < FORKATTN_F32_PRECISION_HIGH || k->f32 > FORKATTN_F32_PRECISION_MEDIUM)
+    return snprintf(err, len, "f32_precision (%d) is not a forkattn_f32_precision value", k->f32), -1;
   if (k->persist < -1 || k->persist > 1 << 20)
     return snprintf(err, len, "gpu_persist (%d) must lie in -1..%d", k->persist, 1 << 20), -1;
   return 0;

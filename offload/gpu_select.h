@@ -14,9 +14,12 @@
  *  - FA_KERNEL_WG_KEY_MAJOR: the wgmma dK/dV at head_dim 64, one warpgroup,
  *    key-major (64 keys as the products' rows), Q and dO by bulk copies;
  *  - FA_KERNEL_MMA: mma.sync tensor-core kernels (any offload target), also
- *    every StreamKL tensor-core pass;
- *  - FA_KERNEL_FP32: CUDA-core kernels for everything else (f32, other
- *    head_dims, kept sets, rows not 16-byte aligned).
+ *    every StreamKL tensor-core pass, and the forward of f32 inputs split
+ *    into bf16 pieces (the context's f32 precision HIGH or MEDIUM,
+ *    lib/core/split_bf16.h);
+ *  - FA_KERNEL_FP32: CUDA-core kernels for everything else (f32 at HIGHEST
+ *    precision and f32 backward passes, other head_dims, kept sets, rows not
+ *    16-byte aligned).
  * A wgmma kernel runs when the build has wgmma, its team memory fits the
  * device and the driver encodes its tensor maps; otherwise mma.sync. */
 #ifndef FORKATTN_GPU_SELECT_H
@@ -44,6 +47,9 @@ typedef struct fa_gpu_caps {
   int sms;            /* multiprocessors (0: unknown) */
   /* team memory the wgmma kernel of a pass needs at head_dim 64 ([0]) and 128 ([1]); 0: none */
   size_t wg_smem[FA_PASSES][2];
+  /* team memory the mma.sync forward of split f32 inputs needs at head_dim 64 ([0]) and 128 ([1]) at HIGH
+   * precision (MEDIUM needs less) */
+  size_t split_smem[2];
 } fa_gpu_caps;
 
 /* The context's knobs (forkattn_ctx_options, overridden by the environment). */
@@ -51,11 +57,13 @@ typedef struct fa_gpu_knobs {
   int kernels; /* forkattn_gpu_kernels: the fastest family allowed */
   int persist; /* -1 auto; 0 a team an item; 1 persistent, one team an SM; n > 1 persistent, at most n teams */
   int trace;   /* FORKATTN_GPU_TRACE=1: each call prints its phases' times */
+  int f32;     /* forkattn_f32_precision of f32 inputs */
 } fa_gpu_knobs;
 
 /* One call's shape, as the kernels' requirements see it. */
 typedef struct fa_gpu_call {
   int half;          /* every input bf16, or every input f16 */
+  int f32;           /* every input f32 */
   int64_t d;         /* head_dim (StreamKL: the teacher's; see same_d) */
   int kept;          /* a kept-set mask restricts the keys */
   int rows16;        /* device tensors' rows 16-byte aligned, outputs included; plan positions fit 32 bits */
@@ -74,6 +82,12 @@ typedef struct fa_gpu_choice {
 /* The kernel family of `pass` for `call`. */
 fa_gpu_kernel fa_gpu_select(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, fa_gpu_pass pass,
                             const fa_gpu_call *call);
+
+/* The bf16 pieces (lib/core/split_bf16.h) the f32 inputs of `call` are split into for kernel k of `pass`:
+ * q and k in *qk, v in *v; 3 and 2 at HIGH precision, 2 and 2 at MEDIUM, 0 and 0 when they stay as they are
+ * (bf16/f16 inputs, HIGHEST, or the FP32 kernels). */
+void fa_gpu_select_pieces(const fa_gpu_knobs *knobs, fa_gpu_pass pass, fa_gpu_kernel k, const fa_gpu_call *call,
+                          int *qk, int *v);
 
 /* 1 when kernel k of a pass loads tiles by bulk tensor copies (the caller encodes the maps and,
  * if the driver refuses them, selects again with call->tma = 0). */
@@ -97,7 +111,7 @@ const char *fa_gpu_kernel_name(fa_gpu_pass pass, fa_gpu_kernel k);
 void fa_gpu_select_describe(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, char *buf, size_t len);
 
 /* The knobs of options o (NULL: defaults), overridden by FORKATTN_GPU_KERNELS=auto|mma|fp32,
- * FORKATTN_GPU_PERSIST=auto|0|1|n and FORKATTN_GPU_TRACE=1. 0, or -1 with a message in err
+ * FORKATTN_GPU_PERSIST=auto|0|1|n, FORKATTN_F32_PRECISION=high|highest|medium and FORKATTN_GPU_TRACE=1. 0, or -1 with a message in err
  * (a value out of range or unknown). */
 int fa_gpu_knobs_read(const forkattn_ctx_options *o, fa_gpu_knobs *k, char *err, size_t len);
 

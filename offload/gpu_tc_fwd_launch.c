@@ -34,11 +34,12 @@ fa_gpu_call fa_gpu_call_of(const forkattn_tensor *const *in, int nin, const fork
                            int64_t d, int has_kept, const fa_plan *plan, forkattn_memory memory) {
   const int dt = (int)in[0]->dtype;
   /* positions in 32 bits: the tensor-core walks use fewer registers and instructions */
-  fa_gpu_call c = {.half = dt == FORKATTN_DTYPE_BF16 || dt == FORKATTN_DTYPE_F16, .d = d, .kept = has_kept,
+  fa_gpu_call c = {.half = dt == FORKATTN_DTYPE_BF16 || dt == FORKATTN_DTYPE_F16, .f32 = dt == FORKATTN_DTYPE_F32,
+                   .d = d, .kept = has_kept,
                    .rows16 = fa_mma_plan_fits(plan) && fa_gpu_mma_out_ok(out, nout, memory), .same_d = 1,
                    .same_kv_heads = 1, .tma = 1};
   for (int i = 0; i < nin; i++) {
-    if ((int)in[i]->dtype != dt) c.half = 0;
+    if ((int)in[i]->dtype != dt) c.half = c.f32 = 0;
     if (!fa_gpu_mma_rows16(in[i], memory)) c.rows16 = 0;
   }
   return c;
@@ -67,8 +68,11 @@ int fa_gpu_wg_pair_kv_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_ro
   return fa_gpu_mma_tma_pair(maps, k, k_rows, v, v_rows, hkv, d, FA_WG_PAIR_BK);
 }
 
-#define FA_MMA_FWD(D, F16) \
-  FA_MMA_QUERY_TEAMS(fa_mma_fwd_team, blocks, D, FA_MMA_BK(D), F16, FA_MMA_QUERY_SMEM(FA_MMA_BK(D), (D) + 8))
+#define FA_MMA_FWD(D, F16) FA_MMA_QUERY_TEAMS(fa_mma_fwd_team, blocks, D, FA_MMA_BK(D), F16, FA_MMA_FWD_SMEM(D, 1, 1))
+#define FA_MMA_FWD_F32_HIGH(D)                                                                                      \
+  FA_MMA_QUERY_TEAMS(fa_mma_fwd_team_f32_high, blocks, D, FA_MMA_SPLIT_BK(D), 0, FA_MMA_FWD_SMEM(D, 3, 2))
+#define FA_MMA_FWD_F32_MEDIUM(D)                                                                                    \
+  FA_MMA_QUERY_TEAMS(fa_mma_fwd_team_f32_medium, blocks, D, FA_MMA_SPLIT_BK(D), 0, FA_MMA_FWD_SMEM(D, 2, 2))
 #define FA_WG_PAIR_FWD(D, F16)                                                                                     \
   FA_MMA_QUERY_TEAMS_OF(fa_wg_pair_fwd_team, blocks, D, FA_WG_PAIR_BK, F16, FA_WG_PAIR_FWD_SMEM(D), FA_WG_PAIR_THREADS)
 #define FA_WG_PAIR_FWD_PERSISTENT(D, F16)                                                                     \
@@ -86,5 +90,17 @@ void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g, const fa_gpu_fwd_args *argp, int g
 #else
   (void)grid;
 #endif
-  FA_MMA_BY_HEAD_DIM(FA_MMA_FWD, g->d, f16);
+  if (g->qk_pieces == 3) { /* bf16 pieces of f32 inputs */
+    if (g->d == 128) FA_MMA_FWD_F32_HIGH(128);
+    else FA_MMA_FWD_F32_HIGH(64);
+  } else if (g->qk_pieces == 2) {
+    if (g->d == 128) FA_MMA_FWD_F32_MEDIUM(128);
+    else FA_MMA_FWD_F32_MEDIUM(64);
+  } else {
+    FA_MMA_BY_HEAD_DIM(FA_MMA_FWD, g->d, f16);
+  }
+}
+
+size_t fa_gpu_mma_fwd_split_smem(int64_t d, int qk_pieces) {
+  return d == 128 ? FA_MMA_FWD_SMEM(128, qk_pieces, 2) : FA_MMA_FWD_SMEM(64, qk_pieces, 2);
 }

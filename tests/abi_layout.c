@@ -47,6 +47,7 @@ int main(void) {
   FIELD(forkattn_ctx_options, verbose);
   FIELD(forkattn_ctx_options, gpu_kernels);
   FIELD(forkattn_ctx_options, gpu_persist);
+  FIELD(forkattn_ctx_options, f32_precision);
   end();
 
   BEGIN(forkattn_prefix_layout);

@@ -22,6 +22,7 @@ static fa_gpu_caps h100(void) {
     c.wg_smem[wg[i]][0] = 100 * KB;
     c.wg_smem[wg[i]][1] = 200 * KB;
   }
+  c.split_smem[0] = 72 * KB, c.split_smem[1] = 68 * KB;
   return c;
 }
 
@@ -126,6 +127,60 @@ Test(gpu_select, the_kernel_family_knob_caps_the_choice) {
   expect_all(&c, &mma_k, f32, fp32, "kernels=mma, f32");
 }
 
+/* f32 inputs at d 64 / 128: the forward on mma.sync with bf16 pieces (3 for q, k at HIGH, 2 at MEDIUM), every
+ * other pass and HIGHEST on the FP32 kernels; the shape rules and the family knob hold as for bf16. */
+Test(gpu_select, f32_forward_runs_split_on_mma_sync) {
+  const fa_gpu_caps c = h100();
+  const fa_gpu_knobs medium = {.persist = -1, .f32 = FORKATTN_F32_PRECISION_MEDIUM};
+  const fa_gpu_knobs highest = {.persist = -1, .f32 = FORKATTN_F32_PRECISION_HIGHEST};
+  const fa_gpu_knobs mma_k = {.kernels = FORKATTN_GPU_KERNELS_MMA, .persist = -1};
+  const fa_gpu_knobs fp32_k = {.kernels = FORKATTN_GPU_KERNELS_FP32, .persist = -1};
+  const fa_gpu_kernel split[FA_PASSES] = {FA_KERNEL_MMA, FA_KERNEL_FP32, FA_KERNEL_FP32, FA_KERNEL_FP32,
+                                          FA_KERNEL_FP32};
+  const fa_gpu_kernel fp32[FA_PASSES] = {FA_KERNEL_FP32, FA_KERNEL_FP32, FA_KERNEL_FP32, FA_KERNEL_FP32,
+                                         FA_KERNEL_FP32};
+  for (int64_t d = 64; d <= 128; d += 64) {
+    fa_gpu_call f32 = half_call(d);
+    f32.half = 0, f32.f32 = 1;
+    expect_all(&c, &auto_knobs, f32, split, "f32, HIGH");
+    expect_all(&c, &medium, f32, split, "f32, MEDIUM");
+    expect_all(&c, &mma_k, f32, split, "f32, kernels=mma");
+    expect_all(&c, &highest, f32, fp32, "f32, HIGHEST");
+    expect_all(&c, &fp32_k, f32, fp32, "f32, kernels=fp32");
+    fa_gpu_call kept = f32, rows = f32;
+    kept.kept = 1, rows.rows16 = 0;
+    expect_all(&c, &auto_knobs, kept, fp32, "f32, kept set");
+    expect_all(&c, &auto_knobs, rows, fp32, "f32, unaligned rows");
+    fa_gpu_caps small = c;
+    small.team_memory = c.split_smem[d == 128] - 1;
+    expect_all(&small, &auto_knobs, f32, fp32, "f32, team memory a byte short");
+    small.team_memory++;
+    expect_all(&small, &auto_knobs, f32, split, "f32, team memory exact");
+    int qk, v;
+    fa_gpu_select_pieces(&auto_knobs, FA_PASS_FWD, FA_KERNEL_MMA, &f32, &qk, &v);
+    cr_expect(qk == 3 && v == 2, "HIGH: %d, %d", qk, v);
+    fa_gpu_select_pieces(&medium, FA_PASS_FWD, FA_KERNEL_MMA, &f32, &qk, &v);
+    cr_expect(qk == 2 && v == 2, "MEDIUM: %d, %d", qk, v);
+    fa_gpu_select_pieces(&auto_knobs, FA_PASS_FWD, FA_KERNEL_FP32, &f32, &qk, &v);
+    cr_expect(qk == 0 && v == 0, "FP32 kernel");
+    fa_gpu_select_pieces(&auto_knobs, FA_PASS_DQ, FA_KERNEL_FP32, &f32, &qk, &v);
+    cr_expect(qk == 0 && v == 0, "dQ");
+    const fa_gpu_call bf16 = half_call(d);
+    fa_gpu_select_pieces(&auto_knobs, FA_PASS_FWD, FA_KERNEL_MMA, &bf16, &qk, &v);
+    cr_expect(qk == 0 && v == 0, "bf16 stays whole");
+  }
+  fa_gpu_call f32_96 = half_call(96);
+  f32_96.half = 0, f32_96.f32 = 1;
+  expect_all(&c, &auto_knobs, f32_96, fp32, "f32, head_dim 96");
+  char buf[384];
+  fa_gpu_select_describe(&c, &auto_knobs, buf, sizeof buf);
+  cr_expect(strstr(buf, "f32 forward mma.sync bf16x6/x3; other calls fp32"), "%s", buf);
+  fa_gpu_select_describe(&c, &medium, buf, sizeof buf);
+  cr_expect(strstr(buf, "f32 forward mma.sync bf16x3; other calls fp32"), "%s", buf);
+  fa_gpu_select_describe(&c, &highest, buf, sizeof buf);
+  cr_expect(!strstr(buf, "f32 forward") && strstr(buf, "other calls fp32"), "%s", buf);
+}
+
 Test(gpu_select, the_wgmma_kernels_load_by_bulk_copies) {
   cr_expect(fa_gpu_select_needs_tma(FA_KERNEL_WG_PAIR));
   cr_expect(fa_gpu_select_needs_tma(FA_KERNEL_WG_KEY_MAJOR));
@@ -196,6 +251,7 @@ static void clear_env(void) {
   unsetenv("FORKATTN_GPU_KERNELS");
   unsetenv("FORKATTN_GPU_PERSIST");
   unsetenv("FORKATTN_GPU_TRACE");
+  unsetenv("FORKATTN_F32_PRECISION");
 }
 
 Test(gpu_select, knobs_from_options_then_the_environment, .init = clear_env, .fini = clear_env) {
@@ -233,4 +289,30 @@ Test(gpu_select, knobs_from_options_then_the_environment, .init = clear_env, .fi
   o.gpu_kernels = FORKATTN_GPU_KERNELS_AUTO;
   o.gpu_persist = -2;
   cr_expect_eq(fa_gpu_knobs_read(&o, &k, err, sizeof err), -1, "gpu_persist out of range");
+}
+
+Test(gpu_select, f32_precision_from_options_then_the_environment, .init = clear_env, .fini = clear_env) {
+  forkattn_ctx_options o;
+  memset(&o, 0, sizeof o);
+  fa_gpu_knobs k;
+  char err[128];
+  cr_assert_eq(fa_gpu_knobs_read(NULL, &k, err, sizeof err), 0);
+  cr_expect_eq(k.f32, FORKATTN_F32_PRECISION_HIGH, "default");
+  o.f32_precision = FORKATTN_F32_PRECISION_MEDIUM;
+  cr_assert_eq(fa_gpu_knobs_read(&o, &k, err, sizeof err), 0);
+  cr_expect_eq(k.f32, FORKATTN_F32_PRECISION_MEDIUM, "options");
+  const char *names[] = {"high", "HIGHEST", "Medium"};
+  const int want[] = {FORKATTN_F32_PRECISION_HIGH, FORKATTN_F32_PRECISION_HIGHEST, FORKATTN_F32_PRECISION_MEDIUM};
+  for (int i = 0; i < 3; i++) {
+    setenv("FORKATTN_F32_PRECISION", names[i], 1);
+    cr_assert_eq(fa_gpu_knobs_read(&o, &k, err, sizeof err), 0);
+    cr_expect_eq(k.f32, want[i], "FORKATTN_F32_PRECISION=%s wins", names[i]);
+  }
+  setenv("FORKATTN_F32_PRECISION", "tf32", 1);
+  cr_expect_eq(fa_gpu_knobs_read(&o, &k, err, sizeof err), -1);
+  cr_expect(strstr(err, "FORKATTN_F32_PRECISION='tf32'"), "%s", err);
+  unsetenv("FORKATTN_F32_PRECISION");
+  o.f32_precision = (forkattn_f32_precision)3;
+  cr_expect_eq(fa_gpu_knobs_read(&o, &k, err, sizeof err), -1, "f32_precision out of range");
+  cr_expect(strstr(err, "f32_precision (3)"), "%s", err);
 }

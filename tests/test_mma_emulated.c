@@ -143,14 +143,14 @@ static void run_case(const char *name, const emu_case *c) {
   /* forward: one team per (64-row query block, query head) */
   static unsigned short smem[2 * 64 * 128 + 4 * 64 * (128 + 8) + 1024];
   cr_assert_geq(sizeof smem, FA_MMA_DKV_SMEM(d));
-  cr_assert_geq(sizeof smem, FA_MMA_QUERY_SMEM(FA_MMA_BK(d), d + 8));
+  cr_assert_geq(sizeof smem, FA_MMA_FWD_SMEM(d, 1, 1));
   cr_assert_geq(sizeof smem, FA_WG_DKV_SMEM(d));
   fa_block *qb;
   const int64_t nqb = fa_plan_blocks(&plan, FA_MMA_ROWS, 0, &qb);
   cr_assert(nqb > 0);
   fa_gpu_fwd_args ga = {view(b.q, dt, hq, d), view(b.k, dt, hkv, d), view(b.v, dt, hkv, d), view(b.o, dt, hq, d),
                         b.lse, plan.seg, plan.pair, plan.q_pair_off, qb, nqb, hq, hkv, d, plan.qshift,
-                        (float)scale, {0}, 0, 0, NULL, 0, NULL};
+                        (float)scale, {0}, 0, 0, NULL, 0, NULL, 1, 1, {0, 0, 0}};
   /* the two-warpgroup forward (128-row blocks, bulk copies only), then the mma.sync one, whose o
    * and lse the backward reads */
   int64_t nonfinite = 0;

@@ -40,6 +40,7 @@ void forkattn_ctx_options_init(forkattn_ctx_options *opt) {
   opt->struct_size = sizeof *opt;
   opt->backend = FORKATTN_BACKEND_AUTO;
   opt->gpu_persist = -1;
+  opt->f32_precision = FORKATTN_F32_PRECISION_HIGH;
 }
 
 /* FORKATTN_BACKEND chooses the backend of a context whose options ask for

@@ -49,6 +49,8 @@ OK, ERR_INVALID_ARGUMENT = 0, 1
 UNSUPPORTED, BACKEND_UNAVAILABLE = 3, 4
 BACKENDS = {"auto": 0, "cpu": 1, "gpu": 2}
 BACKEND_NAMES = {0: "auto", 1: "cpu", 2: "gpu"}
+# forkattn_f32_precision: how a GPU context multiplies f32 inputs (docs/numerics.md "f32 on tensor cores")
+F32_PRECISIONS = {"high": 0, "highest": 1, "medium": 2}
 DTYPE_F32, DTYPE_BF16, DTYPE_F16 = 0, 1, 2
 DTYPE_ITEMSIZE = {DTYPE_F32: 4, DTYPE_BF16: 2, DTYPE_F16: 2}
 DTYPE_CODES = {
@@ -225,6 +227,7 @@ class CtxOptions(_Options):
         ("verbose", c_int),
         ("gpu_kernels", c_int),
         ("gpu_persist", c_int),
+        ("f32_precision", c_int),
     ]
 
 
@@ -619,11 +622,22 @@ class Context:
     ``"auto"`` the ``FORKATTN_BACKEND`` environment variable may choose (C library rule). A context is not
     thread-safe: use one per thread. ``with ctx:`` makes it the current context of this thread
     for the calls inside the block (see :func:`use_context`).
+
+    ``f32_precision`` says how a GPU context multiplies float32 inputs, after
+    ``torch.set_float32_matmul_precision``: ``"high"`` (default; bf16 pieces on tensor cores, within
+    float32 test tolerances), ``"highest"`` (float32 products on CUDA cores) or ``"medium"`` (two bf16
+    pieces per value, faster, ~2^-16 relative per product). ``FORKATTN_F32_PRECISION`` overrides it; CPU
+    contexts always multiply in float32.
     """
 
-    def __init__(self, backend="auto", device=0, threads=0, bind_threads=False, verbose=False):
+    def __init__(self, backend="auto", device=0, threads=0, bind_threads=False, verbose=False,
+                 f32_precision="high"):
         if backend not in BACKENDS:
             raise ValueError("forkattn: backend must be one of %s, not %r" % (sorted(BACKENDS), backend))
+        if f32_precision not in F32_PRECISIONS:
+            raise ValueError(
+                "forkattn: f32_precision must be one of %s, not %r" % (sorted(F32_PRECISIONS), f32_precision)
+            )
         lib = load_library()
         self._lib = lib
         self._handle = None
@@ -634,6 +648,7 @@ class Context:
         opt.threads = int_arg(threads, "threads")
         opt.bind_threads = 1 if bind_threads else 0
         opt.verbose = 1 if verbose else 0
+        opt.f32_precision = F32_PRECISIONS[f32_precision]
         h = c_void_p()
         st = lib.forkattn_ctx_create(byref(h), byref(opt))
         if st != OK:
@@ -763,16 +778,23 @@ class Context:
 
 # Process-wide defaults for lazily created per-thread contexts, and a generation counter so
 # that configure() invalidates every thread's cache.
-_defaults = {"backend": "auto", "threads": 0, "bind_threads": False}
+_defaults = {"backend": "auto", "threads": 0, "bind_threads": False, "f32_precision": "high"}
 _generation = [0]
 _tls = threading.local()
 
 
-def configure(backend=None, threads=None, bind_threads=None):
+def configure(backend=None, threads=None, bind_threads=None, f32_precision=None):
     """Set the options of the default contexts that every thread creates lazily (host tensors:
-    ``backend``; CUDA tensors always get a ``"gpu"`` context on the tensor's device). Contexts
-    already created are replaced at their thread's next call. Returns the previous settings."""
+    ``backend``; CUDA tensors always get a ``"gpu"`` context on the tensor's device;
+    ``f32_precision`` as :class:`Context`'s). Contexts already created are replaced at their thread's
+    next call. Returns the previous settings."""
     prev = dict(_defaults)
+    if f32_precision is not None:
+        if f32_precision not in F32_PRECISIONS:
+            raise ValueError(
+                "forkattn: f32_precision must be one of %s, not %r" % (sorted(F32_PRECISIONS), f32_precision)
+            )
+        _defaults["f32_precision"] = f32_precision
     if backend is not None:
         if backend not in BACKENDS:
             raise ValueError("forkattn: backend must be one of %s, not %r" % (sorted(BACKENDS), backend))
@@ -802,10 +824,11 @@ def default_context(cuda_device=None):
     ctx = cache.get(key)
     if ctx is None:
         if cuda_device is None:
-            ctx = Context(_defaults["backend"], 0, _defaults["threads"], _defaults["bind_threads"])
+            ctx = Context(_defaults["backend"], 0, _defaults["threads"], _defaults["bind_threads"],
+                          f32_precision=_defaults["f32_precision"])
         else:
             try:
-                ctx = Context("gpu", int(cuda_device), _defaults["threads"])
+                ctx = Context("gpu", int(cuda_device), _defaults["threads"], f32_precision=_defaults["f32_precision"])
             except ForkattnError as e:
                 raise ForkattnError(
                     e.status,

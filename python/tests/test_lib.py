@@ -133,3 +133,18 @@ def test_import_without_torch_names_fail_cleanly():
             "try:\n    forkattn.SharedPrefixLayout\nexcept ImportError as e:\n    print('IMPORTERROR', e)\n")
     out = run_without_torch(code)
     assert "IMPORTERROR" in out and "numpy_api" in out
+
+
+def test_f32_precision_option_is_checked_and_configurable():
+    for p in ("high", "highest", "medium"):
+        forkattn.Context("cpu", f32_precision=p).close()  # a CPU context accepts (and ignores) it
+    with pytest.raises(ValueError, match="f32_precision"):
+        forkattn.Context("cpu", f32_precision="tf32")
+    with pytest.raises(ValueError, match="f32_precision"):
+        forkattn.configure(f32_precision="fast")
+    prev = forkattn.configure(f32_precision="medium")
+    try:
+        assert prev["f32_precision"] == "high"
+        assert forkattn.configure()["f32_precision"] == "medium"
+    finally:
+        forkattn.configure(**prev)

@@ -1,0 +1,231 @@
+/* f32 inputs on the tensor cores: the split into bf16 pieces
+ * (lib/core/split_bf16.h) and the mma.sync forward team that multiplies the
+ * pieces (offload/gpu_fwd_teams.h, fa_mma_fwd_team_f32_high / _medium), run
+ * on the host under the SIMT emulation of offload/gpu_mma.h (as
+ * test_mma_emulated), against the float64 reference of the f32 inputs.
+ * HIGH precision is held to the f32 tolerances of the attention tests
+ * (tests/prefix_harness.c: o 2e-5 relative, lse 1e-4; large logits 1e-4 and
+ * 1e-3, tests/test_prefix.c), MEDIUM to its documented bound
+ * (docs/numerics.md "f32 on tensor cores"). Every output element starts
+ * poisoned. [ran on host: emulation; the kernel runs on the GPU in
+ * test_prefix_device's f32 cases] Clang only (the host side of ompx.h). */
+#define FORKATTN_MMA_EMULATE 1
+
+#include <criterion/criterion.h>
+#include <float.h>
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpu_fwd_teams.h"
+#include "reference.h"
+#include "segment_plan.h"
+#include "split_bf16.h"
+#include "test_common.h"
+
+/* ---- the split itself ------------------------------------------------------ */
+
+static double piece_sum(const uint16_t *p, int np) {
+  double s = 0;
+  for (int i = 0; i < np; i++) s += fa_bf16_to_f32(p[i]);
+  return s;
+}
+
+Test(split_bf16, pieces_sum_to_the_value_within_their_bounds) {
+  tc_rng rng = tc_rng_for("split_bf16/bounds");
+  double worst[4] = {0, 0, 0, 0};
+  for (int i = 0; i < 200000; i++) {
+    /* magnitudes 2^-100 .. 2^100 (every piece a normal bf16), both signs */
+    const double m = tc_uniform(&rng, 0.5, 1.0) * (tc_uniform(&rng, 0, 1) < 0.5 ? -1 : 1);
+    const float x = (float)ldexp(m, (int)tc_uniform(&rng, -100, 100));
+    for (int np = 1; np <= FA_SPLIT_MAX; np++) {
+      uint16_t p[FA_SPLIT_MAX];
+      fa_split_bf16(x, np, p, 1);
+      const double err = x ? fabs(piece_sum(p, np) - x) / fabs(x) : fabs(piece_sum(p, np));
+      worst[np] = fmax(worst[np], err);
+      /* each piece is the bf16 nearest what the pieces before it leave */
+      double rest = x;
+      for (int k = 0; k < np; k++) {
+        cr_assert_eq(p[k], fa_f32_to_bf16((float)rest), "x=%a piece %d", x, k);
+        rest -= fa_bf16_to_f32(p[k]);
+      }
+    }
+  }
+  cr_log_info("relative error of 1, 2, 3 pieces: %.3g %.3g %.3g", worst[1], worst[2], worst[3]);
+  cr_expect_leq(worst[1], ldexp(1, -8), "one piece: %g", worst[1]);
+  cr_expect_leq(worst[2], ldexp(1, -16), "two pieces: %g", worst[2]);
+  cr_expect_leq(worst[3], ldexp(1, -24), "three pieces: %g", worst[3]);
+  cr_expect_gt(worst[2], ldexp(1, -18), "the bounds are nearly attained");
+  cr_expect_gt(worst[1], ldexp(1, -10), "the bounds are nearly attained");
+}
+
+Test(split_bf16, non_finite_values_stay_in_piece_zero) {
+  const float xs[] = {INFINITY, -INFINITY, NAN, FLT_MAX, -FLT_MAX, 0.0f, -0.0f};
+  for (size_t i = 0; i < sizeof xs / sizeof *xs; i++) {
+    uint16_t p[3] = {0x1234, 0x1234, 0x1234};
+    fa_split_bf16(xs[i], 3, p, 1);
+    const float p0 = fa_bf16_to_f32(p[0]);
+    if (isnan(xs[i])) cr_expect(isnan(p0), "NaN stays NaN");
+    else if (isinf(xs[i]) || fabsf(xs[i]) == FLT_MAX) cr_expect(isinf(p0) && signbit(p0) == signbit(xs[i]), "%a", xs[i]);
+    else cr_expect(p0 == 0.0f && signbit(p0) == signbit(xs[i]), "zero keeps its sign");
+    cr_expect(p[1] == 0 && p[2] == 0, "x=%a: pieces 1, 2 are %#x %#x", xs[i], p[1], p[2]);
+  }
+  uint16_t strided[7] = {0};
+  fa_split_bf16(1.0f + ldexp(1.0f, -12), 3, strided, 3); /* pieces 3 apart */
+  cr_expect(fa_bf16_to_f32(strided[0]) == 1.0f && fa_bf16_to_f32(strided[3]) == ldexpf(1.0f, -12) && strided[6] == 0);
+  cr_expect(strided[1] == 0 && strided[2] == 0 && strided[4] == 0 && strided[5] == 0, "nothing between the pieces");
+}
+
+/* ---- the forward team ---------------------------------------------------- */
+
+typedef struct split_case {
+  int64_t P, N, lens[4];                           /* prefix layout, or a tree when nodes > 0 */
+  int64_t nodes, node_len[6], parents[6];
+  int causal, hq, hkv, d;
+  double scale;       /* 0: 1/sqrt(d) */
+  double o_tol, lse_tol; /* HIGH's; MEDIUM's are the documented bound */
+  int64_t nan_v_row;  /* >= 0: V of this row (KV head 0, column 0) is NaN */
+} split_case;
+
+/* The case's plan; off[] receives the layout's offsets. Returns T. */
+static int64_t case_plan(const split_case *c, fa_plan *plan, int64_t *off) {
+  off[0] = 0;
+  if (c->nodes) {
+    for (int64_t i = 0; i < c->nodes; i++) off[i + 1] = off[i] + c->node_len[i];
+    cr_assert_eq(fa_plan_tree(plan, c->nodes, off, c->parents, c->causal), 0);
+    return off[c->nodes];
+  }
+  for (int64_t i = 0; i < c->N; i++) off[i + 1] = off[i] + c->lens[i];
+  cr_assert_eq(fa_plan_prefix(plan, c->P, c->N, off, c->causal), 0);
+  return c->P + off[c->N];
+}
+
+/* x[n] f32 as np planes of n bf16 pieces. */
+static uint16_t *split_all(const float *x, int64_t n, int np) {
+  uint16_t *p = malloc(sizeof(uint16_t) * (size_t)(n * np));
+  cr_assert(p);
+  for (int64_t i = 0; i < n; i++) fa_split_bf16(x[i], np, p + i, n);
+  return p;
+}
+
+static fa_dev_tensor view(void *data, int dtype, int64_t heads, int64_t d) {
+  const fa_dev_tensor t = {data, dtype, heads * d, d};
+  return t;
+}
+
+/* Run the split forward at precision qk pieces (3 HIGH, 2 MEDIUM); errors of o (relative to its largest
+ * reference value) and lse (absolute) against the float64 reference, or, with a NaN V row, check that
+ * exactly the rows that see it are NaN. */
+static void split_run(const char *name, const split_case *c, int qk, double o_tol, double lse_tol) {
+  omp_set_dynamic(0);
+  tc_rng rng = tc_rng_for(name);
+  const int64_t hq = c->hq, hkv = c->hkv, d = c->d, group = hq / hkv;
+  fa_plan plan;
+  int64_t off[8];
+  const int64_t T = case_plan(c, &plan, off), nq = T * hq * d, nk = T * hkv * d;
+  float *q = malloc(sizeof(float) * (size_t)nq), *k = malloc(sizeof(float) * (size_t)nk),
+        *v = malloc(sizeof(float) * (size_t)nk), *o = malloc(sizeof(float) * (size_t)nq),
+        *lse = malloc(sizeof(float) * (size_t)(T * hq));
+  double *rq = malloc(sizeof(double) * (size_t)nq), *rk = malloc(sizeof(double) * (size_t)nk),
+         *rv = malloc(sizeof(double) * (size_t)nk), *ro = malloc(sizeof(double) * (size_t)nq),
+         *rlse = malloc(sizeof(double) * (size_t)(T * hq));
+  /* the attention tests' f32 inputs (prefix_harness.c): q in [-4, 4], k and v in [-1, 1] */
+  for (int64_t i = 0; i < nq; i++) rq[i] = q[i] = (float)tc_uniform(&rng, -4, 4);
+  for (int64_t i = 0; i < nk; i++) rk[i] = k[i] = (float)tc_uniform(&rng, -1, 1);
+  for (int64_t i = 0; i < nk; i++) rv[i] = v[i] = (float)tc_uniform(&rng, -1, 1);
+  const double scale = c->scale > 0 ? c->scale : 1.0 / sqrt((double)d);
+  const ref_prefix_out out = {ro, rlse, NULL, NULL, NULL};
+  if (c->nodes) {
+    const forkattn_tree_layout tree = {c->nodes, off, c->parents};
+    const ref_tree_args ra = {&tree, hq, hkv, d, scale, rq, rk, rv, NULL};
+    cr_assert_eq(ref_tree(&ra, &out), 0);
+  } else {
+    const forkattn_prefix_layout lay = {c->P, c->N, off, c->causal ? FORKATTN_MASK_CAUSAL : FORKATTN_MASK_BIDIRECTIONAL};
+    const ref_prefix_args ra = {&lay, hq, hkv, d, scale, rq, rk, rv, NULL};
+    cr_assert_eq(ref_prefix(&ra, &out), 0);
+  }
+  if (c->nan_v_row >= 0) v[c->nan_v_row * hkv * d] = NAN;
+  uint16_t *pq = split_all(q, nq, qk), *pk = split_all(k, nk, qk), *pv = split_all(v, nk, 2);
+
+  fa_block *qb;
+  const int64_t nqb = fa_plan_blocks(&plan, FA_MMA_ROWS, 0, &qb);
+  cr_assert(nqb > 0);
+  const fa_gpu_fwd_args ga = {view(pq, FORKATTN_DTYPE_BF16, hq, d), view(pk, FORKATTN_DTYPE_BF16, hkv, d),
+                              view(pv, FORKATTN_DTYPE_BF16, hkv, d), view(o, FORKATTN_DTYPE_F32, hq, d),
+                              lse, plan.seg, plan.pair, plan.q_pair_off, qb, nqb, hq, hkv, d, plan.qshift,
+                              (float)scale, {0}, 0, 0, NULL, 0, NULL, qk, 2, {nq, nk, nk}};
+  static unsigned short smem[FA_MMA_FWD_SMEM(128, 3, 2) / 2 + FA_MMA_FWD_SMEM(64, 3, 2) / 2];
+  cr_assert_geq(sizeof smem, FA_MMA_FWD_SMEM(d, qk, 2));
+  for (int64_t i = 0; i < nq; i++) o[i] = NAN; /* poison */
+  for (int64_t i = 0; i < T * hq; i++) lse[i] = NAN;
+  const int bk = FA_MMA_SPLIT_BK(d);
+  for (int64_t blk = 0; blk < nqb; blk++)
+    for (int64_t h = 0; h < hq; h++) {
+      int nth = 0;
+#pragma omp parallel num_threads(FA_MMA_THREADS)
+      {
+#pragma omp single
+        nth = omp_get_num_threads();
+        if (qk == 3) fa_mma_fwd_team_f32_high((int)d, bk, 0, ga, qb[blk], h, h / group, smem);
+        else fa_mma_fwd_team_f32_medium((int)d, bk, 0, ga, qb[blk], h, h / group, smem);
+      }
+      cr_assert_eq(nth, FA_MMA_THREADS, "the emulation needs %d threads", FA_MMA_THREADS);
+    }
+
+  if (c->nan_v_row < 0) {
+    double eo = 0, mo = 0, el = 0;
+    int64_t nonfinite = 0;
+    for (int64_t i = 0; i < nq; i++) {
+      nonfinite += !isfinite(o[i]);
+      eo = fmax(eo, fabs(o[i] - ro[i]));
+      mo = fmax(mo, fabs(ro[i]));
+    }
+    for (int64_t i = 0; i < T * hq; i++) {
+      nonfinite += !isfinite(lse[i]);
+      el = fmax(el, fabs(lse[i] - rlse[i]));
+    }
+    eo /= mo > 0 ? mo : 1;
+    cr_log_info("%s, %s: o %.3g (limit %.1g), lse %.3g (limit %.1g)", name, qk == 3 ? "HIGH" : "MEDIUM", eo, o_tol,
+                el, lse_tol);
+    cr_expect_eq(nonfinite, 0, "%s: %lld non-finite (or unwritten) outputs", name, (long long)nonfinite);
+    cr_expect_leq(eo, o_tol, "%s qk pieces %d: o relative error %.3g", name, qk, eo);
+    cr_expect_leq(el, lse_tol, "%s qk pieces %d: lse error %.3g", name, qk, el);
+  } else { /* the rows that see the NaN key are NaN, all others match the reference */
+    for (int64_t r = 0; r < T; r++)
+      for (int64_t h = 0; h < group; h++) { /* query heads of KV head 0 */
+        const int sees = !c->causal || r >= c->nan_v_row; /* a prefix case, the NaN row in the prompt */
+        const double g = o[(r * hq + h) * d], want = ro[(r * hq + h) * d];
+        if (sees) cr_expect(isnan(g), "%s: o[%lld, %lld] should be NaN", name, (long long)r, (long long)h);
+        else cr_expect(fabs(g - want) <= o_tol, "%s: o[%lld, %lld] = %g, want %g", name, (long long)r, (long long)h, g, want);
+      }
+  }
+  free(qb);
+  free(pq), free(pk), free(pv);
+  free(q), free(k), free(v), free(o), free(lse), free(rq), free(rk), free(rv), free(ro), free(rlse);
+  fa_plan_free(&plan);
+}
+
+/* MEDIUM's documented bound (docs/numerics.md): 8x HIGH's limits. */
+#define SPLIT_CASE(tname, ...)                                                                                  \
+  Test(split_emulated, tname, .timeout = 600) {                                                                \
+    const split_case c = {__VA_ARGS__};                                                                         \
+    split_run("split_emulated/" #tname, &c, 3, c.o_tol, c.lse_tol);                                            \
+    split_run("split_emulated/" #tname, &c, 2, 8 * c.o_tol, 8 * c.lse_tol);                                    \
+  }
+
+/* A GRPO group, GQA 4/2, 64-key tiles; the prompt's block crosses the diagonal. */
+SPLIT_CASE(prefix_causal_d64, .P = 70, .N = 3, .lens = {40, 1, 23}, .causal = 1, .hq = 4, .hkv = 2, .d = 64,
+           .o_tol = 2e-5, .lse_tol = 1e-4, .nan_v_row = -1)
+/* head_dim 128 (32-key tiles: Q's three pieces span both buffers), bidirectional */
+SPLIT_CASE(prefix_bidir_d128, .P = 90, .N = 2, .lens = {30, 17}, .causal = 0, .hq = 2, .hkv = 1, .d = 128,
+           .o_tol = 2e-5, .lse_tol = 1e-4, .nan_v_row = -1)
+/* a trie at head_dim 128 */
+SPLIT_CASE(tree_causal_d128, .nodes = 6, .node_len = {70, 20, 0, 17, 40, 5}, .parents = {-1, 0, 1, 1, 0, 4},
+           .causal = 1, .hq = 2, .hkv = 1, .d = 128, .o_tol = 2e-5, .lse_tol = 1e-4, .nan_v_row = -1)
+/* large logits (tests/test_prefix.c numerics/large_logits_f32: scale 4, d 64, scores ~40, maxima > 100) */
+SPLIT_CASE(large_logits_d64, .P = 113, .N = 2, .lens = {57, 29}, .causal = 1, .hq = 2, .hkv = 1, .d = 64,
+           .scale = 4.0, .o_tol = 1e-4, .lse_tol = 1e-3, .nan_v_row = -1)
+/* a NaN value row in the prompt's diagonal tile reaches exactly the rows that see it */
+SPLIT_CASE(prefix_causal_nan_v_d64, .P = 70, .N = 1, .lens = {10}, .causal = 1, .hq = 2, .hkv = 1, .d = 64,
+           .o_tol = 2e-5, .lse_tol = 1e-4, .nan_v_row = 37)

@@ -537,8 +537,11 @@ if HAVE_CUSTOM_OPS:
         ctx.save_for_backward(q_t, k_t, q_s, k_s, stats, *lay, *kept[:3])
         ctx.ints = tuple(kept[3:]) + tuple(inputs[4 + _N_LAYOUT + _N_KEPT:])
         ctx.mark_non_differentiable(stats, outside)
+        ctx.set_materialize_grads(False)  # no zero tensors filled for stats' and outside's gradients
 
     def _kl_backward(ctx, dkl, _ds, _do):
+        if dkl is None:  # the divergence unused by the loss
+            return (None,) * (4 + _N_LAYOUT + _N_KEPT + _N_KLOPT)
         q_t, k_t, q_s, k_s, stats, *rest = ctx.saved_tensors
         tg = bool(ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         dq_s, dk_s, dq_t, dk_t = torch.ops.forkattn.kl_bwd(dkl.float().contiguous(), q_t, k_t, q_s, k_s, stats,
@@ -589,8 +592,11 @@ if HAVE_CUSTOM_OPS:
         ctx.save_for_backward(q, k, v, out, lse, *lay, *kept[:3])
         ctx.ints = tuple(kept[3:]) + (inputs[-1],)
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
 
     def _kept_backward(ctx, dout, _dlse):
+        if dout is None:
+            return (None,) * (3 + _N_LAYOUT + _N_KEPT + 1)
         q, k, v, out, lse, *rest = ctx.saved_tensors
         dq, dk, dv = torch.ops.forkattn.kept_bwd(dout, q, k, v, out, lse, *rest, *ctx.ints)
         return (dq, dk, dv) + (None,) * (_N_LAYOUT + _N_KEPT + 1)

@@ -314,8 +314,11 @@ if HAVE_CUSTOM_OPS:
         ctx.block_size = int(inputs[7]) if len(inputs) > 7 else 0
         ctx.num_inputs = len(inputs)
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zero tensor filled for lse's gradient every backward
 
     def _cached_backward(ctx, dout, _dlse):
+        if dout is None:
+            return (None,) * ctx.num_inputs
         q, k, v, out, lse, P, R = ctx.saved_tensors
         if ctx.block_size:
             dq, dk, dv = torch.ops.forkattn.prefix_cached_bwd(dout, q, k, v, out, lse, P, R, ctx.scale, ctx.causal,

@@ -440,8 +440,11 @@ if HAVE_CUSTOM_OPS:
         ctx.save_for_backward(q, k, v, out, lse, P, R, S)
         ctx.scale, ctx.causal = scale, causal
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zero tensor filled for lse's gradient every backward
 
     def _prefix_backward(ctx, dout, _dlse):
+        if dout is None:  # out unused by the loss
+            return None, None, None, None, None, None, None, None
         q, k, v, out, lse, P, R, S = ctx.saved_tensors
         dq, dk, dv = torch.ops.forkattn.prefix_bwd(dout, q, k, v, out, lse, P, R, S, ctx.scale, ctx.causal)
         return dq, dk, dv, None, None, None, None, None
@@ -472,8 +475,11 @@ if HAVE_CUSTOM_OPS:
         ctx.save_for_backward(q, k, v, out, lse, offs, par)
         ctx.scale = scale
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zero tensor filled for lse's gradient every backward
 
     def _tree_backward(ctx, dout, _dlse):
+        if dout is None:  # out unused by the loss
+            return None, None, None, None, None, None
         q, k, v, out, lse, offs, par = ctx.saved_tensors
         dq, dk, dv = torch.ops.forkattn.tree_bwd(dout, q, k, v, out, lse, offs, par, ctx.scale)
         return dq, dk, dv, None, None, None
@@ -505,8 +511,11 @@ if HAVE_CUSTOM_OPS:
         ctx.save_for_backward(q, k, v, out, lse, cq, ck)
         ctx.scale, ctx.causal = scale, causal
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zero tensor filled for lse's gradient every backward
 
     def _varlen_backward(ctx, dout, _dlse):
+        if dout is None:  # out unused by the loss
+            return None, None, None, None, None, None, None
         q, k, v, out, lse, cq, ck = ctx.saved_tensors
         dq, dk, dv = torch.ops.forkattn.varlen_bwd(dout, q, k, v, out, lse, cq, ck, ctx.scale, ctx.causal)
         return dq, dk, dv, None, None, None, None

@@ -171,3 +171,26 @@ def test_backward_gets_no_zero_tensor_for_lse():
         grads = inner(out2.grad_fn, dout, torch.zeros(out2.shape[:2]))
         for g, leaf in zip(grads, leaves):
             assert torch.equal(g, leaf.grad)
+
+
+@pytest.mark.skipif(not ops.HAVE_CUSTOM_OPS, reason="this torch has no torch.library.custom_op")
+def test_custom_ops_backward_fills_no_zero_lse_gradient(monkeypatch):
+    """The custom ops' autograd (what torch.compile traces) does not materialize lse's zero
+    gradient either: no zeros op runs in the backward, and the gradients equal the eager path's."""
+    for _, fn, inputs in _three_layouts(17):
+        eager = [t.clone().requires_grad_() for t in inputs]
+        out = fn(*eager)
+        dout = torch.randn_like(out)
+        out.backward(dout)
+        monkeypatch.setattr(ops, "USE_CUSTOM_OPS", True)
+        custom = [t.clone().requires_grad_() for t in inputs]
+        out_c = fn(*custom)
+        assert torch.equal(out_c, out)
+        with torch.profiler.profile() as prof:
+            out_c.backward(dout)
+        monkeypatch.setattr(ops, "USE_CUSTOM_OPS", "compile")
+        names = {e.name for e in prof.events()}
+        assert "forkattn::prefix_bwd" in names or "forkattn::varlen_bwd" in names or "forkattn::tree_bwd" in names
+        assert not names & {"aten::zeros", "aten::zero_", "aten::fill_"}, sorted(names)
+        for a, b in zip(custom, eager):
+            assert torch.equal(a.grad, b.grad)

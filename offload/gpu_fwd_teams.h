@@ -71,9 +71,6 @@ static inline __attribute__((always_inline)) void fa_fwd_load_next(fa_smem sm, i
  * (FA_MMA_FWD_Q2). Only piece 0 of a non-finite value is non-finite, so
  * only V's piece 0 is scanned. */
 #define FA_MMA_FWD_Q2(BK, P, NQK, NV) (2 * ((NQK) + (NV)) * (BK) * (P) + 16) /* element of Q's piece 2 */
-/* Keys a tile of the split teams: half the bf16 team's, so that S, its successor and Q's two pieces in
- * registers fit without spilling */
-#define FA_MMA_SPLIT_BK(D) (FA_MMA_BK(D) / 2)
 /* Team memory of the forward team with NQK and NV pieces (1 and 1: bf16/f16, BK FA_MMA_BK; else
  * FA_MMA_SPLIT_BK) */
 #define FA_MMA_FWD_SMEM(D, NQK, NV)                                                                                \

@@ -26,6 +26,7 @@
 #include "gpu_fwd.h" /* FA_MMA_ROWS */
 #include "gpu_kl.h"
 #include "gpu_select_ctx.h"
+#include "gpu_split.h"
 #include "gpu_stage.h"
 #include "gpu_tiles.h"
 #include "online_softmax.h"
@@ -438,11 +439,21 @@ forkattn_status fa_gpu_kl_fwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_m
   b.qblocks = fa_stage_array(&st, qb_h, sizeof *qb_h * (size_t)nqb);
   b.kl = fa_stage_floats(&st, c->kl, n, 0);
   int bad = !b.qoff || !b.qblocks || !b.kl || fa_gpu_kl_stage_inputs(&st, c, &b);
+  int pieces, no_v;
+  fa_gpu_select_pieces(&ctx->gpu->knobs, FA_PASS_KL_FWD, kern, &call, &pieces, &no_v);
+  if (!bad && pieces) { /* f32 inputs on tensor cores: their bf16 pieces */
+    b.pieces = pieces;
+    bad = fa_gpu_split_pieces(&st, &b.qt, &b.pstride[0], &b.qt, c->qt.rows, c->h, c->dt, pieces) ||
+          fa_gpu_split_pieces(&st, &b.kt, &b.pstride[1], &b.kt, c->kt.rows, c->hkv_t, c->dt, pieces) ||
+          fa_gpu_split_pieces(&st, &b.qs, &b.pstride[2], &b.qs, c->qs.rows, c->h, c->ds, pieces) ||
+          fa_gpu_split_pieces(&st, &b.ks, &b.pstride[3], &b.ks, c->ks.rows, c->hkv_s, c->ds, pieces);
+  }
   if (!bad && c->stats) bad = !(b.stats = fa_stage_floats(&st, c->stats, n * FORKATTN_KL_STATS, 0));
   if (!bad && c->outside) bad = !(b.outside = fa_stage_floats(&st, c->outside, n, 0));
   if (bad) return fa_gpu_kl_stage_failed(ctx, &st, "kl_fwd");
   fa_note_workspace(ctx, st.bytes);
-  fa_gpu_log_kernels(ctx, "kl_fwd", "StreamKL forward %s", fa_gpu_kernel_name(FA_PASS_KL_FWD, kern));
+  fa_gpu_log_kernels(ctx, "kl_fwd", "StreamKL forward %s%s", fa_gpu_kernel_name(FA_PASS_KL_FWD, kern),
+                     pieces == 3 ? ", f32 as bf16x6" : pieces == 2 ? ", f32 as bf16x3" : "");
   if (mma) fa_gpu_mma_kl_fwd(&b, ctx->device);
   else fa_gpu_kl_fwd_kernel(&b, ctx->device);
   int rc = fa_stage_floats_back(&st, c->kl, b.kl, n);

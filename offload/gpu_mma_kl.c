@@ -31,11 +31,33 @@ fa_gpu_call fa_gpu_kl_call(const fa_kl_call *c, forkattn_memory memory, int bwd)
     }                                                                                                         \
   } while (0)
 
+/* The same for f32 inputs split into NP bf16 pieces (gpu_kl.h: pieces): half-size tiles, as the attention
+ * forward's split teams (FA_MMA_SPLIT_BK). */
+#define FA_MMA_KL_SPLIT(D, TEAM, NP)                                                                            \
+  do {                                                                                                        \
+    const size_t smem = FA_MMA_KL_FWD_SMEM(D, FA_MMA_SPLIT_BK(D), NP);                                         \
+    _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args)") \
+    {                                                                                                         \
+      unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
+      const int64_t team = ompx_block_id_x();                                                                 \
+      TEAM((D), FA_MMA_SPLIT_BK(D), 0, args, args.qblocks[team / args.h], team % args.h, sm);                  \
+    }                                                                                                         \
+  } while (0)
+
 void fa_gpu_mma_kl_fwd(const fa_gpu_kl *b, int dev) {
   const fa_gpu_kl args = *b;
   const int nteams = (int)(b->nqb * b->h);
   if (nteams == 0) return;
-  FA_MMA_BY_HEAD_DIM(FA_MMA_KL, b->dt, b->qt.dtype == FORKATTN_DTYPE_F16);
+  if (b->pieces == 3 && b->dt == 128) FA_MMA_KL_SPLIT(128, fa_mma_kl_fwd_team_f32_high, 3);
+  else if (b->pieces == 3) FA_MMA_KL_SPLIT(64, fa_mma_kl_fwd_team_f32_high, 3);
+  else if (b->pieces == 2 && b->dt == 128) FA_MMA_KL_SPLIT(128, fa_mma_kl_fwd_team_f32_medium, 2);
+  else if (b->pieces == 2) FA_MMA_KL_SPLIT(64, fa_mma_kl_fwd_team_f32_medium, 2);
+  else FA_MMA_BY_HEAD_DIM(FA_MMA_KL, b->dt, b->qt.dtype == FORKATTN_DTYPE_F16);
+}
+
+size_t fa_gpu_mma_kl_fwd_split_smem(int64_t d, int pieces) {
+  return d == 128 ? FA_MMA_KL_FWD_SMEM(128, FA_MMA_SPLIT_BK(128), pieces)
+                  : FA_MMA_KL_FWD_SMEM(64, FA_MMA_SPLIT_BK(64), pieces);
 }
 
 /* One team per (64-row query block, query head), as the forward. */

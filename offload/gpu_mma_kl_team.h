@@ -18,6 +18,7 @@
 #include "gpu_kl.h"
 #include "gpu_mma.h"
 #include "gpu_mma_tiles.h"
+#include "gpu_products.h"
 #include "online_kl.h"
 
 #pragma omp declare target
@@ -83,16 +84,54 @@ static inline void fa_mma_kl_fold(fa_kl_state *st, float t, float s, int key, in
   if (key < lim) fa_kl_add(st, t * sct, s * scs);
 }
 
-static inline __attribute__((always_inline)) void fa_mma_kl_fwd_team(const int D, const int BK, const int f16,
-                                                                      const fa_gpu_kl b, fa_block blk, int64_t h,
-                                                                      unsigned short *smem) {
+/* Piece p of a split input t, stride elements past piece 0 (p 0: t). */
+static inline __attribute__((always_inline)) fa_dev_tensor fa_mma_kl_piece(fa_dev_tensor t, int64_t stride, int p) {
+  if (p) t.data = (unsigned short *)t.data + p * stride;
+  return t;
+}
+
+/* Tile w's rows of both sides' K, NP pieces each, into the buffer at buf: K_t's pieces, then K_s's, BK * P
+ * elements apart. */
+static inline __attribute__((always_inline)) void fa_mma_kl_load_pieces(fa_smem sm, int buf, int P, int BK, int D,
+                                                                        int NP, const fa_gpu_kl *b, int64_t gt,
+                                                                        int64_t gs, fa_tile_walk w, int tid) {
+  const int nk = fa_walk_keys(w, BK);
+#pragma unroll
+  for (int p = 0; p < NP; p++) {
+    fa_mma_load_rows(sm, buf + p * BK * P, P, BK, D, fa_mma_kl_piece(b->kt, b->pstride[1], p), w.kb, nk, gt, tid);
+    fa_mma_load_rows(sm, buf + (NP + p) * BK * P, P, BK, D, fa_mma_kl_piece(b->ks, b->pstride[3], p), w.kb, nk, gs,
+                     tid);
+  }
+}
+
+/* The forward team of NP pieces a score input (1: bf16/f16; f32 split into 3 at HIGH precision, 2 at
+ * MEDIUM, lib/core/split_bf16.h). Split, each buffer holds K_t's pieces then K_s's, both sides' Q pieces
+ * 1 and 2 stay in team memory past the buffers (FA_MMA_KL_FWD_Q1) and the scores take the products of
+ * fa_mma_qk_split_rest too. */
+#define FA_MMA_KL_FWD_Q1(BK, P, NP) (4 * (NP) * (BK) * (P)) /* element of Q_t's piece 1 */
+#define FA_MMA_KL_FWD_SMEM(D, BK, NP) ((size_t)(FA_MMA_KL_FWD_Q1(BK, (D) + 8, NP) + 2 * ((NP) - 1) * FA_MMA_ROWS * ((D) + 8)) * 2)
+static inline __attribute__((always_inline)) void fa_mma_kl_fwd_team_of(const int D, const int BK, const int f16,
+                                                                         const int NP, const fa_gpu_kl b,
+                                                                         fa_block blk, int64_t h,
+                                                                         unsigned short *smem) {
   const int P = D + 8;
   const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
   const fa_smem sm = fa_smem_of(smem);
-  const int buf0 = 0, buf1 = 2 * BK * P; /* element offsets; each: K_t [BK][P], K_s [BK][P] */
+  const int buf0 = 0, buf1 = 2 * NP * BK * P; /* element offsets; each: K_t [BK][P], K_s [BK][P] (NP pieces each) */
   const int64_t gt = h / (b.h / b.hkv_t), gs = h / (b.h / b.hkv_s);
+  /* this lane's A addresses of Q_t's pieces 1, 2 and Q_s's (split inputs) */
+  const int q1t = FA_MMA_KL_FWD_Q1(BK, P, NP) + (warp * 16 + fa_ldsm_a_row(lane)) * P + fa_ldsm_a_col(lane);
+  const int q1s = q1t + (NP - 1) * FA_MMA_ROWS * P;
 
-  /* Q_t and Q_s (64 rows each) fill the team memory first; the walk starts after. */
+  /* Q_t and Q_s (64 rows each) fill the team memory first; the walk starts after. Their pieces 1, 2 go
+   * past the buffers in the same copy group. */
+#pragma unroll
+  for (int p = 1; p < NP; p++) {
+    const int at = FA_MMA_KL_FWD_Q1(BK, P, NP) + (p - 1) * FA_MMA_ROWS * P;
+    fa_mma_load_rows(sm, at, P, FA_MMA_ROWS, D, fa_mma_kl_piece(b.qt, b.pstride[0], p), blk.start, blk.len, h, tid);
+    fa_mma_load_rows(sm, at + (NP - 1) * FA_MMA_ROWS * P, P, FA_MMA_ROWS, D, fa_mma_kl_piece(b.qs, b.pstride[2], p),
+                     blk.start, blk.len, h, tid);
+  }
   const fa_mma_kl_frags q = fa_mma_kl_load_frags(sm, P, D, b.qt, h, b.qs, h, blk, tid);
 
   const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
@@ -101,17 +140,29 @@ static inline __attribute__((always_inline)) void fa_mma_kl_fwd_team(const int D
   fa_kl_state acc0 = fa_kl_init(), acc1 = fa_kl_init();
 
   fa_tile_walk w = fa_walk_first(b.qoff, b.seg, b.pair, blk, 0);
-  if (w.pi < w.pend) fa_mma_load_kv(sm, buf0, P, BK, D, b.kt, gt, b.ks, gs, w, tid);
+  if (w.pi < w.pend) {
+    if (NP == 1) fa_mma_load_kv(sm, buf0, P, BK, D, b.kt, gt, b.ks, gs, w, tid);
+    else fa_mma_kl_load_pieces(sm, buf0, P, BK, D, NP, &b, gt, gs, w, tid);
+  }
   fa_cp_async_commit();
   int cur = 0;
   while (w.pi < w.pend) {
     const fa_tile_walk nx = fa_walk_next(w, BK, b.seg, b.pair, blk, 0);
-    const int kt = cur ? buf1 : buf0, kst = kt + BK * P;
-    fa_mma_kv_step(sm, cur ? buf0 : buf1, P, BK, D, b.kt, gt, b.ks, gs, nx, tid);
+    const int kt = cur ? buf1 : buf0, kst = kt + NP * BK * P;
+    if (NP == 1) {
+      fa_mma_kv_step(sm, cur ? buf0 : buf1, P, BK, D, b.kt, gt, b.ks, gs, nx, tid);
+    } else {
+      if (nx.pi < nx.pend) fa_mma_kl_load_pieces(sm, cur ? buf0 : buf1, P, BK, D, NP, &b, gt, gs, nx, tid);
+      fa_mma_tile_ready(nx.pi < nx.pend, 0);
+    }
     const int nk = fa_walk_keys(w, BK);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, (int)row0, w.kb, nk);
     const int lim1 = fa_mma_row_keys(ok1, w.causal, (int)row0 + 8, w.kb, nk);
-    const fa_mma_kl_sc sc = fa_mma_kl_scores(sm, kt, kst, P, D, BK, q, f16, lane);
+    fa_mma_kl_sc sc = fa_mma_kl_scores(sm, kt, kst, P, D, BK, q, f16, lane);
+    if (NP > 1) {
+      fa_mma_qk_split_rest(sc.t, q.t, q1t, q1t + FA_MMA_ROWS * P, NP, sm, kt, P, BK, D, lane);
+      fa_mma_qk_split_rest(sc.s, q.s, q1s, q1s + FA_MMA_ROWS * P, NP, sm, kst, P, BK, D, lane);
+    }
 #pragma unroll
     for (int n = 0; n < BK / 8; n++) {
       const int key = n * 8 + c0;
@@ -141,6 +192,25 @@ static inline __attribute__((always_inline)) void fa_mma_kl_fwd_team(const int D
       for (int s = 0; s < FORKATTN_KL_STATS; s++) b.stats[i * FORKATTN_KL_STATS + s] = stats4[s];
     if (b.outside) b.outside[i] = out;
   }
+}
+
+/* The forward of bf16/f16 inputs, and of f32 inputs split at HIGH (3 pieces) and MEDIUM (2) precision. */
+static inline __attribute__((always_inline)) void fa_mma_kl_fwd_team(const int D, const int BK, const int f16,
+                                                                      const fa_gpu_kl b, fa_block blk, int64_t h,
+                                                                      unsigned short *smem) {
+  fa_mma_kl_fwd_team_of(D, BK, f16, 1, b, blk, h, smem);
+}
+static inline __attribute__((always_inline)) void fa_mma_kl_fwd_team_f32_high(const int D, const int BK,
+                                                                               const int f16, const fa_gpu_kl b,
+                                                                               fa_block blk, int64_t h,
+                                                                               unsigned short *smem) {
+  fa_mma_kl_fwd_team_of(D, BK, f16, 3, b, blk, h, smem);
+}
+static inline __attribute__((always_inline)) void fa_mma_kl_fwd_team_f32_medium(const int D, const int BK,
+                                                                                 const int f16, const fa_gpu_kl b,
+                                                                                 fa_block blk, int64_t h,
+                                                                                 unsigned short *smem) {
+  fa_mma_kl_fwd_team_of(D, BK, f16, 2, b, blk, h, smem);
 }
 #pragma omp end declare target
 

@@ -417,5 +417,9 @@ static inline unsigned long long fa_mma_scan_rows(unsigned short *t, int P, int 
 /* Keys per tile of the mma.sync query-side kernels (forward, dQ, StreamKL):
  * 32 at head_dim 128 (registers), 64 at 64. */
 #define FA_MMA_BK(D) ((D) == 128 ? 32 : 64)
+/* Keys per tile of the teams that multiply f32 inputs as bf16 pieces (the forward and the StreamKL
+ * forward): half the bf16 teams', so that S, its successor and the register pieces of Q fit without
+ * spilling, and the pieces' buffers in team memory */
+#define FA_MMA_SPLIT_BK(D) (FA_MMA_BK(D) / 2)
 
 #endif

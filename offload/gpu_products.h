@@ -41,6 +41,24 @@ static inline __attribute__((always_inline)) void fa_mma_qk_pieces(fa_f4 *s, con
   }
 }
 
+/* The products of a split Q K^T (fa_mma_qk_pieces) past Q0 K0, for a team
+ * that keeps only Q's piece 0 in registers (q0) and its pieces 1 and 2 in
+ * team memory at this lane's A addresses q1, q2 (fa_mma_acc_abt_sa): acc +=
+ * Q0 K1 + Q1 K0, and at NP 3 Q0 K2 + Q2 K0 + Q1 K1; K's pieces BK * P
+ * elements apart from kt. The StreamKL forward, whose two sides' Q would
+ * not fit registers twice over. */
+static inline __attribute__((always_inline)) void fa_mma_qk_split_rest(fa_f4 *acc, const fa_u4 *q0, int q1, int q2,
+                                                                       int NP, fa_smem sm, int kt, int P, int BK,
+                                                                       int D, int lane) {
+  fa_mma_acc_abt(acc, q0, sm, kt + BK * P, P, BK, D, 0, lane);
+  fa_mma_acc_abt_sa(acc, sm, q1, kt, P, BK, D, 0, lane);
+  if (NP > 2) {
+    fa_mma_acc_abt(acc, q0, sm, kt + 2 * BK * P, P, BK, D, 0, lane);
+    fa_mma_acc_abt_sa(acc, sm, q2, kt, P, BK, D, 0, lane);
+    fa_mma_acc_abt_sa(acc, sm, q1, kt + BK * P, P, BK, D, 0, lane);
+  }
+}
+
 /* O += P V with V split into NP pieces BK * P elements apart from vt: P's
  * accumulators s are packed to bf16 (fa_mma_acc_ab); with two pieces P0 V0 +
  * P0 V1 + P1 V0, P1 what P0's packing left in s (s is consumed). */

@@ -8,13 +8,13 @@
 #include "gpu_persist.h"
 #include "gpu_select.h"
 
-/* f32 inputs reach the tensor cores split into bf16 pieces: the forward, unless the context asks for f32
- * products, when its team memory fits the device. */
+/* f32 inputs reach the tensor cores split into bf16 pieces: the passes with such a kernel (the forward
+ * and the StreamKL forward), unless the context asks for f32 products, when its team memory fits the
+ * device. */
 static int fa_select_split(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, fa_gpu_pass pass,
                            const fa_gpu_call *c) {
-  const size_t need = caps->split_smem[c->d == 128];
-  return c->f32 && pass == FA_PASS_FWD && knobs->f32 != FORKATTN_F32_PRECISION_HIGHEST && need &&
-         need <= caps->team_memory;
+  const size_t need = caps->split_smem[pass][c->d == 128];
+  return c->f32 && knobs->f32 != FORKATTN_F32_PRECISION_HIGHEST && need && need <= caps->team_memory;
 }
 
 /* Tensor-core kernels exist for bf16/f16 (and f32 split into bf16, fa_select_split) at head_dim 64 and 128
@@ -45,9 +45,9 @@ fa_gpu_kernel fa_gpu_select(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, 
 
 void fa_gpu_select_pieces(const fa_gpu_knobs *knobs, fa_gpu_pass pass, fa_gpu_kernel k, const fa_gpu_call *call,
                           int *qk, int *v) {
-  const int split = call->f32 && k != FA_KERNEL_FP32 && pass == FA_PASS_FWD;
+  const int split = call->f32 && k != FA_KERNEL_FP32 && (pass == FA_PASS_FWD || pass == FA_PASS_KL_FWD);
   *qk = !split ? 0 : knobs->f32 == FORKATTN_F32_PRECISION_MEDIUM ? 2 : 3;
-  *v = split ? 2 : 0;
+  *v = split && pass == FA_PASS_FWD ? 2 : 0;
 }
 
 int fa_gpu_select_needs_tma(fa_gpu_kernel k) { return k == FA_KERNEL_WG_PAIR || k == FA_KERNEL_WG_KEY_MAJOR; }
@@ -126,8 +126,8 @@ void fa_gpu_select_describe(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, 
   const fa_gpu_call f32 = {.f32 = 1, .d = 128, .rows16 = 1, .same_d = 1, .same_kv_heads = 1, .tma = 1};
   if (fa_gpu_select(caps, knobs, FA_PASS_FWD, &f32) == FA_KERNEL_MMA)
     n = snprintf(buf + at, len - at, knobs->f32 == FORKATTN_F32_PRECISION_MEDIUM
-                                         ? "; f32 forward mma.sync bf16x3"
-                                         : "; f32 forward mma.sync bf16x6/x3");
+                                         ? "; f32 forward and StreamKL forward mma.sync bf16x3"
+                                         : "; f32 forward and StreamKL forward mma.sync bf16x6/x3");
   else
     n = 0;
   if (n >= 0 && (size_t)n < len - at) snprintf(buf + at + (size_t)n, len - at - (size_t)n, "; other calls fp32");

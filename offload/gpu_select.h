@@ -14,9 +14,9 @@
  *  - FA_KERNEL_WG_KEY_MAJOR: the wgmma dK/dV at head_dim 64, one warpgroup,
  *    key-major (64 keys as the products' rows), Q and dO by bulk copies;
  *  - FA_KERNEL_MMA: mma.sync tensor-core kernels (any offload target), also
- *    every StreamKL tensor-core pass, and the forward of f32 inputs split
- *    into bf16 pieces (the context's f32 precision HIGH or MEDIUM,
- *    lib/core/split_bf16.h);
+ *    every StreamKL tensor-core pass, and the forward and StreamKL forward
+ *    of f32 inputs split into bf16 pieces (the context's f32 precision HIGH
+ *    or MEDIUM, lib/core/split_bf16.h);
  *  - FA_KERNEL_FP32: CUDA-core kernels for everything else (f32 at HIGHEST
  *    precision and f32 backward passes, other head_dims, kept sets, rows not
  *    16-byte aligned).
@@ -47,9 +47,9 @@ typedef struct fa_gpu_caps {
   int sms;            /* multiprocessors (0: unknown) */
   /* team memory the wgmma kernel of a pass needs at head_dim 64 ([0]) and 128 ([1]); 0: none */
   size_t wg_smem[FA_PASSES][2];
-  /* team memory the mma.sync forward of split f32 inputs needs at head_dim 64 ([0]) and 128 ([1]) at HIGH
-   * precision (MEDIUM needs less) */
-  size_t split_smem[2];
+  /* team memory the mma.sync kernel of a pass needs for split f32 inputs at head_dim 64 ([0]) and 128
+   * ([1]) at HIGH precision (MEDIUM needs less); 0: the pass has none */
+  size_t split_smem[FA_PASSES][2];
 } fa_gpu_caps;
 
 /* The context's knobs (forkattn_ctx_options, overridden by the environment). */
@@ -84,8 +84,9 @@ fa_gpu_kernel fa_gpu_select(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, 
                             const fa_gpu_call *call);
 
 /* The bf16 pieces (lib/core/split_bf16.h) the f32 inputs of `call` are split into for kernel k of `pass`:
- * q and k in *qk, v in *v; 3 and 2 at HIGH precision, 2 and 2 at MEDIUM, 0 and 0 when they stay as they are
- * (bf16/f16 inputs, HIGHEST, or the FP32 kernels). */
+ * the score inputs (q and k; StreamKL's four) in *qk, v in *v; 3 and 2 at HIGH precision, 2 and 2 at
+ * MEDIUM (StreamKL: v 0), 0 and 0 when they stay as they are (bf16/f16 inputs, HIGHEST, or the FP32
+ * kernels). */
 void fa_gpu_select_pieces(const fa_gpu_knobs *knobs, fa_gpu_pass pass, fa_gpu_kernel k, const fa_gpu_call *call,
                           int *qk, int *v);
 

@@ -5,6 +5,7 @@
 #include "alloc.h"
 #include "gpu_bwd.h"
 #include "gpu_fwd.h"
+#include "gpu_kl.h"
 #include "gpu_select_ctx.h"
 #include "gpu_stream.h"
 #include "gpu_team_memory.h"
@@ -22,7 +23,10 @@ forkattn_status fa_gpu_choice_init(forkattn_ctx *ctx, const forkattn_ctx_options
   g->caps.team_memory = fa_gpu_team_memory(ctx->device);
   g->caps.sms = fa_gpu_sms(ctx->device);
   fa_gpu_mma_fwd_smem(g->caps.wg_smem[FA_PASS_FWD]);
-  g->caps.split_smem[0] = fa_gpu_mma_fwd_split_smem(64, 3), g->caps.split_smem[1] = fa_gpu_mma_fwd_split_smem(128, 3);
+  for (int i = 0; i < 2; i++) {
+    g->caps.split_smem[FA_PASS_FWD][i] = fa_gpu_mma_fwd_split_smem(i ? 128 : 64, 3);
+    g->caps.split_smem[FA_PASS_KL_FWD][i] = fa_gpu_mma_kl_fwd_split_smem(i ? 128 : 64, 3);
+  }
   fa_gpu_mma_bwd_smem(g->caps.wg_smem[FA_PASS_DQ], g->caps.wg_smem[FA_PASS_DKV]);
   fa_gpu_select_describe(&g->caps, &g->knobs, ctx->kernels, sizeof ctx->kernels);
   return FORKATTN_OK;

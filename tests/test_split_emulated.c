@@ -6,8 +6,10 @@
  * HIGH precision is held to the f32 tolerances of the attention tests
  * (tests/prefix_harness.c: o 2e-5 relative, lse 1e-4; large logits 1e-4 and
  * 1e-3, tests/test_prefix.c), MEDIUM to its documented bound
- * (docs/numerics.md "f32 on tensor cores"). Every output element starts
- * poisoned. [ran on host: emulation; the kernel runs on the GPU in
+ * (docs/numerics.md "f32 on tensor cores"). The StreamKL forward team
+ * (offload/gpu_mma_kl_team.h, fa_mma_kl_fwd_team_f32_high / _medium) the
+ * same way, against tests/reference_kl.c with the StreamKL tests' f32
+ * tolerance. Every output element starts poisoned. [ran on host: emulation; the kernel runs on the GPU in
  * test_prefix_device's f32 cases] Clang only (the host side of ompx.h). */
 #define FORKATTN_MMA_EMULATE 1
 
@@ -19,6 +21,8 @@
 #include <string.h>
 
 #include "gpu_fwd_teams.h"
+#include "gpu_mma_kl_team.h"
+#include "reference_kl.h"
 #include "reference.h"
 #include "segment_plan.h"
 #include "split_bf16.h"
@@ -229,3 +233,99 @@ SPLIT_CASE(large_logits_d64, .P = 113, .N = 2, .lens = {57, 29}, .causal = 1, .h
 /* a NaN value row in the prompt's diagonal tile reaches exactly the rows that see it */
 SPLIT_CASE(prefix_causal_nan_v_d64, .P = 70, .N = 1, .lens = {10}, .causal = 1, .hq = 2, .hkv = 1, .d = 64,
            .o_tol = 2e-5, .lse_tol = 1e-4, .nan_v_row = 37)
+
+/* ---- the StreamKL forward team --------------------------------------------- */
+
+/* A prefix layout's StreamKL forward from f32 inputs split into np pieces, against refkl_run: per (row,
+ * head) |kl - ref| <= c (1 + R + cond + |kl|) as tests/reference_kl.h derives it (c 1e-5 for f32; the
+ * log-sum-exps c (1 + R)), c scaled by `mult` for MEDIUM. */
+static void kl_split_case(const char *name, int64_t P, int64_t N, const int64_t *lens, int causal, int64_t H,
+                          int64_t hkv_t, int64_t hkv_s, int64_t d, int reverse, int np, double mult) {
+  omp_set_dynamic(0);
+  tc_rng rng = tc_rng_for(name);
+  int64_t off[8] = {0};
+  for (int64_t i = 0; i < N; i++) off[i + 1] = off[i] + lens[i];
+  const int64_t T = P + off[N];
+  fa_plan plan;
+  cr_assert_eq(fa_plan_prefix(&plan, P, N, off, causal), 0);
+  const int64_t sizes[4] = {T * H * d, T * hkv_t * d, T * H * d, T * hkv_s * d};
+  float *x[4];
+  double *rx[4];
+  uint16_t *pc[4];
+  for (int i = 0; i < 4; i++) {
+    x[i] = malloc(sizeof(float) * (size_t)sizes[i]), rx[i] = malloc(sizeof(double) * (size_t)sizes[i]);
+    for (int64_t e = 0; e < sizes[i]; e++) rx[i][e] = x[i][e] = (float)tc_uniform(&rng, i % 2 ? -1 : -2, i % 2 ? 1 : 2);
+    pc[i] = split_all(x[i], sizes[i], np);
+  }
+  const double sct = 0.9 / sqrt((double)d), scs = 1.1 / sqrt((double)d);
+  forkattn_prefix_layout lay = {P, N, off, causal ? FORKATTN_MASK_CAUSAL : FORKATTN_MASK_BIDIRECTIONAL};
+  forkattn_layout layout = {.prefix = &lay};
+  double *rkl = malloc(sizeof(double) * (size_t)(T * H)), *rstats = malloc(sizeof(double) * (size_t)(T * H * 4));
+  double *rscale = malloc(sizeof(double) * (size_t)(T * H)), *cond = malloc(sizeof(double) * (size_t)(T * H));
+  const refkl_args ra = {&layout, NULL, H, hkv_t, hkv_s, d, d, sct, scs, 1.0, reverse, 0, rx[0], rx[1], rx[2], rx[3],
+                         NULL};
+  const refkl_out ro = {.kl = rkl, .stats = rstats, .rscale = rscale, .cond = cond};
+  cr_assert_eq(refkl_run(&ra, &ro), 0);
+
+  float *kl = malloc(sizeof(float) * (size_t)(T * H)), *stats = malloc(sizeof(float) * (size_t)(T * H * 4));
+  float *outside = malloc(sizeof(float) * (size_t)(T * H));
+  for (int64_t i = 0; i < T * H; i++) kl[i] = outside[i] = NAN;
+  for (int64_t i = 0; i < T * H * 4; i++) stats[i] = NAN;
+  fa_block *qb;
+  const int64_t nqb = fa_plan_blocks(&plan, FA_MMA_ROWS, 0, &qb);
+  fa_gpu_kl b;
+  memset(&b, 0, sizeof b);
+  b.qt = view(pc[0], FORKATTN_DTYPE_BF16, H, d), b.kt = view(pc[1], FORKATTN_DTYPE_BF16, hkv_t, d);
+  b.qs = view(pc[2], FORKATTN_DTYPE_BF16, H, d), b.ks = view(pc[3], FORKATTN_DTYPE_BF16, hkv_s, d);
+  b.pieces = np;
+  for (int i = 0; i < 4; i++) b.pstride[i] = sizes[i];
+  b.seg = plan.seg, b.pair = plan.pair, b.qoff = plan.q_pair_off, b.qblocks = qb;
+  b.kl = kl, b.stats = stats, b.outside = outside;
+  b.reverse = reverse, b.nqb = nqb, b.h = H, b.hkv_t = hkv_t, b.hkv_s = hkv_s, b.dt = b.ds = d;
+  b.st = (float)sct, b.ss = (float)scs, b.loss_mul = 1.0f;
+  static unsigned short smem[FA_MMA_KL_FWD_SMEM(128, FA_MMA_SPLIT_BK(128), 3) / 2];
+  cr_assert_geq(sizeof smem, FA_MMA_KL_FWD_SMEM(d, FA_MMA_SPLIT_BK(d), np));
+  const int bk = FA_MMA_SPLIT_BK(d);
+  for (int64_t blk = 0; blk < nqb; blk++)
+    for (int64_t h = 0; h < H; h++) {
+#pragma omp parallel num_threads(FA_MMA_THREADS)
+      {
+        if (np == 3) fa_mma_kl_fwd_team_f32_high((int)d, bk, 0, b, qb[blk], h, smem);
+        else fa_mma_kl_fwd_team_f32_medium((int)d, bk, 0, b, qb[blk], h, smem);
+      }
+    }
+  const double c = 1e-5 * mult;
+  double worst = 0, worst_lse = 0;
+  for (int64_t i = 0; i < T * H; i++) {
+    const double R = rscale[i], want = rkl[i], got = kl[i];
+    cr_assert(isfinite(got) && isfinite(stats[i * 4]) && isfinite(stats[i * 4 + 1]), "%s: [%lld] unwritten or NaN",
+              name, (long long)i);
+    const double lim = c * (1 + R + cond[i] + fabs(want));
+    worst = fmax(worst, fabs(got - want) / lim);
+    cr_expect_leq(fabs(got - want), lim, "%s: kl[%lld] = %.9g, float64 %.9g", name, (long long)i, got, want);
+    for (int s = 0; s < 2; s++) {
+      const double e = fabs(stats[i * 4 + s] - rstats[i * 4 + s]) / (c * (1 + R));
+      worst_lse = fmax(worst_lse, e);
+      cr_expect_leq(e, 1.0, "%s: lse %d of [%lld]: %.9g, float64 %.9g", name, s, (long long)i, stats[i * 4 + s],
+                    rstats[i * 4 + s]);
+    }
+    cr_expect(outside[i] == 0.0f, "%s: outside mass without a kept set", name);
+  }
+  cr_log_info("%s, %d pieces: worst kl error %.2g and lse error %.2g of their limits", name, np, worst, worst_lse);
+  free(qb), free(kl), free(stats), free(outside), free(rkl), free(rstats), free(rscale), free(cond);
+  for (int i = 0; i < 4; i++) free(x[i]), free(rx[i]), free(pc[i]);
+  fa_plan_free(&plan);
+}
+
+/* teacher 4 query / 2 KV heads, student 4 / 1; forward and reverse KL; MEDIUM at 8x the limits */
+Test(split_emulated, kl_prefix_causal_d64, .timeout = 600) {
+  const int64_t lens[2] = {40, 23};
+  kl_split_case("split_emulated/kl_prefix_causal_d64", 70, 2, lens, 1, 4, 2, 1, 64, 0, 3, 1);
+  kl_split_case("split_emulated/kl_prefix_causal_d64", 70, 2, lens, 1, 4, 2, 1, 64, 0, 2, 8);
+}
+
+Test(split_emulated, kl_prefix_bidir_reverse_d128, .timeout = 600) {
+  const int64_t lens[2] = {30, 9};
+  kl_split_case("split_emulated/kl_prefix_bidir_reverse_d128", 50, 2, lens, 0, 2, 1, 2, 128, 1, 3, 1);
+  kl_split_case("split_emulated/kl_prefix_bidir_reverse_d128", 50, 2, lens, 0, 2, 1, 2, 128, 1, 2, 8);
+}

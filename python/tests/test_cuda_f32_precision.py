@@ -1,6 +1,7 @@
 """float32 inputs on the GPU at each ``f32_precision`` (docs/numerics.md "f32 on tensor cores"):
-the forward on tensor cores from bf16 pieces ("high", "medium") or on CUDA cores ("highest"),
-against float64, with the backward (FP32 kernels) reading its lse. Skipped unless torch sees a GPU
+the attention forward and the StreamKL forward on tensor cores from bf16 pieces ("high",
+"medium") or on CUDA cores ("highest"), against float64, with the backward (FP32 kernels) reading
+the forward's lse (statistics). Skipped unless torch sees a GPU
 and the library has offload (as test_cuda.py)."""
 
 import pytest
@@ -31,7 +32,7 @@ def _gpu_context():
 
 def _run(precision, d, scale_q, seed, softmax_scale=None):
     ctx = forkattn.Context("gpu", f32_precision=precision)
-    assert ("f32 forward mma.sync" in ctx.gpu_kernels) == (precision != "highest"), ctx.gpu_kernels
+    assert ("StreamKL forward mma.sync bf16" in ctx.gpu_kernels) == (precision != "highest"), ctx.gpu_kernels
     lay = forkattn.SharedPrefixLayout.from_lengths([150, 70], [[130, 97], [64, 1, 33]])
     hq, hkv = 4, 2
     q, k, v, do = make_qkv(lay.num_rows, hq, hkv, d, torch.float32, seed=seed, scale_q=scale_q)
@@ -72,3 +73,33 @@ def test_f32_precisions_run_different_kernels():
     """Not vacuous: the three precisions give three different outputs (the same inputs)."""
     outs = [_run(p, 64, 4.0, seed=3)[0] for p in ("high", "medium", "highest")]
     assert not torch.equal(outs[0], outs[2]) and not torch.equal(outs[1], outs[2]) and not torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("precision", ["high", "medium", "highest"])
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+def test_f32_precision_stream_kl(precision, direction):
+    """StreamKL of f32 teacher and student (GQA 4/2 and 4/1, d 64) on a GRPO group: kl against float64
+    at test_distill's f32 limit (1e-5 relative; medium 8x), gradients (FP32 backward) at 1e-5."""
+    from test_distill import ref_kl, visibility
+
+    lay = forkattn.SharedPrefixLayout.from_lengths([70], [[40, 23]])
+    T, H, d = lay.num_rows, 4, 64
+    g = torch.Generator().manual_seed(11 + (direction == "reverse"))
+    shapes = ((T, H, d, 2.0), (T, 2, d, 1.0), (T, H, d, 2.0), (T, 1, d, 1.0))
+    inp = [(torch.rand(*s[:3], generator=g, dtype=torch.float64) * 2 - 1) * s[3] for s in shapes]
+    x = [t.float().cuda().requires_grad_() for t in inp]
+    ctx = forkattn.Context("gpu", f32_precision=precision)
+    with forkattn.use_context(ctx):
+        kl = forkattn.stream_kl(*x, lay, direction=direction, teacher_grad=True)
+        w = torch.rand(T, H, generator=g, dtype=torch.float64)
+        (kl * w.float().cuda()).sum().backward()
+    torch.cuda.synchronize()
+    r64 = [t.clone().requires_grad_() for t in inp]
+    rkl, _ = ref_kl(*r64, visibility(lay, T), None, direction, st=d ** -0.5, ss=d ** -0.5)
+    (rkl * w).sum().backward()
+    e = rel_err(kl.detach().cpu(), rkl.detach())
+    eg = max(rel_err(a.grad.cpu(), b.grad) for a, b in zip(x, r64))
+    print("StreamKL f32_precision=%s %s: kl %.2e grads %.2e" % (precision, direction, e, eg))
+    assert e <= (8e-5 if precision == "medium" else 1e-5), e
+    assert eg <= (1e-4 if precision == "medium" else 1e-5), eg
+    ctx.close()

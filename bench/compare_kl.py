@@ -16,6 +16,9 @@ Usage (on the GPU machine, library built with offload):
   --million: also one head at 2^20 tokens, StreamKL only.
   --dtype bf16|f16: both sides in that dtype (the library then runs its tensor-core
   kernels; PyTorch its GEMMs and log_softmax in that dtype); kl and stats stay f32.
+  --f32-precision high|highest|medium (f32 inputs): the context's f32_precision; high (the
+  default) runs the forward on tensor cores from bf16 pieces, highest on the FP32 kernels
+  (docs/numerics.md "f32 on tensor cores"); the backward runs the FP32 kernels either way.
 """
 import argparse
 import ctypes as C
@@ -216,10 +219,13 @@ def main():
     ap.add_argument("--million-bwd", action="store_true")
     ap.add_argument("--no-cases", action="store_true", help="skip the S=4096/16384 comparisons")
     ap.add_argument("--dtype", choices=("f32", "bf16", "f16"), default="f32")
+    ap.add_argument("--f32-precision", choices=("high", "highest", "medium"), default="high",
+                    help="how the GPU context multiplies f32 inputs (forkattn_ctx_options.f32_precision)")
     a = ap.parse_args()
     lib = load(a.lib)
     ctx = C.c_void_p()
     o = ctx_options(lib, 2)
+    o.f32_precision = {"high": 0, "highest": 1, "medium": 2}[a.f32_precision]
     if lib.forkattn_ctx_create(C.byref(ctx), C.byref(o)):
         sys.exit("no GPU context: %s" % lib.forkattn_ctx_create_error())
     rows = []
@@ -254,7 +260,7 @@ def main():
         print(json.dumps(r), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "commit": commit,
-            "date": time.strftime("%Y-%m-%d"), "rows": rows}
+            "date": time.strftime("%Y-%m-%d"), "dtype": a.dtype, "f32_precision": a.f32_precision, "rows": rows}
     with open(a.out, "w") as f:
         json.dump(meta, f, indent=1)
 

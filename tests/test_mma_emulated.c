@@ -33,6 +33,7 @@
 #include "gpu_mma_kl_team.h"
 #include "reference.h"
 #include "segment_plan.h"
+#include "emulation.h"
 #include "test_common.h"
 
 typedef struct emu_case {
@@ -48,32 +49,8 @@ typedef struct emu_bufs {
   float *lse, *dsum;
 } emu_bufs;
 
-static fa_dev_tensor view(void *data, int dtype, int64_t heads, int64_t d) {
-  const fa_dev_tensor t = {data, dtype, heads * d, d};
-  return t;
-}
-
 static uint16_t to16(double x, int f16) { return f16 ? fa_f32_to_f16((float)x) : fa_f32_to_bf16((float)x); }
 static double from16(uint16_t h, int f16) { return f16 ? fa_f16_to_f32(h) : fa_bf16_to_f32(h); }
-
-/* Run one team of the emulated kernel: NTH host threads (128, or 256 for the two-warpgroup forward). */
-#define EMU_TEAM_OF(NTH, call)                                                                                  \
-  do {                                                                                                          \
-    const int want = (NTH);                                                                                     \
-    int nth = 0;                                                                                                \
-    _Pragma("omp parallel num_threads(want)") {                                                                  \
-      _Pragma("omp single") nth = omp_get_num_threads();                                                        \
-      call;                                                                                                     \
-    }                                                                                                           \
-    cr_assert_eq(nth, want, "the emulation needs %d threads, got %d", want, nth);                             \
-  } while (0)
-#define EMU_TEAM(call) EMU_TEAM_OF(FA_MMA_THREADS, call)
-/* One emulated team of NTH threads per (query block blk < NB, query head h < NH): a query-side kernel's launch. */
-#define EMU_QUERY_TEAMS(NTH, NB, NH, call)                                                                      \
-  do {                                                                                                          \
-    for (int64_t blk = 0; blk < (NB); blk++)                                                                    \
-      for (int64_t h = 0; h < (NH); h++) EMU_TEAM_OF(NTH, call);                                               \
-  } while (0)
 
 static double rel_err(const uint16_t *got, const double *ref, int64_t n, int f16, int64_t *nonfinite) {
   double e = 0, m = 0;
@@ -148,7 +125,7 @@ static void run_case(const char *name, const emu_case *c) {
   fa_block *qb;
   const int64_t nqb = fa_plan_blocks(&plan, FA_MMA_ROWS, 0, &qb);
   cr_assert(nqb > 0);
-  fa_gpu_fwd_args ga = {view(b.q, dt, hq, d), view(b.k, dt, hkv, d), view(b.v, dt, hkv, d), view(b.o, dt, hq, d),
+  fa_gpu_fwd_args ga = {emu_view(b.q, dt, hq, d), emu_view(b.k, dt, hkv, d), emu_view(b.v, dt, hkv, d), emu_view(b.o, dt, hq, d),
                         b.lse, plan.seg, plan.pair, plan.q_pair_off, qb, nqb, hq, hkv, d, plan.qshift,
                         (float)scale, {0}, 0, 0, NULL, 0, NULL, 1, 1, {0, 0, 0}};
   /* the two-warpgroup forward (128-row blocks, bulk copies only), then the mma.sync one, whose o
@@ -210,9 +187,9 @@ static void run_case(const char *name, const emu_case *c) {
   }
   for (int64_t i = 0; i < nq; i++) b.dq[i] = 0x7fc1;
   for (int64_t i = 0; i < nk; i++) b.dk[i] = b.dv[i] = 0x7fc1;
-  fa_gpu_bwd gb = {view(b.q, dt, hq, d), view(b.k, dt, hkv, d), view(b.v, dt, hkv, d), view(b.o, dt, hq, d),
-                   view(b.dout, dt, hq, d), view(b.dq, dt, hq, d), view(b.dk, dt, hkv, d),
-                   view(b.dv, dt, hkv, d), b.lse, b.dsum, plan.seg, plan.pair, plan.q_pair_off,
+  fa_gpu_bwd gb = {emu_view(b.q, dt, hq, d), emu_view(b.k, dt, hkv, d), emu_view(b.v, dt, hkv, d), emu_view(b.o, dt, hq, d),
+                   emu_view(b.dout, dt, hq, d), emu_view(b.dq, dt, hq, d), emu_view(b.dk, dt, hkv, d),
+                   emu_view(b.dv, dt, hkv, d), b.lse, b.dsum, plan.seg, plan.pair, plan.q_pair_off,
                    plan.k_pair_idx, qb, kb, units, unit_off, part_k, part_v, nqb, nkb, nunits, T,
                    plan.qshift, hq, hkv, d, FA_MMA_ROWS, (float)scale, {0}, 0, 0, NULL, NULL, 0, 0, NULL, 0};
   double edq = 0;
@@ -432,10 +409,8 @@ static void kl_case(const char *name, int64_t P, int64_t N, const int64_t *lens,
   tc_rng rng = tc_rng_for(name);
   const int dt = f16 ? FORKATTN_DTYPE_F16 : FORKATTN_DTYPE_BF16;
   int64_t off[8] = {0};
-  for (int64_t i = 0; i < N; i++) off[i + 1] = off[i] + lens[i];
-  const int64_t T = P + off[N];
   fa_plan plan;
-  cr_assert_eq(fa_plan_prefix(&plan, P, N, off, causal), 0);
+  const int64_t T = emu_prefix_plan(&plan, P, N, lens, causal, off);
   const int64_t sizes[4] = {T * H * d, T * hkv_t * d, T * H * d, T * hkv_s * d};
   uint16_t *x[4];
   double *rx[4];
@@ -452,8 +427,8 @@ static void kl_case(const char *name, int64_t P, int64_t N, const int64_t *lens,
   const float sct = (float)(0.9 / sqrt((double)d)), scs = (float)(1.1 / sqrt((double)d));
   fa_gpu_kl b;
   memset(&b, 0, sizeof b);
-  b.qt = view(x[0], dt, H, d), b.kt = view(x[1], dt, hkv_t, d), b.qs = view(x[2], dt, H, d);
-  b.ks = view(x[3], dt, hkv_s, d);
+  b.qt = emu_view(x[0], dt, H, d), b.kt = emu_view(x[1], dt, hkv_t, d), b.qs = emu_view(x[2], dt, H, d);
+  b.ks = emu_view(x[3], dt, hkv_s, d);
   b.seg = plan.seg, b.pair = plan.pair, b.qoff = plan.q_pair_off, b.qblocks = qb;
   b.kl = kl, b.stats = stats, b.outside = outside;
   b.reverse = reverse, b.nqb = nqb, b.h = H, b.hkv_t = hkv_t, b.hkv_s = hkv_s, b.dt = b.ds = d;
@@ -620,10 +595,9 @@ static void kl_bwd_case(const char *name, int64_t P, int64_t N, const int64_t *l
   tc_rng rng = tc_rng_for(name);
   const int dt = f16 ? FORKATTN_DTYPE_F16 : FORKATTN_DTYPE_BF16, bk = FA_MMA_BK(d);
   int64_t off[8] = {0};
-  for (int64_t i = 0; i < N; i++) off[i + 1] = off[i] + lens[i];
-  const int64_t T = P + off[N], nq = T * H * d, nk = T * hkv * d, group = H / hkv;
   fa_plan plan;
-  cr_assert_eq(fa_plan_prefix(&plan, P, N, off, causal), 0);
+  const int64_t T = emu_prefix_plan(&plan, P, N, lens, causal, off), nq = T * H * d, nk = T * hkv * d,
+                group = H / hkv;
   const int64_t sizes[4] = {nq, nk, nq, nk}; /* q_t, k_t, q_s, k_s */
   uint16_t *x[4], *grad[4];                  /* grad: dq_t, dk_t, dq_s, dk_s */
   double *rx[4], *rg[4];
@@ -648,10 +622,10 @@ static void kl_bwd_case(const char *name, int64_t P, int64_t N, const int64_t *l
   const float sct = (float)(0.9 / sqrt((double)d)), scs = (float)(1.1 / sqrt((double)d));
   fa_gpu_kl b;
   memset(&b, 0, sizeof b);
-  b.qt = view(x[0], dt, H, d), b.kt = view(x[1], dt, hkv, d), b.qs = view(x[2], dt, H, d);
-  b.ks = view(x[3], dt, hkv, d);
-  b.dqt = view(grad[0], dt, H, d), b.dkt = view(grad[1], dt, hkv, d), b.dqs = view(grad[2], dt, H, d);
-  b.dks = view(grad[3], dt, hkv, d);
+  b.qt = emu_view(x[0], dt, H, d), b.kt = emu_view(x[1], dt, hkv, d), b.qs = emu_view(x[2], dt, H, d);
+  b.ks = emu_view(x[3], dt, hkv, d);
+  b.dqt = emu_view(grad[0], dt, H, d), b.dkt = emu_view(grad[1], dt, hkv, d), b.dqs = emu_view(grad[2], dt, H, d);
+  b.dks = emu_view(grad[3], dt, hkv, d);
   b.seg = plan.seg, b.pair = plan.pair, b.qoff = plan.q_pair_off, b.kidx = plan.k_pair_idx;
   b.qblocks = qb, b.kblocks = kb, b.units = units, b.unit_off = unit_off, b.part = part;
   b.kl = kl, b.stats = stats, b.outside = outside, b.stats_in = stats, b.dkl = dkl;

@@ -26,6 +26,7 @@
 #include "reference.h"
 #include "segment_plan.h"
 #include "split_bf16.h"
+#include "emulation.h"
 #include "test_common.h"
 
 /* ---- the split itself ------------------------------------------------------ */
@@ -100,9 +101,7 @@ static int64_t case_plan(const split_case *c, fa_plan *plan, int64_t *off) {
     cr_assert_eq(fa_plan_tree(plan, c->nodes, off, c->parents, c->causal), 0);
     return off[c->nodes];
   }
-  for (int64_t i = 0; i < c->N; i++) off[i + 1] = off[i] + c->lens[i];
-  cr_assert_eq(fa_plan_prefix(plan, c->P, c->N, off, c->causal), 0);
-  return c->P + off[c->N];
+  return emu_prefix_plan(plan, c->P, c->N, c->lens, c->causal, off);
 }
 
 /* x[n] f32 as np planes of n bf16 pieces. */
@@ -111,11 +110,6 @@ static uint16_t *split_all(const float *x, int64_t n, int np) {
   cr_assert(p);
   for (int64_t i = 0; i < n; i++) fa_split_bf16(x[i], np, p + i, n);
   return p;
-}
-
-static fa_dev_tensor view(void *data, int dtype, int64_t heads, int64_t d) {
-  const fa_dev_tensor t = {data, dtype, heads * d, d};
-  return t;
 }
 
 /* Run the split forward at precision qk pieces (3 HIGH, 2 MEDIUM); errors of o (relative to its largest
@@ -155,8 +149,8 @@ static void split_run(const char *name, const split_case *c, int qk, double o_to
   fa_block *qb;
   const int64_t nqb = fa_plan_blocks(&plan, FA_MMA_ROWS, 0, &qb);
   cr_assert(nqb > 0);
-  const fa_gpu_fwd_args ga = {view(pq, FORKATTN_DTYPE_BF16, hq, d), view(pk, FORKATTN_DTYPE_BF16, hkv, d),
-                              view(pv, FORKATTN_DTYPE_BF16, hkv, d), view(o, FORKATTN_DTYPE_F32, hq, d),
+  const fa_gpu_fwd_args ga = {emu_view(pq, FORKATTN_DTYPE_BF16, hq, d), emu_view(pk, FORKATTN_DTYPE_BF16, hkv, d),
+                              emu_view(pv, FORKATTN_DTYPE_BF16, hkv, d), emu_view(o, FORKATTN_DTYPE_F32, hq, d),
                               lse, plan.seg, plan.pair, plan.q_pair_off, qb, nqb, hq, hkv, d, plan.qshift,
                               (float)scale, {0}, 0, 0, NULL, 0, NULL, qk, 2, {nq, nk, nk}};
   static unsigned short smem[FA_MMA_FWD_SMEM(128, 3, 2) / 2 + FA_MMA_FWD_SMEM(64, 3, 2) / 2];
@@ -164,18 +158,11 @@ static void split_run(const char *name, const split_case *c, int qk, double o_to
   for (int64_t i = 0; i < nq; i++) o[i] = NAN; /* poison */
   for (int64_t i = 0; i < T * hq; i++) lse[i] = NAN;
   const int bk = FA_MMA_SPLIT_BK(d);
-  for (int64_t blk = 0; blk < nqb; blk++)
-    for (int64_t h = 0; h < hq; h++) {
-      int nth = 0;
-#pragma omp parallel num_threads(FA_MMA_THREADS)
-      {
-#pragma omp single
-        nth = omp_get_num_threads();
-        if (qk == 3) fa_mma_fwd_team_f32_high((int)d, bk, 0, ga, qb[blk], h, h / group, smem);
-        else fa_mma_fwd_team_f32_medium((int)d, bk, 0, ga, qb[blk], h, h / group, smem);
-      }
-      cr_assert_eq(nth, FA_MMA_THREADS, "the emulation needs %d threads", FA_MMA_THREADS);
-    }
+  if (qk == 3)
+    EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, hq, fa_mma_fwd_team_f32_high((int)d, bk, 0, ga, qb[blk], h, h / group, smem));
+  else
+    EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, hq,
+                    fa_mma_fwd_team_f32_medium((int)d, bk, 0, ga, qb[blk], h, h / group, smem));
 
   if (c->nan_v_row < 0) {
     double eo = 0, mo = 0, el = 0;
@@ -244,10 +231,8 @@ static void kl_split_case(const char *name, int64_t P, int64_t N, const int64_t 
   omp_set_dynamic(0);
   tc_rng rng = tc_rng_for(name);
   int64_t off[8] = {0};
-  for (int64_t i = 0; i < N; i++) off[i + 1] = off[i] + lens[i];
-  const int64_t T = P + off[N];
   fa_plan plan;
-  cr_assert_eq(fa_plan_prefix(&plan, P, N, off, causal), 0);
+  const int64_t T = emu_prefix_plan(&plan, P, N, lens, causal, off);
   const int64_t sizes[4] = {T * H * d, T * hkv_t * d, T * H * d, T * hkv_s * d};
   float *x[4];
   double *rx[4];
@@ -275,8 +260,8 @@ static void kl_split_case(const char *name, int64_t P, int64_t N, const int64_t 
   const int64_t nqb = fa_plan_blocks(&plan, FA_MMA_ROWS, 0, &qb);
   fa_gpu_kl b;
   memset(&b, 0, sizeof b);
-  b.qt = view(pc[0], FORKATTN_DTYPE_BF16, H, d), b.kt = view(pc[1], FORKATTN_DTYPE_BF16, hkv_t, d);
-  b.qs = view(pc[2], FORKATTN_DTYPE_BF16, H, d), b.ks = view(pc[3], FORKATTN_DTYPE_BF16, hkv_s, d);
+  b.qt = emu_view(pc[0], FORKATTN_DTYPE_BF16, H, d), b.kt = emu_view(pc[1], FORKATTN_DTYPE_BF16, hkv_t, d);
+  b.qs = emu_view(pc[2], FORKATTN_DTYPE_BF16, H, d), b.ks = emu_view(pc[3], FORKATTN_DTYPE_BF16, hkv_s, d);
   b.pieces = np;
   for (int i = 0; i < 4; i++) b.pstride[i] = sizes[i];
   b.seg = plan.seg, b.pair = plan.pair, b.qoff = plan.q_pair_off, b.qblocks = qb;
@@ -286,14 +271,8 @@ static void kl_split_case(const char *name, int64_t P, int64_t N, const int64_t 
   static unsigned short smem[FA_MMA_KL_FWD_SMEM(128, FA_MMA_SPLIT_BK(128), 3) / 2];
   cr_assert_geq(sizeof smem, FA_MMA_KL_FWD_SMEM(d, FA_MMA_SPLIT_BK(d), np));
   const int bk = FA_MMA_SPLIT_BK(d);
-  for (int64_t blk = 0; blk < nqb; blk++)
-    for (int64_t h = 0; h < H; h++) {
-#pragma omp parallel num_threads(FA_MMA_THREADS)
-      {
-        if (np == 3) fa_mma_kl_fwd_team_f32_high((int)d, bk, 0, b, qb[blk], h, smem);
-        else fa_mma_kl_fwd_team_f32_medium((int)d, bk, 0, b, qb[blk], h, smem);
-      }
-    }
+  if (np == 3) EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, H, fa_mma_kl_fwd_team_f32_high((int)d, bk, 0, b, qb[blk], h, smem));
+  else EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, H, fa_mma_kl_fwd_team_f32_medium((int)d, bk, 0, b, qb[blk], h, smem));
   const double c = 1e-5 * mult;
   double worst = 0, worst_lse = 0;
   for (int64_t i = 0; i < T * H; i++) {

@@ -20,20 +20,21 @@ int fa_gpu_split_pieces(fa_stage *st, fa_dev_tensor *out, int64_t *plane, const 
     return -1;
   uint16_t *dst = n ? fa_stage_scratch(st, (size_t)bytes) : NULL;
   if (n && !dst) return -1;
-  const fa_dev_tensor src = *x;
+  /* scalars and device pointers only: a routed call's kernels may not read a firstprivate struct
+   * (the runtime frees its copy before they run, gpu_stream.h) */
+  const float *in = (const float *)x->data;
+  const int64_t rs = x->rs, hs = x->hs;
   /* a team a row at a time, threads along the row: 32-bit index math (a 64-bit division is a
    * subroutine call) */
   const int nteams = (int)(rows < FA_SPLIT_MAX_TEAMS ? rows : FA_SPLIT_MAX_TEAMS), dev = st->device;
   const int re = (int)row_elems, dd = (int)d;
   if (n) {
-#pragma omp target teams ompx_bare num_teams(nteams) thread_limit(FA_SPLIT_THREADS) device(dev) firstprivate(src) \
-    is_device_ptr(dst)
+#pragma omp target teams ompx_bare num_teams(nteams) thread_limit(FA_SPLIT_THREADS) device(dev) is_device_ptr(in, dst)
     {
-      const float *in = (const float *)src.data;
       for (int64_t r = ompx_block_id_x(); r < rows; r += nteams)
         for (int e = ompx_thread_id_x(); e < re; e += FA_SPLIT_THREADS) {
           const int h = e / dd, c = e - h * dd;
-          fa_split_bf16(in[r * src.rs + h * src.hs + c], np, dst + r * re + e, n);
+          fa_split_bf16(in[r * rs + h * hs + c], np, dst + r * re + e, n);
         }
     }
   }

@@ -220,6 +220,9 @@ SPLIT_CASE(large_logits_d64, .P = 113, .N = 2, .lens = {57, 29}, .causal = 1, .h
 /* a NaN value row in the prompt's diagonal tile reaches exactly the rows that see it */
 SPLIT_CASE(prefix_causal_nan_v_d64, .P = 70, .N = 1, .lens = {10}, .causal = 1, .hq = 2, .hkv = 1, .d = 64,
            .o_tol = 2e-5, .lse_tol = 1e-4, .nan_v_row = 37)
+/* head_dim 128 (16-key tiles, the scan of a 16-row V tile): a NaN value row in the prompt's diagonal tile */
+SPLIT_CASE(prefix_causal_nan_v_d128, .P = 40, .N = 1, .lens = {10}, .causal = 1, .hq = 2, .hkv = 1, .d = 128,
+           .o_tol = 2e-5, .lse_tol = 1e-4, .nan_v_row = 21)
 
 /* ---- the StreamKL forward team --------------------------------------------- */
 

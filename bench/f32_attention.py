@@ -5,7 +5,7 @@ side in one process, with each output's error against float64.
 Per case (float32 inputs q in [-2, 2], k, v, dout in [-1, 1]; softmax scale 1/sqrt(d)), timed
 forward and forward+backward (gradients of sum(o * dout)) through the Python binding
 (varlen_attention for dense cases, prefix_attention for a GRPO group) in a GPU context at
-f32_precision "high" (the default: bf16x6 scores, bf16x3 P V on tensor cores), "medium" (bf16x3)
+f32_precision "high" (the default: bf16x6 products on tensor cores), "medium" (bf16x3)
 and "highest" (float32 CUDA-core kernels), and scaled_dot_product_attention in float32 (enable_gqa,
 on the sequences' batch; N copies of prompt + response for a group). Times are medians of
 CUDA-event times in interleaved rounds (compare_torch.time_rounds). Errors: max |o - o64| / max
@@ -144,7 +144,7 @@ def line(rec):
 def section(meta, recs):
     head = ["### float32 attention: forkattn's f32 precisions against SDPA (f32_attention)", "",
             "`bench/f32_attention.py`: float32 inputs through the binding at f32_precision high (bf16 pieces, "
-            "bf16x6 scores and bf16x3 P V on tensor cores; the default), medium (bf16x3) and highest (float32 "
+            "bf16x6 products on tensor cores; the default), medium (bf16x3) and highest (float32 "
             "CUDA-core kernels), against `scaled_dot_product_attention` in float32 on the same card, one process; "
             "ms forward / forward+backward (median of CUDA-event times, interleaved rounds) and SDPA's time over "
             "forkattn's. The f32 backward runs the float32 kernels at every precision. Errors: max |o − o64| / "

@@ -202,11 +202,10 @@ typedef enum forkattn_gpu_kernels {
  *  kernels whatever the mode.
  *  Error bounds and measurements: docs/numerics.md "f32 on tensor cores". */
 typedef enum forkattn_f32_precision {
-  FORKATTN_F32_PRECISION_HIGH = 0,    /**< f32 values as sums of bf16 pieces, products as sums of
-                                           bf16 tensor-core products: Q and K in three pieces (six
-                                           products, ~2^-24 relative), P and V in two (three
-                                           products, ~2^-16): within the f32 test tolerances
-                                           (default) */
+  FORKATTN_F32_PRECISION_HIGH = 0,    /**< f32 values as sums of three bf16 pieces, each product
+                                           as six bf16 tensor-core products (bf16x6, ~2^-24
+                                           relative): float32-level errors, within the f32 test
+                                           tolerances (default) */
   FORKATTN_F32_PRECISION_HIGHEST = 1, /**< f32 products on CUDA cores (the FP32 kernels) */
   FORKATTN_F32_PRECISION_MEDIUM = 2   /**< every operand in two bf16 pieces, three products
                                            (bf16x3, ~2^-16 relative: finer than TF32's 2^-11);

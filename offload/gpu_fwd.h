@@ -50,9 +50,9 @@ void fa_gpu_mma_fwd_smem(size_t smem[2]);
 /* The tensor-core forward of g; argp: g's device copy (fa_stage_array), which the kernels read;
  * grid: persistent teams of the two-warpgroup kernel (fa_gpu_select_grid), 0 for a team an item. */
 void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g, const fa_gpu_fwd_args *argp, int grid);
-/* Team memory of the mma.sync forward of f32 inputs split into qk_pieces (3: HIGH, 2: MEDIUM; V in 2) bf16
- * pieces, at head_dim d (64 or 128). */
-size_t fa_gpu_mma_fwd_split_smem(int64_t d, int qk_pieces);
+/* Team memory of the mma.sync forward of f32 inputs split into `pieces` bf16 pieces each (3: HIGH,
+ * 2: MEDIUM), at head_dim d (64 or 128). */
+size_t fa_gpu_mma_fwd_split_smem(int64_t d, int pieces);
 /* 1 when the driver encoded the tensor maps of a and b (device views of [rows][heads][d]) into
  * maps[0], maps[1], boxes of box_rows rows: the wgmma kernels' bulk tensor copies. */
 int fa_gpu_mma_tma_pair(struct fa_tma_map *maps, const fa_dev_tensor *a, int64_t a_rows, const fa_dev_tensor *b,

@@ -62,8 +62,8 @@ static inline __attribute__((always_inline)) void fa_fwd_load_next(fa_smem sm, i
  * constants after inlining (register arrays); K and V tiles double-buffered
  * by cp.async into padded rows, read by ldmatrix.
  * NQK, NV: the pieces of Q and K, and of V (lib/core/split_bf16.h): 1 and 1
- * for bf16/f16 inputs; for f32 inputs 3 and 2 (f32 precision HIGH: bf16x6
- * scores, bf16x3 P V) or 2 and 2 (MEDIUM: bf16x3), the products of
+ * for bf16/f16 inputs; for f32 inputs 3 and 3 (f32 precision HIGH: bf16x6
+ * scores and P V) or 2 and 2 (MEDIUM: bf16x3), the products of
  * gpu_products.h. A buffer holds K's pieces then V's. One Q piece streams
  * into buffer 1 while tile 0 streams into buffer 0; Q's first two pieces of
  * a split call fill the buffers from 0 on, and tile 0 follows them; its
@@ -190,8 +190,8 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team_of(const int D
   fa_fwd_finish(ga, o, D, blk.start + r0, h, c0, lane, ok0, ok1, m0, m1, l0, l1, bad0, bad1);
 }
 
-/* The mma.sync forward of bf16/f16 inputs, and of f32 inputs split at HIGH (Q, K in 3 pieces, V in 2) and
- * MEDIUM (2 pieces each) precision. */
+/* The mma.sync forward of bf16/f16 inputs, and of f32 inputs split at HIGH (3 pieces each) and MEDIUM (2)
+ * precision. */
 static inline __attribute__((always_inline)) void fa_mma_fwd_team(const int D, const int BK, const int f16,
                                                                    const fa_gpu_fwd_args ga, fa_block blk,
                                                                    int64_t h, int64_t g, unsigned short *smem) {
@@ -201,7 +201,7 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team_f32_high(const
                                                                             const fa_gpu_fwd_args ga, fa_block blk,
                                                                             int64_t h, int64_t g,
                                                                             unsigned short *smem) {
-  fa_mma_fwd_team_of(D, BK, f16, 3, 2, ga, blk, h, g, smem);
+  fa_mma_fwd_team_of(D, BK, f16, 3, 3, ga, blk, h, g, smem);
 }
 static inline __attribute__((always_inline)) void fa_mma_fwd_team_f32_medium(const int D, const int BK,
                                                                               const int f16,

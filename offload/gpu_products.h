@@ -60,12 +60,20 @@ static inline __attribute__((always_inline)) void fa_mma_qk_split_rest(fa_f4 *ac
 }
 
 /* O += P V with V split into NP pieces BK * P elements apart from vt: P's
- * accumulators s are packed to bf16 (fa_mma_acc_ab); with two pieces P0 V0 +
- * P0 V1 + P1 V0, P1 what P0's packing left in s (s is consumed). */
+ * accumulators s are packed to bf16 (fa_mma_acc_ab) as its piece 0, and
+ * replaced by what each packing left for the next piece (s is consumed).
+ * NP 2: P0 V0 + P0 V1 + P1 V0 (bf16x3); 3: P0 (V0 + V1 + V2) + P1 (V0 + V1)
+ * + P2 V0 (bf16x6). */
 static inline __attribute__((always_inline)) void fa_mma_pv_pieces(fa_f4 *o, fa_f4 *s, int NP, fa_smem sm, int vt,
                                                                    int P, int BK, int D, int f16, int lane) {
   fa_mma_acc_ab(o, s, sm, vt, P, BK, D, f16, lane);
+  if (NP > 1) fa_mma_acc_ab(o, s, sm, vt + BK * P, P, BK, D, f16, lane);
+  if (NP > 2) fa_mma_acc_ab(o, s, sm, vt + 2 * BK * P, P, BK, D, f16, lane);
   if (NP > 1) {
+    fa_mma_split_rest(s, BK / 8);
+    fa_mma_acc_ab(o, s, sm, vt, P, BK, D, f16, lane);
+  }
+  if (NP > 2) {
     fa_mma_acc_ab(o, s, sm, vt + BK * P, P, BK, D, f16, lane);
     fa_mma_split_rest(s, BK / 8);
     fa_mma_acc_ab(o, s, sm, vt, P, BK, D, f16, lane);

@@ -47,7 +47,7 @@ void fa_gpu_select_pieces(const fa_gpu_knobs *knobs, fa_gpu_pass pass, fa_gpu_ke
                           int *qk, int *v) {
   const int split = call->f32 && k != FA_KERNEL_FP32 && (pass == FA_PASS_FWD || pass == FA_PASS_KL_FWD);
   *qk = !split ? 0 : knobs->f32 == FORKATTN_F32_PRECISION_MEDIUM ? 2 : 3;
-  *v = split && pass == FA_PASS_FWD ? 2 : 0;
+  *v = pass == FA_PASS_FWD ? *qk : 0;
 }
 
 int fa_gpu_select_needs_tma(fa_gpu_kernel k) { return k == FA_KERNEL_WG_PAIR || k == FA_KERNEL_WG_KEY_MAJOR; }
@@ -127,7 +127,7 @@ void fa_gpu_select_describe(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, 
   if (fa_gpu_select(caps, knobs, FA_PASS_FWD, &f32) == FA_KERNEL_MMA)
     n = snprintf(buf + at, len - at, knobs->f32 == FORKATTN_F32_PRECISION_MEDIUM
                                          ? "; f32 forward and StreamKL forward mma.sync bf16x3"
-                                         : "; f32 forward and StreamKL forward mma.sync bf16x6/x3");
+                                         : "; f32 forward and StreamKL forward mma.sync bf16x6");
   else
     n = 0;
   if (n >= 0 && (size_t)n < len - at) snprintf(buf + at + (size_t)n, len - at - (size_t)n, "; other calls fp32");

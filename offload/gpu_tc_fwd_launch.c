@@ -70,7 +70,7 @@ int fa_gpu_wg_pair_kv_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_ro
 
 #define FA_MMA_FWD(D, F16) FA_MMA_QUERY_TEAMS(fa_mma_fwd_team, blocks, D, FA_MMA_BK(D), F16, FA_MMA_FWD_SMEM(D, 1, 1))
 #define FA_MMA_FWD_F32_HIGH(D)                                                                                      \
-  FA_MMA_QUERY_TEAMS(fa_mma_fwd_team_f32_high, blocks, D, FA_MMA_SPLIT_BK(D), 0, FA_MMA_FWD_SMEM(D, 3, 2))
+  FA_MMA_QUERY_TEAMS(fa_mma_fwd_team_f32_high, blocks, D, FA_MMA_SPLIT_BK(D), 0, FA_MMA_FWD_SMEM(D, 3, 3))
 #define FA_MMA_FWD_F32_MEDIUM(D)                                                                                    \
   FA_MMA_QUERY_TEAMS(fa_mma_fwd_team_f32_medium, blocks, D, FA_MMA_SPLIT_BK(D), 0, FA_MMA_FWD_SMEM(D, 2, 2))
 #define FA_WG_PAIR_FWD(D, F16)                                                                                     \
@@ -101,6 +101,6 @@ void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g, const fa_gpu_fwd_args *argp, int g
   }
 }
 
-size_t fa_gpu_mma_fwd_split_smem(int64_t d, int qk_pieces) {
-  return d == 128 ? FA_MMA_FWD_SMEM(128, qk_pieces, 2) : FA_MMA_FWD_SMEM(64, qk_pieces, 2);
+size_t fa_gpu_mma_fwd_split_smem(int64_t d, int pieces) {
+  return d == 128 ? FA_MMA_FWD_SMEM(128, pieces, pieces) : FA_MMA_FWD_SMEM(64, pieces, pieces);
 }

@@ -167,7 +167,7 @@ Test(gpu_select, f32_forward_runs_split_on_mma_sync) {
     cr_expect_eq(sel(&c, &auto_knobs, FA_PASS_KL_FWD, two_d), FA_KERNEL_FP32, "StreamKL sides of two head_dims");
     int qk, v;
     fa_gpu_select_pieces(&auto_knobs, FA_PASS_FWD, FA_KERNEL_MMA, &f32, &qk, &v);
-    cr_expect(qk == 3 && v == 2, "HIGH: %d, %d", qk, v);
+    cr_expect(qk == 3 && v == 3, "HIGH: %d, %d", qk, v);
     fa_gpu_select_pieces(&medium, FA_PASS_FWD, FA_KERNEL_MMA, &f32, &qk, &v);
     cr_expect(qk == 2 && v == 2, "MEDIUM: %d, %d", qk, v);
     fa_gpu_select_pieces(&auto_knobs, FA_PASS_FWD, FA_KERNEL_FP32, &f32, &qk, &v);
@@ -187,7 +187,7 @@ Test(gpu_select, f32_forward_runs_split_on_mma_sync) {
   expect_all(&c, &auto_knobs, f32_96, fp32, "f32, head_dim 96");
   char buf[384];
   fa_gpu_select_describe(&c, &auto_knobs, buf, sizeof buf);
-  cr_expect(strstr(buf, "f32 forward and StreamKL forward mma.sync bf16x6/x3; other calls fp32"), "%s", buf);
+  cr_expect(strstr(buf, "f32 forward and StreamKL forward mma.sync bf16x6; other calls fp32"), "%s", buf);
   fa_gpu_select_describe(&c, &medium, buf, sizeof buf);
   cr_expect(strstr(buf, "f32 forward and StreamKL forward mma.sync bf16x3; other calls fp32"), "%s", buf);
   fa_gpu_select_describe(&c, &highest, buf, sizeof buf);

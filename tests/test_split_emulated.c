@@ -144,7 +144,7 @@ static void split_run(const char *name, const split_case *c, int qk, double o_to
     cr_assert_eq(ref_prefix(&ra, &out), 0);
   }
   if (c->nan_v_row >= 0) v[c->nan_v_row * hkv * d] = NAN;
-  uint16_t *pq = split_all(q, nq, qk), *pk = split_all(k, nk, qk), *pv = split_all(v, nk, 2);
+  uint16_t *pq = split_all(q, nq, qk), *pk = split_all(k, nk, qk), *pv = split_all(v, nk, qk);
 
   fa_block *qb;
   const int64_t nqb = fa_plan_blocks(&plan, FA_MMA_ROWS, 0, &qb);
@@ -152,9 +152,9 @@ static void split_run(const char *name, const split_case *c, int qk, double o_to
   const fa_gpu_fwd_args ga = {emu_view(pq, FORKATTN_DTYPE_BF16, hq, d), emu_view(pk, FORKATTN_DTYPE_BF16, hkv, d),
                               emu_view(pv, FORKATTN_DTYPE_BF16, hkv, d), emu_view(o, FORKATTN_DTYPE_F32, hq, d),
                               lse, plan.seg, plan.pair, plan.q_pair_off, qb, nqb, hq, hkv, d, plan.qshift,
-                              (float)scale, {0}, 0, 0, NULL, 0, NULL, qk, 2, {nq, nk, nk}};
-  static unsigned short smem[FA_MMA_FWD_SMEM(128, 3, 2) / 2 + FA_MMA_FWD_SMEM(64, 3, 2) / 2];
-  cr_assert_geq(sizeof smem, FA_MMA_FWD_SMEM(d, qk, 2));
+                              (float)scale, {0}, 0, 0, NULL, 0, NULL, qk, qk, {nq, nk, nk}};
+  static unsigned short smem[FA_MMA_FWD_SMEM(128, 3, 3) / 2 + FA_MMA_FWD_SMEM(64, 3, 3) / 2];
+  cr_assert_geq(sizeof smem, FA_MMA_FWD_SMEM(d, qk, qk));
   for (int64_t i = 0; i < nq; i++) o[i] = NAN; /* poison */
   for (int64_t i = 0; i < T * hq; i++) lse[i] = NAN;
   const int bk = FA_MMA_SPLIT_BK(d);

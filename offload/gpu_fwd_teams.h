@@ -27,13 +27,6 @@
 #include "split_bf16.h"
 
 #pragma omp declare target
-/* Piece p of input x (0 q, 1 k, 2 v) of the forward's arguments (gpu_fwd.h: qk_pieces, v_pieces). */
-static inline __attribute__((always_inline)) fa_dev_tensor fa_fwd_piece(const fa_gpu_fwd_args *ga,
-                                                                         fa_dev_tensor t, int x, int p) {
-  if (p) t.data = (unsigned short *)t.data + p * ga->pstride[x];
-  return t;
-}
-
 /* The NP pieces of tile w's rows of input x (1 K, 2 V), head g, to element
  * at and on, BK * P elements apart. */
 static inline __attribute__((always_inline)) void fa_fwd_load_pieces(fa_smem sm, int at, int P, int BK, int D, int NP,
@@ -41,8 +34,16 @@ static inline __attribute__((always_inline)) void fa_fwd_load_pieces(fa_smem sm,
                                                                      fa_tile_walk w, int tid) {
 #pragma unroll
   for (int p = 0; p < NP; p++)
-    fa_mma_load_rows(sm, at + p * BK * P, P, BK, D, fa_fwd_piece(ga, x == 1 ? ga->k : ga->v, x, p), w.kb,
+    fa_mma_load_rows(sm, at + p * BK * P, P, BK, D, fa_dev_piece(x == 1 ? ga->k : ga->v, ga->pstride[x], p), w.kb,
                      fa_walk_keys(w, BK), g, tid);
+}
+
+/* Tile w's K (NQK pieces) and then V (NV pieces) into the buffer at buf. */
+static inline __attribute__((always_inline)) void fa_fwd_load_tile(fa_smem sm, int buf, int P, int BK, int D, int NQK,
+                                                                   int NV, const fa_gpu_fwd_args *ga, int64_t g,
+                                                                   fa_tile_walk w, int tid) {
+  fa_fwd_load_pieces(sm, buf, P, BK, D, NQK, ga, 1, g, w, tid);
+  fa_fwd_load_pieces(sm, buf + NQK * BK * P, P, BK, D, NV, ga, 2, g, w, tid);
 }
 
 /* The forward's copies in iteration j: K of tile j + 2 (walk w2) into the
@@ -96,14 +97,11 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team_of(const int D
   if (NQK == 1) fa_mma_load_rows(sm, qat, P, FA_MMA_ROWS, D, ga.q, blk.start, blk.len, h, tid);
 #pragma unroll
   for (int p = 0; p < (NQK > 1 ? NQK : 0); p++)
-    fa_mma_load_rows(sm, p < 2 ? qat + p * FA_MMA_ROWS * P : q2at, P, FA_MMA_ROWS, D, fa_fwd_piece(&ga, ga.q, 0, p),
+    fa_mma_load_rows(sm, p < 2 ? qat + p * FA_MMA_ROWS * P : q2at, P, FA_MMA_ROWS, D, fa_dev_piece(ga.q, ga.pstride[0], p),
                      blk.start, blk.len, h, tid);
   fa_cp_async_commit();
   fa_tile_walk w = fa_walk_first(ga.qoff, seg, pair, blk, qshift);
-  if (NQK == 1 && w.pi < w.pend) {
-    fa_fwd_load_pieces(sm, buf0, P, BK, D, NQK, &ga, 1, g, w, tid);
-    fa_fwd_load_pieces(sm, buf0 + NQK * BK * P, P, BK, D, NV, &ga, 2, g, w, tid);
-  }
+  if (NQK == 1 && w.pi < w.pend) fa_fwd_load_tile(sm, buf0, P, BK, D, NQK, NV, &ga, g, w, tid);
   fa_cp_async_commit();
   fa_cp_async_wait(0);
   ompx_sync_block_acq_rel();
@@ -119,10 +117,7 @@ static inline __attribute__((always_inline)) void fa_mma_fwd_team_of(const int D
     ompx_sync_block_acq_rel(); /* Q's buffers are free for tile 1's K (and, split, tile 0) */
   }
   if (NQK > 1) {
-    if (w.pi < w.pend) {
-      fa_fwd_load_pieces(sm, buf0, P, BK, D, NQK, &ga, 1, g, w, tid);
-      fa_fwd_load_pieces(sm, buf0 + NQK * BK * P, P, BK, D, NV, &ga, 2, g, w, tid);
-    }
+    if (w.pi < w.pend) fa_fwd_load_tile(sm, buf0, P, BK, D, NQK, NV, &ga, g, w, tid);
     fa_cp_async_commit();
   }
 

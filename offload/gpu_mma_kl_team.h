@@ -84,12 +84,6 @@ static inline void fa_mma_kl_fold(fa_kl_state *st, float t, float s, int key, in
   if (key < lim) fa_kl_add(st, t * sct, s * scs);
 }
 
-/* Piece p of a split input t, stride elements past piece 0 (p 0: t). */
-static inline __attribute__((always_inline)) fa_dev_tensor fa_mma_kl_piece(fa_dev_tensor t, int64_t stride, int p) {
-  if (p) t.data = (unsigned short *)t.data + p * stride;
-  return t;
-}
-
 /* Tile w's rows of both sides' K, NP pieces each, into the buffer at buf: K_t's pieces, then K_s's, BK * P
  * elements apart. */
 static inline __attribute__((always_inline)) void fa_mma_kl_load_pieces(fa_smem sm, int buf, int P, int BK, int D,
@@ -98,8 +92,8 @@ static inline __attribute__((always_inline)) void fa_mma_kl_load_pieces(fa_smem 
   const int nk = fa_walk_keys(w, BK);
 #pragma unroll
   for (int p = 0; p < NP; p++) {
-    fa_mma_load_rows(sm, buf + p * BK * P, P, BK, D, fa_mma_kl_piece(b->kt, b->pstride[1], p), w.kb, nk, gt, tid);
-    fa_mma_load_rows(sm, buf + (NP + p) * BK * P, P, BK, D, fa_mma_kl_piece(b->ks, b->pstride[3], p), w.kb, nk, gs,
+    fa_mma_load_rows(sm, buf + p * BK * P, P, BK, D, fa_dev_piece(b->kt, b->pstride[1], p), w.kb, nk, gt, tid);
+    fa_mma_load_rows(sm, buf + (NP + p) * BK * P, P, BK, D, fa_dev_piece(b->ks, b->pstride[3], p), w.kb, nk, gs,
                      tid);
   }
 }
@@ -128,8 +122,8 @@ static inline __attribute__((always_inline)) void fa_mma_kl_fwd_team_of(const in
 #pragma unroll
   for (int p = 1; p < NP; p++) {
     const int at = FA_MMA_KL_FWD_Q1(BK, P, NP) + (p - 1) * FA_MMA_ROWS * P;
-    fa_mma_load_rows(sm, at, P, FA_MMA_ROWS, D, fa_mma_kl_piece(b.qt, b.pstride[0], p), blk.start, blk.len, h, tid);
-    fa_mma_load_rows(sm, at + (NP - 1) * FA_MMA_ROWS * P, P, FA_MMA_ROWS, D, fa_mma_kl_piece(b.qs, b.pstride[2], p),
+    fa_mma_load_rows(sm, at, P, FA_MMA_ROWS, D, fa_dev_piece(b.qt, b.pstride[0], p), blk.start, blk.len, h, tid);
+    fa_mma_load_rows(sm, at + (NP - 1) * FA_MMA_ROWS * P, P, FA_MMA_ROWS, D, fa_dev_piece(b.qs, b.pstride[2], p),
                      blk.start, blk.len, h, tid);
   }
   const fa_mma_kl_frags q = fa_mma_kl_load_frags(sm, P, D, b.qt, h, b.qs, h, blk, tid);

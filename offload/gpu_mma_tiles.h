@@ -271,6 +271,13 @@ static inline __attribute__((always_inline)) void fa_mma_acc_abt(fa_f4 *acc, con
     }
 }
 
+/* Piece p of a b16 tensor split into planes `stride` elements apart (the bf16 pieces of f32 inputs,
+ * lib/core/split_bf16.h; p 0: t itself). */
+static inline __attribute__((always_inline)) fa_dev_tensor fa_dev_piece(fa_dev_tensor t, int64_t stride, int p) {
+  if (p) t.data = (unsigned short *)t.data + p * stride;
+  return t;
+}
+
 /* fa_mma_acc_abt with A read from team memory a k-step at a time (ldmatrix
  * at al: this lane's A address in a [16][P] tile, the rows' element plus
  * fa_ldsm_a_row * P + fa_ldsm_a_col): an operand kept out of registers (the

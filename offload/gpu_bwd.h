@@ -34,6 +34,12 @@ typedef struct fa_gpu_bwd {
   int dkv_wg_pair; /* the two-warpgroup dK/dV runs (head_dim 128): kblocks of FA_WG_PAIR_ROWS rows, tma set */
   int *work;   /* device counter of the persistent dQ's items, zeroed by the plan copy */
   int dsum_ready; /* dsum holds D before the tensor-core dQ runs (some rows' D from the inputs) */
+  /* f32 inputs split into bf16 pieces for the tensor-core teams (lib/core/split_bf16.h): `pieces` per
+   * input (0: none; 3 at HIGH precision, 2 at MEDIUM), views of piece 0 of q, k, v and dout, piece p of
+   * input x (0 q, 1 k, 2 v, 3 dout) p * pstride[x] elements past it; q .. dout stay the f32 inputs */
+  int pieces;
+  fa_dev_tensor pq, pk, pv, pdo;
+  int64_t pstride[4];
 } fa_gpu_bwd;
 
 /* The backward's call shape (fa_gpu_call_of): q, k, v, dout, o in; dq, dk, dv out. */
@@ -41,6 +47,9 @@ fa_gpu_call fa_gpu_bwd_call(const fa_attn_bwd *a, forkattn_memory memory);
 /* Team memory of the wgmma dQ (two warpgroups) and dK/dV (key-major at head_dim 64, two
  * warpgroups at 128) at head_dim 64 and 128 (fa_gpu_caps.wg_smem). */
 void fa_gpu_mma_bwd_smem(size_t dq[2], size_t dkv[2]);
+/* Team memory of the mma.sync dQ and dK/dV of f32 inputs split into bf16 pieces at HIGH precision,
+ * head_dim 64 and 128 (fa_gpu_caps.split_smem). */
+void fa_gpu_mma_bwd_split_smem(size_t dq[2], size_t dkv[2]);
 /* The tensor-core dQ and dK/dV of b; argp: b's device copy (fa_stage_array), which the kernels
  * read; grid: the dQ's persistent teams (fa_gpu_select_grid), 0 for a team an item. */
 void fa_gpu_mma_dq(const fa_gpu_bwd *b, const fa_gpu_bwd *argp, int grid);

@@ -5,6 +5,7 @@
  * score products (gpu_products.h), the gradient steps of gpu_grad_step.h,
  * dV += P^T dO, dK += dS^T Q and the store of gpu_epilogue.h:
  *   fa_mma_dkv_team     mma.sync, key-major (S^T = K Q^T), 64 keys
+ *   fa_mma_dkv_split_team  the same of f32 inputs split into bf16 pieces
  *   fa_wg_dkv_team      wgmma, key-major, 64 keys (head_dim 64, bulk copies)
  *   fa_wg_pair_dkv_query_major_team  two warpgroups, query-major (S = Q K^T), 128 keys,
  *                       query tiles through the ring of gpu_tile_ring.h */
@@ -133,6 +134,107 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
     w1 = w2;
   }
   fa_mma_dkv_store(&b, ui, g, dk, dv, D, r0, k_pos0, c0, ok0, ok1, bad0, bad1, lane);
+}
+
+/* The mma.sync key-major dK/dV of f32 inputs split into NP bf16 pieces (lib/core/split_bf16.h;
+ * b.pieces and the views b.pq, b.pk, b.pv, b.pdo): fa_mma_dkv_team's unit walk, masks and store
+ * with S^T = K Q^T and dP^T = V dO^T multiplied from the pieces, every K and V piece read from team
+ * memory a k-step at a time (fa_mma_abt_pieces_sa: registers hold dK's and dV's accumulators; K's
+ * piece 0 in registers beside them spilled), and dV += P^T dO, dK += dS^T Q with P^T and dS^T split in registers
+ * (fa_mma_pv_pieces); dK and dV (or the unit's partial sums) stored in f32. Query tiles of
+ * FA_MMA_DKV_BQ_OF(D) rows, double-buffered. Team memory (FA_MMA_DKV_SPLIT_SMEM): K's NP pieces
+ * [64][P], V's, two buffers of Q's NP pieces [BQ][P] then dO's, each buffer's lse and D, the scan
+ * flags. Only piece 0 of a non-finite value is non-finite, so a masked tile's scan reads Q's and
+ * dO's piece 0 alone. */
+#define FA_MMA_DKV_SPLIT_SMEM(D, NP)                                                                            \
+  ((size_t)(2 * (NP) * FA_MMA_ROWS + 4 * (NP) * FA_MMA_DKV_BQ_OF(D)) * ((D) + 8) * 2 +                          \
+   4 * FA_MMA_DKV_BQ_OF(D) * sizeof(float) + 4 * sizeof(unsigned))
+
+/* Query tile w's Q pieces then dO pieces (query head h) into the buffer at element at (NP tiles of
+ * [BQ][P] each), its lse and D to the floats at element ld, by cp.async in the caller's group. */
+static inline __attribute__((always_inline)) void fa_dkv_split_load_queries(fa_smem sm, int at, int ld, int P, int D,
+                                                                            int BQ, int NP, const fa_gpu_bwd *b,
+                                                                            fa_query_walk w, int64_t h, int tid) {
+  const int nq = fa_qwalk_rows(w, BQ);
+  fa_mma_load_pieces(sm, at, BQ * P, NP, P, BQ, D, b->pq, b->pstride[0], w.qb, nq, h, tid);
+  fa_mma_load_pieces(sm, at + NP * BQ * P, BQ * P, NP, P, BQ, D, b->pdo, b->pstride[3], w.qb, nq, h, tid);
+  fa_mma_load_query_stats(sm, ld, BQ, b, w, h, tid);
+}
+
+static inline __attribute__((always_inline)) void fa_mma_dkv_split_team(const int D, const int NP,
+                                                                         const fa_gpu_bwd b, int64_t ui, int64_t g,
+                                                                         unsigned short *smem) {
+  const int P = D + 8, BQ = FA_MMA_DKV_BQ_OF(D), RP = FA_MMA_ROWS * P, TP = BQ * P;
+  const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
+  const fa_key_unit u = b.units[ui];
+  const fa_block blk = b.kblocks[u.block];
+  const int64_t group = b.hq / b.hkv, qshift = b.qshift;
+  const float mul = b.scale * FA_LOG2E;
+  const fa_smem sm = fa_smem_of(smem);
+  /* element offsets: K's pieces, V's, the two query buffers (Q's pieces, then dO's) */
+  const int kt = 0, vt = NP * RP, qbuf0 = 2 * NP * RP, qstep = 2 * NP * TP;
+  const int ld0 = qbuf0 + 2 * qstep; /* per buffer i: [BQ] lse, [BQ] D as floats at ld0 + 4 BQ i */
+  unsigned *qbad = (unsigned *)(smem + ld0 + 8 * BQ);
+
+  fa_mma_load_pieces(sm, kt, RP, NP, P, FA_MMA_ROWS, D, b.pk, b.pstride[1], blk.start, blk.len, g, tid);
+  fa_mma_load_pieces(sm, vt, RP, NP, P, FA_MMA_ROWS, D, b.pv, b.pstride[2], blk.start, blk.len, g, tid);
+  fa_query_walk w = {(int)u.j0, 0, 0, 0, 0, 0};
+  w = fa_qwalk_seek(w, b.seg, b.pair, b.kidx, qshift, u, blk, group);
+  if (w.j <= u.j1) fa_dkv_split_load_queries(sm, qbuf0, ld0, P, D, BQ, NP, &b, w, g * group + w.hh, tid);
+  fa_cp_async_commit();
+  fa_cp_async_wait(0);
+  ompx_sync_block_acq_rel();
+  /* this lane's A address in a 64-row tile (its warp's 16 keys) */
+  const int al = (warp * 16 + fa_ldsm_a_row(lane)) * P + fa_ldsm_a_col(lane);
+
+  fa_dkv_lane kl;
+  fa_dkv_lane_of(&kl, tid, lane, blk, qshift);
+  const int r0 = kl.r0, c0 = kl.c0, ok0 = kl.ok0, ok1 = kl.ok1, kfirst = kl.kfirst, qsh = kl.qsh;
+  const int k_pos0 = kl.k_pos0, k_pos1 = kl.k_pos1;
+  fa_f4 dk[FA_MMA_MAX_D / 8], dv[FA_MMA_MAX_D / 8];
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) dk[n] = fa_f4_zero(), dv[n] = fa_f4_zero();
+  int bad0 = 0, bad1 = 0, cb = 0;
+  while (w.j <= u.j1) {
+    const int qt = qbuf0 + cb * qstep, ot = qt + NP * TP;
+    const float *ld = (const float *)(smem + ld0 + 4 * BQ * cb);
+    fa_cp_async_wait(0);
+    ompx_sync_block_acq_rel(); /* tile j landed; iteration j - 1 is done with the other buffer */
+    const fa_query_walk w1 = fa_qwalk_next(w, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
+    if (w1.j <= u.j1)
+      fa_dkv_split_load_queries(sm, qbuf0 + (cb ^ 1) * qstep, ld0 + 4 * BQ * (cb ^ 1), P, D, BQ, NP, &b, w1,
+                                g * group + w1.hh, tid);
+    fa_cp_async_commit();
+    int nq, lo0, lo1;
+    const unsigned long long qflags = fa_dkv_tile_masks(smem, qt, ot, P, BQ, D, 0, qbad, w, qsh, kfirst, (int)blk.len,
+                                                        ok0, ok1, k_pos0, k_pos1, tid, &nq, &lo0, &lo1);
+    fa_f4 s[FA_MMA_BQ / 8], dp[FA_MMA_BQ / 8]; /* 16 keys x BQ queries */
+    fa_mma_abt_pieces_sa(s, sm, kt + al, RP, NP, qt, P, BQ, D, lane);  /* S^T = K Q^T */
+    fa_mma_abt_pieces_sa(dp, sm, vt + al, RP, NP, ot, P, BQ, D, lane); /* dP^T = V dO^T */
+    float lq[FA_MMA_BQ / 4], dd[FA_MMA_BQ / 4];
+    fa_mma_dkv_rows(lq, dd, ld, BQ, c0);
+    fa_mma_dkv_grads(s, dp, lq, dd, mul, nq, BQ, nq == BQ && (!w.causal || kfirst + warp * 16 + 15 <= w.qb + qsh),
+                     lo0, lo1, c0, qflags, &bad0, &bad1);
+    fa_mma_pv_pieces(dv, s, NP, sm, ot, P, BQ, D, 0, lane);  /* dV += P^T dO */
+    fa_mma_pv_pieces(dk, dp, NP, sm, qt, P, BQ, D, 0, lane); /* dK += dS^T Q */
+    cb ^= 1;
+    w = w1;
+  }
+  fa_mma_dkv_store(&b, ui, g, dk, dv, D, r0, k_pos0, c0, ok0, ok1, bad0, bad1, lane);
+}
+
+/* The split dK/dV at HIGH (3 pieces) and MEDIUM (2) precision, with a dK/dV team's signature. */
+static inline __attribute__((always_inline)) void fa_mma_dkv_team_f32_high(const int D, const int f16,
+                                                                            const fa_gpu_bwd b, int64_t ui,
+                                                                            int64_t g, unsigned short *smem) {
+  (void)f16;
+  fa_mma_dkv_split_team(D, 3, b, ui, g, smem);
+}
+static inline __attribute__((always_inline)) void fa_mma_dkv_team_f32_medium(const int D, const int f16,
+                                                                              const fa_gpu_bwd b, int64_t ui,
+                                                                              int64_t g, unsigned short *smem) {
+  (void)f16;
+  fa_mma_dkv_split_team(D, 2, b, ui, g, smem);
 }
 
 /* The key-major wgmma dK/dV team (sm_90a builds, head_dim 64, Q's and dO's

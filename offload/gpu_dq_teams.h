@@ -5,6 +5,7 @@
  * S and dP products, the gradient steps of gpu_grad_step.h, dQ += dS K and
  * a store (gpu_epilogue.h):
  *   fa_mma_dq_team  mma.sync, 64 rows, K/V double-buffered by cp.async
+ *   fa_mma_dq_split_team  the same of f32 inputs split into bf16 pieces
  *   fa_wg_pair_dq_team  two warpgroups, 128 rows, 128-key tiles by bulk copies */
 #ifndef FORKATTN_GPU_DQ_TEAMS_H
 #define FORKATTN_GPU_DQ_TEAMS_H
@@ -118,6 +119,120 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
   }
   bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
   fa_mma_store_rows(b.dq, row0, h, dq, D, c0, ok0, ok1, b.scale, b.scale, bad0, bad1);
+}
+
+/* The mma.sync dQ of f32 inputs split into NP bf16 pieces (lib/core/split_bf16.h; b.pieces and the
+ * views b.pq, b.pk, b.pv, b.pdo): fa_mma_dq_team's walk with S = Q K^T and dP = dO V^T multiplied from
+ * the pieces (Q's piece 0 in registers, and dO's at head_dim 64; the others read from team memory a
+ * k-step at a time: fa_mma_qk_split_rest, fa_mma_abt_pieces_sa), dQ += dS K with dS split in registers (fa_mma_pv_pieces), D given
+ * (dsum_ready: the f32 rowsum ran before the launch) and dQ stored in f32. BK: FA_MMA_SPLIT_BK(D).
+ * Team memory (FA_MMA_DQ_SPLIT_SMEM): Q's NP pieces [64][P], dO's, two buffers of K's NP pieces
+ * [BK][P] then V's, the scan flags. Only piece 0 of a non-finite value is non-finite, so a masked
+ * tile's scan reads K's piece 0 alone. */
+#define FA_MMA_DQ_SPLIT_SMEM(D, NP)                                                                             \
+  ((size_t)(2 * (NP) * FA_MMA_ROWS + 4 * (NP) * FA_MMA_SPLIT_BK(D)) * ((D) + 8) * 2 + 4 * sizeof(unsigned))
+
+/* Tile w's K pieces, then its V pieces, into the buffer at element buf (NP tiles of [BK][P] each). */
+static inline __attribute__((always_inline)) void fa_dq_split_load_tile(fa_smem sm, int buf, int P, int BK, int D,
+                                                                        int NP, const fa_gpu_bwd *b, int64_t g,
+                                                                        fa_tile_walk w, int tid) {
+  const int nk = fa_walk_keys(w, BK);
+  fa_mma_load_pieces(sm, buf, BK * P, NP, P, BK, D, b->pk, b->pstride[1], w.kb, nk, g, tid);
+  fa_mma_load_pieces(sm, buf + NP * BK * P, BK * P, NP, P, BK, D, b->pv, b->pstride[2], w.kb, nk, g, tid);
+}
+
+static inline __attribute__((always_inline)) void fa_mma_dq_split_team(const int D, const int BK, const int NP,
+                                                                        const fa_gpu_bwd b, fa_block blk, int64_t h,
+                                                                        int64_t g, unsigned short *smem) {
+  const int P = D + 8, RP = FA_MMA_ROWS * P, TP = BK * P;
+  const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
+  const fa_smem sm = fa_smem_of(smem);
+  /* element offsets: Q's pieces, dO's, the two K/V buffers */
+  const int qt = 0, ot = NP * RP, buf0 = 2 * NP * RP, buf1 = buf0 + 2 * NP * TP;
+  unsigned *kbad = (unsigned *)(smem + buf1 + 2 * NP * TP);
+  const fa_range *seg = b.seg;
+  const fa_pair *pair = b.pair;
+  const int64_t qshift = b.qshift;
+  const float mul = b.scale * FA_LOG2E;
+
+  fa_mma_load_pieces(sm, qt, RP, NP, P, FA_MMA_ROWS, D, b.pq, b.pstride[0], blk.start, blk.len, h, tid);
+  fa_mma_load_pieces(sm, ot, RP, NP, P, FA_MMA_ROWS, D, b.pdo, b.pstride[3], blk.start, blk.len, h, tid);
+  fa_tile_walk w = fa_walk_first(b.qoff, seg, pair, blk, qshift);
+  if (w.pi < w.pend) fa_dq_split_load_tile(sm, buf0, P, BK, D, NP, &b, g, w, tid);
+  fa_cp_async_commit();
+  fa_cp_async_wait(0);
+  ompx_sync_block_acq_rel();
+  /* this lane's A address in a 64-row tile; piece 0 of Q and (head_dim 64) of dO as fragments: at 128
+   * dO's beside dQ's accumulators spilled */
+  const int al = (warp * 16 + fa_ldsm_a_row(lane)) * P + fa_ldsm_a_col(lane), oreg = D < 128;
+  fa_u4 qf[FA_MMA_MAX_D / 16], of[FA_MMA_MAX_D / 16];
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ks++) {
+    qf[ks] = fa_ldmatrix_x4(sm, qt + al + ks * 16, 0);
+    if (oreg) of[ks] = fa_ldmatrix_x4(sm, ot + al + ks * 16, 0);
+  }
+  const int q1 = qt + RP + al, q2 = qt + 2 * RP + al, o1 = ot + RP + al, o2 = ot + 2 * RP + al;
+
+  const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
+  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
+  const int64_t row0 = blk.start + r0;
+  const int qfirst = (int)(blk.start + qshift); /* key-frame position of the block's first row */
+  const int q_pos0 = qfirst + r0, q_pos1 = q_pos0 + 8;
+  const float lse0 = fa_row_lse_log2(&b, ok0, row0, h), lse1 = fa_row_lse_log2(&b, ok1, row0 + 8, h);
+  const float dd0 = fa_row_d(&b, ok0, row0, h), dd1 = fa_row_d(&b, ok1, row0 + 8, h);
+  fa_f4 dq[FA_MMA_MAX_D / 8];
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) dq[n] = fa_f4_zero();
+  int bad0 = 0, bad1 = 0, cur = 0;
+
+  fa_tile_walk nx = fa_walk_next(w, BK, seg, pair, blk, qshift);
+  while (w.pi < w.pend) {
+    const int kt = cur ? buf1 : buf0, vt = kt + NP * TP; /* K's pieces, then V's */
+    fa_mma_tile_ready(0, 0); /* tile j landed; iteration j - 1 is done with the other buffer */
+    if (nx.pi < nx.pend) fa_dq_split_load_tile(sm, cur ? buf0 : buf1, P, BK, D, NP, &b, g, nx, tid);
+    fa_cp_async_commit();
+    const int nk = fa_walk_keys(w, BK);
+    const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);
+    const int lim1 = fa_mma_row_keys(ok1, w.causal, q_pos1, w.kb, nk);
+    const unsigned long long kflags = fa_tile_hides_keys(w, BK, qfirst) ? fa_mma_scan_rows(smem + kt, P, BK, D, 0, kbad, tid) : 0;
+
+    fa_f4 s[FA_MMA_MAX_BK / 8], dp[FA_MMA_MAX_BK / 8];
+    fa_mma_qk(s, qf, sm, kt, P, BK, D, 0, lane);
+    fa_mma_qk_split_rest(s, qf, q1, q2, NP, sm, kt, P, BK, D, lane);
+    if (oreg) {
+      fa_mma_qk(dp, of, sm, vt, P, BK, D, 0, lane);
+      fa_mma_qk_split_rest(dp, of, o1, o2, NP, sm, vt, P, BK, D, lane);
+    } else {
+      fa_mma_abt_pieces_sa(dp, sm, ot + al, RP, NP, vt, P, BK, D, lane);
+    }
+    const fa_tile_walk nx2 = fa_walk_next(nx, BK, seg, pair, blk, qshift);
+    unsigned vis0, vis1;
+    fa_dq_tile_p(s, BK, fa_tile_all_visible(w, nk, BK, qfirst + warp * 16), kflags, c0, lim0, lim1, mul, lse0, lse1,
+                 &vis0, &vis1, &bad0, &bad1);
+    fa_dq_tile_ds(s, dp, 0, BK / 8, vis0, vis1, dd0, dd1);
+    fa_mma_pv_pieces(dq, s, NP, sm, kt, P, BK, D, 0, lane); /* dQ += dS K, K's pieces of [key][dim] */
+    cur ^= 1;
+    w = nx;
+    nx = nx2;
+  }
+  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
+  fa_mma_store_rows(b.dq, row0, h, dq, D, c0, ok0, ok1, b.scale, b.scale, bad0, bad1);
+}
+
+/* The split dQ at HIGH (3 pieces) and MEDIUM (2) precision, with a query team's signature. */
+static inline __attribute__((always_inline)) void fa_mma_dq_team_f32_high(const int D, const int BK, const int f16,
+                                                                           const fa_gpu_bwd b, fa_block blk,
+                                                                           int64_t h, int64_t g,
+                                                                           unsigned short *smem) {
+  (void)f16;
+  fa_mma_dq_split_team(D, BK, 3, b, blk, h, g, smem);
+}
+static inline __attribute__((always_inline)) void fa_mma_dq_team_f32_medium(const int D, const int BK, const int f16,
+                                                                             const fa_gpu_bwd b, fa_block blk,
+                                                                             int64_t h, int64_t g,
+                                                                             unsigned short *smem) {
+  (void)f16;
+  fa_mma_dq_split_team(D, BK, 2, b, blk, h, g, smem);
 }
 
 /* The two-warpgroup wgmma dQ (sm_90a, bulk tensor copies required; the

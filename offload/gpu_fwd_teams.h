@@ -32,10 +32,8 @@
 static inline __attribute__((always_inline)) void fa_fwd_load_pieces(fa_smem sm, int at, int P, int BK, int D, int NP,
                                                                      const fa_gpu_fwd_args *ga, int x, int64_t g,
                                                                      fa_tile_walk w, int tid) {
-#pragma unroll
-  for (int p = 0; p < NP; p++)
-    fa_mma_load_rows(sm, at + p * BK * P, P, BK, D, fa_dev_piece(x == 1 ? ga->k : ga->v, ga->pstride[x], p), w.kb,
-                     fa_walk_keys(w, BK), g, tid);
+  fa_mma_load_pieces(sm, at, BK * P, NP, P, BK, D, x == 1 ? ga->k : ga->v, ga->pstride[x], w.kb, fa_walk_keys(w, BK),
+                     g, tid);
 }
 
 /* Tile w's K (NQK pieces) and then V (NV pieces) into the buffer at buf. */

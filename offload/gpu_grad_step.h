@@ -81,6 +81,11 @@ static inline __attribute__((always_inline)) float fa_row_lse_log2(const fa_gpu_
   return ok ? b->lse[row * b->hq + h] * FA_LOG2E : 0.0f;
 }
 
+/* D of query row `row` (head h) computed before the launch (dsum_ready), 0 for a row outside the block. */
+static inline __attribute__((always_inline)) float fa_row_d(const fa_gpu_bwd *b, int ok, int64_t row, int64_t h) {
+  return ok ? b->dsum[row * b->hq + h] : 0.0f;
+}
+
 /* P = exp2(S - lse) of a warp's 16 rows x BK keys of S in s, where visible;
  * an exact 0 elsewhere (a select, not a product; vis0 / vis1: bit 2n + i for
  * column 8n + c0 + i of rows r0, r0 + 8). all: every row of the warp sees

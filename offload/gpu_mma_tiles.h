@@ -278,6 +278,16 @@ static inline __attribute__((always_inline)) fa_dev_tensor fa_dev_piece(fa_dev_t
   return t;
 }
 
+/* Rows [row0, row0 + n) of head `head` of t's NP pieces (planes `stride` elements apart, fa_dev_piece)
+ * by cp.async into NP [cap][P] tiles of team memory, `step` elements apart from element dst. */
+static inline __attribute__((always_inline)) void fa_mma_load_pieces(fa_smem m, int dst, int step, int NP, int P,
+                                                                     int cap, int D, fa_dev_tensor t,
+                                                                     int64_t stride, int64_t row0, int64_t n,
+                                                                     int64_t head, int tid) {
+#pragma unroll
+  for (int p = 0; p < NP; p++) fa_mma_load_rows(m, dst + p * step, P, cap, D, fa_dev_piece(t, stride, p), row0, n, head, tid);
+}
+
 /* fa_mma_acc_abt with A read from team memory a k-step at a time (ldmatrix
  * at al: this lane's A address in a [16][P] tile, the rows' element plus
  * fa_ldsm_a_row * P + fa_ldsm_a_col): an operand kept out of registers (the

@@ -59,6 +59,26 @@ static inline __attribute__((always_inline)) void fa_mma_qk_split_rest(fa_f4 *ac
   }
 }
 
+/* acc = A B^T of inputs split into NP bf16 pieces with every A piece read from team memory
+ * (fa_mma_acc_abt_sa: no fragments held in registers), piece p at this lane's A address
+ * a0 + p * astep, B's pieces BK * P elements apart from bt; the products of fa_mma_qk_pieces. */
+static inline __attribute__((always_inline)) void fa_mma_abt_pieces_sa(fa_f4 *acc, fa_smem sm, int a0, int astep,
+                                                                       int NP, int bt, int P, int BK, int D,
+                                                                       int lane) {
+#pragma unroll
+  for (int n = 0; n < BK / 8; n++) acc[n] = fa_f4_zero();
+  fa_mma_acc_abt_sa(acc, sm, a0, bt, P, BK, D, 0, lane);
+  if (NP > 1) {
+    fa_mma_acc_abt_sa(acc, sm, a0, bt + BK * P, P, BK, D, 0, lane);
+    fa_mma_acc_abt_sa(acc, sm, a0 + astep, bt, P, BK, D, 0, lane);
+  }
+  if (NP > 2) {
+    fa_mma_acc_abt_sa(acc, sm, a0, bt + 2 * BK * P, P, BK, D, 0, lane);
+    fa_mma_acc_abt_sa(acc, sm, a0 + 2 * astep, bt, P, BK, D, 0, lane);
+    fa_mma_acc_abt_sa(acc, sm, a0 + astep, bt + BK * P, P, BK, D, 0, lane);
+  }
+}
+
 /* O += P V with V split into NP pieces BK * P elements apart from vt: P's
  * accumulators s are packed to bf16 (fa_mma_acc_ab) as its piece 0, and
  * replaced by what each packing left for the next piece (s is consumed).

@@ -18,6 +18,7 @@
 #include "gpu_stream.h"
 #include "gpu_trace.h"
 #include "gpu_segment_walk.h"
+#include "gpu_split.h"
 #include "gpu_tiles.h"
 #include "gpu_select_ctx.h"
 #include "gpu_tma.h"
@@ -369,6 +370,16 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
                              !bad && fa_gpu_select_needs_tma(kdq) &&
                                  fa_gpu_wg_pair_kv_tma(maps + 2, &b.k, a->k.rows, &b.v, a->v.rows, a->hkv, a->d));
   const int tma = fa_gpu_select_needs_tma(kdkv);
+  /* f32 inputs on tensor cores: q, k, v and dout as bf16 pieces for the split teams; D from the f32 o
+   * and dout by the rowsum kernel before them (dsum_ready) */
+  int np, np_v;
+  fa_gpu_select_pieces(&ctx->gpu->knobs, FA_PASS_DQ, kdq, &call, &np, &np_v);
+  if (!bad && np)
+    bad = fa_gpu_split_pieces(&st, &b.pq, &b.pstride[0], &b.q, a->q.rows, a->hq, a->d, np) ||
+          fa_gpu_split_pieces(&st, &b.pk, &b.pstride[1], &b.k, a->k.rows, a->hkv, a->d, np) ||
+          fa_gpu_split_pieces(&st, &b.pv, &b.pstride[2], &b.v, a->v.rows, a->hkv, a->d, np_v) ||
+          fa_gpu_split_pieces(&st, &b.pdo, &b.pstride[3], &b.dout, a->dout.rows, a->hq, a->d, np_v);
+  b.pieces = np;
   b.dq_wg_pair = kdq == FA_KERNEL_WG_PAIR;
   b.dkv_wg_pair = kdkv == FA_KERNEL_WG_PAIR;
   b.krows = b.dkv_wg_pair ? FA_WG_PAIR_ROWS : mma ? FA_MMA_ROWS : FA_GPU_ROWS;
@@ -388,7 +399,7 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
     fa_stage_free(&st);
     return fa_fail(ctx, FORKATTN_ERR_UNSUPPORTED, "gpu bwd: too many teams for one launch");
   }
-  b.dsum_ready = !bad && fa_gpu_rowsum_exact_needed(a, qb_h, b.nqb);
+  b.dsum_ready = !bad && (b.pieces || fa_gpu_rowsum_exact_needed(a, qb_h, b.nqb));
   fa_gpu_trace_mark(&tr, "blocks");
   if (!bad) {
     static const int64_t zero = 0; /* the persistent dQ's work counter */
@@ -428,15 +439,16 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
   }
   fa_note_workspace(ctx, st.bytes);
   fa_gpu_trace_mark(&tr, "upload");
-  if (b.dsum_ready) { /* some blocks take D from the inputs */
+  if (b.dsum_ready && !b.pieces) { /* some blocks take D from the inputs */
     fa_gpu_rowsum_blocks(&b, ctx->device);
     fa_gpu_trace_mark(&tr, "rowsum_blocks");
-  } else if (!mma) { /* else the tensor-core dQ kernel computes D itself */
+  } else if (!mma || b.pieces) { /* else the tensor-core dQ kernel computes D itself */
     fa_gpu_rowsum(&b, ctx->device);
     fa_gpu_trace_mark(&tr, "rowsum");
   }
-  fa_gpu_log_kernels(ctx, "attn_bwd", "dQ %s%s, dK/dV %s", fa_gpu_kernel_name(FA_PASS_DQ, kdq),
-                     grid ? ", persistent teams" : "", fa_gpu_kernel_name(FA_PASS_DKV, kdkv));
+  fa_gpu_log_kernels(ctx, "attn_bwd", "dQ %s%s, dK/dV %s%s", fa_gpu_kernel_name(FA_PASS_DQ, kdq),
+                     grid ? ", persistent teams" : "", fa_gpu_kernel_name(FA_PASS_DKV, kdkv),
+                     np == 3 ? ", f32 as bf16x6" : np == 2 ? ", f32 as bf16x3" : "");
   if (mma) {
     fa_gpu_mma_dq(&b, b_dev, grid);
     fa_gpu_trace_mark(&tr, "mma_dq");
@@ -461,6 +473,7 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
 forkattn_status fa_gpu_attn_bwd(forkattn_ctx *ctx, const fa_attn_bwd *a, forkattn_memory memory) {
   /* the tensor-core kernels and the reduce take their arguments from the staged copy: routable */
   const fa_gpu_call call = fa_gpu_bwd_call(a, memory);
-  return fa_gpu_stream_run(ctx, fa_gpu_attn_bwd_run, a, memory, fa_gpu_choose(ctx, FA_PASS_DQ, &call) != FA_KERNEL_FP32,
-                           "gpu bwd");
+  const int mma = fa_gpu_choose(ctx, FA_PASS_DQ, &call) != FA_KERNEL_FP32 &&
+                  fa_gpu_choose(ctx, FA_PASS_DKV, &call) != FA_KERNEL_FP32;
+  return fa_gpu_stream_run(ctx, fa_gpu_attn_bwd_run, a, memory, mma, "gpu bwd");
 }

@@ -8,9 +8,9 @@
 #include "gpu_persist.h"
 #include "gpu_select.h"
 
-/* f32 inputs reach the tensor cores split into bf16 pieces: the passes with such a kernel (the forward
- * and the StreamKL forward), unless the context asks for f32 products, when its team memory fits the
- * device. */
+/* f32 inputs reach the tensor cores split into bf16 pieces: the passes with such a kernel (the forward,
+ * dQ, dK/dV and the StreamKL forward), unless the context asks for f32 products, when its team memory
+ * fits the device. */
 static int fa_select_split(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, fa_gpu_pass pass,
                            const fa_gpu_call *c) {
   const size_t need = caps->split_smem[pass][c->d == 128];
@@ -45,9 +45,9 @@ fa_gpu_kernel fa_gpu_select(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, 
 
 void fa_gpu_select_pieces(const fa_gpu_knobs *knobs, fa_gpu_pass pass, fa_gpu_kernel k, const fa_gpu_call *call,
                           int *qk, int *v) {
-  const int split = call->f32 && k != FA_KERNEL_FP32 && (pass == FA_PASS_FWD || pass == FA_PASS_KL_FWD);
+  const int split = call->f32 && k != FA_KERNEL_FP32 && pass != FA_PASS_KL_BWD;
   *qk = !split ? 0 : knobs->f32 == FORKATTN_F32_PRECISION_MEDIUM ? 2 : 3;
-  *v = pass == FA_PASS_FWD ? *qk : 0;
+  *v = pass == FA_PASS_KL_FWD ? 0 : *qk;
 }
 
 int fa_gpu_select_needs_tma(fa_gpu_kernel k) { return k == FA_KERNEL_WG_PAIR || k == FA_KERNEL_WG_KEY_MAJOR; }
@@ -124,10 +124,11 @@ void fa_gpu_select_describe(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, 
   if (n < 0 || (size_t)n >= len - at) return;
   at += (size_t)n;
   const fa_gpu_call f32 = {.f32 = 1, .d = 128, .rows16 = 1, .same_d = 1, .same_kv_heads = 1, .tma = 1};
+  const int bwd = fa_gpu_select(caps, knobs, FA_PASS_DQ, &f32) == FA_KERNEL_MMA &&
+                  fa_gpu_select(caps, knobs, FA_PASS_DKV, &f32) == FA_KERNEL_MMA;
   if (fa_gpu_select(caps, knobs, FA_PASS_FWD, &f32) == FA_KERNEL_MMA)
-    n = snprintf(buf + at, len - at, knobs->f32 == FORKATTN_F32_PRECISION_MEDIUM
-                                         ? "; f32 forward and StreamKL forward mma.sync bf16x3"
-                                         : "; f32 forward and StreamKL forward mma.sync bf16x6");
+    n = snprintf(buf + at, len - at, "; f32 forward%s and StreamKL forward mma.sync bf16x%d", bwd ? ", backward" : "",
+                 knobs->f32 == FORKATTN_F32_PRECISION_MEDIUM ? 3 : 6);
   else
     n = 0;
   if (n >= 0 && (size_t)n < len - at) snprintf(buf + at + (size_t)n, len - at - (size_t)n, "; other calls fp32");

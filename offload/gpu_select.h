@@ -84,9 +84,9 @@ fa_gpu_kernel fa_gpu_select(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, 
                             const fa_gpu_call *call);
 
 /* The bf16 pieces (lib/core/split_bf16.h) the f32 inputs of `call` are split into for kernel k of `pass`:
- * the score inputs (q and k; StreamKL's four) in *qk, v in *v; 3 each at HIGH precision, 2 each at
- * MEDIUM (StreamKL: v 0), 0 and 0 when they stay as they are (bf16/f16 inputs, HIGHEST, or the FP32
- * kernels). */
+ * the score inputs (q and k; StreamKL's four) in *qk, v (and the backward's dout) in *v; 3 each at HIGH
+ * precision, 2 each at MEDIUM (StreamKL: v 0), 0 and 0 when they stay as they are (bf16/f16 inputs,
+ * HIGHEST, or the FP32 kernels). */
 void fa_gpu_select_pieces(const fa_gpu_knobs *knobs, fa_gpu_pass pass, fa_gpu_kernel k, const fa_gpu_call *call,
                           int *qk, int *v);
 

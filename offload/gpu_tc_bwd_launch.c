@@ -1,5 +1,6 @@
 /* Launches of the tensor-core backward of segment attention (the mma.sync and
- * wgmma teams of gpu_bwd_teams.h), for bf16/f16, head_dim 64 or 128; the same
+ * wgmma teams of gpu_bwd_teams.h), for bf16/f16 and f32 split into bf16
+ * pieces (the mma.sync split teams), head_dim 64 or 128; the same
  * plan, blocks, key units and reduce as the FP32 backward (gpu_segment_bwd.c).
  *
  * dQ: a team owns 64 query rows of one query head (4 warps x 16 rows, Q and
@@ -48,6 +49,13 @@ void fa_gpu_mma_bwd_smem(size_t dq[2], size_t dkv[2]) {
   dkv[1] = FA_WG_PAIR_DKV_SMEM(128); /* two-warpgroup query-major */
 }
 
+void fa_gpu_mma_bwd_split_smem(size_t dq[2], size_t dkv[2]) {
+  dq[0] = FA_MMA_DQ_SPLIT_SMEM(64, 3);
+  dq[1] = FA_MMA_DQ_SPLIT_SMEM(128, 3);
+  dkv[0] = FA_MMA_DKV_SPLIT_SMEM(64, 3);
+  dkv[1] = FA_MMA_DKV_SPLIT_SMEM(128, 3);
+}
+
 #define FA_MMA_DQ(D, F16) \
   FA_MMA_QUERY_TEAMS(fa_mma_dq_team, qblocks, D, FA_MMA_BK(D), F16, FA_MMA_QUERY_SMEM(FA_MMA_BK(D), (D) + 8))
 
@@ -57,8 +65,27 @@ void fa_gpu_mma_bwd_smem(size_t dq[2], size_t dkv[2]) {
   FA_PERSISTENT_QUERY_TEAMS(fa_wg_pair_dq_team, fa_wg_pair_dq_ring, qblocks, nqb, D, FA_WG_PAIR_BK, F16,       \
                             FA_WG_PAIR_DQ_SMEM(D))
 
+/* f32 inputs split into bf16 pieces: HIGH (3) or MEDIUM (2) */
+#define FA_MMA_DQ_F32(D, NP)                                                                                   \
+  do {                                                                                                         \
+    if ((NP) == 3)                                                                                             \
+      FA_MMA_QUERY_TEAMS(fa_mma_dq_team_f32_high, qblocks, D, FA_MMA_SPLIT_BK(D), 0, FA_MMA_DQ_SPLIT_SMEM(D, 3));  \
+    else                                                                                                       \
+      FA_MMA_QUERY_TEAMS(fa_mma_dq_team_f32_medium, qblocks, D, FA_MMA_SPLIT_BK(D), 0, FA_MMA_DQ_SPLIT_SMEM(D, 2)); \
+  } while (0)
+#define FA_MMA_DKV_F32(D, NP)                                                                                  \
+  do {                                                                                                         \
+    if ((NP) == 3) FA_MMA_DKV_TEAMS(fa_mma_dkv_team_f32_high, D, 0, FA_MMA_DKV_SPLIT_SMEM(D, 3));               \
+    else FA_MMA_DKV_TEAMS(fa_mma_dkv_team_f32_medium, D, 0, FA_MMA_DKV_SPLIT_SMEM(D, 2));                       \
+  } while (0)
+
 void fa_gpu_mma_dq(const fa_gpu_bwd *b, const fa_gpu_bwd *argp, int grid) {
   const int nteams = (int)(b->nqb * b->hq), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
+  if (b->pieces) {
+    if (b->d == 128) FA_MMA_DQ_F32(128, b->pieces);
+    else FA_MMA_DQ_F32(64, b->pieces);
+    return;
+  }
 #ifdef FORKATTN_HAVE_WGMMA
   if (b->dq_wg_pair) { /* the query blocks are FA_WG_PAIR_ROWS, K's and V's maps encoded */
     if (grid) FA_TL_LAUNCH(dev, "wg_pair_dq", FA_MMA_BY_HEAD_DIM(FA_WG_PAIR_DQ_PERSISTENT, b->d, f16));
@@ -84,6 +111,11 @@ int fa_gpu_mma_dkv_tma(fa_tma_map *maps, const fa_dev_tensor *q, int64_t q_rows,
 
 void fa_gpu_mma_dkv(const fa_gpu_bwd *b, const fa_gpu_bwd *argp) {
   const int nteams = (int)(b->nunits * b->hkv), dev = b->device, f16 = b->q.dtype == FORKATTN_DTYPE_F16;
+  if (b->pieces) {
+    if (b->d == 128) FA_MMA_DKV_F32(128, b->pieces);
+    else FA_MMA_DKV_F32(64, b->pieces);
+    return;
+  }
 #ifdef FORKATTN_HAVE_WGMMA
   if (b->dkv_wg_pair) { /* head_dim 128: the key blocks are FA_WG_PAIR_ROWS, Q's and dO's maps encoded */
     FA_TL_LAUNCH(dev, "wg_pair_dkv", if (f16) FA_WG_PAIR_DKV(128, 1); else FA_WG_PAIR_DKV(128, 0));

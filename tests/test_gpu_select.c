@@ -24,6 +24,8 @@ static fa_gpu_caps h100(void) {
   }
   c.split_smem[FA_PASS_FWD][0] = 72 * KB, c.split_smem[FA_PASS_FWD][1] = 68 * KB;
   c.split_smem[FA_PASS_KL_FWD][0] = 100 * KB, c.split_smem[FA_PASS_KL_FWD][1] = 120 * KB;
+  c.split_smem[FA_PASS_DQ][0] = 108 * KB, c.split_smem[FA_PASS_DQ][1] = 153 * KB;
+  c.split_smem[FA_PASS_DKV][0] = 109 * KB, c.split_smem[FA_PASS_DKV][1] = 154 * KB;
   return c;
 }
 
@@ -128,17 +130,22 @@ Test(gpu_select, the_kernel_family_knob_caps_the_choice) {
   expect_all(&c, &mma_k, f32, fp32, "kernels=mma, f32");
 }
 
-/* f32 inputs at d 64 / 128: the forward and the StreamKL forward on mma.sync with bf16 pieces (3 for the
- * score inputs at HIGH, 2 at MEDIUM), every other pass and HIGHEST on the FP32 kernels; the shape rules,
- * each pass's team memory and the family knob hold as for bf16. */
+/* f32 inputs at d 64 / 128: the forward, dQ, dK/dV and the StreamKL forward on mma.sync with bf16
+ * pieces (3 for the score inputs at HIGH, 2 at MEDIUM; every input of the attention passes), the
+ * StreamKL backward and HIGHEST on the FP32 kernels; the shape rules, each pass's team memory and the
+ * family knob hold as for bf16. */
 Test(gpu_select, f32_forward_runs_split_on_mma_sync) {
   const fa_gpu_caps c = h100();
   const fa_gpu_knobs medium = {.persist = -1, .f32 = FORKATTN_F32_PRECISION_MEDIUM};
   const fa_gpu_knobs highest = {.persist = -1, .f32 = FORKATTN_F32_PRECISION_HIGHEST};
   const fa_gpu_knobs mma_k = {.kernels = FORKATTN_GPU_KERNELS_MMA, .persist = -1};
   const fa_gpu_knobs fp32_k = {.kernels = FORKATTN_GPU_KERNELS_FP32, .persist = -1};
-  const fa_gpu_kernel split[FA_PASSES] = {FA_KERNEL_MMA, FA_KERNEL_FP32, FA_KERNEL_FP32, FA_KERNEL_MMA,
+  const fa_gpu_kernel split[FA_PASSES] = {FA_KERNEL_MMA, FA_KERNEL_MMA, FA_KERNEL_MMA, FA_KERNEL_MMA,
                                           FA_KERNEL_FP32};
+  const fa_gpu_kernel forwards[FA_PASSES] = {FA_KERNEL_MMA, FA_KERNEL_FP32, FA_KERNEL_FP32, FA_KERNEL_MMA,
+                                             FA_KERNEL_FP32};
+  const fa_gpu_kernel no_dkv[FA_PASSES] = {FA_KERNEL_MMA, FA_KERNEL_MMA, FA_KERNEL_FP32, FA_KERNEL_MMA,
+                                           FA_KERNEL_FP32};
   const fa_gpu_kernel fwd_only[FA_PASSES] = {FA_KERNEL_MMA, FA_KERNEL_FP32, FA_KERNEL_FP32, FA_KERNEL_FP32,
                                              FA_KERNEL_FP32};
   const fa_gpu_kernel fp32[FA_PASSES] = {FA_KERNEL_FP32, FA_KERNEL_FP32, FA_KERNEL_FP32, FA_KERNEL_FP32,
@@ -161,7 +168,11 @@ Test(gpu_select, f32_forward_runs_split_on_mma_sync) {
     small.team_memory++;
     expect_all(&small, &auto_knobs, f32, fwd_only, "f32, the forward's team memory exactly");
     small.team_memory = c.split_smem[FA_PASS_KL_FWD][d == 128];
-    expect_all(&small, &auto_knobs, f32, split, "f32, StreamKL's team memory exactly");
+    expect_all(&small, &auto_knobs, f32, forwards, "f32, StreamKL's team memory exactly");
+    small.team_memory = c.split_smem[FA_PASS_DQ][d == 128];
+    expect_all(&small, &auto_knobs, f32, no_dkv, "f32, the dQ's team memory exactly");
+    small.team_memory = c.split_smem[FA_PASS_DKV][d == 128];
+    expect_all(&small, &auto_knobs, f32, split, "f32, the dK/dV's team memory exactly");
     fa_gpu_call two_d = f32;
     two_d.same_d = 0;
     cr_expect_eq(sel(&c, &auto_knobs, FA_PASS_KL_FWD, two_d), FA_KERNEL_FP32, "StreamKL sides of two head_dims");
@@ -173,7 +184,13 @@ Test(gpu_select, f32_forward_runs_split_on_mma_sync) {
     fa_gpu_select_pieces(&auto_knobs, FA_PASS_FWD, FA_KERNEL_FP32, &f32, &qk, &v);
     cr_expect(qk == 0 && v == 0, "FP32 kernel");
     fa_gpu_select_pieces(&auto_knobs, FA_PASS_DQ, FA_KERNEL_FP32, &f32, &qk, &v);
-    cr_expect(qk == 0 && v == 0, "dQ");
+    cr_expect(qk == 0 && v == 0, "dQ, FP32 kernel");
+    fa_gpu_select_pieces(&auto_knobs, FA_PASS_DQ, FA_KERNEL_MMA, &f32, &qk, &v);
+    cr_expect(qk == 3 && v == 3, "dQ, HIGH: %d, %d", qk, v);
+    fa_gpu_select_pieces(&medium, FA_PASS_DKV, FA_KERNEL_MMA, &f32, &qk, &v);
+    cr_expect(qk == 2 && v == 2, "dK/dV, MEDIUM: %d, %d", qk, v);
+    fa_gpu_select_pieces(&auto_knobs, FA_PASS_KL_BWD, FA_KERNEL_MMA, &f32, &qk, &v);
+    cr_expect(qk == 0 && v == 0, "the StreamKL backward has no split kernel");
     fa_gpu_select_pieces(&auto_knobs, FA_PASS_KL_FWD, FA_KERNEL_MMA, &f32, &qk, &v);
     cr_expect(qk == 3 && v == 0, "StreamKL, HIGH: %d, %d", qk, v);
     fa_gpu_select_pieces(&medium, FA_PASS_KL_FWD, FA_KERNEL_MMA, &f32, &qk, &v);
@@ -187,9 +204,13 @@ Test(gpu_select, f32_forward_runs_split_on_mma_sync) {
   expect_all(&c, &auto_knobs, f32_96, fp32, "f32, head_dim 96");
   char buf[384];
   fa_gpu_select_describe(&c, &auto_knobs, buf, sizeof buf);
-  cr_expect(strstr(buf, "f32 forward and StreamKL forward mma.sync bf16x6; other calls fp32"), "%s", buf);
+  cr_expect(strstr(buf, "f32 forward, backward and StreamKL forward mma.sync bf16x6; other calls fp32"), "%s", buf);
   fa_gpu_select_describe(&c, &medium, buf, sizeof buf);
-  cr_expect(strstr(buf, "f32 forward and StreamKL forward mma.sync bf16x3; other calls fp32"), "%s", buf);
+  cr_expect(strstr(buf, "f32 forward, backward and StreamKL forward mma.sync bf16x3; other calls fp32"), "%s", buf);
+  fa_gpu_caps no_bwd = c;
+  no_bwd.split_smem[FA_PASS_DKV][1] = 0;
+  fa_gpu_select_describe(&no_bwd, &auto_knobs, buf, sizeof buf);
+  cr_expect(strstr(buf, "f32 forward and StreamKL forward mma.sync bf16x6; other calls fp32"), "%s", buf);
   fa_gpu_select_describe(&c, &highest, buf, sizeof buf);
   cr_expect(!strstr(buf, "f32 forward") && strstr(buf, "other calls fp32"), "%s", buf);
 }

@@ -191,7 +191,8 @@ static void run_case(const char *name, const emu_case *c) {
                    emu_view(b.dout, dt, hq, d), emu_view(b.dq, dt, hq, d), emu_view(b.dk, dt, hkv, d),
                    emu_view(b.dv, dt, hkv, d), b.lse, b.dsum, plan.seg, plan.pair, plan.q_pair_off,
                    plan.k_pair_idx, qb, kb, units, unit_off, part_k, part_v, nqb, nkb, nunits, T,
-                   plan.qshift, hq, hkv, d, FA_MMA_ROWS, (float)scale, {0}, 0, 0, NULL, NULL, 0, 0, NULL, 0};
+                   plan.qshift, hq, hkv, d, FA_MMA_ROWS, (float)scale, {0}, 0, 0, NULL, NULL, 0, 0, NULL, 0,
+                   0, {0}, {0}, {0}, {0}, {0}};
   double edq = 0;
   static unsigned short smem_dq2[(2 * FA_WG_PAIR_ROWS + 2 * FA_WG_PAIR_DQ_STAGES(128) * FA_WG_PAIR_BK) * 128 + 2048];
   cr_assert_geq(sizeof smem_dq2, FA_WG_PAIR_DQ_SMEM(d));

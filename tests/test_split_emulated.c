@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gpu_dkv_teams.h"
+#include "gpu_dq_teams.h"
 #include "gpu_fwd_teams.h"
 #include "gpu_mma_kl_team.h"
 #include "reference_kl.h"
@@ -223,6 +225,151 @@ SPLIT_CASE(prefix_causal_nan_v_d64, .P = 70, .N = 1, .lens = {10}, .causal = 1, 
 /* head_dim 128 (16-key tiles, the scan of a 16-row V tile): a NaN value row in the prompt's diagonal tile */
 SPLIT_CASE(prefix_causal_nan_v_d128, .P = 40, .N = 1, .lens = {10}, .causal = 1, .hq = 2, .hkv = 1, .d = 128,
            .o_tol = 2e-5, .lse_tol = 1e-4, .nan_v_row = 21)
+
+/* ---- the backward teams ------------------------------------------------------ */
+
+/* The largest |got - ref| over n elements relative to the largest |ref|; non-finite (or unwritten) ones
+ * counted in *nonfinite. */
+static double split_rel_err(const float *got, const double *ref, int64_t n, int64_t *nonfinite) {
+  double e = 0, m = 0;
+  for (int64_t i = 0; i < n; i++) {
+    *nonfinite += !isfinite(got[i]);
+    e = fmax(e, fabs(got[i] - ref[i]));
+    m = fmax(m, fabs(ref[i]));
+  }
+  return e / (m > 0 ? m : 1);
+}
+
+/* The split backward at np pieces: the split forward team's o and lse, D = rowsum(dO * O) in f32 (as
+ * the GPU's rowsum kernel before the launch), then the split dQ teams and the split dK/dV teams over key
+ * units of 48 reader rows (several a block: partial sums and their in-order reduce), against the float64
+ * gradients; every gradient starts poisoned. */
+static void split_bwd_run(const char *name, const split_case *c, int np, double grad_tol) {
+  omp_set_dynamic(0);
+  tc_rng rng = tc_rng_for(name);
+  const int64_t hq = c->hq, hkv = c->hkv, d = c->d, group = hq / hkv;
+  fa_plan plan;
+  int64_t off[8];
+  const int64_t T = case_plan(c, &plan, off), nq = T * hq * d, nk = T * hkv * d;
+  float *x[9];
+  const int64_t sizes[9] = {nq, nk, nk, nq, nq, nq, nk, nk, T * hq}; /* q k v dout o dq dk dv lse */
+  for (int i = 0; i < 9; i++) cr_assert(x[i] = malloc(sizeof(float) * (size_t)sizes[i]));
+  float *q = x[0], *k = x[1], *v = x[2], *dout = x[3], *o = x[4], *dq = x[5], *dk = x[6], *dv = x[7], *lse = x[8];
+  double *r[9];
+  for (int i = 0; i < 9; i++) cr_assert(r[i] = malloc(sizeof(double) * (size_t)sizes[i]));
+  for (int i = 0; i < 4; i++) /* q in [-4, 4], k, v, dout in [-1, 1] */
+    for (int64_t e = 0; e < sizes[i]; e++) r[i][e] = x[i][e] = (float)tc_uniform(&rng, i ? -1 : -4, i ? 1 : 4);
+  const double scale = c->scale > 0 ? c->scale : 1.0 / sqrt((double)d);
+  const ref_prefix_out out = {r[4], r[8], r[5], r[6], r[7]};
+  if (c->nodes) {
+    const forkattn_tree_layout tree = {c->nodes, off, c->parents};
+    const ref_tree_args ra = {&tree, hq, hkv, d, scale, r[0], r[1], r[2], r[3]};
+    cr_assert_eq(ref_tree(&ra, &out), 0);
+  } else {
+    const forkattn_prefix_layout lay = {c->P, c->N, off, c->causal ? FORKATTN_MASK_CAUSAL : FORKATTN_MASK_BIDIRECTIONAL};
+    const ref_prefix_args ra = {&lay, hq, hkv, d, scale, r[0], r[1], r[2], r[3]};
+    cr_assert_eq(ref_prefix(&ra, &out), 0);
+  }
+  uint16_t *pq = split_all(q, nq, np), *pk = split_all(k, nk, np), *pv = split_all(v, nk, np),
+           *pdo = split_all(dout, nq, np);
+  fa_block *qb, *kb;
+  const int64_t nqb = fa_plan_blocks(&plan, FA_MMA_ROWS, 0, &qb), nkb = fa_plan_blocks(&plan, FA_MMA_ROWS, 1, &kb);
+  cr_assert(nqb > 0 && nkb > 0);
+  static unsigned short smem[(FA_MMA_DQ_SPLIT_SMEM(128, 3) > FA_MMA_DKV_SPLIT_SMEM(128, 3) ? FA_MMA_DQ_SPLIT_SMEM(128, 3)
+                                                                             : FA_MMA_DKV_SPLIT_SMEM(128, 3)) / 2];
+  cr_assert_geq(sizeof smem, FA_MMA_FWD_SMEM(d, np, np));
+  cr_assert_geq(sizeof smem, FA_MMA_DQ_SPLIT_SMEM(d, np));
+  cr_assert_geq(sizeof smem, FA_MMA_DKV_SPLIT_SMEM(d, np));
+  const int bk = FA_MMA_SPLIT_BK(d);
+
+  /* the forward's o and lse */
+  const fa_gpu_fwd_args ga = {emu_view(pq, FORKATTN_DTYPE_BF16, hq, d), emu_view(pk, FORKATTN_DTYPE_BF16, hkv, d),
+                              emu_view(pv, FORKATTN_DTYPE_BF16, hkv, d), emu_view(o, FORKATTN_DTYPE_F32, hq, d),
+                              lse, plan.seg, plan.pair, plan.q_pair_off, qb, nqb, hq, hkv, d, plan.qshift,
+                              (float)scale, {0}, 0, 0, NULL, 0, NULL, np, np, {nq, nk, nk}};
+  if (np == 3)
+    EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, hq, fa_mma_fwd_team_f32_high((int)d, bk, 0, ga, qb[blk], h, h / group, smem));
+  else
+    EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, hq, fa_mma_fwd_team_f32_medium((int)d, bk, 0, ga, qb[blk], h, h / group, smem));
+  float *dsum = malloc(sizeof(float) * (size_t)(T * hq));
+  for (int64_t i = 0; i < T * hq; i++) {
+    float sum = 0.0f;
+    for (int64_t e = 0; e < d; e++) sum += o[i * d + e] * dout[i * d + e];
+    dsum[i] = sum;
+  }
+
+  fa_key_unit *units;
+  int64_t *unit_off;
+  const int64_t nunits = fa_plan_key_units(&plan, kb, nkb, 48, &units, &unit_off);
+  cr_assert(nunits > nkb, "the case has several units a key block");
+  float *part_k = malloc(sizeof(float) * (size_t)(nunits * hkv * FA_MMA_ROWS * d));
+  float *part_v = malloc(sizeof(float) * (size_t)(nunits * hkv * FA_MMA_ROWS * d));
+  fa_gpu_bwd gb;
+  memset(&gb, 0, sizeof gb);
+  gb.q = emu_view(q, FORKATTN_DTYPE_F32, hq, d), gb.k = emu_view(k, FORKATTN_DTYPE_F32, hkv, d);
+  gb.v = emu_view(v, FORKATTN_DTYPE_F32, hkv, d), gb.o = emu_view(o, FORKATTN_DTYPE_F32, hq, d);
+  gb.dout = emu_view(dout, FORKATTN_DTYPE_F32, hq, d), gb.dq = emu_view(dq, FORKATTN_DTYPE_F32, hq, d);
+  gb.dk = emu_view(dk, FORKATTN_DTYPE_F32, hkv, d), gb.dv = emu_view(dv, FORKATTN_DTYPE_F32, hkv, d);
+  gb.lse = lse, gb.dsum = dsum, gb.dsum_ready = 1;
+  gb.seg = plan.seg, gb.pair = plan.pair, gb.qoff = plan.q_pair_off, gb.kidx = plan.k_pair_idx;
+  gb.qblocks = qb, gb.kblocks = kb, gb.units = units, gb.unit_off = unit_off, gb.part_k = part_k, gb.part_v = part_v;
+  gb.nqb = nqb, gb.nkb = nkb, gb.nunits = nunits, gb.rows = T, gb.qshift = plan.qshift;
+  gb.hq = hq, gb.hkv = hkv, gb.d = d, gb.krows = FA_MMA_ROWS, gb.scale = (float)scale;
+  gb.pieces = np;
+  gb.pq = emu_view(pq, FORKATTN_DTYPE_BF16, hq, d), gb.pk = emu_view(pk, FORKATTN_DTYPE_BF16, hkv, d);
+  gb.pv = emu_view(pv, FORKATTN_DTYPE_BF16, hkv, d), gb.pdo = emu_view(pdo, FORKATTN_DTYPE_BF16, hq, d);
+  gb.pstride[0] = nq, gb.pstride[1] = nk, gb.pstride[2] = nk, gb.pstride[3] = nq;
+  for (int64_t i = 0; i < nq; i++) dq[i] = NAN; /* poison */
+  for (int64_t i = 0; i < nk; i++) dk[i] = dv[i] = NAN;
+  for (int64_t i = 0; i < nunits * hkv * FA_MMA_ROWS * d; i++) part_k[i] = part_v[i] = NAN;
+  EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, hq, fa_mma_dq_split_team((int)d, bk, np, gb, qb[blk], h, h / group, smem));
+  for (int64_t u = 0; u < nunits; u++)
+    for (int64_t g = 0; g < hkv; g++) EMU_TEAM(fa_mma_dkv_split_team((int)d, np, gb, u, g, smem));
+  for (int64_t blk = 0; blk < nkb; blk++) /* as fa_gpu_dkv_reduce: each block's units in order */
+    for (int64_t g = 0; g < hkv; g++)
+      for (int64_t row = 0; row < kb[blk].len; row++)
+        for (int64_t e = 0; e < d; e++) {
+          float sk = 0, sv = 0;
+          for (int64_t u = unit_off[blk]; u < unit_off[blk + 1]; u++) {
+            sk += part_k[((u * hkv + g) * FA_MMA_ROWS + row) * d + e];
+            sv += part_v[((u * hkv + g) * FA_MMA_ROWS + row) * d + e];
+          }
+          const int64_t at = ((kb[blk].start + row) * hkv + g) * d + e;
+          dk[at] = sk, dv[at] = sv;
+        }
+  int64_t nonfinite = 0;
+  const double edq = split_rel_err(dq, r[5], nq, &nonfinite), edk = split_rel_err(dk, r[6], nk, &nonfinite),
+               edv = split_rel_err(dv, r[7], nk, &nonfinite);
+  cr_log_info("%s, %s backward: dq %.3g, dk %.3g, dv %.3g (limit %.1g)", name, np == 3 ? "HIGH" : "MEDIUM", edq, edk,
+              edv, grad_tol);
+  cr_expect_eq(nonfinite, 0, "%s: %lld non-finite (or unwritten) gradients", name, (long long)nonfinite);
+  cr_expect_leq(edq, grad_tol, "%s pieces %d: dq relative error %.3g", name, np, edq);
+  cr_expect_leq(edk, grad_tol, "%s pieces %d: dk relative error %.3g", name, np, edk);
+  cr_expect_leq(edv, grad_tol, "%s pieces %d: dv relative error %.3g", name, np, edv);
+  free(units), free(unit_off), free(part_k), free(part_v), free(dsum), free(qb), free(kb);
+  free(pq), free(pk), free(pv), free(pdo);
+  for (int i = 0; i < 9; i++) free(x[i]), free(r[i]);
+  fa_plan_free(&plan);
+}
+
+/* HIGH at the f32 gradient tolerance of the attention tests (tests/prefix_harness.c: 1e-4 relative),
+ * MEDIUM at 8x it (docs/numerics.md) */
+#define SPLIT_BWD_CASE(tname, ...)                                                                              \
+  Test(split_emulated, tname, .timeout = 900) {                                                                \
+    const split_case c = {__VA_ARGS__};                                                                         \
+    split_bwd_run("split_emulated/" #tname, &c, 3, 1e-4);                                                       \
+    split_bwd_run("split_emulated/" #tname, &c, 2, 8e-4);                                                       \
+  }
+
+/* a GRPO group, GQA 4/2, causal: the prompt's key blocks read by every response */
+SPLIT_BWD_CASE(bwd_prefix_causal_d64, .P = 70, .N = 3, .lens = {40, 1, 23}, .causal = 1, .hq = 4, .hkv = 2, .d = 64,
+               .nan_v_row = -1)
+/* head_dim 128 (16-query tiles), bidirectional */
+SPLIT_BWD_CASE(bwd_prefix_bidir_d128, .P = 90, .N = 2, .lens = {30, 17}, .causal = 0, .hq = 2, .hkv = 1, .d = 128,
+               .nan_v_row = -1)
+/* a trie at head_dim 128 */
+SPLIT_BWD_CASE(bwd_tree_causal_d128, .nodes = 6, .node_len = {70, 20, 0, 17, 40, 5}, .parents = {-1, 0, 1, 1, 0, 4},
+               .causal = 1, .hq = 2, .hkv = 1, .d = 128, .nan_v_row = -1)
 
 /* ---- the StreamKL forward team --------------------------------------------- */
 

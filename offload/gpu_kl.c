@@ -412,6 +412,24 @@ static int fa_gpu_kl_stage_inputs(fa_stage *st, const fa_kl_call *c, fa_gpu_kl *
              : 0;
 }
 
+/* f32 inputs on tensor cores: the pass's pieces (fa_gpu_select_pieces) of the four staged inputs, in
+ * place of their views (b->pieces, b->pstride). Returns the pieces (0: none) in *pieces; -1 when the
+ * scratch cannot be had. */
+static int fa_gpu_kl_split(fa_stage *st, const forkattn_ctx *ctx, fa_gpu_pass pass, fa_gpu_kernel kern,
+                           const fa_gpu_call *call, const fa_kl_call *c, fa_gpu_kl *b, int *pieces) {
+  int no_v;
+  fa_gpu_select_pieces(&ctx->gpu->knobs, pass, kern, call, pieces, &no_v);
+  const int np = *pieces;
+  if (!np) return 0;
+  b->pieces = np;
+  return fa_gpu_split_pieces(st, &b->qt, &b->pstride[0], &b->qt, c->qt.rows, c->h, c->dt, np) ||
+                 fa_gpu_split_pieces(st, &b->kt, &b->pstride[1], &b->kt, c->kt.rows, c->hkv_t, c->dt, np) ||
+                 fa_gpu_split_pieces(st, &b->qs, &b->pstride[2], &b->qs, c->qs.rows, c->h, c->ds, np) ||
+                 fa_gpu_split_pieces(st, &b->ks, &b->pstride[3], &b->ks, c->ks.rows, c->hkv_s, c->ds, np)
+             ? -1
+             : 0;
+}
+
 static forkattn_status fa_gpu_kl_stage_failed(forkattn_ctx *ctx, fa_stage *st, const char *what) {
   const forkattn_status status = fa_stage_status(st);
   fa_stage_free(st);
@@ -439,15 +457,8 @@ forkattn_status fa_gpu_kl_fwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_m
   b.qblocks = fa_stage_array(&st, qb_h, sizeof *qb_h * (size_t)nqb);
   b.kl = fa_stage_floats(&st, c->kl, n, 0);
   int bad = !b.qoff || !b.qblocks || !b.kl || fa_gpu_kl_stage_inputs(&st, c, &b);
-  int pieces, no_v;
-  fa_gpu_select_pieces(&ctx->gpu->knobs, FA_PASS_KL_FWD, kern, &call, &pieces, &no_v);
-  if (!bad && pieces) { /* f32 inputs on tensor cores: their bf16 pieces */
-    b.pieces = pieces;
-    bad = fa_gpu_split_pieces(&st, &b.qt, &b.pstride[0], &b.qt, c->qt.rows, c->h, c->dt, pieces) ||
-          fa_gpu_split_pieces(&st, &b.kt, &b.pstride[1], &b.kt, c->kt.rows, c->hkv_t, c->dt, pieces) ||
-          fa_gpu_split_pieces(&st, &b.qs, &b.pstride[2], &b.qs, c->qs.rows, c->h, c->ds, pieces) ||
-          fa_gpu_split_pieces(&st, &b.ks, &b.pstride[3], &b.ks, c->ks.rows, c->hkv_s, c->ds, pieces);
-  }
+  int pieces = 0;
+  if (!bad) bad = fa_gpu_kl_split(&st, ctx, FA_PASS_KL_FWD, kern, &call, c, &b, &pieces);
   if (!bad && c->stats) bad = !(b.stats = fa_stage_floats(&st, c->stats, n * FORKATTN_KL_STATS, 0));
   if (!bad && c->outside) bad = !(b.outside = fa_stage_floats(&st, c->outside, n, 0));
   if (bad) return fa_gpu_kl_stage_failed(ctx, &st, "kl_fwd");
@@ -533,14 +544,14 @@ forkattn_status fa_gpu_kl_bwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_m
   b.nkb = nkb;
   b.nunits = nunits;
   b.krows = krows;
-  int bad = 0;
+  int bad = 0, pieces = 0;
   if (!status) {
     const size_t n = (size_t)(p->rows * c->h);
     b.stats_in = fa_stage_floats(&st, (float *)c->stats_in, n * FORKATTN_KL_STATS, 1);
     b.dkl = fa_stage_floats(&st, (float *)c->dkl, n, 1);
     bad = !b.stats_in || !b.dkl || fa_gpu_kl_stage_blocks(&st, p, c, &b, qb_h, kb_h, units_h, unit_off_h) ||
-          fa_gpu_kl_stage_inputs(&st, c, &b) || fa_stage_tensor(&st, &c->dqs, 0, &b.dqs) ||
-          fa_stage_tensor(&st, &c->dks, 0, &b.dks);
+          fa_gpu_kl_stage_inputs(&st, c, &b) || fa_gpu_kl_split(&st, ctx, FA_PASS_KL_BWD, kern, &call, c, &b, &pieces) ||
+          fa_stage_tensor(&st, &c->dqs, 0, &b.dqs) || fa_stage_tensor(&st, &c->dks, 0, &b.dks);
     if (!bad && c->teacher_grad)
       bad = fa_stage_tensor(&st, &c->dqt, 0, &b.dqt) || fa_stage_tensor(&st, &c->dkt, 0, &b.dkt);
   }
@@ -550,7 +561,8 @@ forkattn_status fa_gpu_kl_bwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_m
   if (bad) return fa_gpu_kl_stage_failed(ctx, &st, "kl_bwd");
   fa_note_workspace(ctx, st.bytes);
   const int dev = ctx->device;
-  fa_gpu_log_kernels(ctx, "kl_bwd", "StreamKL backward %s", fa_gpu_kernel_name(FA_PASS_KL_BWD, kern));
+  fa_gpu_log_kernels(ctx, "kl_bwd", "StreamKL backward %s%s", fa_gpu_kernel_name(FA_PASS_KL_BWD, kern),
+                     pieces == 3 ? ", f32 as bf16x6" : pieces == 2 ? ", f32 as bf16x3" : "");
   if (!mma) {
     fa_gpu_kl_dq_kernel(&b, dev);
   } else {

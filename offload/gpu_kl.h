@@ -32,7 +32,7 @@ typedef struct fa_gpu_kl {
   int64_t nqb, nkb, nunits, h, hkv_t, hkv_s, dt, ds;
   int64_t krows; /* rows per query and key block: FA_GPU_ROWS, or FA_MMA_ROWS on tensor cores */
   float st, ss, loss_mul;
-  /* f32 inputs split into bf16 pieces (lib/core/split_bf16.h) for the tensor-core forward: qt, kt, qs, ks
+  /* f32 inputs split into bf16 pieces (lib/core/split_bf16.h) for the tensor-core teams: qt, kt, qs, ks
    * in `pieces` pieces each (0 or 1: as they are), piece p of input x p * pstride[x] elements past piece 0 */
   int pieces;
   int64_t pstride[4];
@@ -45,6 +45,9 @@ fa_gpu_call fa_gpu_kl_call(const fa_kl_call *c, forkattn_memory memory, int bwd)
 void fa_gpu_mma_kl_fwd(const fa_gpu_kl *b, int dev);
 /* Team memory of the StreamKL forward of f32 inputs split into `pieces` bf16 pieces at head_dim d. */
 size_t fa_gpu_mma_kl_fwd_split_smem(int64_t d, int pieces);
+/* Team memory of the StreamKL backward's dQ and dK teams of f32 inputs split into three bf16 pieces
+ * (HIGH precision; MEDIUM needs less) at head_dim d, the larger of the two. */
+size_t fa_gpu_mma_kl_bwd_split_smem(int64_t d);
 /* dQ of one side (teacher != 0: the teacher's) by 64-row query block x query
  * head; dK of one side by key unit x KV head (b->part: partial sums). */
 void fa_gpu_mma_kl_dq(const fa_gpu_kl *b, int teacher, int dev);

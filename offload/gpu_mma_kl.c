@@ -1,5 +1,6 @@
 /* Tensor-core StreamKL: call shapes and launches of the forward
- * (gpu_mma_kl_team.h) and the backward's dQ and dK (gpu_mma_kl_bwd_team.h);
+ * (gpu_mma_kl_team.h) and the backward's dQ and dK (gpu_mma_kl_bwd_team.h), of
+ * bf16/f16 inputs and of f32 inputs split into bf16 pieces;
  * gpu_kl.c stages the arguments, sums split units and runs the FP32 kernels
  * for the other calls. */
 #include <omp.h>
@@ -72,11 +73,27 @@ size_t fa_gpu_mma_kl_fwd_split_smem(int64_t d, int pieces) {
     }                                                                                                         \
   } while (0)
 
+/* The same for f32 inputs split into NP bf16 pieces (gpu_kl.h: pieces), FA_MMA_SPLIT_BK tiles. */
+#define FA_MMA_KL_DQ_SPLIT(D, TEAM, NP)                                                                         \
+  do {                                                                                                        \
+    const size_t smem = FA_MMA_KL_DQ_SPLIT_SMEM(D, NP);                                                        \
+    _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args, teacher)") \
+    {                                                                                                         \
+      unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
+      const int64_t team = ompx_block_id_x();                                                                 \
+      TEAM((D), FA_MMA_SPLIT_BK(D), args, args.qblocks[team / args.h], team % args.h, teacher, sm);           \
+    }                                                                                                         \
+  } while (0)
+
 void fa_gpu_mma_kl_dq(const fa_gpu_kl *b, int teacher, int dev) {
   const fa_gpu_kl args = *b;
   const int nteams = (int)(b->nqb * b->h);
   if (nteams == 0) return;
-  FA_MMA_BY_HEAD_DIM(FA_MMA_KL_DQ, b->dt, b->qt.dtype == FORKATTN_DTYPE_F16);
+  if (b->pieces == 3 && b->dt == 128) FA_MMA_KL_DQ_SPLIT(128, fa_mma_kl_dq_team_f32_high, 3);
+  else if (b->pieces == 3) FA_MMA_KL_DQ_SPLIT(64, fa_mma_kl_dq_team_f32_high, 3);
+  else if (b->pieces == 2 && b->dt == 128) FA_MMA_KL_DQ_SPLIT(128, fa_mma_kl_dq_team_f32_medium, 2);
+  else if (b->pieces == 2) FA_MMA_KL_DQ_SPLIT(64, fa_mma_kl_dq_team_f32_medium, 2);
+  else FA_MMA_BY_HEAD_DIM(FA_MMA_KL_DQ, b->dt, b->qt.dtype == FORKATTN_DTYPE_F16);
 }
 
 /* One team per (key unit, KV head). */
@@ -91,9 +108,30 @@ void fa_gpu_mma_kl_dq(const fa_gpu_kl *b, int teacher, int dev) {
     }                                                                                                         \
   } while (0)
 
+#define FA_MMA_KL_DK_SPLIT(D, TEAM, NP)                                                                         \
+  do {                                                                                                        \
+    const size_t smem = FA_MMA_KL_DK_SPLIT_SMEM(D, NP);                                                        \
+    _Pragma("omp target teams ompx_bare num_teams(nteams) thread_limit(FA_MMA_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) firstprivate(args, teacher)") \
+    {                                                                                                         \
+      unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
+      const int64_t team = ompx_block_id_x();                                                                 \
+      TEAM((D), args, team / args.hkv_t, team % args.hkv_t, teacher, sm);                                     \
+    }                                                                                                         \
+  } while (0)
+
 void fa_gpu_mma_kl_dk(const fa_gpu_kl *b, int teacher, int dev) {
   const fa_gpu_kl args = *b;
   const int nteams = (int)(b->nunits * b->hkv_t), f16 = b->qt.dtype == FORKATTN_DTYPE_F16;
   if (nteams == 0) return;
-  FA_MMA_BY_HEAD_DIM(FA_MMA_KL_DK, b->dt, f16);
+  if (b->pieces == 3 && b->dt == 128) FA_MMA_KL_DK_SPLIT(128, fa_mma_kl_dk_team_f32_high, 3);
+  else if (b->pieces == 3) FA_MMA_KL_DK_SPLIT(64, fa_mma_kl_dk_team_f32_high, 3);
+  else if (b->pieces == 2 && b->dt == 128) FA_MMA_KL_DK_SPLIT(128, fa_mma_kl_dk_team_f32_medium, 2);
+  else if (b->pieces == 2) FA_MMA_KL_DK_SPLIT(64, fa_mma_kl_dk_team_f32_medium, 2);
+  else FA_MMA_BY_HEAD_DIM(FA_MMA_KL_DK, b->dt, f16);
+}
+
+size_t fa_gpu_mma_kl_bwd_split_smem(int64_t d) {
+  const size_t dq = d == 128 ? FA_MMA_KL_DQ_SPLIT_SMEM(128, 3) : FA_MMA_KL_DQ_SPLIT_SMEM(64, 3);
+  const size_t dk = d == 128 ? FA_MMA_KL_DK_SPLIT_SMEM(128, 3) : FA_MMA_KL_DK_SPLIT_SMEM(64, 3);
+  return dq > dk ? dq : dk;
 }

@@ -24,6 +24,7 @@
 #include "gpu_mma.h"
 #include "gpu_mma_kl_team.h"
 #include "gpu_mma_tiles.h"
+#include "gpu_products.h"
 #include "streamkl.h"
 
 #pragma omp declare target
@@ -40,6 +41,44 @@ static inline float fa_mma_kl_coef(float t, float s, const float *st4, float gr,
 }
 
 /* ---- dQ ------------------------------------------------------------------ */
+
+/* C in place of a warp's teacher scores ct (16 rows x BK keys; cs the student's, both raw): rows r0
+ * (x, y) and r0 + 8 (z, w) see keys [0, lim0) and [0, lim1) of the tile, their statistics st0, st1
+ * and upstream gradients g0, g1; a key a row cannot see gets an exact 0 (a select). kflags: the
+ * tile's non-finite K rows of the side (zeroed), which flag the rows that see them. */
+static inline __attribute__((always_inline)) void fa_mma_kl_dq_coefs(fa_f4 *ct, const fa_f4 *cs, int BK, int c0,
+                                                                      int lim0, int lim1, unsigned long long kflags,
+                                                                      const float *st0, const float *st1, float g0,
+                                                                      float g1, const fa_gpu_kl *b, int teacher,
+                                                                      int *bad0, int *bad1) {
+#pragma unroll
+  for (int n = 0; n < BK / 8; n++) {
+    const int key = n * 8 + c0;
+    if (kflags) {
+      *bad0 |= (key < lim0 && (kflags >> key & 1u)) || (key + 1 < lim0 && (kflags >> (key + 1) & 1u));
+      *bad1 |= (key < lim1 && (kflags >> key & 1u)) || (key + 1 < lim1 && (kflags >> (key + 1) & 1u));
+    }
+    ct[n].x = key < lim0 ? fa_mma_kl_coef(ct[n].x * b->st, cs[n].x * b->ss, st0, g0, b->reverse, teacher) : 0.0f;
+    ct[n].y = key + 1 < lim0 ? fa_mma_kl_coef(ct[n].y * b->st, cs[n].y * b->ss, st0, g0, b->reverse, teacher) : 0.0f;
+    ct[n].z = key < lim1 ? fa_mma_kl_coef(ct[n].z * b->st, cs[n].z * b->ss, st1, g1, b->reverse, teacher) : 0.0f;
+    ct[n].w = key + 1 < lim1 ? fa_mma_kl_coef(ct[n].w * b->st, cs[n].w * b->ss, st1, g1, b->reverse, teacher) : 0.0f;
+  }
+}
+
+/* A dQ team's rows r0, r0 + 8 (ok0, ok1: they exist; row0 the first's index): their statistics into
+ * st0, st1 and their upstream gradients times the loss multiplier, 0 for a missing row (returned in
+ * g[0], g[1]). */
+static inline __attribute__((always_inline)) void fa_mma_kl_dq_rows(const fa_gpu_kl *b, int64_t row0, int64_t h,
+                                                                     int ok0, int ok1, float *st0, float *st1,
+                                                                     float *g) {
+  g[0] = ok0 ? b->dkl[row0 * b->h + h] * b->loss_mul : 0.0f;
+  g[1] = ok1 ? b->dkl[(row0 + 8) * b->h + h] * b->loss_mul : 0.0f;
+  for (int s = 0; s < FORKATTN_KL_STATS; s++) st0[s] = st1[s] = 0.0f;
+  for (int s = 0; s < FORKATTN_KL_STATS; s++) {
+    if (ok0) st0[s] = b->stats_in[(row0 * b->h + h) * FORKATTN_KL_STATS + s];
+    if (ok1) st1[s] = b->stats_in[((row0 + 8) * b->h + h) * FORKATTN_KL_STATS + s];
+  }
+}
 
 /* Team memory: two buffers of K_t [BK][P], K_s [BK][P] (as the forward), then
  * 4 flag words. */
@@ -61,13 +100,8 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dq_team(const int D,
   const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
   const int64_t row0 = blk.start + r0; /* StreamKL plans have qshift 0 */
   const int qfirst = (int)blk.start;
-  float st0[FORKATTN_KL_STATS] = {0}, st1[FORKATTN_KL_STATS] = {0};
-  const float g0 = ok0 ? b.dkl[row0 * b.h + h] * b.loss_mul : 0.0f;
-  const float g1 = ok1 ? b.dkl[(row0 + 8) * b.h + h] * b.loss_mul : 0.0f;
-  for (int s = 0; s < FORKATTN_KL_STATS; s++) {
-    if (ok0) st0[s] = b.stats_in[(row0 * b.h + h) * FORKATTN_KL_STATS + s];
-    if (ok1) st1[s] = b.stats_in[((row0 + 8) * b.h + h) * FORKATTN_KL_STATS + s];
-  }
+  float st0[FORKATTN_KL_STATS], st1[FORKATTN_KL_STATS], gr[2];
+  fa_mma_kl_dq_rows(&b, row0, h, ok0, ok1, st0, st1, gr);
   fa_f4 dq[FA_MMA_MAX_D / 8];
 #pragma unroll
   for (int n = 0; n < D / 8; n++) dq[n] = fa_f4_zero();
@@ -89,19 +123,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dq_team(const int D,
 
     fa_mma_kl_sc sc = fa_mma_kl_scores(sm, kt, kst, P, D, BK, q, f16, lane);
     fa_f4 *ct = sc.t, *cs = sc.s;
-    /* C in place of the teacher's scores; a key a row cannot see gets an exact 0 (a select). */
-#pragma unroll
-    for (int n = 0; n < BK / 8; n++) {
-      const int key = n * 8 + c0;
-      if (kflags) {
-        bad0 |= (key < lim0 && (kflags >> key & 1u)) || (key + 1 < lim0 && (kflags >> (key + 1) & 1u));
-        bad1 |= (key < lim1 && (kflags >> key & 1u)) || (key + 1 < lim1 && (kflags >> (key + 1) & 1u));
-      }
-      ct[n].x = key < lim0 ? fa_mma_kl_coef(ct[n].x * b.st, cs[n].x * b.ss, st0, g0, b.reverse, teacher) : 0.0f;
-      ct[n].y = key + 1 < lim0 ? fa_mma_kl_coef(ct[n].y * b.st, cs[n].y * b.ss, st0, g0, b.reverse, teacher) : 0.0f;
-      ct[n].z = key < lim1 ? fa_mma_kl_coef(ct[n].z * b.st, cs[n].z * b.ss, st1, g1, b.reverse, teacher) : 0.0f;
-      ct[n].w = key + 1 < lim1 ? fa_mma_kl_coef(ct[n].w * b.st, cs[n].w * b.ss, st1, g1, b.reverse, teacher) : 0.0f;
-    }
+    fa_mma_kl_dq_coefs(ct, cs, BK, c0, lim0, lim1, kflags, st0, st1, gr[0], gr[1], &b, teacher, &bad0, &bad1);
     fa_mma_acc_ab(dq, ct, sm, kside, P, BK, D, f16, lane); /* dQ += C K of the side, K of [key][dim] */
     ompx_sync_block_acq_rel();
     cur ^= 1;
@@ -131,16 +153,51 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dq_team(const int D,
 /* Queries of tile w: both sides' Q rows into buffer `at` and the rows'
  * statistics and upstream gradient (floats [5][BQ], zero past the tile) at
  * element `rd`, by cp.async in the caller's copy group. */
-static inline void fa_mma_kl_load_queries(fa_smem m, int at, int rd, int P, int D, int BQ, const fa_gpu_kl *b,
-                                          fa_query_walk w, int64_t h, int tid) {
+static inline void fa_mma_kl_load_query_rows(fa_smem m, int rd, int BQ, const fa_gpu_kl *b, fa_query_walk w,
+                                             int64_t h, int tid) {
   const int nq = fa_qwalk_rows(w, BQ);
-  fa_mma_load_rows(m, at, P, BQ, D, b->qt, w.qb, nq, h, tid);
-  fa_mma_load_rows(m, at + BQ * P, P, BQ, D, b->qs, w.qb, nq, h, tid);
   for (int e = tid; e < (FORKATTN_KL_STATS + 1) * BQ; e += FA_MMA_THREADS) {
     const int s = e / BQ, i = e % BQ, in = i < nq;
     const int64_t x = ((int64_t)w.qb + (in ? i : 0)) * b->h + h;
     const float *src = s < FORKATTN_KL_STATS ? b->stats_in + x * FORKATTN_KL_STATS + s : b->dkl + x;
     fa_cp_async4(m, rd + 2 * e, src, in ? 4 : 0);
+  }
+}
+
+static inline void fa_mma_kl_load_queries(fa_smem m, int at, int rd, int P, int D, int BQ, const fa_gpu_kl *b,
+                                          fa_query_walk w, int64_t h, int tid) {
+  const int nq = fa_qwalk_rows(w, BQ);
+  fa_mma_load_rows(m, at, P, BQ, D, b->qt, w.qb, nq, h, tid);
+  fa_mma_load_rows(m, at + BQ * P, P, BQ, D, b->qs, w.qb, nq, h, tid);
+  fa_mma_kl_load_query_rows(m, rd, BQ, b, w, h, tid);
+}
+
+/* C^T in place of a warp's teacher scores ct (16 keys x BQ queries; cs the student's, both raw): keys
+ * k_pos0 (x, y) and k_pos1 (z, w) are seen by queries [lo0, nq) and [lo1, nq) of the tile, whose
+ * statistics and upstream gradients are the floats at rd (fa_mma_kl_load_query_rows). qflags: the
+ * tile's non-finite Q rows of the side (zeroed), which flag the keys they see. */
+static inline __attribute__((always_inline)) void fa_mma_kl_dk_coefs(fa_f4 *ct, const fa_f4 *cs, int BQ, int c0,
+                                                                      int lo0, int lo1, int nq,
+                                                                      unsigned long long qflags, const float *rd,
+                                                                      const fa_gpu_kl *b, int teacher, int *bad0,
+                                                                      int *bad1) {
+#pragma unroll
+  for (int n = 0; n < BQ / 8; n++) {
+    const int qi = n * 8 + c0;
+    const int v00 = qi >= lo0 && qi < nq, v01 = qi + 1 >= lo0 && qi + 1 < nq;
+    const int v10 = qi >= lo1 && qi < nq, v11 = qi + 1 >= lo1 && qi + 1 < nq;
+    if (qflags) {
+      *bad0 |= (v00 && (qflags >> qi & 1u)) || (v01 && (qflags >> (qi + 1) & 1u));
+      *bad1 |= (v10 && (qflags >> qi & 1u)) || (v11 && (qflags >> (qi + 1) & 1u));
+    }
+    float sq0[FORKATTN_KL_STATS], sq1[FORKATTN_KL_STATS]; /* queries qi and qi + 1 */
+    for (int s = 0; s < FORKATTN_KL_STATS; s++) sq0[s] = rd[s * BQ + qi], sq1[s] = rd[s * BQ + qi + 1];
+    const float gq0 = rd[FORKATTN_KL_STATS * BQ + qi] * b->loss_mul;
+    const float gq1 = rd[FORKATTN_KL_STATS * BQ + qi + 1] * b->loss_mul;
+    ct[n].x = v00 ? fa_mma_kl_coef(ct[n].x * b->st, cs[n].x * b->ss, sq0, gq0, b->reverse, teacher) : 0.0f;
+    ct[n].y = v01 ? fa_mma_kl_coef(ct[n].y * b->st, cs[n].y * b->ss, sq1, gq1, b->reverse, teacher) : 0.0f;
+    ct[n].z = v10 ? fa_mma_kl_coef(ct[n].z * b->st, cs[n].z * b->ss, sq0, gq0, b->reverse, teacher) : 0.0f;
+    ct[n].w = v11 ? fa_mma_kl_coef(ct[n].w * b->st, cs[n].w * b->ss, sq1, gq1, b->reverse, teacher) : 0.0f;
   }
 }
 
@@ -203,25 +260,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dk_team(const int D,
           cs[2 * np + 1] = fa_mma_16816(cs[2 * np + 1], k.s[ks], bs.z, bs.w, f16);
         }
     }
-    /* C^T in place of the teacher's scores: rows k_pos0 (x, y), k_pos1 (z, w); columns qi, qi + 1 */
-#pragma unroll
-    for (int n = 0; n < BQ / 8; n++) {
-      const int qi = n * 8 + c0;
-      const int v00 = qi >= lo0 && qi < nq, v01 = qi + 1 >= lo0 && qi + 1 < nq;
-      const int v10 = qi >= lo1 && qi < nq, v11 = qi + 1 >= lo1 && qi + 1 < nq;
-      if (qflags) {
-        bad0 |= (v00 && (qflags >> qi & 1u)) || (v01 && (qflags >> (qi + 1) & 1u));
-        bad1 |= (v10 && (qflags >> qi & 1u)) || (v11 && (qflags >> (qi + 1) & 1u));
-      }
-      float sq0[FORKATTN_KL_STATS], sq1[FORKATTN_KL_STATS]; /* queries qi and qi + 1 */
-      for (int s = 0; s < FORKATTN_KL_STATS; s++) sq0[s] = rd[s * BQ + qi], sq1[s] = rd[s * BQ + qi + 1];
-      const float gq0 = rd[FORKATTN_KL_STATS * BQ + qi] * b.loss_mul;
-      const float gq1 = rd[FORKATTN_KL_STATS * BQ + qi + 1] * b.loss_mul;
-      ct[n].x = v00 ? fa_mma_kl_coef(ct[n].x * b.st, cs[n].x * b.ss, sq0, gq0, b.reverse, teacher) : 0.0f;
-      ct[n].y = v01 ? fa_mma_kl_coef(ct[n].y * b.st, cs[n].y * b.ss, sq1, gq1, b.reverse, teacher) : 0.0f;
-      ct[n].z = v10 ? fa_mma_kl_coef(ct[n].z * b.st, cs[n].z * b.ss, sq0, gq0, b.reverse, teacher) : 0.0f;
-      ct[n].w = v11 ? fa_mma_kl_coef(ct[n].w * b.st, cs[n].w * b.ss, sq1, gq1, b.reverse, teacher) : 0.0f;
-    }
+    fa_mma_kl_dk_coefs(ct, cs, BQ, c0, lo0, lo1, nq, qflags, rd, &b, teacher, &bad0, &bad1);
     fa_mma_acc_ab(acc, ct, sm, qside, P, BQ, D, f16, lane); /* dK += C^T Q of the side, Q of [query][dim] */
     ompx_sync_block_acq_rel();
     cur ^= 1;
@@ -233,6 +272,187 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dk_team(const int D,
   const int64_t slot = (ui * b.hkv_t + g) * FA_MMA_ROWS * D, row = b.part ? r0 : k_pos0, head = b.part ? 0 : g;
   const fa_dev_tensor t = b.part ? fa_mma_part_view(b.part + slot, D) : teacher ? b.dkt : b.dks;
   fa_mma_store_rows(t, row, head, acc, D, c0, ok0, ok1, scale, scale, bad0, bad1);
+}
+/* ---- f32 inputs split into bf16 pieces ------------------------------------ */
+
+/* The dQ and dK teams of f32 inputs split into NP bf16 pieces (lib/core/split_bf16.h; b.pieces, piece p
+ * of input x p * b.pstride[x] elements past the views b.qt, b.kt, b.qs, b.ks): the walks, coefficients,
+ * masks and stores of the teams above, with both sides' scores multiplied from the pieces, every A
+ * piece read from team memory a k-step at a time (fa_mma_abt_pieces_sa: the gradient's accumulators
+ * keep the registers), and dQ += C K, dK += C^T Q with C split in registers (fa_mma_pv_pieces) over the
+ * side's pieces. Gradients in f32. Only piece 0 of a non-finite value is non-finite, so the scans
+ * read piece 0 alone.
+ * dQ team memory (FA_MMA_KL_DQ_SPLIT_SMEM): Q_t's NP pieces [64][P], Q_s's, two buffers of K_t's NP
+ * pieces [BK][P] then K_s's (BK: FA_MMA_SPLIT_BK), the flags. dK team memory: K_t's and K_s's pieces
+ * [64][P], two query buffers of Q_t's then Q_s's pieces [BQ][P], each buffer's row data, the flags. */
+#define FA_MMA_KL_DQ_SPLIT_SMEM(D, NP)                                                                          \
+  ((size_t)(2 * (NP) * FA_MMA_ROWS + 4 * (NP) * FA_MMA_SPLIT_BK(D)) * ((D) + 8) * 2 + 4 * sizeof(unsigned))
+#define FA_MMA_KL_DK_SPLIT_SMEM(D, NP)                                                                          \
+  ((size_t)(2 * (NP) * FA_MMA_ROWS + 4 * (NP) * FA_MMA_KL_BQ(D)) * ((D) + 8) * 2 +                              \
+   2 * (FORKATTN_KL_STATS + 1) * FA_MMA_KL_BQ(D) * sizeof(float) + 4 * sizeof(unsigned))
+
+/* NP pieces of x (input xi: 0 q_t, 1 k_t, 2 q_s, 3 k_s) of `rows` rows from row0 (n of them) into tiles
+ * `step` elements apart from element at. */
+static inline __attribute__((always_inline)) void fa_mma_kl_load_side(fa_smem sm, int at, int step, int NP, int P,
+                                                                      int rows, int D, const fa_gpu_kl *b, int xi,
+                                                                      int64_t row0, int64_t n, int64_t head,
+                                                                      int tid) {
+  const fa_dev_tensor x = xi == 0 ? b->qt : xi == 1 ? b->kt : xi == 2 ? b->qs : b->ks;
+  fa_mma_load_pieces(sm, at, step, NP, P, rows, D, x, b->pstride[xi], row0, n, head, tid);
+}
+
+static inline __attribute__((always_inline)) void fa_mma_kl_dq_split_team(const int D, const int BK, const int NP,
+                                                                           const fa_gpu_kl b, fa_block blk,
+                                                                           int64_t h, int teacher,
+                                                                           unsigned short *smem) {
+  const int P = D + 8, RP = FA_MMA_ROWS * P, TP = BK * P;
+  const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
+  const fa_smem sm = fa_smem_of(smem);
+  /* element offsets: Q_t's pieces, Q_s's, the two buffers (K_t's pieces, then K_s's) */
+  const int qtt = 0, qst = NP * RP, buf0 = 2 * NP * RP, buf1 = buf0 + 2 * NP * TP;
+  unsigned *kbad = (unsigned *)(smem + buf1 + 2 * NP * TP);
+  const int64_t g = h / (b.h / b.hkv_t); /* the students' KV head is the same (same_kv_heads) */
+
+  fa_mma_kl_load_side(sm, qtt, RP, NP, P, FA_MMA_ROWS, D, &b, 0, blk.start, blk.len, h, tid);
+  fa_mma_kl_load_side(sm, qst, RP, NP, P, FA_MMA_ROWS, D, &b, 2, blk.start, blk.len, h, tid);
+  fa_tile_walk w = fa_walk_first(b.qoff, b.seg, b.pair, blk, 0);
+  if (w.pi < w.pend) {
+    fa_mma_kl_load_side(sm, buf0, TP, NP, P, BK, D, &b, 1, w.kb, fa_walk_keys(w, BK), g, tid);
+    fa_mma_kl_load_side(sm, buf0 + NP * TP, TP, NP, P, BK, D, &b, 3, w.kb, fa_walk_keys(w, BK), g, tid);
+  }
+  fa_cp_async_commit();
+  const int al = (warp * 16 + fa_ldsm_a_row(lane)) * P + fa_ldsm_a_col(lane); /* this lane's A address */
+
+  const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
+  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
+  const int64_t row0 = blk.start + r0; /* StreamKL plans have qshift 0 */
+  const int qfirst = (int)blk.start;
+  float st0[FORKATTN_KL_STATS], st1[FORKATTN_KL_STATS], gr[2];
+  fa_mma_kl_dq_rows(&b, row0, h, ok0, ok1, st0, st1, gr);
+  fa_f4 dq[FA_MMA_MAX_D / 8];
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) dq[n] = fa_f4_zero();
+  int bad0 = 0, bad1 = 0, cur = 0;
+  while (w.pi < w.pend) {
+    const fa_tile_walk nx = fa_walk_next(w, BK, b.seg, b.pair, blk, 0);
+    const int kt = cur ? buf1 : buf0, kst = kt + NP * TP, kside = teacher ? kt : kst;
+    fa_mma_tile_ready(0, 0); /* tile j (and Q's pieces) landed; iteration j - 1 is done with the other buffer */
+    if (nx.pi < nx.pend) {
+      const int next = cur ? buf0 : buf1, nk = fa_walk_keys(nx, BK);
+      fa_mma_kl_load_side(sm, next, TP, NP, P, BK, D, &b, 1, nx.kb, nk, g, tid);
+      fa_mma_kl_load_side(sm, next + NP * TP, TP, NP, P, BK, D, &b, 3, nx.kb, nk, g, tid);
+    }
+    fa_cp_async_commit();
+    const int nk = fa_walk_keys(w, BK);
+    const int lim0 = fa_mma_row_keys(ok0, w.causal, (int)row0, w.kb, nk);
+    const int lim1 = fa_mma_row_keys(ok1, w.causal, (int)row0 + 8, w.kb, nk);
+    const int masked = w.causal && w.kb + BK - 1 > qfirst;
+    const unsigned long long kflags = masked ? fa_mma_scan_rows(smem + kside, P, BK, D, 0, kbad, tid) : 0;
+
+    fa_f4 ct[FA_MMA_MAX_BK / 8], cs[FA_MMA_MAX_BK / 8];
+    fa_mma_abt_pieces_sa(ct, sm, qtt + al, RP, NP, kt, P, BK, D, lane);  /* S_t = Q_t K_t^T */
+    fa_mma_abt_pieces_sa(cs, sm, qst + al, RP, NP, kst, P, BK, D, lane); /* S_s = Q_s K_s^T */
+    fa_mma_kl_dq_coefs(ct, cs, BK, c0, lim0, lim1, kflags, st0, st1, gr[0], gr[1], &b, teacher, &bad0, &bad1);
+    fa_mma_pv_pieces(dq, ct, NP, sm, kside, P, BK, D, 0, lane); /* dQ += C K of the side, its pieces */
+    cur ^= 1;
+    w = nx;
+  }
+  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
+  const float scale = teacher ? b.st : b.ss;
+  fa_mma_store_rows(teacher ? b.dqt : b.dqs, row0, h, dq, D, c0, ok0, ok1, scale, scale, bad0, bad1);
+}
+
+static inline __attribute__((always_inline)) void fa_mma_kl_dk_split_team(const int D, const int NP,
+                                                                           const fa_gpu_kl b, int64_t ui, int64_t g,
+                                                                           int teacher, unsigned short *smem) {
+  const int P = D + 8, BQ = FA_MMA_KL_BQ(D), RP = FA_MMA_ROWS * P, TP = BQ * P;
+  const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
+  const fa_key_unit u = b.units[ui];
+  const fa_block blk = b.kblocks[u.block];
+  const int64_t group = b.h / b.hkv_t;
+  const fa_smem sm = fa_smem_of(smem);
+  /* element offsets: K_t's pieces, K_s's, two query buffers (Q_t's pieces, then Q_s's), their row data */
+  const int ktt = 0, kst = NP * RP, qbuf0 = 2 * NP * RP, qstep = 2 * NP * TP, rd0 = qbuf0 + 2 * qstep;
+  const int rdstep = 2 * (FORKATTN_KL_STATS + 1) * BQ; /* elements of one buffer's row data */
+  unsigned *qbad = (unsigned *)(smem + rd0 + 2 * rdstep);
+
+  fa_mma_kl_load_side(sm, ktt, RP, NP, P, FA_MMA_ROWS, D, &b, 1, blk.start, blk.len, g, tid);
+  fa_mma_kl_load_side(sm, kst, RP, NP, P, FA_MMA_ROWS, D, &b, 3, blk.start, blk.len, g, tid);
+  fa_query_walk w = {(int)u.j0, 0, 0, 0, 0, 0};
+  w = fa_qwalk_seek(w, b.seg, b.pair, b.kidx, 0, u, blk, group);
+  if (w.j <= u.j1) {
+    const int64_t hq = g * group + w.hh;
+    const int nq = fa_qwalk_rows(w, BQ);
+    fa_mma_kl_load_side(sm, qbuf0, TP, NP, P, BQ, D, &b, 0, w.qb, nq, hq, tid);
+    fa_mma_kl_load_side(sm, qbuf0 + NP * TP, TP, NP, P, BQ, D, &b, 2, w.qb, nq, hq, tid);
+    fa_mma_kl_load_query_rows(sm, rd0, BQ, &b, w, hq, tid);
+  }
+  fa_cp_async_commit();
+  const int al = (warp * 16 + fa_ldsm_a_row(lane)) * P + fa_ldsm_a_col(lane); /* this lane's A address */
+
+  const int r0 = warp * 16 + fa_acc_row(lane, 0), c0 = fa_acc_col(lane, 0);
+  const int ok0 = r0 < blk.len, ok1 = r0 + 8 < blk.len;
+  const int kfirst = (int)blk.start, k_pos0 = kfirst + r0, k_pos1 = k_pos0 + 8;
+  fa_f4 acc[FA_MMA_MAX_D / 8];
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) acc[n] = fa_f4_zero();
+  int bad0 = 0, bad1 = 0, cur = 0;
+  while (w.j <= u.j1) {
+    const fa_query_walk nx = fa_qwalk_next(w, BQ, b.seg, b.pair, b.kidx, 0, u, blk, group);
+    const int qt = qbuf0 + cur * qstep, qs = qt + NP * TP, qside = teacher ? qt : qs;
+    const float *rd = (const float *)(smem + rd0 + cur * rdstep);
+    fa_mma_tile_ready(0, 0); /* tile j (and K's pieces) landed; iteration j - 1 is done with the other buffer */
+    if (nx.j <= u.j1) {
+      const int next = qbuf0 + (cur ^ 1) * qstep, nq = fa_qwalk_rows(nx, BQ);
+      const int64_t hq = g * group + nx.hh;
+      fa_mma_kl_load_side(sm, next, TP, NP, P, BQ, D, &b, 0, nx.qb, nq, hq, tid);
+      fa_mma_kl_load_side(sm, next + NP * TP, TP, NP, P, BQ, D, &b, 2, nx.qb, nq, hq, tid);
+      fa_mma_kl_load_query_rows(sm, rd0 + (cur ^ 1) * rdstep, BQ, &b, nx, hq, tid);
+    }
+    fa_cp_async_commit();
+    const int nq = fa_qwalk_rows(w, BQ);
+    const int lo0 = fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb, nq);
+    const int lo1 = fa_mma_key_first_query(ok1, w.causal, k_pos1, w.qb, nq);
+    const int masked = w.causal && w.qb < kfirst + (int)blk.len - 1;
+    const unsigned long long qflags = masked ? fa_mma_scan_rows(smem + qside, P, BQ, D, 0, qbad, tid) : 0;
+
+    fa_f4 ct[FA_MMA_KL_BQ(64) / 8], cs[FA_MMA_KL_BQ(64) / 8]; /* 16 keys x BQ queries */
+    fa_mma_abt_pieces_sa(ct, sm, ktt + al, RP, NP, qt, P, BQ, D, lane); /* S_t^T = K_t Q_t^T */
+    fa_mma_abt_pieces_sa(cs, sm, kst + al, RP, NP, qs, P, BQ, D, lane); /* S_s^T = K_s Q_s^T */
+    fa_mma_kl_dk_coefs(ct, cs, BQ, c0, lo0, lo1, nq, qflags, rd, &b, teacher, &bad0, &bad1);
+    fa_mma_pv_pieces(acc, ct, NP, sm, qside, P, BQ, D, 0, lane); /* dK += C^T Q of the side, its pieces */
+    cur ^= 1;
+    w = nx;
+  }
+  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
+  const float scale = teacher ? b.st : b.ss;
+  const int64_t slot = (ui * b.hkv_t + g) * FA_MMA_ROWS * D, row = b.part ? r0 : k_pos0, head = b.part ? 0 : g;
+  const fa_dev_tensor t = b.part ? fa_mma_part_view(b.part + slot, D) : teacher ? b.dkt : b.dks;
+  fa_mma_store_rows(t, row, head, acc, D, c0, ok0, ok1, scale, scale, bad0, bad1);
+}
+
+/* The split teams at HIGH (3 pieces) and MEDIUM (2) precision. */
+static inline __attribute__((always_inline)) void fa_mma_kl_dq_team_f32_high(const int D, const int BK,
+                                                                              const fa_gpu_kl b, fa_block blk,
+                                                                              int64_t h, int teacher,
+                                                                              unsigned short *smem) {
+  fa_mma_kl_dq_split_team(D, BK, 3, b, blk, h, teacher, smem);
+}
+static inline __attribute__((always_inline)) void fa_mma_kl_dq_team_f32_medium(const int D, const int BK,
+                                                                                const fa_gpu_kl b, fa_block blk,
+                                                                                int64_t h, int teacher,
+                                                                                unsigned short *smem) {
+  fa_mma_kl_dq_split_team(D, BK, 2, b, blk, h, teacher, smem);
+}
+static inline __attribute__((always_inline)) void fa_mma_kl_dk_team_f32_high(const int D, const fa_gpu_kl b,
+                                                                              int64_t ui, int64_t g, int teacher,
+                                                                              unsigned short *smem) {
+  fa_mma_kl_dk_split_team(D, 3, b, ui, g, teacher, smem);
+}
+static inline __attribute__((always_inline)) void fa_mma_kl_dk_team_f32_medium(const int D, const fa_gpu_kl b,
+                                                                                int64_t ui, int64_t g, int teacher,
+                                                                                unsigned short *smem) {
+  fa_mma_kl_dk_split_team(D, 2, b, ui, g, teacher, smem);
 }
 #pragma omp end declare target
 

@@ -8,9 +8,8 @@
 #include "gpu_persist.h"
 #include "gpu_select.h"
 
-/* f32 inputs reach the tensor cores split into bf16 pieces: the passes with such a kernel (the forward,
- * dQ, dK/dV and the StreamKL forward), unless the context asks for f32 products, when its team memory
- * fits the device. */
+/* f32 inputs reach the tensor cores split into bf16 pieces (every pass has such a kernel) unless the
+ * context asks for f32 products, when the pass's team memory fits the device. */
 static int fa_select_split(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, fa_gpu_pass pass,
                            const fa_gpu_call *c) {
   const size_t need = caps->split_smem[pass][c->d == 128];
@@ -22,8 +21,9 @@ static int fa_select_split(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, f
 static int fa_select_tensor_cores(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, fa_gpu_pass pass,
                                   const fa_gpu_call *c) {
   if (c->kept || !c->rows16 || !c->same_d || (c->d != 64 && c->d != 128)) return 0;
-  if (!c->half) return fa_select_split(caps, knobs, pass, c);
-  return pass != FA_PASS_KL_BWD || c->same_kv_heads; /* a team's K tiles of both sides: one KV head */
+  /* the StreamKL backward's teams read both sides' K tiles of one KV head */
+  if (pass == FA_PASS_KL_BWD && !c->same_kv_heads) return 0;
+  return c->half || fa_select_split(caps, knobs, pass, c);
 }
 
 /* The wgmma kernel of an attention pass: fits the build, the device's team memory and the call's maps. */
@@ -45,9 +45,9 @@ fa_gpu_kernel fa_gpu_select(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, 
 
 void fa_gpu_select_pieces(const fa_gpu_knobs *knobs, fa_gpu_pass pass, fa_gpu_kernel k, const fa_gpu_call *call,
                           int *qk, int *v) {
-  const int split = call->f32 && k != FA_KERNEL_FP32 && pass != FA_PASS_KL_BWD;
+  const int split = call->f32 && k != FA_KERNEL_FP32;
   *qk = !split ? 0 : knobs->f32 == FORKATTN_F32_PRECISION_MEDIUM ? 2 : 3;
-  *v = pass == FA_PASS_KL_FWD ? 0 : *qk;
+  *v = pass == FA_PASS_KL_FWD || pass == FA_PASS_KL_BWD ? 0 : *qk;
 }
 
 int fa_gpu_select_needs_tma(fa_gpu_kernel k) { return k == FA_KERNEL_WG_PAIR || k == FA_KERNEL_WG_KEY_MAJOR; }
@@ -123,15 +123,18 @@ void fa_gpu_select_describe(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, 
     n = snprintf(buf + at, len - at, "persistent teams, at most %d", knobs->persist);
   if (n < 0 || (size_t)n >= len - at) return;
   at += (size_t)n;
+  /* the passes that multiply f32 inputs (at head_dim 128) on tensor cores */
   const fa_gpu_call f32 = {.f32 = 1, .d = 128, .rows16 = 1, .same_d = 1, .same_kv_heads = 1, .tma = 1};
-  const int bwd = fa_gpu_select(caps, knobs, FA_PASS_DQ, &f32) == FA_KERNEL_MMA &&
-                  fa_gpu_select(caps, knobs, FA_PASS_DKV, &f32) == FA_KERNEL_MMA;
-  if (fa_gpu_select(caps, knobs, FA_PASS_FWD, &f32) == FA_KERNEL_MMA)
-    n = snprintf(buf + at, len - at, "; f32 forward%s and StreamKL forward mma.sync bf16x%d", bwd ? ", backward" : "",
-                 knobs->f32 == FORKATTN_F32_PRECISION_MEDIUM ? 3 : 6);
-  else
-    n = 0;
-  if (n >= 0 && (size_t)n < len - at) snprintf(buf + at + (size_t)n, len - at - (size_t)n, "; other calls fp32");
+  for (int p = 0, first = 1; p < FA_PASSES; p++) {
+    if (fa_gpu_select(caps, knobs, (fa_gpu_pass)p, &f32) != FA_KERNEL_MMA) continue;
+    n = first ? snprintf(buf + at, len - at, "; f32 as bf16x%d on mma.sync: %s",
+                         knobs->f32 == FORKATTN_F32_PRECISION_MEDIUM ? 3 : 6, pass_names[p])
+              : snprintf(buf + at, len - at, ", %s", pass_names[p]);
+    if (n < 0 || (size_t)n >= len - at) return;
+    at += (size_t)n;
+    first = 0;
+  }
+  snprintf(buf + at, len - at, "; other calls fp32");
 }
 
 /* A count 0..2^20 in s: the value, or -1. */

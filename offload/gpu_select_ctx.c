@@ -26,6 +26,7 @@ forkattn_status fa_gpu_choice_init(forkattn_ctx *ctx, const forkattn_ctx_options
   for (int i = 0; i < 2; i++) {
     g->caps.split_smem[FA_PASS_FWD][i] = fa_gpu_mma_fwd_split_smem(i ? 128 : 64, 3);
     g->caps.split_smem[FA_PASS_KL_FWD][i] = fa_gpu_mma_kl_fwd_split_smem(i ? 128 : 64, 3);
+    g->caps.split_smem[FA_PASS_KL_BWD][i] = fa_gpu_mma_kl_bwd_split_smem(i ? 128 : 64);
   }
   fa_gpu_mma_bwd_smem(g->caps.wg_smem[FA_PASS_DQ], g->caps.wg_smem[FA_PASS_DKV]);
   fa_gpu_mma_bwd_split_smem(g->caps.split_smem[FA_PASS_DQ], g->caps.split_smem[FA_PASS_DKV]);

@@ -26,6 +26,7 @@ static fa_gpu_caps h100(void) {
   c.split_smem[FA_PASS_KL_FWD][0] = 100 * KB, c.split_smem[FA_PASS_KL_FWD][1] = 120 * KB;
   c.split_smem[FA_PASS_DQ][0] = 108 * KB, c.split_smem[FA_PASS_DQ][1] = 153 * KB;
   c.split_smem[FA_PASS_DKV][0] = 109 * KB, c.split_smem[FA_PASS_DKV][1] = 154 * KB;
+  c.split_smem[FA_PASS_KL_BWD][0] = 110 * KB, c.split_smem[FA_PASS_KL_BWD][1] = 155 * KB;
   return c;
 }
 
@@ -130,10 +131,9 @@ Test(gpu_select, the_kernel_family_knob_caps_the_choice) {
   expect_all(&c, &mma_k, f32, fp32, "kernels=mma, f32");
 }
 
-/* f32 inputs at d 64 / 128: the forward, dQ, dK/dV and the StreamKL forward on mma.sync with bf16
- * pieces (3 for the score inputs at HIGH, 2 at MEDIUM; every input of the attention passes), the
- * StreamKL backward and HIGHEST on the FP32 kernels; the shape rules, each pass's team memory and the
- * family knob hold as for bf16. */
+/* f32 inputs at d 64 / 128: every pass on mma.sync with bf16 pieces (3 for the score inputs at HIGH, 2
+ * at MEDIUM; every input of the attention passes, StreamKL's four score inputs), HIGHEST on the FP32
+ * kernels; the shape rules, each pass's team memory and the family knob hold as for bf16. */
 Test(gpu_select, f32_forward_runs_split_on_mma_sync) {
   const fa_gpu_caps c = h100();
   const fa_gpu_knobs medium = {.persist = -1, .f32 = FORKATTN_F32_PRECISION_MEDIUM};
@@ -141,11 +141,13 @@ Test(gpu_select, f32_forward_runs_split_on_mma_sync) {
   const fa_gpu_knobs mma_k = {.kernels = FORKATTN_GPU_KERNELS_MMA, .persist = -1};
   const fa_gpu_knobs fp32_k = {.kernels = FORKATTN_GPU_KERNELS_FP32, .persist = -1};
   const fa_gpu_kernel split[FA_PASSES] = {FA_KERNEL_MMA, FA_KERNEL_MMA, FA_KERNEL_MMA, FA_KERNEL_MMA,
-                                          FA_KERNEL_FP32};
+                                          FA_KERNEL_MMA};
   const fa_gpu_kernel forwards[FA_PASSES] = {FA_KERNEL_MMA, FA_KERNEL_FP32, FA_KERNEL_FP32, FA_KERNEL_MMA,
                                              FA_KERNEL_FP32};
   const fa_gpu_kernel no_dkv[FA_PASSES] = {FA_KERNEL_MMA, FA_KERNEL_MMA, FA_KERNEL_FP32, FA_KERNEL_MMA,
                                            FA_KERNEL_FP32};
+  const fa_gpu_kernel no_kl_bwd[FA_PASSES] = {FA_KERNEL_MMA, FA_KERNEL_MMA, FA_KERNEL_MMA, FA_KERNEL_MMA,
+                                              FA_KERNEL_FP32};
   const fa_gpu_kernel fwd_only[FA_PASSES] = {FA_KERNEL_MMA, FA_KERNEL_FP32, FA_KERNEL_FP32, FA_KERNEL_FP32,
                                              FA_KERNEL_FP32};
   const fa_gpu_kernel fp32[FA_PASSES] = {FA_KERNEL_FP32, FA_KERNEL_FP32, FA_KERNEL_FP32, FA_KERNEL_FP32,
@@ -172,7 +174,12 @@ Test(gpu_select, f32_forward_runs_split_on_mma_sync) {
     small.team_memory = c.split_smem[FA_PASS_DQ][d == 128];
     expect_all(&small, &auto_knobs, f32, no_dkv, "f32, the dQ's team memory exactly");
     small.team_memory = c.split_smem[FA_PASS_DKV][d == 128];
-    expect_all(&small, &auto_knobs, f32, split, "f32, the dK/dV's team memory exactly");
+    expect_all(&small, &auto_knobs, f32, no_kl_bwd, "f32, the dK/dV's team memory exactly");
+    small.team_memory = c.split_smem[FA_PASS_KL_BWD][d == 128];
+    expect_all(&small, &auto_knobs, f32, split, "f32, the StreamKL backward's team memory exactly");
+    fa_gpu_call two_kv = f32;
+    two_kv.same_kv_heads = 0;
+    cr_expect_eq(sel(&c, &auto_knobs, FA_PASS_KL_BWD, two_kv), FA_KERNEL_FP32, "StreamKL sides of two KV head counts");
     fa_gpu_call two_d = f32;
     two_d.same_d = 0;
     cr_expect_eq(sel(&c, &auto_knobs, FA_PASS_KL_FWD, two_d), FA_KERNEL_FP32, "StreamKL sides of two head_dims");
@@ -190,7 +197,7 @@ Test(gpu_select, f32_forward_runs_split_on_mma_sync) {
     fa_gpu_select_pieces(&medium, FA_PASS_DKV, FA_KERNEL_MMA, &f32, &qk, &v);
     cr_expect(qk == 2 && v == 2, "dK/dV, MEDIUM: %d, %d", qk, v);
     fa_gpu_select_pieces(&auto_knobs, FA_PASS_KL_BWD, FA_KERNEL_MMA, &f32, &qk, &v);
-    cr_expect(qk == 0 && v == 0, "the StreamKL backward has no split kernel");
+    cr_expect(qk == 3 && v == 0, "StreamKL backward, HIGH: %d, %d", qk, v);
     fa_gpu_select_pieces(&auto_knobs, FA_PASS_KL_FWD, FA_KERNEL_MMA, &f32, &qk, &v);
     cr_expect(qk == 3 && v == 0, "StreamKL, HIGH: %d, %d", qk, v);
     fa_gpu_select_pieces(&medium, FA_PASS_KL_FWD, FA_KERNEL_MMA, &f32, &qk, &v);
@@ -204,15 +211,17 @@ Test(gpu_select, f32_forward_runs_split_on_mma_sync) {
   expect_all(&c, &auto_knobs, f32_96, fp32, "f32, head_dim 96");
   char buf[384];
   fa_gpu_select_describe(&c, &auto_knobs, buf, sizeof buf);
-  cr_expect(strstr(buf, "f32 forward, backward and StreamKL forward mma.sync bf16x6; other calls fp32"), "%s", buf);
+  const char *all = "; f32 as bf16x6 on mma.sync: forward, dQ, dK/dV, StreamKL forward, StreamKL backward; other "
+                    "calls fp32";
+  cr_expect(strstr(buf, all), "%s", buf);
   fa_gpu_select_describe(&c, &medium, buf, sizeof buf);
-  cr_expect(strstr(buf, "f32 forward, backward and StreamKL forward mma.sync bf16x3; other calls fp32"), "%s", buf);
-  fa_gpu_caps no_bwd = c;
-  no_bwd.split_smem[FA_PASS_DKV][1] = 0;
-  fa_gpu_select_describe(&no_bwd, &auto_knobs, buf, sizeof buf);
-  cr_expect(strstr(buf, "f32 forward and StreamKL forward mma.sync bf16x6; other calls fp32"), "%s", buf);
+  cr_expect(strstr(buf, "; f32 as bf16x3 on mma.sync: forward, dQ,"), "%s", buf);
+  fa_gpu_caps caps_no_dkv = c;
+  caps_no_dkv.split_smem[FA_PASS_DKV][1] = 0;
+  fa_gpu_select_describe(&caps_no_dkv, &auto_knobs, buf, sizeof buf);
+  cr_expect(strstr(buf, "on mma.sync: forward, dQ, StreamKL forward, StreamKL backward; other calls fp32"), "%s", buf);
   fa_gpu_select_describe(&c, &highest, buf, sizeof buf);
-  cr_expect(!strstr(buf, "f32 forward") && strstr(buf, "other calls fp32"), "%s", buf);
+  cr_expect(!strstr(buf, "f32 as") && strstr(buf, "other calls fp32"), "%s", buf);
 }
 
 Test(gpu_select, the_wgmma_kernels_load_by_bulk_copies) {

@@ -23,6 +23,7 @@
 #include "gpu_dkv_teams.h"
 #include "gpu_dq_teams.h"
 #include "gpu_fwd_teams.h"
+#include "gpu_mma_kl_bwd_team.h"
 #include "gpu_mma_kl_team.h"
 #include "reference_kl.h"
 #include "reference.h"
@@ -457,4 +458,121 @@ Test(split_emulated, kl_prefix_bidir_reverse_d128, .timeout = 600) {
   const int64_t lens[2] = {30, 9};
   kl_split_case("split_emulated/kl_prefix_bidir_reverse_d128", 50, 2, lens, 0, 2, 1, 2, 128, 1, 3, 1);
   kl_split_case("split_emulated/kl_prefix_bidir_reverse_d128", 50, 2, lens, 0, 2, 1, 2, 128, 1, 2, 8);
+}
+
+/* The StreamKL backward from f32 inputs split into np pieces: the split forward team's statistics, then
+ * both sides' split dQ and dK teams (key units of 24 reader rows: partial sums reduced in unit order, as
+ * fa_gpu_kl_dk_reduce) against refkl_run's float64 gradients of sum(g kl) (g random, every 5th row 0:
+ * loss-masked); every gradient starts poisoned. Tolerance: 1e-5 of each gradient's largest value (the
+ * StreamKL tests' f32 gradient limit), times `mult` for MEDIUM. The teams need one KV head count on
+ * both sides (same_kv_heads). */
+static void kl_split_bwd_case(const char *name, int64_t P, int64_t N, const int64_t *lens, int causal, int64_t H,
+                              int64_t hkv, int64_t d, int reverse, int np, double mult) {
+  omp_set_dynamic(0);
+  tc_rng rng = tc_rng_for(name);
+  int64_t off[8] = {0};
+  fa_plan plan;
+  const int64_t T = emu_prefix_plan(&plan, P, N, lens, causal, off);
+  const int64_t sizes[4] = {T * H * d, T * hkv * d, T * H * d, T * hkv * d}; /* q_t, k_t, q_s, k_s */
+  float *x[4], *grad[4];                                                      /* grad: dq_t, dk_t, dq_s, dk_s */
+  double *rx[4], *rg[4];
+  uint16_t *pc[4];
+  for (int i = 0; i < 4; i++) {
+    x[i] = malloc(sizeof(float) * (size_t)sizes[i]), rx[i] = malloc(sizeof(double) * (size_t)sizes[i]);
+    grad[i] = malloc(sizeof(float) * (size_t)sizes[i]), rg[i] = malloc(sizeof(double) * (size_t)sizes[i]);
+    for (int64_t e = 0; e < sizes[i]; e++) rx[i][e] = x[i][e] = (float)tc_uniform(&rng, i % 2 ? -1 : -2, i % 2 ? 1 : 2);
+    for (int64_t e = 0; e < sizes[i]; e++) grad[i][e] = NAN; /* poison */
+    pc[i] = split_all(x[i], sizes[i], np);
+  }
+  float *dkl = malloc(sizeof(float) * (size_t)(T * H));
+  double *rdkl = malloc(sizeof(double) * (size_t)(T * H));
+  for (int64_t i = 0; i < T * H; i++) rdkl[i] = dkl[i] = i % 5 == 2 ? 0.0f : (float)tc_uniform(&rng, -1, 1);
+  const double sct = 0.9 / sqrt((double)d), scs = 1.1 / sqrt((double)d);
+  forkattn_prefix_layout lay = {P, N, off, causal ? FORKATTN_MASK_CAUSAL : FORKATTN_MASK_BIDIRECTIONAL};
+  forkattn_layout layout = {.prefix = &lay};
+  const refkl_args ra = {&layout, NULL, H, hkv, hkv, d, d, sct, scs, 1.0, reverse, 0, rx[0], rx[1], rx[2], rx[3],
+                         rdkl};
+  const refkl_out ro = {.dqs = rg[2], .dks = rg[3], .dqt = rg[0], .dkt = rg[1]};
+  cr_assert_eq(refkl_run(&ra, &ro), 0);
+
+  float *kl = malloc(sizeof(float) * (size_t)(T * H)), *stats = malloc(sizeof(float) * (size_t)(T * H * 4));
+  float *outside = malloc(sizeof(float) * (size_t)(T * H));
+  fa_block *qb, *kb;
+  fa_key_unit *units;
+  int64_t *unit_off;
+  const int64_t nqb = fa_plan_blocks(&plan, FA_MMA_ROWS, 0, &qb), nkb = fa_plan_blocks(&plan, FA_MMA_ROWS, 1, &kb);
+  const int64_t nunits = fa_plan_key_units(&plan, kb, nkb, 24, &units, &unit_off);
+  cr_assert(nqb > 0 && nunits > nkb, "the case has several units a key block");
+  float *part = malloc(sizeof(float) * (size_t)(nunits * hkv * FA_MMA_ROWS * d));
+  fa_gpu_kl b;
+  memset(&b, 0, sizeof b);
+  b.qt = emu_view(pc[0], FORKATTN_DTYPE_BF16, H, d), b.kt = emu_view(pc[1], FORKATTN_DTYPE_BF16, hkv, d);
+  b.qs = emu_view(pc[2], FORKATTN_DTYPE_BF16, H, d), b.ks = emu_view(pc[3], FORKATTN_DTYPE_BF16, hkv, d);
+  b.dqt = emu_view(grad[0], FORKATTN_DTYPE_F32, H, d), b.dkt = emu_view(grad[1], FORKATTN_DTYPE_F32, hkv, d);
+  b.dqs = emu_view(grad[2], FORKATTN_DTYPE_F32, H, d), b.dks = emu_view(grad[3], FORKATTN_DTYPE_F32, hkv, d);
+  b.pieces = np;
+  for (int i = 0; i < 4; i++) b.pstride[i] = sizes[i];
+  b.seg = plan.seg, b.pair = plan.pair, b.qoff = plan.q_pair_off, b.kidx = plan.k_pair_idx;
+  b.qblocks = qb, b.kblocks = kb, b.units = units, b.unit_off = unit_off, b.part = part;
+  b.kl = kl, b.stats = stats, b.outside = outside, b.stats_in = stats, b.dkl = dkl;
+  b.reverse = reverse, b.teacher_grad = 1, b.nqb = nqb, b.nkb = nkb, b.nunits = nunits, b.krows = FA_MMA_ROWS;
+  b.h = H, b.hkv_t = b.hkv_s = hkv, b.dt = b.ds = d, b.st = (float)sct, b.ss = (float)scs, b.loss_mul = 1.0f;
+  static unsigned short smem[(FA_MMA_KL_DK_SPLIT_SMEM(128, 3) > FA_MMA_KL_DQ_SPLIT_SMEM(128, 3)
+                                  ? FA_MMA_KL_DK_SPLIT_SMEM(128, 3)
+                                  : FA_MMA_KL_DQ_SPLIT_SMEM(128, 3)) / 2];
+  cr_assert_geq(sizeof smem, FA_MMA_KL_FWD_SMEM(d, FA_MMA_SPLIT_BK(d), np));
+  cr_assert_geq(sizeof smem, FA_MMA_KL_DQ_SPLIT_SMEM(d, np));
+  cr_assert_geq(sizeof smem, FA_MMA_KL_DK_SPLIT_SMEM(d, np));
+  const int bk = FA_MMA_SPLIT_BK(d);
+  if (np == 3) EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, H, fa_mma_kl_fwd_team_f32_high((int)d, bk, 0, b, qb[blk], h, smem));
+  else EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, H, fa_mma_kl_fwd_team_f32_medium((int)d, bk, 0, b, qb[blk], h, smem));
+  for (int teacher = 0; teacher < 2; teacher++) {
+    for (int64_t i = 0; i < nunits * hkv * FA_MMA_ROWS * d; i++) part[i] = NAN;
+    if (np == 3) {
+      EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, H, fa_mma_kl_dq_team_f32_high((int)d, bk, b, qb[blk], h, teacher, smem));
+      for (int64_t u = 0; u < nunits; u++)
+        for (int64_t g = 0; g < hkv; g++) EMU_TEAM(fa_mma_kl_dk_team_f32_high((int)d, b, u, g, teacher, smem));
+    } else {
+      EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, H, fa_mma_kl_dq_team_f32_medium((int)d, bk, b, qb[blk], h, teacher, smem));
+      for (int64_t u = 0; u < nunits; u++)
+        for (int64_t g = 0; g < hkv; g++) EMU_TEAM(fa_mma_kl_dk_team_f32_medium((int)d, b, u, g, teacher, smem));
+    }
+    for (int64_t blk = 0; blk < nkb; blk++) /* each block's units in order */
+      for (int64_t g = 0; g < hkv; g++)
+        for (int64_t row = 0; row < kb[blk].len; row++)
+          for (int64_t e = 0; e < d; e++) {
+            float sum = 0;
+            for (int64_t u = unit_off[blk]; u < unit_off[blk + 1]; u++)
+              sum += part[((u * hkv + g) * FA_MMA_ROWS + row) * d + e];
+            grad[teacher ? 1 : 3][((kb[blk].start + row) * hkv + g) * d + e] = sum;
+          }
+  }
+  const char *what[4] = {"dq_t", "dk_t", "dq_s", "dk_s"};
+  double worst = 0;
+  for (int i = 0; i < 4; i++) {
+    int64_t nonfinite = 0;
+    const double err = split_rel_err(grad[i], rg[i], sizes[i], &nonfinite);
+    worst = fmax(worst, err);
+    cr_expect_eq(nonfinite, 0, "%s: %lld non-finite (or unwritten) %s elements", name, (long long)nonfinite, what[i]);
+    cr_expect_leq(err, 1e-5 * mult, "%s, %d pieces: %s relative error %.3g", name, np, what[i], err);
+  }
+  cr_log_info("%s, %d pieces: worst gradient error %.2g (limit %.1g)", name, np, worst, 1e-5 * mult);
+  free(qb), free(kb), free(units), free(unit_off), free(part), free(kl), free(stats), free(outside), free(dkl),
+      free(rdkl);
+  for (int i = 0; i < 4; i++) free(x[i]), free(rx[i]), free(grad[i]), free(rg[i]), free(pc[i]);
+  fa_plan_free(&plan);
+}
+
+/* 4 query / 2 KV heads on both sides, forward KL, d 64; MEDIUM at 8x the limit */
+Test(split_emulated, kl_bwd_prefix_causal_d64, .timeout = 900) {
+  const int64_t lens[3] = {30, 1, 13};
+  kl_split_bwd_case("split_emulated/kl_bwd_prefix_causal_d64", 40, 3, lens, 1, 4, 2, 64, 0, 3, 1);
+  kl_split_bwd_case("split_emulated/kl_bwd_prefix_causal_d64", 40, 3, lens, 1, 4, 2, 64, 0, 2, 8);
+}
+
+/* reverse KL, bidirectional, d 128 (16-query dK tiles) */
+Test(split_emulated, kl_bwd_prefix_bidir_reverse_d128, .timeout = 900) {
+  const int64_t lens[2] = {30, 9};
+  kl_split_bwd_case("split_emulated/kl_bwd_prefix_bidir_reverse_d128", 50, 2, lens, 0, 2, 1, 128, 1, 3, 1);
+  kl_split_bwd_case("split_emulated/kl_bwd_prefix_bidir_reverse_d128", 50, 2, lens, 0, 2, 1, 128, 1, 2, 8);
 }

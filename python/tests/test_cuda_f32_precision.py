@@ -32,7 +32,8 @@ def _gpu_context():
 
 def _run(precision, d, scale_q, seed, softmax_scale=None):
     ctx = forkattn.Context("gpu", f32_precision=precision)
-    split = "f32 forward, backward and StreamKL forward mma.sync bf16x%d" % (3 if precision == "medium" else 6)
+    split = "f32 as bf16x%d on mma.sync: forward, dQ, dK/dV, StreamKL forward, StreamKL backward" % (
+        3 if precision == "medium" else 6)
     assert (split in ctx.gpu_kernels) == (precision != "highest"), ctx.gpu_kernels
     lay = forkattn.SharedPrefixLayout.from_lengths([150, 70], [[130, 97], [64, 1, 33]])
     hq, hkv = 4, 2

@@ -197,9 +197,9 @@ typedef enum forkattn_gpu_kernels {
 
 /** How a GPU context multiplies f32 inputs (forkattn_ctx_options.f32_precision), after PyTorch's
  *  torch.set_float32_matmul_precision. Sums and the softmax are f32 in every mode; CPU contexts
- *  always multiply in f32. Only the attention forward and backward and the StreamKL forward at
- *  head_dim 64 or 128 without a kept set have tensor-core kernels for f32 inputs; every other f32
- *  pass runs the FP32 kernels whatever the mode.
+ *  always multiply in f32. Attention and StreamKL, forward and backward, at head_dim 64 or 128
+ *  without a kept set have tensor-core kernels for f32 inputs (StreamKL: one head_dim on both sides,
+ *  one KV head count for its backward); every other f32 call runs the FP32 kernels whatever the mode.
  *  Error bounds and measurements: docs/numerics.md "f32 on tensor cores". */
 typedef enum forkattn_f32_precision {
   FORKATTN_F32_PRECISION_HIGH = 0,    /**< f32 values as sums of three bf16 pieces, each product

@@ -3,7 +3,9 @@
 
 PyTorch computes the loss the way a trainer without a fused kernel does: both score
 matrices [H, S, S], causal masks, log_softmax, KL summed over keys; its backward is
-autograd's. forkattn_kl_fwd/bwd get the same tensors' data_ptr() (device memory, the
+autograd's. Cases: causal sequences of 4096 (16 heads) and 16384 rows (4 heads), and a GRPO
+group (a 2048-row prompt and 8 responses of 512 rows, packed: forkattn's prefix layout, PyTorch's
+scores over the 6144 packed rows under the group's mask), head_dim 128, both KL directions. forkattn_kl_fwd/bwd get the same tensors' data_ptr() (device memory, the
 CUDA primary context is shared); the current stream is synchronized before each call.
 Both are checked against each other, timed with CUDA events (warm-up, median), and
 their peak memory is measured (torch.cuda.max_memory_allocated for PyTorch; for
@@ -84,11 +86,17 @@ def tdesc(x):
 
 
 class Stream:
-    """forkattn StreamKL on device pointers."""
+    """forkattn StreamKL on device pointers: a causal sequence of S rows, or a GRPO group (group=(P, N,
+    R): a prompt of P rows and N responses of R rows, packed)."""
 
-    def __init__(self, lib, ctx, S, reverse):
+    def __init__(self, lib, ctx, S, reverse, group=None):
         self.lib, self.ctx = lib, ctx
-        self.prefix = Prefix(S, 0, None, 0)
+        if group:
+            P, N, R = group
+            self.offsets = (C.c_int64 * (N + 1))(*[i * R for i in range(N + 1)])
+            self.prefix = Prefix(P, N, C.cast(self.offsets, C.c_void_p), 0)
+        else:
+            self.prefix = Prefix(S, 0, None, 0)
         self.layout = Layout(C.addressof(self.prefix), None)
         self.opt = Opt(1 if reverse else 0, 0.0, 0.0, 1.0, 0)
 
@@ -110,11 +118,21 @@ class Stream:
                                             C.byref(tdesc(dks)), None, None, DEVICE))
 
 
-def torch_kl(qt, kt, qs, ks, reverse):
-    """Materialized: [H, S, S] scores, causal mask, log_softmax, KL per (row, head) -> [S, H]."""
+def group_mask(P, N, R, device):
+    """[T, T] visibility of a packed GRPO group (T = P + N R): the prompt causal, each response its
+    prompt and itself causally."""
+    T = P + N * R
+    seq = torch.cat([torch.full((P,), -1), torch.arange(N).repeat_interleave(R)]).to(device)
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    return causal & ((seq[None, :] == -1) | (seq[:, None] == seq[None, :]))
+
+
+def torch_kl(qt, kt, qs, ks, reverse, mask=None):
+    """Materialized: [H, S, S] scores, the mask (causal by default), log_softmax, KL per (row, head) -> [S, H]."""
     S, H, d = qt.shape
     scale = 1.0 / math.sqrt(d)
-    mask = torch.ones(S, S, dtype=torch.bool, device=qt.device).tril()
+    if mask is None:
+        mask = torch.ones(S, S, dtype=torch.bool, device=qt.device).tril()
     # a large finite fill, not -inf: (-inf) - (-inf) = NaN would poison autograd through torch.where
     lt = torch.log_softmax((torch.einsum("shd,thd->hst", qt, kt) * scale).masked_fill(~mask, -1e30), -1)
     ls = torch.log_softmax((torch.einsum("shd,thd->hst", qs, ks) * scale).masked_fill(~mask, -1e30), -1)
@@ -143,11 +161,14 @@ def rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def case(lib, ctx, S, H, d, reverse, reps, with_torch=True, dtype=torch.float32):
+def case(lib, ctx, S, H, d, reverse, reps, with_torch=True, dtype=torch.float32, group=None):
+    """One comparison: a causal sequence of S rows, or (group=(P, N, R), S = P + N R) a packed GRPO group
+    against PyTorch's materialized KL over the same packed rows under the group's mask."""
     g = torch.Generator(device="cuda").manual_seed(S * 131 + H)
     mk = lambda: torch.randn(S, H, d, device="cuda", generator=g).to(dtype)
     qt, kt, qs, ks = mk(), mk(), mk(), mk()
-    st = Stream(lib, ctx, S, reverse)
+    st = Stream(lib, ctx, S, reverse, group)
+    mask = group_mask(*group, qt.device) if group else None
     kl = torch.empty(S, H, device="cuda")
     stats = torch.empty(S, H, 4, device="cuda")
     dkl = torch.full((S, H), 1.0 / (S * H), device="cuda")
@@ -159,7 +180,8 @@ def case(lib, ctx, S, H, d, reverse, reps, with_torch=True, dtype=torch.float32)
     ms_b = timed(lambda: st.bwd(qt, kt, qs, ks, stats, dkl, dqs, dks), reps)
     ws = lib.forkattn_ctx_peak_workspace(ctx)
     stream_mib = (ws + (kl.numel() + stats.numel() + dkl.numel()) * 4) / 2**20
-    r = {"seq": S, "heads": H, "d": d, "dtype": str(dtype).replace("torch.", ""), "reverse": reverse,
+    r = {"seq": S, "group": list(group) if group else None, "heads": H, "d": d,
+         "dtype": str(dtype).replace("torch.", ""), "reverse": reverse,
          "stream_fwd_ms": ms_f, "stream_bwd_ms": ms_b,
          "stream_extra_mib": stream_mib}
     if with_torch:
@@ -167,7 +189,7 @@ def case(lib, ctx, S, H, d, reverse, reps, with_torch=True, dtype=torch.float32)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        out = torch_kl(qt, kt, qs_r, ks_r, reverse)
+        out = torch_kl(qt, kt, qs_r, ks_r, reverse, mask)
         (out * dkl_t).sum().backward()
         torch.cuda.synchronize()
         r["torch_extra_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
@@ -178,10 +200,10 @@ def case(lib, ctx, S, H, d, reverse, reps, with_torch=True, dtype=torch.float32)
 
         def tf():
             with torch.no_grad():
-                torch_kl(qt, kt, qs_r, ks_r, reverse)
+                torch_kl(qt, kt, qs_r, ks_r, reverse, mask)
 
         def tb_prep():
-            return torch_kl(qt, kt, qs_r, ks_r, reverse)
+            return torch_kl(qt, kt, qs_r, ks_r, reverse, mask)
 
         r["torch_fwd_ms"] = timed(tf, reps)
         holder = {}
@@ -217,7 +239,7 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--million", action="store_true")
     ap.add_argument("--million-bwd", action="store_true")
-    ap.add_argument("--no-cases", action="store_true", help="skip the S=4096/16384 comparisons")
+    ap.add_argument("--no-cases", action="store_true", help="skip the S=4096/16384 and GRPO-group comparisons")
     ap.add_argument("--dtype", choices=("f32", "bf16", "f16"), default="f32")
     ap.add_argument("--f32-precision", choices=("high", "highest", "medium"), default="high",
                     help="how the GPU context multiplies f32 inputs (forkattn_ctx_options.f32_precision)")
@@ -229,10 +251,11 @@ def main():
     if lib.forkattn_ctx_create(C.byref(ctx), C.byref(o)):
         sys.exit("no GPU context: %s" % lib.forkattn_ctx_create_error())
     rows = []
-    for S, H in () if a.no_cases else ((4096, 16), (16384, 4)):
+    dt = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[a.dtype]
+    # causal sequences, then a GRPO group (prompt 2048, 8 responses of 512: 6144 packed rows)
+    for S, H, group in () if a.no_cases else ((4096, 16, None), (16384, 4, None), (6144, 16, (2048, 8, 512))):
         for rev in (False, True):
-            dt = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[a.dtype]
-            rows.append(case(lib, ctx, S, H, 128, rev, a.reps, dtype=dt))
+            rows.append(case(lib, ctx, S, H, 128, rev, a.reps, dtype=dt, group=group))
             print(json.dumps(rows[-1]), flush=True)
     if a.million:
         S = 1 << 20

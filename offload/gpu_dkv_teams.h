@@ -5,7 +5,7 @@
  * score products (gpu_products.h), the gradient steps of gpu_grad_step.h,
  * dV += P^T dO, dK += dS^T Q and the store of gpu_epilogue.h:
  *   fa_mma_dkv_team     mma.sync, key-major (S^T = K Q^T), 64 keys
- *   fa_mma_dkv_split_team  the same of f32 inputs split into bf16 pieces
+ *   fa_mma_dkv_split_team  the same of f32 inputs split into bf16 pieces, two warp sets
  *   fa_wg_dkv_team      wgmma, key-major, 64 keys (head_dim 64, bulk copies)
  *   fa_wg_pair_dkv_query_major_team  two warpgroups, query-major (S = Q K^T), 128 keys,
  *                       query tiles through the ring of gpu_tile_ring.h */
@@ -137,63 +137,71 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_team(const int D, c
 }
 
 /* The mma.sync key-major dK/dV of f32 inputs split into NP bf16 pieces (lib/core/split_bf16.h;
- * b.pieces and the views b.pq, b.pk, b.pv, b.pdo): fa_mma_dkv_team's unit walk, masks and store
- * with S^T = K Q^T and dP^T = V dO^T multiplied from the pieces, every K and V piece read from team
- * memory a k-step at a time (fa_mma_abt_pieces_sa: registers hold dK's and dV's accumulators; K's
- * piece 0 in registers beside them spilled), and dV += P^T dO, dK += dS^T Q with P^T and dS^T split in registers
- * (fa_mma_pv_pieces); dK and dV (or the unit's partial sums) stored in f32. Query tiles of
- * FA_MMA_DKV_BQ_OF(D) rows, double-buffered. Team memory (FA_MMA_DKV_SPLIT_SMEM): K's NP pieces
- * [64][P], V's, two buffers of Q's NP pieces [BQ][P] then dO's, each buffer's lse and D, the scan
- * flags. Only piece 0 of a non-finite value is non-finite, so a masked tile's scan reads Q's and
- * dO's piece 0 alone. */
+ * b.pieces and the views b.pq, b.pk, b.pv, b.pdo): fa_mma_dkv_team's unit walk, masks and gradient
+ * steps on a team of two warp sets (FA_MMA_DKV_SPLIT_THREADS): warp w of set 0 multiplies S^T = K Q^T
+ * for keys 16 w .. 16 w + 15 of the block and accumulates dV += P^T dO, its partner in set 1
+ * dP^T = V dO^T and dK += dS^T Q. The partners exchange S^T and dP^T through team memory and both
+ * form P^T and dS^T (elementwise, cheap), so each warp holds one 16 x D accumulator: one team of four
+ * warps holding dK and dV spilled 450 bytes a thread at head_dim 128 (ptxas). Every A and B piece is
+ * read from team memory a k-step at a time (fa_mma_abt_pieces_sa); P^T and dS^T are split in
+ * registers for the products over dO's and Q's pieces (fa_mma_pv_pieces). Query tiles of
+ * FA_MMA_DKV_BQ_OF(D) rows, double-buffered; set 0 copies Q's pieces and the rows' lse and D, set 1
+ * dO's pieces. dK and dV (or the unit's partial sums) are stored in f32. Team memory
+ * (FA_MMA_DKV_SPLIT_SMEM): K's NP pieces [64][P], V's, two buffers of Q's NP pieces [BQ][P] then
+ * dO's, each buffer's lse and D, the exchange (both sets' accumulators), the scan flags. Only piece 0
+ * of a non-finite value is non-finite, so a masked tile's scan reads Q's and dO's piece 0 alone. */
+#define FA_MMA_DKV_SPLIT_THREADS (2 * FA_MMA_THREADS)
 #define FA_MMA_DKV_SPLIT_SMEM(D, NP)                                                                            \
   ((size_t)(2 * (NP) * FA_MMA_ROWS + 4 * (NP) * FA_MMA_DKV_BQ_OF(D)) * ((D) + 8) * 2 +                          \
-   4 * FA_MMA_DKV_BQ_OF(D) * sizeof(float) + 4 * sizeof(unsigned))
-
-/* Query tile w's Q pieces then dO pieces (query head h) into the buffer at element at (NP tiles of
- * [BQ][P] each), its lse and D to the floats at element ld, by cp.async in the caller's group. */
-static inline __attribute__((always_inline)) void fa_dkv_split_load_queries(fa_smem sm, int at, int ld, int P, int D,
-                                                                            int BQ, int NP, const fa_gpu_bwd *b,
-                                                                            fa_query_walk w, int64_t h, int tid) {
-  const int nq = fa_qwalk_rows(w, BQ);
-  fa_mma_load_pieces(sm, at, BQ * P, NP, P, BQ, D, b->pq, b->pstride[0], w.qb, nq, h, tid);
-  fa_mma_load_pieces(sm, at + NP * BQ * P, BQ * P, NP, P, BQ, D, b->pdo, b->pstride[3], w.qb, nq, h, tid);
-  fa_mma_load_query_stats(sm, ld, BQ, b, w, h, tid);
-}
+   4 * FA_MMA_DKV_BQ_OF(D) * sizeof(float) + 2 * FA_MMA_ROWS * FA_MMA_DKV_BQ_OF(D) * sizeof(float) +             \
+   8 * sizeof(unsigned))
 
 static inline __attribute__((always_inline)) void fa_mma_dkv_split_team(const int D, const int NP,
                                                                          const fa_gpu_bwd b, int64_t ui, int64_t g,
                                                                          unsigned short *smem) {
-  const int P = D + 8, BQ = FA_MMA_DKV_BQ_OF(D), RP = FA_MMA_ROWS * P, TP = BQ * P;
-  const int tid = ompx_thread_id_x(), warp = tid / 32, lane = tid % 32;
+  const int P = D + 8, BQ = FA_MMA_DKV_BQ_OF(D), RP = FA_MMA_ROWS * P, TP = BQ * P, NT = FA_MMA_DKV_SPLIT_THREADS;
+  const int tid = ompx_thread_id_x(), set = tid / FA_MMA_THREADS, stid = tid % FA_MMA_THREADS;
+  const int warp = stid / 32, lane = tid % 32; /* warp: the 16 keys of the block this warp takes */
   const fa_key_unit u = b.units[ui];
   const fa_block blk = b.kblocks[u.block];
   const int64_t group = b.hq / b.hkv, qshift = b.qshift;
   const float mul = b.scale * FA_LOG2E;
   const fa_smem sm = fa_smem_of(smem);
-  /* element offsets: K's pieces, V's, the two query buffers (Q's pieces, then dO's) */
+  /* element offsets: K's pieces, V's, the two query buffers (Q's pieces, then dO's), their lse and D,
+   * the exchange ([set][warp][BQ / 8][lane] float4) */
   const int kt = 0, vt = NP * RP, qbuf0 = 2 * NP * RP, qstep = 2 * NP * TP;
   const int ld0 = qbuf0 + 2 * qstep; /* per buffer i: [BQ] lse, [BQ] D as floats at ld0 + 4 BQ i */
-  unsigned *qbad = (unsigned *)(smem + ld0 + 8 * BQ);
+  fa_f4 *xch = (fa_f4 *)(smem + ld0 + 8 * BQ);
+  unsigned *qbad = (unsigned *)(smem + ld0 + 8 * BQ + 4 * FA_MMA_ROWS * BQ);
+  /* this set's half of a query tile's copies: Q's pieces and the rows' lse and D, or dO's pieces */
+#define FA_DKV_SPLIT_LOAD(AT, LD, W)                                                                            \
+  do {                                                                                                         \
+    const int nq_ = fa_qwalk_rows((W), BQ);                                                                    \
+    const int64_t h_ = g * group + (W).hh;                                                                     \
+    if (set == 0) {                                                                                            \
+      fa_mma_load_pieces(sm, (AT), TP, NP, P, BQ, D, b.pq, b.pstride[0], (W).qb, nq_, h_, stid);               \
+      fa_mma_load_query_stats(sm, (LD), BQ, &b, (W), h_, stid);                                                \
+    } else {                                                                                                   \
+      fa_mma_load_pieces(sm, (AT) + NP * TP, TP, NP, P, BQ, D, b.pdo, b.pstride[3], (W).qb, nq_, h_, stid);    \
+    }                                                                                                          \
+  } while (0)
 
-  fa_mma_load_pieces(sm, kt, RP, NP, P, FA_MMA_ROWS, D, b.pk, b.pstride[1], blk.start, blk.len, g, tid);
-  fa_mma_load_pieces(sm, vt, RP, NP, P, FA_MMA_ROWS, D, b.pv, b.pstride[2], blk.start, blk.len, g, tid);
+  if (set == 0) fa_mma_load_pieces(sm, kt, RP, NP, P, FA_MMA_ROWS, D, b.pk, b.pstride[1], blk.start, blk.len, g, stid);
+  else fa_mma_load_pieces(sm, vt, RP, NP, P, FA_MMA_ROWS, D, b.pv, b.pstride[2], blk.start, blk.len, g, stid);
   fa_query_walk w = {(int)u.j0, 0, 0, 0, 0, 0};
   w = fa_qwalk_seek(w, b.seg, b.pair, b.kidx, qshift, u, blk, group);
-  if (w.j <= u.j1) fa_dkv_split_load_queries(sm, qbuf0, ld0, P, D, BQ, NP, &b, w, g * group + w.hh, tid);
+  if (w.j <= u.j1) FA_DKV_SPLIT_LOAD(qbuf0, ld0, w);
   fa_cp_async_commit();
-  fa_cp_async_wait(0);
-  ompx_sync_block_acq_rel();
   /* this lane's A address in a 64-row tile (its warp's 16 keys) */
   const int al = (warp * 16 + fa_ldsm_a_row(lane)) * P + fa_ldsm_a_col(lane);
 
   fa_dkv_lane kl;
-  fa_dkv_lane_of(&kl, tid, lane, blk, qshift);
+  fa_dkv_lane_of(&kl, stid, lane, blk, qshift);
   const int r0 = kl.r0, c0 = kl.c0, ok0 = kl.ok0, ok1 = kl.ok1, kfirst = kl.kfirst, qsh = kl.qsh;
   const int k_pos0 = kl.k_pos0, k_pos1 = kl.k_pos1;
-  fa_f4 dk[FA_MMA_MAX_D / 8], dv[FA_MMA_MAX_D / 8];
+  fa_f4 acc[FA_MMA_MAX_D / 8]; /* set 0: dV; set 1: dK */
 #pragma unroll
-  for (int n = 0; n < D / 8; n++) dk[n] = fa_f4_zero(), dv[n] = fa_f4_zero();
+  for (int n = 0; n < D / 8; n++) acc[n] = fa_f4_zero();
   int bad0 = 0, bad1 = 0, cb = 0;
   while (w.j <= u.j1) {
     const int qt = qbuf0 + cb * qstep, ot = qt + NP * TP;
@@ -201,26 +209,48 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_split_team(const in
     fa_cp_async_wait(0);
     ompx_sync_block_acq_rel(); /* tile j landed; iteration j - 1 is done with the other buffer */
     const fa_query_walk w1 = fa_qwalk_next(w, BQ, b.seg, b.pair, b.kidx, qshift, u, blk, group);
-    if (w1.j <= u.j1)
-      fa_dkv_split_load_queries(sm, qbuf0 + (cb ^ 1) * qstep, ld0 + 4 * BQ * (cb ^ 1), P, D, BQ, NP, &b, w1,
-                                g * group + w1.hh, tid);
+    if (w1.j <= u.j1) FA_DKV_SPLIT_LOAD(qbuf0 + (cb ^ 1) * qstep, ld0 + 4 * BQ * (cb ^ 1), w1);
     fa_cp_async_commit();
-    int nq, lo0, lo1;
-    const unsigned long long qflags = fa_dkv_tile_masks(smem, qt, ot, P, BQ, D, 0, qbad, w, qsh, kfirst, (int)blk.len,
-                                                        ok0, ok1, k_pos0, k_pos1, tid, &nq, &lo0, &lo1);
-    fa_f4 s[FA_MMA_BQ / 8], dp[FA_MMA_BQ / 8]; /* 16 keys x BQ queries */
-    fa_mma_abt_pieces_sa(s, sm, kt + al, RP, NP, qt, P, BQ, D, lane);  /* S^T = K Q^T */
-    fa_mma_abt_pieces_sa(dp, sm, vt + al, RP, NP, ot, P, BQ, D, lane); /* dP^T = V dO^T */
+    /* the masks (fa_dkv_tile_masks, by the whole team of both sets) */
+    const int nq = fa_qwalk_rows(w, BQ);
+    const int lo0 = fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb + qsh, nq);
+    const int lo1 = fa_mma_key_first_query(ok1, w.causal, k_pos1, w.qb + qsh, nq);
+    const unsigned long long qflags =
+        w.causal && w.qb + qsh < kfirst + (int)blk.len - 1
+            ? fa_mma_scan_rows_by(smem + qt, P, BQ, 0, BQ, D, 0, qbad, tid, NT) |
+                  fa_mma_scan_rows_by(smem + ot, P, BQ, 0, BQ, D, 0, qbad, tid, NT)
+            : 0;
+    /* set 0: S^T = K Q^T; set 1: dP^T = V dO^T; exchanged */
+    fa_f4 x[FA_MMA_BQ / 8], s[FA_MMA_BQ / 8], dp[FA_MMA_BQ / 8];
+    fa_mma_abt_pieces_sa(x, sm, (set ? vt : kt) + al, RP, NP, set ? ot : qt, P, BQ, D, lane);
+#pragma unroll
+    for (int n = 0; n < BQ / 8; n++) xch[((set * 4 + warp) * (BQ / 8) + n) * 32 + lane] = x[n];
+    ompx_sync_block_acq_rel();
+#pragma unroll
+    for (int n = 0; n < BQ / 8; n++) {
+      const fa_f4 y = xch[(((set ^ 1) * 4 + warp) * (BQ / 8) + n) * 32 + lane];
+      s[n] = set ? y : x[n];
+      dp[n] = set ? x[n] : y;
+    }
     float lq[FA_MMA_BQ / 4], dd[FA_MMA_BQ / 4];
     fa_mma_dkv_rows(lq, dd, ld, BQ, c0);
     fa_mma_dkv_grads(s, dp, lq, dd, mul, nq, BQ, nq == BQ && (!w.causal || kfirst + warp * 16 + 15 <= w.qb + qsh),
                      lo0, lo1, c0, qflags, &bad0, &bad1);
-    fa_mma_pv_pieces(dv, s, NP, sm, ot, P, BQ, D, 0, lane);  /* dV += P^T dO */
-    fa_mma_pv_pieces(dk, dp, NP, sm, qt, P, BQ, D, 0, lane); /* dK += dS^T Q */
+    /* set 0: dV += P^T dO; set 1: dK += dS^T Q */
+#pragma unroll
+    for (int n = 0; n < BQ / 8; n++) x[n] = set ? dp[n] : s[n];
+    fa_mma_pv_pieces(acc, x, NP, sm, set ? qt : ot, P, BQ, D, 0, lane);
     cb ^= 1;
     w = w1;
   }
-  fa_mma_dkv_store(&b, ui, g, dk, dv, D, r0, k_pos0, c0, ok0, ok1, bad0, bad1, lane);
+#undef FA_DKV_SPLIT_LOAD
+  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
+  /* set 0 stores dV, set 1 dK (the unit's partial sums when its block has several units) */
+  const int part = b.part_k != NULL;
+  const int64_t slot = (ui * b.hkv + g) * b.krows * b.d, row = part ? r0 : k_pos0, head = part ? 0 : g;
+  const fa_dev_tensor t = part ? fa_mma_part_view((set ? b.part_k : b.part_v) + slot, b.d) : set ? b.dk : b.dv;
+  const float m = set ? b.scale : 1.0f;
+  fa_mma_store_rows(t, row, head, acc, D, c0, ok0, ok1, m, m, bad0, bad1);
 }
 
 /* The split dK/dV at HIGH (3 pieces) and MEDIUM (2) precision, with a dK/dV team's signature. */

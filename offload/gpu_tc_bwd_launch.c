@@ -75,8 +75,10 @@ void fa_gpu_mma_bwd_split_smem(size_t dq[2], size_t dkv[2]) {
   } while (0)
 #define FA_MMA_DKV_F32(D, NP)                                                                                  \
   do {                                                                                                         \
-    if ((NP) == 3) FA_MMA_DKV_TEAMS(fa_mma_dkv_team_f32_high, D, 0, FA_MMA_DKV_SPLIT_SMEM(D, 3));               \
-    else FA_MMA_DKV_TEAMS(fa_mma_dkv_team_f32_medium, D, 0, FA_MMA_DKV_SPLIT_SMEM(D, 2));                       \
+    if ((NP) == 3)                                                                                             \
+      FA_MMA_DKV_TEAMS_OF(fa_mma_dkv_team_f32_high, D, 0, FA_MMA_DKV_SPLIT_SMEM(D, 3), FA_MMA_DKV_SPLIT_THREADS); \
+    else                                                                                                       \
+      FA_MMA_DKV_TEAMS_OF(fa_mma_dkv_team_f32_medium, D, 0, FA_MMA_DKV_SPLIT_SMEM(D, 2), FA_MMA_DKV_SPLIT_THREADS); \
   } while (0)
 
 void fa_gpu_mma_dq(const fa_gpu_bwd *b, const fa_gpu_bwd *argp, int grid) {

@@ -37,6 +37,15 @@ static inline fa_dev_tensor emu_view(void *data, int dtype, int64_t heads, int64
       for (int64_t h = 0; h < (NH); h++) EMU_TEAM_OF(NTH, call);                                               \
   } while (0)
 
+/* Element e of row `row` of key block blk's gradient, KV head g, from its units' partial sums
+ * ([units][hkv][krows][d] f32) added in unit order, as the GPU's reduce kernels do. */
+static inline float emu_unit_sum(const float *part, const int64_t *unit_off, int64_t blk, int64_t hkv, int64_t g,
+                                 int64_t krows, int64_t row, int64_t d, int64_t e) {
+  float sum = 0;
+  for (int64_t u = unit_off[blk]; u < unit_off[blk + 1]; u++) sum += part[((u * hkv + g) * krows + row) * d + e];
+  return sum;
+}
+
 /* The plan of a prompt of P rows with N responses of lens[] rows (off[0 .. N] receives their offsets, so
  * off has N + 1 entries); returns the layout's rows. */
 static inline int64_t emu_prefix_plan(fa_plan *plan, int64_t P, int64_t N, const int64_t *lens, int causal,

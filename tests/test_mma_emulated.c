@@ -292,13 +292,9 @@ static void run_case(const char *name, const emu_case *c) {
         for (int64_t g = 0; g < hkv; g++)
           for (int64_t row = 0; row < gk.kblocks[blk].len; row++)
             for (int64_t x = 0; x < d; x++) {
-              float sk = 0, sv = 0;
-              for (int64_t u = gk.unit_off[blk]; u < gk.unit_off[blk + 1]; u++) {
-                sk += gk.part_k[((u * hkv + g) * gk.krows + row) * d + x];
-                sv += gk.part_v[((u * hkv + g) * gk.krows + row) * d + x];
-              }
               const int64_t e = ((gk.kblocks[blk].start + row) * hkv + g) * d + x;
-              b.dk[e] = to16(sk, f16), b.dv[e] = to16(sv, f16);
+              b.dk[e] = to16(emu_unit_sum(gk.part_k, gk.unit_off, blk, hkv, g, gk.krows, row, d, x), f16);
+              b.dv[e] = to16(emu_unit_sum(gk.part_v, gk.unit_off, blk, hkv, g, gk.krows, row, d, x), f16);
             }
     edk = rel_err(b.dk, rdk, nk, f16, &nonfinite), edv = rel_err(b.dv, rdv, nk, f16, &nonfinite);
     cr_assert_eq(nonfinite, 0, "%s %s: %lld non-finite (or unwritten) dk/dv elements", name, kernel,
@@ -644,12 +640,9 @@ static void kl_bwd_case(const char *name, int64_t P, int64_t N, const int64_t *l
       for (int64_t blk = 0; blk < nkb; blk++)
         for (int64_t g = 0; g < hkv; g++)
           for (int64_t row = 0; row < kb[blk].len; row++)
-            for (int64_t e = 0; e < d; e++) {
-              float sum = 0;
-              for (int64_t u = unit_off[blk]; u < unit_off[blk + 1]; u++)
-                sum += part[((u * hkv + g) * FA_MMA_ROWS + row) * d + e];
-              grad[teacher ? 1 : 3][((kb[blk].start + row) * hkv + g) * d + e] = to16(sum, f16);
-            }
+            for (int64_t e = 0; e < d; e++)
+              grad[teacher ? 1 : 3][((kb[blk].start + row) * hkv + g) * d + e] =
+                  to16(emu_unit_sum(part, unit_off, blk, hkv, g, FA_MMA_ROWS, row, d, e), f16);
   }
   double *t = malloc(sizeof(double) * (size_t)T), *sv = malloc(sizeof(double) * (size_t)T);
   const kl_ref_shape shape = {P, N, H, hkv, hkv, d, T, off, causal, sct, scs};

@@ -147,7 +147,7 @@ def section(meta, recs):
             "bf16x6 products on tensor cores; the default), medium (bf16x3) and highest (float32 "
             "CUDA-core kernels), against `scaled_dot_product_attention` in float32 on the same card, one process; "
             "ms forward / forward+backward (median of CUDA-event times, interleaved rounds) and SDPA's time over "
-            "forkattn's. The f32 backward runs the float32 kernels at every precision. Errors: max |o − o64| / "
+            "forkattn's. The backward runs at the same precision as the forward (split dQ and dK/dV teams at high and medium). Errors: max |o − o64| / "
             "max |o64| against SDPA in float64.", "",
             "%s, commit %s, torch %s. Command: `%s`" % (meta["device"], meta["commit"], torch.__version__, meta["cmd"]),
             "",

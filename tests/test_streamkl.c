@@ -592,8 +592,12 @@ Test(memory, no_rows_by_keys_buffer_at_4096, .timeout = 300) {
     }
   }
   /* The GPU backend with host memory stages every tensor and float array on the
-   * device (O(rows * heads * d), counted as workspace): allow exactly that on top. */
-  const size_t staged = forkattn_ctx_backend(ctx) == FORKATTN_BACKEND_GPU ? sizeof(float) * (size_t)(T * H * d * 8 + T * H * 7) : 0;
+   * device (O(rows * heads * d), counted as workspace), and splits the four f32 score
+   * inputs into at most three bf16 pieces each for its tensor cores: allow exactly that
+   * on top. */
+  const size_t staged = forkattn_ctx_backend(ctx) == FORKATTN_BACKEND_GPU
+                            ? sizeof(float) * (size_t)(T * H * d * 8 + T * H * 7) + sizeof(uint16_t) * 3 * (size_t)(4 * T * H * d)
+                            : 0;
   const size_t peak = forkattn_ctx_peak_workspace(ctx), limit = (size_t)(T * T * 4 / 8) + staged;
   fprintf(stderr, "  memory/4096: peak workspace %zu bytes (%.2f MiB, staged copies %.2f MiB); a rows x keys f32 buffer "
           "is %.0f MiB, limit %.0f MiB\n", peak, peak / 1048576.0, staged / 1048576.0, T * T * 4 / 1048576.0,

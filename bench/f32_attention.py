@@ -10,7 +10,8 @@ and "highest" (float32 CUDA-core kernels), and scaled_dot_product_attention in f
 on the sequences' batch; N copies of prompt + response for a group). Times are medians of
 CUDA-event times in interleaved rounds (compare_torch.time_rounds). Errors: max |o - o64| / max
 |o64| against SDPA's math kernel in float64 on the same inputs, for every implementation (SDPA's
-own float32 error included, as the yardstick); gradients are checked by the test suite.
+own float32 error included, as the yardstick), and the largest of the three gradients' errors,
+measured the same way against SDPA's float64 gradients of sum(o * dout).
 
 Usage (GPU machine, offload build):
   OMP_TARGET_OFFLOAD=mandatory bash bench/gpu_run.sh python3 bench/f32_attention.py \\
@@ -95,9 +96,14 @@ def run_case(c, a, ctxs):
     k = (torch.rand(c.rows, c.hkv, c.d, device=dev, generator=g) * 2 - 1).requires_grad_()
     v = (torch.rand(c.rows, c.hkv, c.d, device=dev, generator=g) * 2 - 1).requires_grad_()
     do = torch.rand(c.rows, c.hq, c.d, device=dev, generator=g) * 2 - 1
-    with torch.no_grad():
-        o64 = c.sdpa(q.double(), k.double(), v.double())
-        o64 = c.sdpa_of(o64) if c.sdpa_of else o64
+    # float64 reference: o, and the gradients of sum(o * do) over the packed rows
+    x64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    o64 = c.sdpa(*x64)
+    o64 = c.sdpa_of(o64) if c.sdpa_of else o64
+    (o64 * do.double()).sum().backward()
+    g64 = [t.grad for t in x64]
+    o64 = o64.detach()
+    del x64
     rec = {"case": c.name, "gflop": c.flops / 1e9}
 
     def impl(name, f):
@@ -113,7 +119,12 @@ def run_case(c, a, ctxs):
             q.grad = k.grad = v.grad = None
             f(q, k, v).backward(dout)
 
-        rec[name] = {"err": err(c.sdpa_of(o) if name == "sdpa" and c.sdpa_of else o, o64)}
+        q.grad = k.grad = v.grad = None
+        o_ = f(q, k, v)
+        o_ = c.sdpa_of(o_) if name == "sdpa" and c.sdpa_of else o_
+        (o_ * do).sum().backward()
+        rec[name] = {"err": err(o_.detach(), o64), "gerr": max(err(t.grad, r) for t, r in zip((q, k, v), g64))}
+        del o_
         return [(rec[name], "fwd", fwd), (rec[name], "fwd_bwd", fwd_bwd)]
 
     def in_ctx(ctx):
@@ -138,6 +149,7 @@ def line(rec):
         cells.append("%.3f / %.3f (%.2f× / %.2f×)" % (r.get("fwd", float("nan")), r.get("fwd_bwd", float("nan")),
                                                       s["fwd"] / r["fwd"], s["fwd_bwd"] / r["fwd_bwd"]))
     cells.append(" / ".join("%.1e" % rec[x]["err"] for x in ("sdpa",) + PRECISIONS))
+    cells.append(" / ".join("%.1e" % rec[x]["gerr"] for x in ("sdpa",) + PRECISIONS))
     return "| " + " | ".join(cells) + " |"
 
 
@@ -148,12 +160,13 @@ def section(meta, recs):
             "CUDA-core kernels), against `scaled_dot_product_attention` in float32 on the same card, one process; "
             "ms forward / forward+backward (median of CUDA-event times, interleaved rounds) and SDPA's time over "
             "forkattn's. The backward runs at the same precision as the forward (split dQ and dK/dV teams at high and medium). Errors: max |o − o64| / "
-            "max |o64| against SDPA in float64.", "",
+            "max |o64| against SDPA in float64, and the largest of dq's, dk's and dv's (gradients of sum(o * dout), "
+            "dout in [-1, 1]) likewise.", "",
             "%s, commit %s, torch %s. Command: `%s`" % (meta["device"], meta["commit"], torch.__version__, meta["cmd"]),
             "",
             "| case | SDPA f32 ms | high ms (×SDPA) | medium ms (×SDPA) | highest ms (×SDPA) | o error: SDPA / high / "
-            "medium / highest |",
-            "|---|---|---|---|---|---|"]
+            "medium / highest | gradient error: SDPA / high / medium / highest |",
+            "|---|---|---|---|---|---|---|"]
     return "\n".join(head + [line(r) for r in recs]) + "\n"
 
 

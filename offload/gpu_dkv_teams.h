@@ -239,7 +239,7 @@ static inline __attribute__((always_inline)) void fa_mma_dkv_split_team(const in
     /* set 0: dV += P^T dO; set 1: dK += dS^T Q */
 #pragma unroll
     for (int n = 0; n < BQ / 8; n++) x[n] = set ? dp[n] : s[n];
-    fa_mma_pv_pieces(acc, x, NP, sm, set ? qt : ot, P, BQ, D, 0, lane);
+    fa_mma_pv_pieces_rn(acc, x, NP, sm, set ? qt : ot, P, BQ, D, lane);
     cb ^= 1;
     w = w1;
   }

@@ -420,7 +420,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dk_split_team(const 
     fa_mma_abt_pieces_sa(ct, sm, ktt + al, RP, NP, qt, P, BQ, D, lane); /* S_t^T = K_t Q_t^T */
     fa_mma_abt_pieces_sa(cs, sm, kst + al, RP, NP, qs, P, BQ, D, lane); /* S_s^T = K_s Q_s^T */
     fa_mma_kl_dk_coefs(ct, cs, BQ, c0, lo0, lo1, nq, qflags, rd, &b, teacher, &bad0, &bad1);
-    fa_mma_pv_pieces(acc, ct, NP, sm, qside, P, BQ, D, 0, lane); /* dK += C^T Q of the side, its pieces */
+    fa_mma_pv_pieces_rn(acc, ct, NP, sm, qside, P, BQ, D, lane); /* dK += C^T Q of the side, its pieces */
     cur ^= 1;
     w = nx;
   }

@@ -100,6 +100,23 @@ static inline __attribute__((always_inline)) void fa_mma_pv_pieces(fa_f4 *o, fa_
   }
 }
 
+/* fa_mma_pv_pieces into a zeroed tile accumulator that is then added to acc by float32 adds. The
+ * tensor cores' accumulation truncates the aligned products toward zero, so a sum over thousands of
+ * tiles in one accumulator drifts: the split dK of a 16384-row StreamKL call erred by 1e-4 of its
+ * largest value, the float32 CUDA-core kernels by 1e-6 (H100). A tile's own sum is short; the long
+ * one rounds to nearest. For the sums over a key's readers (dK, dV), where every query adds a
+ * comparable term. */
+static inline __attribute__((always_inline)) void fa_mma_pv_pieces_rn(fa_f4 *acc, fa_f4 *s, int NP, fa_smem sm, int vt,
+                                                                      int P, int BK, int D, int lane) {
+  fa_f4 t[FA_MMA_MAX_D / 8];
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) t[n] = fa_f4_zero();
+  fa_mma_pv_pieces(t, s, NP, sm, vt, P, BK, D, 0, lane);
+#pragma unroll
+  for (int n = 0; n < D / 8; n++)
+    acc[n].x += t[n].x, acc[n].y += t[n].y, acc[n].z += t[n].z, acc[n].w += t[n].w;
+}
+
 /* S = Q K^T and dP = dO V^T of a warp's 16 rows x BK keys (the dQ teams):
  * Q's and dO's A fragments qf, of; K then V, [BK][P] each, at element kt.
  * One loop for both: as two fa_mma_acc_abt calls, ptxas orders the loads

@@ -4,11 +4,11 @@ side in one process, with each output's error against float64.
 
 Per case (float32 inputs q in [-2, 2], k, v, dout in [-1, 1]; softmax scale 1/sqrt(d)), timed
 forward and forward+backward (gradients of sum(o * dout)) through the Python binding
-(varlen_attention for dense cases, prefix_attention for a GRPO group) in a GPU context at
-f32_precision "high" (the default: bf16x6 products on tensor cores), "medium" (bf16x3)
+(varlen_attention for dense cases, prefix_attention for a GRPO group) with the default contexts at
+(forkattn.configure, which the autograd thread's backward follows) f32_precision "high" (the default: bf16x6 products on tensor cores), "medium" (bf16x3)
 and "highest" (float32 CUDA-core kernels), and scaled_dot_product_attention in float32 (enable_gqa,
 on the sequences' batch; N copies of prompt + response for a group). Times are medians of
-CUDA-event times in interleaved rounds (compare_torch.time_rounds). Errors: max |o - o64| / max
+CUDA-event times in interleaved rounds (compare_torch.time_rounds), each precision's with SDPA's. Errors: max |o - o64| / max
 |o64| against SDPA's math kernel in float64 on the same inputs, for every implementation (SDPA's
 own float32 error included, as the yardstick), and the largest of the three gradients' errors,
 measured the same way against SDPA's float64 gradients of sum(o * dout).
@@ -89,7 +89,7 @@ def err(o, ref):
     return ((o.double() - ref).abs().max() / ref.abs().max()).item()
 
 
-def run_case(c, a, ctxs):
+def run_case(c, a):
     dev = a.device
     g = torch.Generator(device=dev).manual_seed(a.seed)
     q = (torch.rand(c.rows, c.hq, c.d, device=dev, generator=g) * 4 - 2).requires_grad_()
@@ -127,17 +127,19 @@ def run_case(c, a, ctxs):
         del o_
         return [(rec[name], "fwd", fwd), (rec[name], "fwd_bwd", fwd_bwd)]
 
-    def in_ctx(ctx):
-        def f(q_, k_, v_):
-            with forkattn.use_context(ctx):
-                return c.fa(q_, k_, v_)
-
-        return f
-
-    timers = impl("sdpa", c.sdpa)
+    # A precision is set process-wide (forkattn.configure): autograd runs the backward on its own
+    # thread, whose default context a use_context block would not reach. Each precision is timed in
+    # its own interleaved rounds with SDPA (the contexts are re-created when it changes); its ratio
+    # is to that group's SDPA time.
+    sdpa_timers = impl("sdpa", c.sdpa)
     for p in PRECISIONS:
-        timers += impl(p, in_ctx(ctxs[p]))
-    ct.time_rounds(timers, a)
+        forkattn.configure(f32_precision=p)
+        group = {}
+        ct.time_rounds([(group, key, fn) for _, key, fn in sdpa_timers] + impl(p, c.fa), a)
+        rec[p]["sdpa"] = group
+        if p == PRECISIONS[0]:
+            rec["sdpa"].update(group)
+    forkattn.configure(f32_precision=PRECISIONS[0])
     return rec
 
 
@@ -146,8 +148,9 @@ def line(rec):
     cells = [rec["case"], "%.3f / %.3f" % (s.get("fwd", float("nan")), s.get("fwd_bwd", float("nan")))]
     for p in PRECISIONS:
         r = rec[p]
+        g = r["sdpa"]  # SDPA timed in the same rounds
         cells.append("%.3f / %.3f (%.2f× / %.2f×)" % (r.get("fwd", float("nan")), r.get("fwd_bwd", float("nan")),
-                                                      s["fwd"] / r["fwd"], s["fwd_bwd"] / r["fwd_bwd"]))
+                                                      g["fwd"] / r["fwd"], g["fwd_bwd"] / r["fwd_bwd"]))
     cells.append(" / ".join("%.1e" % rec[x]["err"] for x in ("sdpa",) + PRECISIONS))
     cells.append(" / ".join("%.1e" % rec[x]["gerr"] for x in ("sdpa",) + PRECISIONS))
     return "| " + " | ".join(cells) + " |"
@@ -158,8 +161,9 @@ def section(meta, recs):
             "`bench/f32_attention.py`: float32 inputs through the binding at f32_precision high (bf16 pieces, "
             "bf16x6 products on tensor cores; the default), medium (bf16x3) and highest (float32 "
             "CUDA-core kernels), against `scaled_dot_product_attention` in float32 on the same card, one process; "
-            "ms forward / forward+backward (median of CUDA-event times, interleaved rounds) and SDPA's time over "
-            "forkattn's. The backward runs at the same precision as the forward (split dQ and dK/dV teams at high and medium). Errors: max |o − o64| / "
+            "ms forward / forward+backward (median of CUDA-event times, interleaved rounds; the precision set by "
+            "forkattn.configure, so the autograd thread's backward runs at it too) and SDPA's time, taken in "
+            "the same rounds, over forkattn's. The backward runs at the same precision as the forward (split dQ and dK/dV teams at high and medium). Errors: max |o − o64| / "
             "max |o64| against SDPA in float64, and the largest of dq's, dk's and dv's (gradients of sum(o * dout), "
             "dout in [-1, 1]) likewise.", "",
             "%s, commit %s, torch %s. Command: `%s`" % (meta["device"], meta["commit"], torch.__version__, meta["cmd"]),
@@ -190,12 +194,11 @@ def main():
     import forkattn as fa_mod
 
     forkattn = fa_mod
-    ctxs = {p: forkattn.Context("gpu" if a.cuda else "cpu", f32_precision=p) for p in PRECISIONS}
     recs = []
     for spec in CASES:
         if a.filter.lower() not in spec[0].lower():
             continue
-        rec = run_case(make_case(spec, a.div), a, ctxs)
+        rec = run_case(make_case(spec, a.div), a)
         print(line(rec), flush=True)
         recs.append(rec)
     meta = {"device": ct.device_name(a.cuda), "commit": ct.git_commit(a), "cmd": ct.command_line()}

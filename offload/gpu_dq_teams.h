@@ -210,7 +210,7 @@ static inline __attribute__((always_inline)) void fa_mma_dq_split_team(const int
     fa_dq_tile_p(s, BK, fa_tile_all_visible(w, nk, BK, qfirst + warp * 16), kflags, c0, lim0, lim1, mul, lse0, lse1,
                  &vis0, &vis1, &bad0, &bad1);
     fa_dq_tile_ds(s, dp, 0, BK / 8, vis0, vis1, dd0, dd1);
-    fa_mma_pv_pieces(dq, s, NP, sm, kt, P, BK, D, 0, lane); /* dQ += dS K, K's pieces of [key][dim] */
+    fa_mma_pv_pieces_rn(dq, s, NP, sm, kt, P, BK, D, lane); /* dQ += dS K, K's pieces of [key][dim] */
     cur ^= 1;
     w = nx;
     nx = nx2;

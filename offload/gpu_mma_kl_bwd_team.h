@@ -353,7 +353,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dq_split_team(const 
     fa_mma_abt_pieces_sa(ct, sm, qtt + al, RP, NP, kt, P, BK, D, lane);  /* S_t = Q_t K_t^T */
     fa_mma_abt_pieces_sa(cs, sm, qst + al, RP, NP, kst, P, BK, D, lane); /* S_s = Q_s K_s^T */
     fa_mma_kl_dq_coefs(ct, cs, BK, c0, lim0, lim1, kflags, st0, st1, gr[0], gr[1], &b, teacher, &bad0, &bad1);
-    fa_mma_pv_pieces(dq, ct, NP, sm, kside, P, BK, D, 0, lane); /* dQ += C K of the side, its pieces */
+    fa_mma_pv_pieces_rn(dq, ct, NP, sm, kside, P, BK, D, lane); /* dQ += C K of the side, its pieces */
     cur ^= 1;
     w = nx;
   }

@@ -4,6 +4,8 @@ the attention forward and backward and the StreamKL forward on tensor cores from
 kernels) reads the forward's statistics. Skipped unless torch sees a GPU and the library has
 offload (as test_cuda.py)."""
 
+import contextlib
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -30,6 +32,17 @@ def _gpu_context():
     assert forkattn.backend(0) == "gpu"
 
 
+@contextlib.contextmanager
+def _precision(p):
+    """Every default context at precision p (forkattn.configure): autograd runs a CUDA backward on
+    its own thread, whose default context a use_context block would not reach."""
+    prev = forkattn.configure(f32_precision=p)
+    try:
+        yield
+    finally:
+        forkattn.configure(f32_precision=prev["f32_precision"])
+
+
 def _run(precision, d, scale_q, seed, softmax_scale=None):
     ctx = forkattn.Context("gpu", f32_precision=precision)
     split = "f32 as bf16x%d on mma.sync: forward, dQ, dK/dV, StreamKL forward, StreamKL backward" % (
@@ -39,7 +52,7 @@ def _run(precision, d, scale_q, seed, softmax_scale=None):
     hq, hkv = 4, 2
     q, k, v, do = make_qkv(lay.num_rows, hq, hkv, d, torch.float32, seed=seed, scale_q=scale_q)
     qc, kc, vc = (t.cuda().requires_grad_() for t in (q, k, v))
-    with forkattn.use_context(ctx):
+    with _precision(precision):
         out, lse = forkattn.prefix_attention(qc, kc, vc, lay, softmax_scale=softmax_scale, return_lse=True)
         (out * do.cuda()).sum().backward()
     torch.cuda.synchronize()
@@ -50,7 +63,7 @@ def _run(precision, d, scale_q, seed, softmax_scale=None):
     errs = (rel_err(out.detach().cpu(), ro.detach()), abs_err(lse.cpu(), rl.detach()),
             max(rel_err(g.cpu(), r) for g, r in ((qc.grad, q64.grad), (kc.grad, k64.grad), (vc.grad, v64.grad))))
     ctx.close()
-    return out.detach().cpu(), errs
+    return (out.detach().cpu(), qc.grad.cpu(), kc.grad.cpu()), errs
 
 
 @pytest.mark.parametrize("precision", ["high", "medium", "highest"])
@@ -72,9 +85,12 @@ def test_f32_precision_large_logits(precision):
 
 
 def test_f32_precisions_run_different_kernels():
-    """Not vacuous: the three precisions give three different outputs (the same inputs)."""
-    outs = [_run(p, 64, 4.0, seed=3)[0] for p in ("high", "medium", "highest")]
-    assert not torch.equal(outs[0], outs[2]) and not torch.equal(outs[1], outs[2]) and not torch.equal(outs[0], outs[1])
+    """Not vacuous: the three precisions give three different outputs, dq and dk (the same inputs):
+    the backward runs at the forward's precision."""
+    runs = [_run(p, 64, 4.0, seed=3)[0] for p in ("high", "medium", "highest")]
+    for i in range(3):  # o, dq, dk
+        a, b, c = (r[i] for r in runs)
+        assert not torch.equal(a, c) and not torch.equal(b, c) and not torch.equal(a, b), i
 
 
 @pytest.mark.parametrize("precision", ["high", "medium", "highest"])
@@ -90,8 +106,7 @@ def test_f32_precision_stream_kl(precision, direction):
     shapes = ((T, H, d, 2.0), (T, 2, d, 1.0), (T, H, d, 2.0), (T, 1, d, 1.0))
     inp = [(torch.rand(*s[:3], generator=g, dtype=torch.float64) * 2 - 1) * s[3] for s in shapes]
     x = [t.float().cuda().requires_grad_() for t in inp]
-    ctx = forkattn.Context("gpu", f32_precision=precision)
-    with forkattn.use_context(ctx):
+    with _precision(precision):
         kl = forkattn.stream_kl(*x, lay, direction=direction, teacher_grad=True)
         w = torch.rand(T, H, generator=g, dtype=torch.float64)
         (kl * w.float().cuda()).sum().backward()
@@ -104,4 +119,3 @@ def test_f32_precision_stream_kl(precision, direction):
     print("StreamKL f32_precision=%s %s: kl %.2e grads %.2e" % (precision, direction, e, eg))
     assert e <= (8e-5 if precision == "medium" else 1e-5), e
     assert eg <= (1e-4 if precision == "medium" else 1e-5), eg
-    ctx.close()

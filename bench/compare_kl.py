@@ -241,6 +241,7 @@ def main():
     ap.add_argument("--million-bwd", action="store_true")
     ap.add_argument("--no-cases", action="store_true", help="skip the S=4096/16384 and GRPO-group comparisons")
     ap.add_argument("--dtype", choices=("f32", "bf16", "f16"), default="f32")
+    ap.add_argument("--commit", help="the library's commit (default: git rev-parse --short HEAD here)")
     ap.add_argument("--f32-precision", choices=("high", "highest", "medium"), default="high",
                     help="how the GPU context multiplies f32 inputs (forkattn_ctx_options.f32_precision)")
     a = ap.parse_args()
@@ -281,7 +282,8 @@ def main():
             r["grads_finite"] = bool(torch.isfinite(dqs).all() and torch.isfinite(dks).all())
         rows.append(r)
         print(json.dumps(r), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True).stdout.strip()
     meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "commit": commit,
             "date": time.strftime("%Y-%m-%d"), "dtype": a.dtype, "f32_precision": a.f32_precision, "rows": rows}
     with open(a.out, "w") as f:

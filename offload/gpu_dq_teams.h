@@ -132,15 +132,6 @@ static inline __attribute__((always_inline)) void fa_mma_dq_team(const int D, co
 #define FA_MMA_DQ_SPLIT_SMEM(D, NP)                                                                             \
   ((size_t)(2 * (NP) * FA_MMA_ROWS + 4 * (NP) * FA_MMA_SPLIT_BK(D)) * ((D) + 8) * 2 + 4 * sizeof(unsigned))
 
-/* Tile w's K pieces, then its V pieces, into the buffer at element buf (NP tiles of [BK][P] each). */
-static inline __attribute__((always_inline)) void fa_dq_split_load_tile(fa_smem sm, int buf, int P, int BK, int D,
-                                                                        int NP, const fa_gpu_bwd *b, int64_t g,
-                                                                        fa_tile_walk w, int tid) {
-  const int nk = fa_walk_keys(w, BK);
-  fa_mma_load_pieces(sm, buf, BK * P, NP, P, BK, D, b->pk, b->pstride[1], w.kb, nk, g, tid);
-  fa_mma_load_pieces(sm, buf + NP * BK * P, BK * P, NP, P, BK, D, b->pv, b->pstride[2], w.kb, nk, g, tid);
-}
-
 static inline __attribute__((always_inline)) void fa_mma_dq_split_team(const int D, const int BK, const int NP,
                                                                         const fa_gpu_bwd b, fa_block blk, int64_t h,
                                                                         int64_t g, unsigned short *smem) {
@@ -158,7 +149,7 @@ static inline __attribute__((always_inline)) void fa_mma_dq_split_team(const int
   fa_mma_load_pieces(sm, qt, RP, NP, P, FA_MMA_ROWS, D, b.pq, b.pstride[0], blk.start, blk.len, h, tid);
   fa_mma_load_pieces(sm, ot, RP, NP, P, FA_MMA_ROWS, D, b.pdo, b.pstride[3], blk.start, blk.len, h, tid);
   fa_tile_walk w = fa_walk_first(b.qoff, seg, pair, blk, qshift);
-  if (w.pi < w.pend) fa_dq_split_load_tile(sm, buf0, P, BK, D, NP, &b, g, w, tid);
+  if (w.pi < w.pend) fa_mma_load_kv_pieces(sm, buf0, P, BK, D, b.pk, b.pstride[1], g, NP, b.pv, b.pstride[2], g, NP, w, tid);
   fa_cp_async_commit();
   fa_cp_async_wait(0);
   ompx_sync_block_acq_rel();
@@ -189,7 +180,8 @@ static inline __attribute__((always_inline)) void fa_mma_dq_split_team(const int
   while (w.pi < w.pend) {
     const int kt = cur ? buf1 : buf0, vt = kt + NP * TP; /* K's pieces, then V's */
     fa_mma_tile_ready(0, 0); /* tile j landed; iteration j - 1 is done with the other buffer */
-    if (nx.pi < nx.pend) fa_dq_split_load_tile(sm, cur ? buf0 : buf1, P, BK, D, NP, &b, g, nx, tid);
+    if (nx.pi < nx.pend)
+      fa_mma_load_kv_pieces(sm, cur ? buf0 : buf1, P, BK, D, b.pk, b.pstride[1], g, NP, b.pv, b.pstride[2], g, NP, nx, tid);
     fa_cp_async_commit();
     const int nk = fa_walk_keys(w, BK);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, q_pos0, w.kb, nk);

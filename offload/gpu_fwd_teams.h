@@ -40,8 +40,7 @@ static inline __attribute__((always_inline)) void fa_fwd_load_pieces(fa_smem sm,
 static inline __attribute__((always_inline)) void fa_fwd_load_tile(fa_smem sm, int buf, int P, int BK, int D, int NQK,
                                                                    int NV, const fa_gpu_fwd_args *ga, int64_t g,
                                                                    fa_tile_walk w, int tid) {
-  fa_fwd_load_pieces(sm, buf, P, BK, D, NQK, ga, 1, g, w, tid);
-  fa_fwd_load_pieces(sm, buf + NQK * BK * P, P, BK, D, NV, ga, 2, g, w, tid);
+  fa_mma_load_kv_pieces(sm, buf, P, BK, D, ga->k, ga->pstride[1], g, NQK, ga->v, ga->pstride[2], g, NV, w, tid);
 }
 
 /* The forward's copies in iteration j: K of tile j + 2 (walk w2) into the

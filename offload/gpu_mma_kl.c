@@ -45,14 +45,20 @@ fa_gpu_call fa_gpu_kl_call(const fa_kl_call *c, forkattn_memory memory, int bwd)
     }                                                                                                         \
   } while (0)
 
+/* LAUNCH(D, TEAM, NP) for b's split inputs: HIGH's team (3 pieces) or MEDIUM's (2), at b's head_dim. */
+#define FA_MMA_KL_BY_PIECES(LAUNCH, HIGH, MEDIUM)                                                               \
+  do {                                                                                                        \
+    if (b->pieces == 3 && b->dt == 128) LAUNCH(128, HIGH, 3);                                                  \
+    else if (b->pieces == 3) LAUNCH(64, HIGH, 3);                                                              \
+    else if (b->dt == 128) LAUNCH(128, MEDIUM, 2);                                                             \
+    else LAUNCH(64, MEDIUM, 2);                                                                                \
+  } while (0)
+
 void fa_gpu_mma_kl_fwd(const fa_gpu_kl *b, int dev) {
   const fa_gpu_kl args = *b;
   const int nteams = (int)(b->nqb * b->h);
   if (nteams == 0) return;
-  if (b->pieces == 3 && b->dt == 128) FA_MMA_KL_SPLIT(128, fa_mma_kl_fwd_team_f32_high, 3);
-  else if (b->pieces == 3) FA_MMA_KL_SPLIT(64, fa_mma_kl_fwd_team_f32_high, 3);
-  else if (b->pieces == 2 && b->dt == 128) FA_MMA_KL_SPLIT(128, fa_mma_kl_fwd_team_f32_medium, 2);
-  else if (b->pieces == 2) FA_MMA_KL_SPLIT(64, fa_mma_kl_fwd_team_f32_medium, 2);
+  if (b->pieces > 1) FA_MMA_KL_BY_PIECES(FA_MMA_KL_SPLIT, fa_mma_kl_fwd_team_f32_high, fa_mma_kl_fwd_team_f32_medium);
   else FA_MMA_BY_HEAD_DIM(FA_MMA_KL, b->dt, b->qt.dtype == FORKATTN_DTYPE_F16);
 }
 
@@ -89,10 +95,7 @@ void fa_gpu_mma_kl_dq(const fa_gpu_kl *b, int teacher, int dev) {
   const fa_gpu_kl args = *b;
   const int nteams = (int)(b->nqb * b->h);
   if (nteams == 0) return;
-  if (b->pieces == 3 && b->dt == 128) FA_MMA_KL_DQ_SPLIT(128, fa_mma_kl_dq_team_f32_high, 3);
-  else if (b->pieces == 3) FA_MMA_KL_DQ_SPLIT(64, fa_mma_kl_dq_team_f32_high, 3);
-  else if (b->pieces == 2 && b->dt == 128) FA_MMA_KL_DQ_SPLIT(128, fa_mma_kl_dq_team_f32_medium, 2);
-  else if (b->pieces == 2) FA_MMA_KL_DQ_SPLIT(64, fa_mma_kl_dq_team_f32_medium, 2);
+  if (b->pieces > 1) FA_MMA_KL_BY_PIECES(FA_MMA_KL_DQ_SPLIT, fa_mma_kl_dq_team_f32_high, fa_mma_kl_dq_team_f32_medium);
   else FA_MMA_BY_HEAD_DIM(FA_MMA_KL_DQ, b->dt, b->qt.dtype == FORKATTN_DTYPE_F16);
 }
 
@@ -123,10 +126,7 @@ void fa_gpu_mma_kl_dk(const fa_gpu_kl *b, int teacher, int dev) {
   const fa_gpu_kl args = *b;
   const int nteams = (int)(b->nunits * b->hkv_t), f16 = b->qt.dtype == FORKATTN_DTYPE_F16;
   if (nteams == 0) return;
-  if (b->pieces == 3 && b->dt == 128) FA_MMA_KL_DK_SPLIT(128, fa_mma_kl_dk_team_f32_high, 3);
-  else if (b->pieces == 3) FA_MMA_KL_DK_SPLIT(64, fa_mma_kl_dk_team_f32_high, 3);
-  else if (b->pieces == 2 && b->dt == 128) FA_MMA_KL_DK_SPLIT(128, fa_mma_kl_dk_team_f32_medium, 2);
-  else if (b->pieces == 2) FA_MMA_KL_DK_SPLIT(64, fa_mma_kl_dk_team_f32_medium, 2);
+  if (b->pieces > 1) FA_MMA_KL_BY_PIECES(FA_MMA_KL_DK_SPLIT, fa_mma_kl_dk_team_f32_high, fa_mma_kl_dk_team_f32_medium);
   else FA_MMA_BY_HEAD_DIM(FA_MMA_KL_DK, b->dt, f16);
 }
 

@@ -73,7 +73,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dq_rows(const fa_gpu
                                                                      float *g) {
   g[0] = ok0 ? b->dkl[row0 * b->h + h] * b->loss_mul : 0.0f;
   g[1] = ok1 ? b->dkl[(row0 + 8) * b->h + h] * b->loss_mul : 0.0f;
-  for (int s = 0; s < FORKATTN_KL_STATS; s++) st0[s] = st1[s] = 0.0f;
+  for (int s = 0; s < FORKATTN_KL_STATS; s++) st0[s] = st1[s] = 0.0f; /* then loads: the order ptxas scheduled best */
   for (int s = 0; s < FORKATTN_KL_STATS; s++) {
     if (ok0) st0[s] = b->stats_in[(row0 * b->h + h) * FORKATTN_KL_STATS + s];
     if (ok1) st1[s] = b->stats_in[((row0 + 8) * b->h + h) * FORKATTN_KL_STATS + s];
@@ -150,12 +150,16 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dq_team(const int D,
        2 +                                                                                                    \
    4 * sizeof(unsigned))
 
-/* Queries of tile w: both sides' Q rows into buffer `at` and the rows'
- * statistics and upstream gradient (floats [5][BQ], zero past the tile) at
- * element `rd`, by cp.async in the caller's copy group. */
-static inline void fa_mma_kl_load_query_rows(fa_smem m, int rd, int BQ, const fa_gpu_kl *b, fa_query_walk w,
-                                             int64_t h, int tid) {
+/* Queries of tile w: both sides' Q rows, NP pieces each (1: the inputs as
+ * they are; b->pstride), into buffer `at` (Q_t's pieces, then Q_s's, BQ * P
+ * elements apart) and the rows' statistics and upstream gradient (floats
+ * [5][BQ], zero past the tile) at element `rd`, by cp.async in the caller's
+ * copy group. */
+static inline void fa_mma_kl_load_queries(fa_smem m, int at, int rd, int P, int D, int BQ, int NP, const fa_gpu_kl *b,
+                                          fa_query_walk w, int64_t h, int tid) {
   const int nq = fa_qwalk_rows(w, BQ);
+  fa_mma_load_pieces(m, at, BQ * P, NP, P, BQ, D, b->qt, b->pstride[0], w.qb, nq, h, tid);
+  fa_mma_load_pieces(m, at + NP * BQ * P, BQ * P, NP, P, BQ, D, b->qs, b->pstride[2], w.qb, nq, h, tid);
   for (int e = tid; e < (FORKATTN_KL_STATS + 1) * BQ; e += FA_MMA_THREADS) {
     const int s = e / BQ, i = e % BQ, in = i < nq;
     const int64_t x = ((int64_t)w.qb + (in ? i : 0)) * b->h + h;
@@ -164,17 +168,9 @@ static inline void fa_mma_kl_load_query_rows(fa_smem m, int rd, int BQ, const fa
   }
 }
 
-static inline void fa_mma_kl_load_queries(fa_smem m, int at, int rd, int P, int D, int BQ, const fa_gpu_kl *b,
-                                          fa_query_walk w, int64_t h, int tid) {
-  const int nq = fa_qwalk_rows(w, BQ);
-  fa_mma_load_rows(m, at, P, BQ, D, b->qt, w.qb, nq, h, tid);
-  fa_mma_load_rows(m, at + BQ * P, P, BQ, D, b->qs, w.qb, nq, h, tid);
-  fa_mma_kl_load_query_rows(m, rd, BQ, b, w, h, tid);
-}
-
 /* C^T in place of a warp's teacher scores ct (16 keys x BQ queries; cs the student's, both raw): keys
  * k_pos0 (x, y) and k_pos1 (z, w) are seen by queries [lo0, nq) and [lo1, nq) of the tile, whose
- * statistics and upstream gradients are the floats at rd (fa_mma_kl_load_query_rows). qflags: the
+ * statistics and upstream gradients are the floats at rd (fa_mma_kl_load_queries). qflags: the
  * tile's non-finite Q rows of the side (zeroed), which flag the keys they see. */
 static inline __attribute__((always_inline)) void fa_mma_kl_dk_coefs(fa_f4 *ct, const fa_f4 *cs, int BQ, int c0,
                                                                       int lo0, int lo1, int nq,
@@ -199,6 +195,20 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dk_coefs(fa_f4 *ct, 
     ct[n].z = v10 ? fa_mma_kl_coef(ct[n].z * b->st, cs[n].z * b->ss, sq0, gq0, b->reverse, teacher) : 0.0f;
     ct[n].w = v11 ? fa_mma_kl_coef(ct[n].w * b->st, cs[n].w * b->ss, sq1, gq1, b->reverse, teacher) : 0.0f;
   }
+}
+
+/* A dK team's end: the lane's rows r0, r0 + 8 (key positions k_pos0 on) of side `teacher`'s gradient,
+ * or of this unit's partial sums [units, hkv, 64, d] (reduced in unit order), times the side's scale,
+ * NaN where the quad's flags say a row saw a non-finite value. */
+static inline __attribute__((always_inline)) void fa_mma_kl_dk_store(const fa_gpu_kl *b, int64_t ui, int64_t g,
+                                                                      int teacher, const fa_f4 *acc, int D, int r0,
+                                                                      int k_pos0, int c0, int ok0, int ok1, int bad0,
+                                                                      int bad1, int lane) {
+  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
+  const float scale = teacher ? b->st : b->ss;
+  const int64_t slot = (ui * b->hkv_t + g) * FA_MMA_ROWS * D, row = b->part ? r0 : k_pos0, head = b->part ? 0 : g;
+  const fa_dev_tensor t = b->part ? fa_mma_part_view(b->part + slot, D) : teacher ? b->dkt : b->dks;
+  fa_mma_store_rows(t, row, head, acc, D, c0, ok0, ok1, scale, scale, bad0, bad1);
 }
 
 static inline __attribute__((always_inline)) void fa_mma_kl_dk_team(const int D, const int f16, const fa_gpu_kl b,
@@ -227,7 +237,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dk_team(const int D,
 
   fa_query_walk w = {(int)u.j0, 0, 0, 0, 0, 0};
   w = fa_qwalk_seek(w, b.seg, b.pair, b.kidx, 0, u, blk, group);
-  if (w.j <= u.j1) fa_mma_kl_load_queries(sm, qbuf0, rd0, P, D, BQ, &b, w, g * group + w.hh, tid);
+  if (w.j <= u.j1) fa_mma_kl_load_queries(sm, qbuf0, rd0, P, D, BQ, 1, &b, w, g * group + w.hh, tid);
   fa_cp_async_commit();
   int cur = 0;
   while (w.j <= u.j1) {
@@ -235,7 +245,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dk_team(const int D,
     const int qt = cur ? qbuf1 : qbuf0, qst = qt + BQ * P, qside = teacher ? qt : qst;
     const float *rd = (const float *)(smem + (cur ? rd1 : rd0));
     if (nx.j <= u.j1)
-      fa_mma_kl_load_queries(sm, cur ? qbuf0 : qbuf1, cur ? rd0 : rd1, P, D, BQ, &b, nx, g * group + nx.hh, tid);
+      fa_mma_kl_load_queries(sm, cur ? qbuf0 : qbuf1, cur ? rd0 : rd1, P, D, BQ, 1, &b, nx, g * group + nx.hh, tid);
     fa_mma_tile_ready(nx.j <= u.j1, 0);
     const int nq = fa_qwalk_rows(w, BQ);
     const int lo0 = fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb, nq);
@@ -266,12 +276,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dk_team(const int D,
     cur ^= 1;
     w = nx;
   }
-  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
-  /* the gradient, or this unit's partial sums [units, hkv, 64, d] (reduced in unit order) */
-  const float scale = teacher ? b.st : b.ss;
-  const int64_t slot = (ui * b.hkv_t + g) * FA_MMA_ROWS * D, row = b.part ? r0 : k_pos0, head = b.part ? 0 : g;
-  const fa_dev_tensor t = b.part ? fa_mma_part_view(b.part + slot, D) : teacher ? b.dkt : b.dks;
-  fa_mma_store_rows(t, row, head, acc, D, c0, ok0, ok1, scale, scale, bad0, bad1);
+  fa_mma_kl_dk_store(&b, ui, g, teacher, acc, D, r0, k_pos0, c0, ok0, ok1, bad0, bad1, lane);
 }
 /* ---- f32 inputs split into bf16 pieces ------------------------------------ */
 
@@ -316,10 +321,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dq_split_team(const 
   fa_mma_kl_load_side(sm, qtt, RP, NP, P, FA_MMA_ROWS, D, &b, 0, blk.start, blk.len, h, tid);
   fa_mma_kl_load_side(sm, qst, RP, NP, P, FA_MMA_ROWS, D, &b, 2, blk.start, blk.len, h, tid);
   fa_tile_walk w = fa_walk_first(b.qoff, b.seg, b.pair, blk, 0);
-  if (w.pi < w.pend) {
-    fa_mma_kl_load_side(sm, buf0, TP, NP, P, BK, D, &b, 1, w.kb, fa_walk_keys(w, BK), g, tid);
-    fa_mma_kl_load_side(sm, buf0 + NP * TP, TP, NP, P, BK, D, &b, 3, w.kb, fa_walk_keys(w, BK), g, tid);
-  }
+  if (w.pi < w.pend) fa_mma_kl_load_pieces(sm, buf0, P, BK, D, NP, &b, g, g, w, tid);
   fa_cp_async_commit();
   const int al = (warp * 16 + fa_ldsm_a_row(lane)) * P + fa_ldsm_a_col(lane); /* this lane's A address */
 
@@ -337,11 +339,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dq_split_team(const 
     const fa_tile_walk nx = fa_walk_next(w, BK, b.seg, b.pair, blk, 0);
     const int kt = cur ? buf1 : buf0, kst = kt + NP * TP, kside = teacher ? kt : kst;
     fa_mma_tile_ready(0, 0); /* tile j (and Q's pieces) landed; iteration j - 1 is done with the other buffer */
-    if (nx.pi < nx.pend) {
-      const int next = cur ? buf0 : buf1, nk = fa_walk_keys(nx, BK);
-      fa_mma_kl_load_side(sm, next, TP, NP, P, BK, D, &b, 1, nx.kb, nk, g, tid);
-      fa_mma_kl_load_side(sm, next + NP * TP, TP, NP, P, BK, D, &b, 3, nx.kb, nk, g, tid);
-    }
+    if (nx.pi < nx.pend) fa_mma_kl_load_pieces(sm, cur ? buf0 : buf1, P, BK, D, NP, &b, g, g, nx, tid);
     fa_cp_async_commit();
     const int nk = fa_walk_keys(w, BK);
     const int lim0 = fa_mma_row_keys(ok0, w.causal, (int)row0, w.kb, nk);
@@ -380,13 +378,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dk_split_team(const 
   fa_mma_kl_load_side(sm, kst, RP, NP, P, FA_MMA_ROWS, D, &b, 3, blk.start, blk.len, g, tid);
   fa_query_walk w = {(int)u.j0, 0, 0, 0, 0, 0};
   w = fa_qwalk_seek(w, b.seg, b.pair, b.kidx, 0, u, blk, group);
-  if (w.j <= u.j1) {
-    const int64_t hq = g * group + w.hh;
-    const int nq = fa_qwalk_rows(w, BQ);
-    fa_mma_kl_load_side(sm, qbuf0, TP, NP, P, BQ, D, &b, 0, w.qb, nq, hq, tid);
-    fa_mma_kl_load_side(sm, qbuf0 + NP * TP, TP, NP, P, BQ, D, &b, 2, w.qb, nq, hq, tid);
-    fa_mma_kl_load_query_rows(sm, rd0, BQ, &b, w, hq, tid);
-  }
+  if (w.j <= u.j1) fa_mma_kl_load_queries(sm, qbuf0, rd0, P, D, BQ, NP, &b, w, g * group + w.hh, tid);
   fa_cp_async_commit();
   const int al = (warp * 16 + fa_ldsm_a_row(lane)) * P + fa_ldsm_a_col(lane); /* this lane's A address */
 
@@ -402,13 +394,9 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dk_split_team(const 
     const int qt = qbuf0 + cur * qstep, qs = qt + NP * TP, qside = teacher ? qt : qs;
     const float *rd = (const float *)(smem + rd0 + cur * rdstep);
     fa_mma_tile_ready(0, 0); /* tile j (and K's pieces) landed; iteration j - 1 is done with the other buffer */
-    if (nx.j <= u.j1) {
-      const int next = qbuf0 + (cur ^ 1) * qstep, nq = fa_qwalk_rows(nx, BQ);
-      const int64_t hq = g * group + nx.hh;
-      fa_mma_kl_load_side(sm, next, TP, NP, P, BQ, D, &b, 0, nx.qb, nq, hq, tid);
-      fa_mma_kl_load_side(sm, next + NP * TP, TP, NP, P, BQ, D, &b, 2, nx.qb, nq, hq, tid);
-      fa_mma_kl_load_query_rows(sm, rd0 + (cur ^ 1) * rdstep, BQ, &b, nx, hq, tid);
-    }
+    if (nx.j <= u.j1)
+      fa_mma_kl_load_queries(sm, qbuf0 + (cur ^ 1) * qstep, rd0 + (cur ^ 1) * rdstep, P, D, BQ, NP, &b, nx,
+                             g * group + nx.hh, tid);
     fa_cp_async_commit();
     const int nq = fa_qwalk_rows(w, BQ);
     const int lo0 = fa_mma_key_first_query(ok0, w.causal, k_pos0, w.qb, nq);
@@ -424,11 +412,7 @@ static inline __attribute__((always_inline)) void fa_mma_kl_dk_split_team(const 
     cur ^= 1;
     w = nx;
   }
-  bad0 = fa_mma_quad_any(bad0, lane), bad1 = fa_mma_quad_any(bad1, lane);
-  const float scale = teacher ? b.st : b.ss;
-  const int64_t slot = (ui * b.hkv_t + g) * FA_MMA_ROWS * D, row = b.part ? r0 : k_pos0, head = b.part ? 0 : g;
-  const fa_dev_tensor t = b.part ? fa_mma_part_view(b.part + slot, D) : teacher ? b.dkt : b.dks;
-  fa_mma_store_rows(t, row, head, acc, D, c0, ok0, ok1, scale, scale, bad0, bad1);
+  fa_mma_kl_dk_store(&b, ui, g, teacher, acc, D, r0, k_pos0, c0, ok0, ok1, bad0, bad1, lane);
 }
 
 /* The split teams at HIGH (3 pieces) and MEDIUM (2) precision. */

@@ -89,13 +89,7 @@ static inline void fa_mma_kl_fold(fa_kl_state *st, float t, float s, int key, in
 static inline __attribute__((always_inline)) void fa_mma_kl_load_pieces(fa_smem sm, int buf, int P, int BK, int D,
                                                                         int NP, const fa_gpu_kl *b, int64_t gt,
                                                                         int64_t gs, fa_tile_walk w, int tid) {
-  const int nk = fa_walk_keys(w, BK);
-#pragma unroll
-  for (int p = 0; p < NP; p++) {
-    fa_mma_load_rows(sm, buf + p * BK * P, P, BK, D, fa_dev_piece(b->kt, b->pstride[1], p), w.kb, nk, gt, tid);
-    fa_mma_load_rows(sm, buf + (NP + p) * BK * P, P, BK, D, fa_dev_piece(b->ks, b->pstride[3], p), w.kb, nk, gs,
-                     tid);
-  }
+  fa_mma_load_kv_pieces(sm, buf, P, BK, D, b->kt, b->pstride[1], gt, NP, b->ks, b->pstride[3], gs, NP, w, tid);
 }
 
 /* The forward team of NP pieces a score input (1: bf16/f16; f32 split into 3 at HIGH precision, 2 at

@@ -288,6 +288,19 @@ static inline __attribute__((always_inline)) void fa_mma_load_pieces(fa_smem m, 
   for (int p = 0; p < NP; p++) fa_mma_load_rows(m, dst + p * step, P, cap, D, fa_dev_piece(t, stride, p), row0, n, head, tid);
 }
 
+/* fa_mma_load_kv of split tensors: tile w's rows of a's NA pieces (planes as apart, head ga), then of
+ * b's NB pieces (bs, gb), [BK][P] tiles BK * P elements apart from element buf. Attention: K and V;
+ * StreamKL: the teacher's and the student's K. */
+static inline __attribute__((always_inline)) void fa_mma_load_kv_pieces(fa_smem m, int buf, int P, int BK, int D,
+                                                                        fa_dev_tensor a, int64_t as, int64_t ga,
+                                                                        int NA, fa_dev_tensor b, int64_t bs,
+                                                                        int64_t gb, int NB, fa_tile_walk w,
+                                                                        int tid) {
+  const int nk = fa_walk_keys(w, BK);
+  fa_mma_load_pieces(m, buf, BK * P, NA, P, BK, D, a, as, w.kb, nk, ga, tid);
+  fa_mma_load_pieces(m, buf + NA * BK * P, BK * P, NB, P, BK, D, b, bs, w.kb, nk, gb, tid);
+}
+
 /* fa_mma_acc_abt with A read from team memory a k-step at a time (ldmatrix
  * at al: this lane's A address in a [16][P] tile, the rows' element plus
  * fa_ldsm_a_row * P + fa_ldsm_a_col): an operand kept out of registers (the

@@ -22,7 +22,7 @@ heads q/kv {32/8, 16/16, 14/2, 28/4} x d {64, 128} x {causal, bidirectional}; gr
 (N responses of R rows sharing a P-row prompt) and a random RL trie (compare_torch's case 3);
 full = both and a tiny call (one sequence of 64 rows, 8 heads, d 64), the shared-prefix cases first;
 quick = a few tiny shapes of every kind (a smoke test, --device cpu). --filter keeps the cases
-whose name holds a substring (--list prints them).
+whose name holds one of its comma-separated substrings (--list prints them).
 A case whose replicated PyTorch batch would not fit the free memory is skipped with a note.
 
 Correctness: every forkattn output (o, dq, dk, dv of the binding and of the C calls) against a
@@ -376,7 +376,9 @@ def main():
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--grid", choices=("full", "dense", "grpo", "quick"), default="full")
     ap.add_argument("--quick", action="store_true", help="--grid quick")
-    ap.add_argument("--filter", default="", help="only the cases whose name contains this (case-insensitive)")
+    ap.add_argument("--filter", default="",
+                    help="only the cases whose name contains this, or one of these comma-separated strings "
+                         "(case-insensitive)")
     ap.add_argument("--reps", type=int, help="most timed calls per implementation and case (default 20; quick 3)")
     ap.add_argument("--min-reps", type=int, default=5)
     ap.add_argument("--rounds", type=int, help="interleaved timing rounds (default 4; quick 1)")
@@ -406,7 +408,8 @@ def main():
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name):
             setattr(cfg, name, 1024)
-    cases = [c for c in grid("quick" if quick else a.grid, a.seed) if a.filter.lower() in c.name.lower()]
+    wanted = [f.strip().lower() for f in a.filter.split(",")]
+    cases = [c for c in grid("quick" if quick else a.grid, a.seed) if any(f in c.name.lower() for f in wanted)]
     if a.list:
         print("\n".join(c.name for c in cases))
         return

@@ -228,10 +228,15 @@ typedef struct forkattn_ctx_options {
   forkattn_gpu_kernels gpu_kernels; /**< GPU contexts: the kernel families allowed (default
                                          AUTO); FORKATTN_GPU_KERNELS=auto|mma|fp32 overrides it */
   int gpu_persist;          /**< GPU contexts: the wgmma two-warpgroup forward and dQ as
-                                 persistent teams (one an SM taking items from a counter):
-                                 -1 when a launch has at least 8 items an SM (default), 0 never,
-                                 1 always, n > 1 always with at most n teams (at most 2^20);
-                                 FORKATTN_GPU_PERSIST=auto|0|1|n overrides it */
+                                 persistent teams (one an SM taking items from a counter), or
+                                 the forward as stream teams (one an SM running a fixed share of
+                                 the items, the next item's tiles loading under the current one):
+                                 -1 automatic (default: persistent teams from 8 items an SM that
+                                 see 1024 keys or more on average, stream teams from 2 items an SM
+                                 for shorter items), 0 never, 1 always persistent, n > 1 always
+                                 persistent with at most n teams (at most 2^20), -2 always stream
+                                 teams in the forward; FORKATTN_GPU_PERSIST=auto|0|1|n|stream
+                                 overrides it */
   forkattn_f32_precision f32_precision; /**< GPU contexts: how f32 inputs are multiplied (default
                                              HIGH); FORKATTN_F32_PRECISION=high|highest|medium
                                              overrides it */

@@ -48,7 +48,8 @@ fa_gpu_call fa_gpu_fwd_call(const fa_attn_fwd *a, forkattn_memory memory);
 /* Team memory of the two-warpgroup wgmma forward at head_dim 64 and 128 (fa_gpu_caps.wg_smem). */
 void fa_gpu_mma_fwd_smem(size_t smem[2]);
 /* The tensor-core forward of g; argp: g's device copy (fa_stage_array), which the kernels read;
- * grid: persistent teams of the two-warpgroup kernel (fa_gpu_select_grid), 0 for a team an item. */
+ * grid (fa_gpu_select_grid): n > 0 persistent teams of the two-warpgroup kernel, -n its n stream teams, 0 a
+ * team an item. */
 void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g, const fa_gpu_fwd_args *argp, int grid);
 /* Team memory of the mma.sync forward of f32 inputs split into `pieces` bf16 pieces each (3: HIGH,
  * 2: MEDIUM), at head_dim d (64 or 128). */

@@ -55,7 +55,9 @@ int fa_gpu_select_needs_tma(fa_gpu_kernel k) { return k == FA_KERNEL_WG_PAIR || 
 int fa_gpu_select_grid(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, fa_gpu_pass pass, fa_gpu_kernel k,
                        int64_t nteams, int64_t item_keys) {
   if (k != FA_KERNEL_WG_PAIR || (pass != FA_PASS_FWD && pass != FA_PASS_DQ)) return 0;
-  return fa_persist_grid_for(caps->sms, nteams, item_keys, knobs->persist);
+  const int grid = fa_persist_grid_for(caps->sms, nteams, item_keys, knobs->persist);
+  if (grid || pass != FA_PASS_FWD) return grid;
+  return -fa_stream_grid_for(caps->sms, nteams, item_keys, knobs->persist);
 }
 
 void fa_gpu_grid_reason(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, int64_t nteams, int64_t item_keys,
@@ -66,15 +68,19 @@ void fa_gpu_grid_reason(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, int6
   if (n < 0 || (size_t)n >= len) return;
   buf += n;
   len -= (size_t)n;
-  if (knobs->persist >= 0)
+  if (grid < 0)
+    snprintf(buf, len, knobs->persist == FA_PERSIST_STREAM ? "%d stream teams (gpu_persist = stream)"
+                                                            : "%d stream teams (short items)",
+             -grid);
+  else if (knobs->persist >= 0)
     snprintf(buf, len, grid ? "%d persistent teams (gpu_persist = %d)" : "a team an item (gpu_persist = %d)",
              grid ? grid : knobs->persist, knobs->persist);
   else if (grid)
     snprintf(buf, len, "%d persistent teams", grid);
-  else if (fa_persist_auto_for(caps->sms, nteams, item_keys) == FA_PERSIST_FEW_ITEMS)
-    snprintf(buf, len, "a team an item (persistent from %d items an SM)", FA_PERSIST_MIN_ITEMS_PER_SM);
+  else if (item_keys < FA_PERSIST_MIN_KEYS_PER_ITEM)
+    snprintf(buf, len, "a team an item (short items: the forward's stream teams from %d items an SM)", FA_STREAM_MIN_ITEMS_PER_SM);
   else
-    snprintf(buf, len, "a team an item (persistent from %d keys an item)", FA_PERSIST_MIN_KEYS_PER_ITEM);
+    snprintf(buf, len, "a team an item (persistent from %d items an SM)", FA_PERSIST_MIN_ITEMS_PER_SM);
 }
 
 const char *fa_gpu_kernel_name(fa_gpu_pass pass, fa_gpu_kernel k) {
@@ -115,8 +121,11 @@ void fa_gpu_select_describe(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, 
   const fa_gpu_call fwd = fa_select_typical(128);
   if (fa_gpu_select(caps, knobs, FA_PASS_FWD, &fwd) != FA_KERNEL_WG_PAIR || knobs->persist == 0)
     n = snprintf(buf + at, len - at, "no persistent teams");
+  else if (knobs->persist == FA_PERSIST_STREAM)
+    n = snprintf(buf + at, len - at, "forward stream teams, one an SM");
   else if (knobs->persist < 0)
-    n = snprintf(buf + at, len - at, "persistent teams from %d items an SM", FA_PERSIST_MIN_ITEMS_PER_SM);
+    n = snprintf(buf + at, len - at, "persistent teams from %d items an SM, forward stream teams for short items",
+                 FA_PERSIST_MIN_ITEMS_PER_SM);
   else if (knobs->persist == 1)
     n = snprintf(buf + at, len - at, "persistent teams, one an SM");
   else
@@ -158,9 +167,9 @@ int fa_gpu_knobs_read(const forkattn_ctx_options *o, fa_gpu_knobs *k, char *err,
   }
   e = getenv("FORKATTN_GPU_PERSIST");
   if (e && *e) {
-    const long v = strcasecmp(e, "auto") ? fa_select_count(e) : -1;
-    if (v < 0 && strcasecmp(e, "auto"))
-      return snprintf(err, len, "FORKATTN_GPU_PERSIST='%s' is not auto or a count 0..%ld", e, 1L << 20), -1;
+    const long v = !strcasecmp(e, "auto") ? -1 : !strcasecmp(e, "stream") ? FA_PERSIST_STREAM : fa_select_count(e);
+    if (v < 0 && strcasecmp(e, "auto") && strcasecmp(e, "stream"))
+      return snprintf(err, len, "FORKATTN_GPU_PERSIST='%s' is not auto, stream or a count 0..%ld", e, 1L << 20), -1;
     k->persist = (int)v;
   }
   e = getenv("FORKATTN_F32_PRECISION");
@@ -176,7 +185,7 @@ int fa_gpu_knobs_read(const forkattn_ctx_options *o, fa_gpu_knobs *k, char *err,
     return snprintf(err, len, "gpu_kernels (%d) is not a forkattn_gpu_kernels value", k->kernels), -1;
   if (k->f32 < FORKATTN_F32_PRECISION_HIGH || k->f32 > FORKATTN_F32_PRECISION_MEDIUM)
     return snprintf(err, len, "f32_precision (%d) is not a forkattn_f32_precision value", k->f32), -1;
-  if (k->persist < -1 || k->persist > 1 << 20)
-    return snprintf(err, len, "gpu_persist (%d) must lie in -1..%d", k->persist, 1 << 20), -1;
+  if (k->persist < FA_PERSIST_STREAM || k->persist > 1 << 20)
+    return snprintf(err, len, "gpu_persist (%d) must lie in %d..%d", k->persist, FA_PERSIST_STREAM, 1 << 20), -1;
   return 0;
 }

@@ -53,13 +53,14 @@ fa_gpu_kernel fa_gpu_choose_mapped(const forkattn_ctx *ctx, fa_gpu_pass pass, co
 
 int fa_gpu_choose_grid(const forkattn_ctx *ctx, fa_gpu_pass pass, fa_gpu_kernel k, int64_t nteams, const fa_plan *p,
                        const fa_block *blocks, int64_t nblocks) {
-  /* persistent teams count their work on a device counter the call zeroes; a graph's replays would not */
-  if (fa_gpu_capturing()) {
-    if (k == FA_KERNEL_WG_PAIR) fa_gpu_log_kernels(ctx, "schedule", "a team an item (a CUDA graph capture)");
-    return 0;
-  }
   const int64_t keys = nblocks > 0 ? fa_plan_query_keys(p, blocks, nblocks) / nblocks : 0;
   const int grid = fa_gpu_select_grid(&ctx->gpu->caps, &ctx->gpu->knobs, pass, k, nteams, keys);
+  /* persistent teams count their work on a device counter the call zeroes; a graph's replays would not
+   * (stream teams have no counter) */
+  if (grid > 0 && fa_gpu_capturing()) {
+    fa_gpu_log_kernels(ctx, "schedule", "a team an item (a CUDA graph capture)");
+    return 0;
+  }
   if (ctx->verbose && k == FA_KERNEL_WG_PAIR) {
     char why[160];
     fa_gpu_grid_reason(&ctx->gpu->caps, &ctx->gpu->knobs, nteams, keys, grid, why, sizeof why);

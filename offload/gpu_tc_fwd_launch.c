@@ -16,7 +16,8 @@
  *
  * sm_90a builds run the two-warpgroup wgmma kernel instead when the context's
  * choice (gpu_select.h) says so: fa_wg_pair_fwd_team (gpu_fwd_teams.h), K and
- * V by bulk tensor copies, persistent teams on large launches. */
+ * V by bulk tensor copies, persistent teams on large launches, stream teams
+ * (gpu_fwd_stream_team.h) on launches of many short items. */
 #include <math.h>
 #include <omp.h>
 #include <ompx.h>
@@ -24,6 +25,7 @@
 #include "dtype_convert.h"
 #include "gpu_fwd.h"
 #include "gpu_mma.h"
+#include "gpu_fwd_stream_team.h"
 #include "gpu_fwd_teams.h"
 #include "gpu_mma_tiles.h"
 #include "gpu_tma.h"
@@ -75,6 +77,8 @@ int fa_gpu_wg_pair_kv_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_ro
   FA_MMA_QUERY_TEAMS(fa_mma_fwd_team_f32_medium, blocks, D, FA_MMA_SPLIT_BK(D), 0, FA_MMA_FWD_SMEM(D, 2, 2))
 #define FA_WG_PAIR_FWD(D, F16)                                                                                     \
   FA_MMA_QUERY_TEAMS_OF(fa_wg_pair_fwd_team, blocks, D, FA_WG_PAIR_BK, F16, FA_WG_PAIR_FWD_SMEM(D), FA_WG_PAIR_THREADS)
+#define FA_WG_PAIR_FWD_STREAM(D, F16)                                                                         \
+  FA_STREAM_QUERY_TEAMS(fa_wg_pair_fwd_stream_team, D, FA_WG_PAIR_BK, F16, FA_WG_PAIR_FWD_SMEM(D))
 #define FA_WG_PAIR_FWD_PERSISTENT(D, F16)                                                                     \
   FA_PERSISTENT_QUERY_TEAMS(fa_wg_pair_fwd_team, fa_wg_pair_fwd_ring, blocks, nblocks, D, FA_WG_PAIR_BK, F16,  \
                             FA_WG_PAIR_FWD_SMEM(D))
@@ -83,8 +87,11 @@ void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g, const fa_gpu_fwd_args *argp, int g
   const int nteams = (int)(g->nblocks * g->hq), dev = g->device, f16 = g->q.dtype == FORKATTN_DTYPE_F16;
 #ifdef FORKATTN_HAVE_WGMMA
   if (g->wg_pair) { /* the blocks are FA_WG_PAIR_ROWS, K's and V's maps encoded */
-    if (grid) FA_TL_LAUNCH(dev, "wg_pair_fwd", FA_MMA_BY_HEAD_DIM(FA_WG_PAIR_FWD_PERSISTENT, g->d, f16));
-    else FA_TL_LAUNCH(dev, "wg_pair_fwd", FA_MMA_BY_HEAD_DIM(FA_WG_PAIR_FWD, g->d, f16));
+    if (grid > 0) FA_TL_LAUNCH(dev, "wg_pair_fwd", FA_MMA_BY_HEAD_DIM(FA_WG_PAIR_FWD_PERSISTENT, g->d, f16));
+    else if (grid < 0) {
+      grid = -grid; /* stream teams */
+      FA_TL_LAUNCH(dev, "wg_pair_fwd", FA_MMA_BY_HEAD_DIM(FA_WG_PAIR_FWD_STREAM, g->d, f16));
+    } else FA_TL_LAUNCH(dev, "wg_pair_fwd", FA_MMA_BY_HEAD_DIM(FA_WG_PAIR_FWD, g->d, f16));
     return;
   }
 #else

@@ -1,7 +1,8 @@
 /* How a kernel maps work to teams: one team an item (FA_MMA_QUERY_TEAMS_OF:
  * item = query block x query head; FA_MMA_DKV_TEAMS_OF: key unit x KV head;
  * from the team number) or, query side, persistent teams that fetch items
- * from a counter (FA_PERSISTENT_QUERY_TEAMS; when: gpu_persist.h). A query
+ * from a counter (FA_PERSISTENT_QUERY_TEAMS; when: gpu_persist.h), or
+ * teams that each run a fixed share of the items (FA_STREAM_QUERY_TEAMS). A query
  * team function has the signature TEAM(D, BK, F16, args, block, h, g, smem),
  * a dK/dV one TEAM(D, F16, args, unit, g, smem). */
 #ifndef FORKATTN_GPU_WORK_SCHEDULER_H
@@ -77,6 +78,22 @@
         ompx_sync_block_acq_rel(); /* the item's team memory and its next slot */                             \
         item = next[it & 1];                                                                                  \
       }                                                                                                       \
+    }                                                                                                         \
+  } while (0)
+
+/* A launch of `grid` (from the caller, at most one an SM) two-warpgroup
+ * teams that each run TEAM(D, BK, F16, args, team, grid, smem): a team
+ * that takes its share of the items itself, in a fixed order (the
+ * forward's stream team, gpu_fwd_stream_team.h). No counter: a CUDA
+ * graph's replays run it as the capture did. */
+#define FA_STREAM_QUERY_TEAMS(TEAM, D, BK, F16, SMEM)                                                            \
+  do {                                                                                                        \
+    const size_t smem = (SMEM);                                                                               \
+    FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(grid) thread_limit(FA_WG_PAIR_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) is_device_ptr(argp)) \
+    {                                                                                                         \
+      const __typeof__(*argp) args = *argp;                                                                   \
+      unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
+      TEAM((D), (BK), (F16), args, (int)ompx_block_id_x(), (int)ompx_grid_dim_x(), sm);                       \
     }                                                                                                         \
   } while (0)
 

@@ -424,4 +424,13 @@ Test(gpu_persist, persistent_teams_only_where_an_sm_gets_many_items) {
   cr_assert_eq(fa_persist_grid_for(sms, many, 320, -1), 0, "short items: a team an item");
   cr_assert_eq(fa_persist_grid_for(sms, many, FA_PERSIST_MIN_KEYS_PER_ITEM, -1), sms, "the keys threshold itself");
   cr_assert_eq(fa_persist_grid_for(sms, many, 320, 1), sms, "gpu_persist 1 still forces them");
+  cr_assert_eq(fa_persist_grid_for(sms, many, LONG, FA_PERSIST_STREAM), 0, "stream teams are not persistent ones");
+  /* the forward's stream teams: short items from two an SM, or forced */
+  cr_assert_eq(fa_stream_grid_for(sms, many, 320, -1), sms, "short items: one stream team an SM");
+  cr_assert_eq(fa_stream_grid_for(sms, FA_STREAM_MIN_ITEMS_PER_SM * sms - 1, 320, -1), 0, "too few items");
+  cr_assert_eq(fa_stream_grid_for(sms, many, LONG, -1), 0, "long items");
+  cr_assert_eq(fa_stream_grid_for(sms, many, 320, 0), 0, "gpu_persist 0");
+  cr_assert_eq(fa_stream_grid_for(sms, many, 320, 1), 0, "gpu_persist 1: persistent teams");
+  cr_assert_eq(fa_stream_grid_for(sms, 7, LONG, FA_PERSIST_STREAM), 7, "forced: never more teams than items");
+  cr_assert_eq(fa_stream_grid_for(0, many, 320, FA_PERSIST_STREAM), 0, "unknown multiprocessors");
 }

@@ -238,6 +238,18 @@ Test(gpu_select, persistent_teams_only_for_the_two_warpgroup_forward_and_dq) {
   cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_DQ, FA_KERNEL_WG_PAIR, many, 4600), c.sms);
   cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_FWD, FA_KERNEL_WG_PAIR, few, 4600), 0, "auto: too few items");
   cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_DQ, FA_KERNEL_WG_PAIR, many, 320), 0, "auto: short items");
+  /* short items: the forward streams them (grid < 0) from two items an SM */
+  const int64_t two = (int64_t)FA_STREAM_MIN_ITEMS_PER_SM * c.sms;
+  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_FWD, FA_KERNEL_WG_PAIR, many, 320), -c.sms);
+  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_FWD, FA_KERNEL_WG_PAIR, two, 320), -c.sms, "the threshold");
+  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_FWD, FA_KERNEL_WG_PAIR, two - 1, 320), 0, "just below it");
+  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_FWD, FA_KERNEL_WG_PAIR, two, FA_PERSIST_MIN_KEYS_PER_ITEM),
+               0, "long items, too few for persistent teams: a team an item");
+  cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_FWD, FA_KERNEL_MMA, many, 320), 0, "mma.sync never");
+  const fa_gpu_knobs stream = {.persist = FA_PERSIST_STREAM};
+  cr_expect_eq(fa_gpu_select_grid(&c, &stream, FA_PASS_FWD, FA_KERNEL_WG_PAIR, many, 4600), -c.sms, "forced");
+  cr_expect_eq(fa_gpu_select_grid(&c, &stream, FA_PASS_FWD, FA_KERNEL_WG_PAIR, 40, 4600), -40, "one team an item at most");
+  cr_expect_eq(fa_gpu_select_grid(&c, &stream, FA_PASS_DQ, FA_KERNEL_WG_PAIR, many, 320), 0, "the dQ has none");
   cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_DKV, FA_KERNEL_WG_PAIR, many, 4600), 0, "the dK/dV never");
   cr_expect_eq(fa_gpu_select_grid(&c, &auto_knobs, FA_PASS_FWD, FA_KERNEL_MMA, many, 4600), 0, "mma.sync never");
   const fa_gpu_knobs never = {.persist = 0}, always = {.persist = 1}, three = {.persist = 3};
@@ -268,7 +280,11 @@ Test(gpu_select, the_verbose_log_says_why_a_launch_is_persistent_or_not) {
   expect_reason(&auto_knobs, many, 4600, n);
   expect_reason(&auto_knobs, many, 4600, "8.0 an SM, 4600 keys an item");
   expect_reason(&auto_knobs, many - 1, 4600, "a team an item (persistent from 8 items an SM)");
-  expect_reason(&auto_knobs, 4096, 320, "a team an item (persistent from 1024 keys an item)");
+  snprintf(n, sizeof n, "%d stream teams (short items)", c.sms);
+  expect_reason(&auto_knobs, 4096, 320, n);
+  expect_reason(&auto_knobs, 2 * c.sms - 1, 320, "a team an item (short items: the forward's stream teams from 2");
+  const fa_gpu_knobs stream = {.persist = FA_PERSIST_STREAM};
+  expect_reason(&stream, 40, 4600, "40 stream teams (gpu_persist = stream)");
   const fa_gpu_knobs never = {.persist = 0}, three = {.persist = 3};
   expect_reason(&never, many, 4600, "a team an item (gpu_persist = 0)");
   expect_reason(&three, 40, 300, "3 persistent teams (gpu_persist = 3)");
@@ -284,7 +300,7 @@ Test(gpu_select, the_summary_names_each_pass) {
   cr_expect(strstr(buf, "forward wgmma two-warpgroup;"), "%s", buf);
   cr_expect(strstr(buf, "dK/dV wgmma key-major (d=64), wgmma two-warpgroup query-major (d=128)"), "%s", buf);
   cr_expect(strstr(buf, "StreamKL backward mma.sync"), "%s", buf);
-  cr_expect(strstr(buf, "persistent teams from 8 items an SM"), "%s", buf);
+  cr_expect(strstr(buf, "persistent teams from 8 items an SM, forward stream teams for short items"), "%s", buf);
   char tiny[40];
   fa_gpu_select_describe(&c, &auto_knobs, tiny, sizeof tiny);
   cr_expect_lt(strlen(tiny), sizeof tiny, "truncated, terminated");
@@ -330,7 +346,14 @@ Test(gpu_select, knobs_from_options_then_the_environment, .init = clear_env, .fi
   o.gpu_kernels = (forkattn_gpu_kernels)7;
   cr_expect_eq(fa_gpu_knobs_read(&o, &k, err, sizeof err), -1, "gpu_kernels out of range");
   o.gpu_kernels = FORKATTN_GPU_KERNELS_AUTO;
-  o.gpu_persist = -2;
+  o.gpu_persist = FA_PERSIST_STREAM;
+  cr_expect_eq(fa_gpu_knobs_read(&o, &k, err, sizeof err), 0, "gpu_persist -2: stream teams");
+  setenv("FORKATTN_GPU_PERSIST", "Stream", 1);
+  o.gpu_persist = 3;
+  cr_assert_eq(fa_gpu_knobs_read(&o, &k, err, sizeof err), 0);
+  cr_expect_eq(k.persist, FA_PERSIST_STREAM, "FORKATTN_GPU_PERSIST=stream");
+  unsetenv("FORKATTN_GPU_PERSIST");
+  o.gpu_persist = -3;
   cr_expect_eq(fa_gpu_knobs_read(&o, &k, err, sizeof err), -1, "gpu_persist out of range");
 }
 

@@ -10,7 +10,8 @@
  * and the StreamKL forward and backward (offload/gpu_mma_kl_team.h,
  * offload/gpu_mma_kl_bwd_team.h) against a direct float64 KL of the
  * materialized distributions and its gradients.
- * The forward, dQ and dK/dV run twice: the warpgroup (wgmma) kernels of sm_90a
+ * The forward, dQ and dK/dV run twice (the wgmma forward also as one and as two stream teams,
+ * offload/gpu_fwd_stream_team.h, over every item): the warpgroup (wgmma) kernels of sm_90a
  * builds (offload/gpu_wgmma.h: the swizzled layout its descriptors read, as
  * the ISA defines it) with their bulk tensor copies emulated
  * (offload/gpu_tma.h: K and V tiles, Q and dO tiles), and the mma.sync ones.
@@ -28,6 +29,7 @@
 #include <string.h>
 
 #include "gpu_bwd_teams.h"
+#include "gpu_fwd_stream_team.h"
 #include "gpu_fwd_teams.h"
 #include "gpu_mma_kl_bwd_team.h"
 #include "gpu_mma_kl_team.h"
@@ -139,12 +141,20 @@ static void run_case(const char *name, const emu_case *c) {
   fa_tma_map maps2[2]; /* its tiles are 128 keys */
   fa_tma_emulated_map(&maps2[0], b.k, T, hkv, d, hkv * d, d, FA_WG_PAIR_BK);
   fa_tma_emulated_map(&maps2[1], b.v, T, hkv, d, hkv * d, d, FA_WG_PAIR_BK);
-  for (int pass = 1; pass >= 0; pass--) {
-    const char *kernel = pass ? "two-warpgroup wgmma forward" : "mma forward";
+  for (int pass = 3; pass >= 0; pass--) {
+    const char *kernel = pass == 3   ? "two-warpgroup wgmma forward, 2 stream teams"
+                         : pass == 2 ? "two-warpgroup wgmma forward, 1 stream team"
+                         : pass      ? "two-warpgroup wgmma forward"
+                                     : "mma forward";
     ga.tma = pass ? maps2 : NULL;
+    ga.blocks = pass >= 2 ? qb2 : qb, ga.nblocks = pass >= 2 ? nqb2 : nqb;
     for (int64_t i = 0; i < nq; i++) b.o[i] = 0x7fc1; /* poison: NaN in both dtypes */
     for (int64_t i = 0; i < T * hq; i++) b.lse[i] = NAN;
-    if (pass)
+    if (pass >= 2) { /* stream teams: each runs items team, team + teams, ... through one ring */
+      const int teams = pass - 1;
+      for (int team = 0; team < teams; team++)
+        EMU_TEAM_OF(FA_WG_PAIR_THREADS, fa_wg_pair_fwd_stream_team((int)d, FA_WG_PAIR_BK, f16, ga, team, teams, smem2));
+    } else if (pass)
       EMU_QUERY_TEAMS(FA_WG_PAIR_THREADS, nqb2, hq,
                       fa_wg_pair_fwd_team((int)d, FA_WG_PAIR_BK, f16, ga, qb2[blk], h, h / group, smem2));
     else

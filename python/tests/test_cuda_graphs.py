@@ -103,9 +103,10 @@ def test_graph_tree_forward_and_backward():
 
 
 def test_graph_refuses_calls_it_cannot_record():
-    """float32 runs the FP32 kernels on the library's own stream: recording it would leave it out of
-    the graph, so it is refused with a message (and the capture itself stays valid)."""
-    q, k, v, _ = _inputs(64, 2, 2, 64, torch.float32, seed=3)
+    """head_dim 32 runs the FP32 kernels on the library's own stream (float32 at head_dim 64 runs on
+    the tensor cores and records): recording it would leave it out of the graph, so it is refused
+    with a message (and the capture itself stays valid)."""
+    q, k, v, _ = _inputs(64, 2, 2, 32, torch.float32, seed=3)
     cu = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
     attn = _varlen(cu)
     attn(q, k, v)

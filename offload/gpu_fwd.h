@@ -30,6 +30,7 @@ typedef struct fa_gpu_fwd_args {
    * piece p of input x (q, k, v) p * pstride[x] elements past piece 0; 1 and 1: the inputs as they are */
   int qk_pieces, v_pieces;
   int64_t pstride[3];
+  const fa_block_item *items; /* device copy of the blocks' items (fa_plan_block_items_memo): stream teams */
 } fa_gpu_fwd_args;
 
 /* Query rows per team of the tensor-core forward (16 per warp, 4 warps). */

@@ -157,23 +157,33 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
                             (long long)(nb * a->hq));
   }
   fa_gpu_trace_mark(&tr, "blocks");
+  int grid = bad ? 0 : fa_gpu_choose_grid(ctx, FA_PASS_FWD, kern, nb * hq, p, blocks_h, nb);
+  /* stream teams take each item's block and first keys in one load */
+  const fa_block_item *items_h = NULL;
+  if (grid < 0 && fa_plan_block_items_memo(p, blocks_h, nb, &items_h) < 0) {
+    fa_gpu_log_kernels(ctx, "schedule", "a team an item (no item table)");
+    grid = 0;
+  }
   static const int64_t zero = 0; /* the persistent launch's work counter */
-  const void *plan_h[6] = {maps, p->seg, p->pair, p->q_pair_off, blocks_h, &zero};
-  const size_t plan_bytes[6] = {tma ? sizeof maps : 0, sizeof *p->seg * (size_t)p->nseg,
-                                sizeof *p->pair * (size_t)p->npairs, sizeof(int64_t) * (size_t)(p->nseg + 1),
-                                sizeof *blocks_h * (size_t)nb, sizeof zero};
-  void *plan_d[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
-  bad = bad || fa_stage_arrays(&st, 6, plan_h, plan_bytes, plan_d);
+  const void *plan_h[7] = {maps, p->seg, p->pair, p->q_pair_off, blocks_h, &zero, items_h};
+  const size_t plan_bytes[7] = {tma ? sizeof maps : 0,
+                                sizeof *p->seg * (size_t)p->nseg,
+                                sizeof *p->pair * (size_t)p->npairs,
+                                sizeof(int64_t) * (size_t)(p->nseg + 1),
+                                sizeof *blocks_h * (size_t)nb,
+                                sizeof zero,
+                                grid < 0 ? sizeof *items_h * (size_t)nb : 0};
+  void *plan_d[7] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+  bad = bad || fa_stage_arrays(&st, 7, plan_h, plan_bytes, plan_d);
   const fa_range *seg = plan_d[1];
   const fa_pair *pair = plan_d[2];
   const int64_t *qoff = plan_d[3];
   const fa_block *blocks = plan_d[4];
   if (!bad && a->lse) bad = !(lse = fa_stage_floats(&st, a->lse, (size_t)(rows * hq), 0));
-  const int grid = bad ? 0 : fa_gpu_choose_grid(ctx, FA_PASS_FWD, kern, nb * hq, p, blocks_h, nb);
   const fa_gpu_fwd_args ga = {q,  k,    v,      o,        lse,         seg,         pair,
                               qoff, blocks, nb, hq, hkv, d, qshift, a->scale, kept, has_kept, ctx->device,
                               tma ? (const fa_tma_map *)plan_d[0] : NULL, wg_pair, plan_d[5], qk_pieces ? qk_pieces : 1,
-                              v_pieces ? v_pieces : 1, {pstride[0], pstride[1], pstride[2]}};
+                              v_pieces ? v_pieces : 1, {pstride[0], pstride[1], pstride[2]}, plan_d[6]};
   /* the tensor-core kernels read their arguments from a device copy that rides with the plan */
   const fa_gpu_fwd_args *ga_dev = !bad && mma ? fa_stage_array(&st, &ga, sizeof ga) : NULL;
   bad = bad || (mma && !ga_dev);

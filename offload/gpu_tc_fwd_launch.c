@@ -52,9 +52,9 @@ fa_gpu_call fa_gpu_fwd_call(const fa_attn_fwd *a, forkattn_memory memory) {
   return fa_gpu_call_of(in, 3, out, 1, a->d, a->kept != NULL, a->plan, memory);
 }
 
-void fa_gpu_mma_fwd_smem(size_t smem[2]) {
-  smem[0] = FA_WG_PAIR_FWD_SMEM(64);
-  smem[1] = FA_WG_PAIR_FWD_SMEM(128);
+void fa_gpu_mma_fwd_smem(size_t smem[2]) { /* the stream teams' (the most of the three schedules) */
+  smem[0] = FA_FWD_STREAM_SMEM(FA_WG_PAIR_FWD_SMEM(64));
+  smem[1] = FA_FWD_STREAM_SMEM(FA_WG_PAIR_FWD_SMEM(128));
 }
 
 int fa_gpu_mma_tma_pair(fa_tma_map *maps, const fa_dev_tensor *a, int64_t a_rows, const fa_dev_tensor *b,
@@ -78,7 +78,7 @@ int fa_gpu_wg_pair_kv_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_ro
 #define FA_WG_PAIR_FWD(D, F16)                                                                                     \
   FA_MMA_QUERY_TEAMS_OF(fa_wg_pair_fwd_team, blocks, D, FA_WG_PAIR_BK, F16, FA_WG_PAIR_FWD_SMEM(D), FA_WG_PAIR_THREADS)
 #define FA_WG_PAIR_FWD_STREAM(D, F16)                                                                         \
-  FA_STREAM_QUERY_TEAMS(fa_wg_pair_fwd_stream_team, D, FA_WG_PAIR_BK, F16, FA_WG_PAIR_FWD_SMEM(D))
+  FA_STREAM_QUERY_TEAMS(fa_wg_pair_fwd_stream_team, D, FA_WG_PAIR_BK, F16, FA_FWD_STREAM_SMEM(FA_WG_PAIR_FWD_SMEM(D)))
 #define FA_WG_PAIR_FWD_PERSISTENT(D, F16)                                                                     \
   FA_PERSISTENT_QUERY_TEAMS(fa_wg_pair_fwd_team, fa_wg_pair_fwd_ring, blocks, nblocks, D, FA_WG_PAIR_BK, F16,  \
                             FA_WG_PAIR_FWD_SMEM(D))

@@ -512,6 +512,45 @@ Test(segment_plan, query_keys_sum_what_each_query_block_sees) {
   fa_plan_free(&p);
 }
 
+Test(segment_plan, block_items_hold_each_blocks_first_keys) {
+  /* a GRPO group: a 4096-row prompt (causal), 16 responses of 1024 that see it all */
+  fa_plan p;
+  plan_case2(&p);
+  const fa_block *blk;
+  const int64_t nb = fa_plan_blocks_memo(&p, 128, 0, &blk);
+  const fa_block_item *it, *again;
+  cr_assert_eq(fa_plan_block_items_memo(&p, blk, nb, &it), nb);
+  for (int64_t b = 0; b < nb; b++) {
+    cr_assert(it[b].seg == blk[b].seg && it[b].start == blk[b].start && it[b].len == blk[b].len);
+    cr_assert_eq(it[b].pend, p.q_pair_off[blk[b].seg + 1]);
+    /* the first pair that gives the block keys, and those keys (a prompt block: its own causal pair) */
+    const fa_range k = fa_pair_keys(p.seg, p.pair[it[b].pi], blk[b].start, blk[b].len, p.qshift);
+    cr_assert(k.len > 0 && it[b].kb == k.start && it[b].kend == k.start + k.len, "block %lld", (long long)b);
+    cr_assert_eq(it[b].causal, p.pair[it[b].pi].causal != 0);
+    for (int64_t j = p.q_pair_off[blk[b].seg]; j < it[b].pi; j++)
+      cr_assert_eq(fa_pair_keys(p.seg, p.pair[j], blk[b].start, blk[b].len, p.qshift).len, 0, "an earlier pair sees none");
+  }
+  int seen_first = 0, seen_response = 0; /* blocks come heaviest first */
+  for (int64_t b = 0; b < nb; b++) {
+    if (blk[b].start == 0) {
+      seen_first = 1;
+      cr_assert(it[b].kb == 0 && it[b].kend == 128, "the prompt's first block sees its own 128 keys");
+    }
+    if (blk[b].start >= 4096) {
+      seen_response = 1;
+      cr_assert(it[b].kb == 0 && it[b].kend >= 4096, "a response block's first keys: the prompt, from row 0");
+    }
+  }
+  cr_assert(seen_first && seen_response);
+  cr_assert_eq(fa_plan_block_items_memo(&p, blk, nb, &again), nb);
+  cr_assert_eq(again, it, "kept with the blocks");
+  fa_block *own;
+  cr_assert_eq(fa_plan_blocks(&p, 128, 0, &own), nb);
+  cr_assert_eq(fa_plan_block_items_memo(&p, own, nb, &again), -1, "blocks the plan does not keep");
+  free(own);
+  fa_plan_free(&p);
+}
+
 Test(segment_plan, key_chunk_splits_only_blocks_above_a_slots_share) {
   /* case 1: one causal sequence of 4096, 64-row key blocks, 16 KV heads */
   fa_plan p;

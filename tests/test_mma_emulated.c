@@ -129,7 +129,7 @@ static void run_case(const char *name, const emu_case *c) {
   cr_assert(nqb > 0);
   fa_gpu_fwd_args ga = {emu_view(b.q, dt, hq, d), emu_view(b.k, dt, hkv, d), emu_view(b.v, dt, hkv, d), emu_view(b.o, dt, hq, d),
                         b.lse, plan.seg, plan.pair, plan.q_pair_off, qb, nqb, hq, hkv, d, plan.qshift,
-                        (float)scale, {0}, 0, 0, NULL, 0, NULL, 1, 1, {0, 0, 0}};
+                        (float)scale, {0}, 0, 0, NULL, 0, NULL, 1, 1, {0, 0, 0}, NULL};
   /* the two-warpgroup forward (128-row blocks, bulk copies only), then the mma.sync one, whose o
    * and lse the backward reads */
   int64_t nonfinite = 0;
@@ -138,6 +138,12 @@ static void run_case(const char *name, const emu_case *c) {
   cr_assert(nqb2 > 0);
   static unsigned short smem2[(FA_WG_PAIR_ROWS + 2 * FA_WG_PAIR_FWD_STAGES(128) * FA_WG_PAIR_BK) * 128 + 2048];
   cr_assert_geq(sizeof smem2, FA_WG_PAIR_FWD_SMEM(d));
+  cr_assert_geq(sizeof smem2, FA_FWD_STREAM_SMEM(FA_WG_PAIR_FWD_SMEM(d)));
+  /* the stream teams' blocks, kept with the plan, and their items */
+  const fa_block *qbm;
+  const fa_block_item *items;
+  cr_assert_eq(fa_plan_blocks_memo(&plan, FA_WG_PAIR_ROWS, 0, &qbm), nqb2);
+  cr_assert_eq(fa_plan_block_items_memo(&plan, qbm, nqb2, &items), nqb2);
   fa_tma_map maps2[2]; /* its tiles are 128 keys */
   fa_tma_emulated_map(&maps2[0], b.k, T, hkv, d, hkv * d, d, FA_WG_PAIR_BK);
   fa_tma_emulated_map(&maps2[1], b.v, T, hkv, d, hkv * d, d, FA_WG_PAIR_BK);
@@ -147,7 +153,7 @@ static void run_case(const char *name, const emu_case *c) {
                          : pass      ? "two-warpgroup wgmma forward"
                                      : "mma forward";
     ga.tma = pass ? maps2 : NULL;
-    ga.blocks = pass >= 2 ? qb2 : qb, ga.nblocks = pass >= 2 ? nqb2 : nqb;
+    ga.blocks = pass >= 2 ? qbm : qb, ga.nblocks = pass >= 2 ? nqb2 : nqb, ga.items = items;
     for (int64_t i = 0; i < nq; i++) b.o[i] = 0x7fc1; /* poison: NaN in both dtypes */
     for (int64_t i = 0; i < T * hq; i++) b.lse[i] = NAN;
     if (pass >= 2) { /* stream teams: each runs items team, team + teams, ... through one ring */

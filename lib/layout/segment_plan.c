@@ -13,6 +13,7 @@ typedef struct fa_blocks_memo {
   int by_key;
   int64_t query_keys; /* fa_plan_query_keys of query blocks once asked for; -1 before */
   fa_block *blocks;
+  fa_block_item *items; /* fa_plan_block_items_memo once asked for */
 } fa_blocks_memo;
 
 struct fa_plan_memo {
@@ -24,6 +25,7 @@ static void fa_plan_memo_free(struct fa_plan_memo *m) {
   for (fa_blocks_memo *b = m->blocks, *next; b; b = next) {
     next = b->next;
     fa_free(b->blocks);
+    fa_free(b->items);
     fa_free(b);
   }
   fa_free(m);
@@ -421,10 +423,52 @@ int64_t fa_plan_blocks_memo(const fa_plan *p, int64_t block_rows, int by_key, co
   b->block_rows = block_rows;
   b->by_key = by_key;
   b->query_keys = -1;
+  b->items = NULL;
   b->next = p->memo->blocks;
   p->memo->blocks = b;
   *out = b->blocks;
   return b->n;
+}
+
+static int fa_fits32(int64_t v) { return v >= 0 && v <= INT32_MAX; }
+
+/* Block b's item (fa_block_item); 0, or -2 when something does not fit 32 bits. */
+static int fa_block_item_of(const fa_plan *p, fa_block b, fa_block_item *it) {
+  const int64_t p0 = p->q_pair_off[b.seg], p1 = p->q_pair_off[b.seg + 1];
+  int64_t pi = p0, kb = 0, kend = 0;
+  int causal = 0;
+  for (; pi < p1; pi++) {
+    const fa_range k = fa_pair_keys(p->seg, p->pair[pi], b.start, b.len, p->qshift);
+    if (k.len > 0) {
+      kb = k.start, kend = k.start + k.len, causal = p->pair[pi].causal != 0;
+      break;
+    }
+  }
+  if (!fa_fits32(p1) || !fa_fits32(kend) || !fa_fits32(b.seg) || !fa_fits32(b.start + b.len)) return -2;
+  *it = (fa_block_item){(int32_t)pi, (int32_t)p1, (int32_t)kb, (int32_t)kend, causal,
+                        (int32_t)b.seg, (int32_t)b.start, (int32_t)b.len};
+  return 0;
+}
+
+int64_t fa_plan_block_items_memo(const fa_plan *p, const fa_block *blocks, int64_t nblocks,
+                                 const fa_block_item **out) {
+  fa_blocks_memo *memo = NULL;
+  for (fa_blocks_memo *m = p->memo ? p->memo->blocks : NULL; m && !memo; m = m->next)
+    if (m->blocks == blocks && m->n == nblocks && !m->by_key) memo = m;
+  *out = NULL;
+  if (!memo) return -1; /* only blocks the plan keeps have items kept with them */
+  if (!memo->items) {
+    fa_block_item *items = fa_malloc_array(nblocks > 0 ? nblocks : 1, sizeof *items);
+    if (!items) return -1;
+    for (int64_t b = 0; b < nblocks; b++)
+      if (fa_block_item_of(p, blocks[b], &items[b])) {
+        fa_free(items);
+        return -2;
+      }
+    memo->items = items;
+  }
+  *out = memo->items;
+  return nblocks;
 }
 
 int64_t fa_plan_query_keys(const fa_plan *p, const fa_block *blocks, int64_t nblocks) {

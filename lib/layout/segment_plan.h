@@ -131,6 +131,20 @@ int64_t fa_plan_blocks(const fa_plan *p, int64_t block_rows, int by_key, fa_bloc
  * Returns the count, or -1 on allocation failure. */
 int64_t fa_plan_blocks_memo(const fa_plan *p, int64_t block_rows, int by_key, const fa_block **out);
 
+/* A query block with the first keys it sees, in 32-bit positions, for kernels that take an item's
+ * start in one load: the block (seg, start, len), the first pair of its segment that gives it keys
+ * (pi; pend: the segment's pair end; pi == pend when it sees none), those keys [kb, kend) and
+ * that pair's causal flag. 32 bytes, two 16-byte copies. */
+typedef struct fa_block_item {
+  int32_t pi, pend, kb, kend, causal, seg, start, len;
+} fa_block_item;
+
+/* The items of query blocks `blocks` [nblocks] (from fa_plan_blocks_memo, by_key 0), kept with
+ * them like the blocks. Returns nblocks; -1 on allocation failure or blocks the plan does not keep;
+ * -2 when a position or index does not fit 32 bits. */
+int64_t fa_plan_block_items_memo(const fa_plan *p, const fa_block *blocks, int64_t nblocks,
+                                 const fa_block_item **out);
+
 /* A slice of one key block's readers, for splitting a heavily read block
  * (a shared prompt) over several GPU teams: the query rows of readers
  * k_pair_idx[j0..j1] (indices into k_pair_idx, inclusive) as fa_pair_queries

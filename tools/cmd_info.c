@@ -53,7 +53,7 @@ int cmd_info(int argc, char **argv) {
     printf("  because:     %s\n", forkattn_ctx_backend_reason(ctx));
     if (forkattn_ctx_backend(ctx) == FORKATTN_BACKEND_GPU)
       printf("gpu kernels:   %s\n               (bf16/f16, head_dim 64 or 128, 16-byte rows, no kept set; "
-             "FORKATTN_GPU_KERNELS=auto|mma|fp32, FORKATTN_GPU_PERSIST=auto|0|1|n)\n",
+             "FORKATTN_GPU_KERNELS=auto|mma|fp32, FORKATTN_GPU_PERSIST=auto|0|1|n|stream)\n",
              forkattn_ctx_gpu_kernels(ctx));
     printf("cpu threads:   %d\n", forkattn_ctx_threads(ctx));
     forkattn_ctx_destroy(ctx);

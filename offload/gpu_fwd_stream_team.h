@@ -222,7 +222,6 @@ static inline __attribute__((always_inline)) void fa_wg_pair_fwd_stream_team(con
     const int r0 = t.r0, c0 = t.c0, ok0 = t.ok0, ok1 = t.ok1;
     int bad0 = 0, bad1 = 0;
     fa_wg_pair_positions(&t, blk, ga.qshift);
-    const int qfirst = t.qfirst, wfirst = t.wfirst;
     int first = 1; /* the item's first tile: P(j - 1) is the zeros */
 
     while (w.pi < w.pend) {
@@ -232,34 +231,8 @@ static inline __attribute__((always_inline)) void fa_wg_pair_fwd_stream_team(con
       FA_TL(FA_TL_ARRIVED);
       /* tile j - 2's buffer is free for this warpgroup (fa_wg_pair_fwd_team) */
       if (wt == 0 && j > 0) fa_fwd_stream_release(&s, &pr, sm, bpp);
-      const int nk = fa_walk_keys(w, BK);
-      unsigned long long vf[2] = {0, 0}; /* bit r: V row r (64 + r) of tile j was non-finite (zeroed) */
-      if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst)) fa_tile_ring_scan(smem + kt + BK * D, BK, D, f16, rg, tid, vf);
-      const fa_wg_pair_lims lim = fa_wg_pair_row_keys(&t, w, nk);
-      const int lim0 = lim.lim0, lim1 = lim.lim1;
-
-      fa_wg_acc_abt(sc, qt, sm, kt, BK, D, f16);
-      fa_wg_commit();
-      FA_TL(FA_TL_ISSUED_S);
-      fa_wg_acc_ab(o, pa, sm, (first ? kt : fa_tile_ring_buf(rg, bp)) + BK * D, BK, BK, D, f16);
-      fa_wg_commit();
-      FA_TL(FA_TL_ISSUED);
-      fa_wg_wait(1); /* S(j); P(j-1) V(j-1) runs on under the softmax */
-      fa_wg_pin(sc, BK / 8);
-      FA_TL(FA_TL_S);
-
-      float mx0 = -INFINITY, mx1 = -INFINITY, a0, a1;
-      fa_fwd_tile_max(sc, BK, nk == BK && (!w.causal || w.kb + BK - 1 <= wfirst), c0, lim0, lim1, vf[0], vf[1], &mx0,
-                      &mx1, &bad0, &bad1);
-      FA_TL(FA_TL_MAX);
-      fa_fwd_tile_exp(sc, BK, mx0, mx1, mul, &m0, &m1, &l0, &l1, &a0, &a1);
-      FA_TL(FA_TL_EXP);
-      fa_wg_wait(0);
-      fa_wg_pin(o, D / 8);
-      fa_wg_pin_u4(pa, BK / 16);
-      FA_TL(FA_TL_PV);
-      fa_fwd_rescale(o, D, a0, a1);
-      fa_wg_pack(pa, sc, BK, f16);
+      fa_wg_pair_fwd_tile(D, BK, f16, smem, sm, rg, &t, w, kt, first ? b : bp, qt, mul, sc, o, pa, &m0, &m1, &l0, &l1,
+                          &bad0, &bad1, FA_TL_REF);
       w = fa_wg_pair_next(&k, w);
       first = 0;
       bpp = bp;

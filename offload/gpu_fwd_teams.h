@@ -245,6 +245,46 @@ static inline fa_tile_ring fa_wg_pair_fwd_ring(const int D, const int BK, unsign
   return fa_tile_ring_at(smem, FA_WG_PAIR_ROWS * D, 2 * BK * D, FA_WG_PAIR_FWD_STAGES(D));
 }
 
+/* Tile j of walk w (its K in the buffer at element kt) for one warpgroup of a two-warpgroup forward
+ * team (fa_wg_pair_fwd_team, and its stream team in gpu_fwd_stream_team.h), its copies landed and
+ * its buffer's release done: the team's scan of V where the tile hides keys from some row, S(j) and
+ * P(j - 1) V(j - 1) (V in ring buffer vb) issued together, the online-softmax step on S(j) while P V
+ * runs, O rescaled and P(j) packed into pa. The lane's rows' state in m0 .. bad1. */
+static inline __attribute__((always_inline)) void fa_wg_pair_fwd_tile(
+    const int D, const int BK, const int f16, unsigned short *smem, fa_smem sm, fa_tile_ring rg,
+    const fa_wg_pair_rows *t, fa_tile_walk w, int kt, int vb, int qt, float mul, fa_f4 *s, fa_f4 *o, fa_u4 *pa,
+    float *m0, float *m1, float *l0, float *l1, int *bad0, int *bad1, int *tl) {
+  const int nk = fa_walk_keys(w, BK);
+  unsigned long long vf[2] = {0, 0}; /* bit r: V row r (64 + r) of tile j was non-finite (zeroed) */
+  if (nk < BK || (w.causal && w.kb + BK - 1 > t->qfirst))
+    fa_tile_ring_scan(smem + kt + BK * D, BK, D, f16, rg, t->tid, vf);
+  const fa_wg_pair_lims lim = fa_wg_pair_row_keys(t, w, nk);
+  const int lim0 = lim.lim0, lim1 = lim.lim1;
+
+  fa_wg_acc_abt(s, qt, sm, kt, BK, D, f16);
+  fa_wg_commit();
+  FA_TL_AT(tl, FA_TL_ISSUED_S);
+  fa_wg_acc_ab(o, pa, sm, fa_tile_ring_buf(rg, vb) + BK * D, BK, BK, D, f16);
+  fa_wg_commit();
+  FA_TL_AT(tl, FA_TL_ISSUED);
+  fa_wg_wait(1); /* S(j); P(j-1) V(j-1) runs on under the softmax */
+  fa_wg_pin(s, BK / 8);
+  FA_TL_AT(tl, FA_TL_S);
+
+  float mx0 = -INFINITY, mx1 = -INFINITY, a0, a1;
+  fa_fwd_tile_max(s, BK, nk == BK && (!w.causal || w.kb + BK - 1 <= t->wfirst), t->c0, lim0, lim1, vf[0], vf[1], &mx0,
+                  &mx1, bad0, bad1);
+  FA_TL_AT(tl, FA_TL_MAX);
+  fa_fwd_tile_exp(s, BK, mx0, mx1, mul, m0, m1, l0, l1, &a0, &a1);
+  FA_TL_AT(tl, FA_TL_EXP);
+  fa_wg_wait(0);
+  fa_wg_pin(o, D / 8);
+  fa_wg_pin_u4(pa, BK / 16);
+  FA_TL_AT(tl, FA_TL_PV);
+  fa_fwd_rescale(o, D, a0, a1);
+  fa_wg_pack(pa, s, BK, f16);
+}
+
 static inline __attribute__((always_inline)) void fa_wg_pair_fwd_team(const int D, const int BK, const int f16,
                                                                       const fa_gpu_fwd_args ga, fa_block blk,
                                                                       int64_t h, int64_t g, unsigned short *smem) {
@@ -289,7 +329,6 @@ static inline __attribute__((always_inline)) void fa_wg_pair_fwd_team(const int 
   const int r0 = t.r0, c0 = t.c0, ok0 = t.ok0, ok1 = t.ok1;
   int bad0 = 0, bad1 = 0;
   fa_wg_pair_positions(&t, blk, qshift);
-  const int qfirst = t.qfirst, wfirst = t.wfirst;
   int j = 0, b = 0, bp = S - 1, bpp = S - 1; /* tile j's buffer, tile j - 1's, tile j - 2's */
 
   while (w.pi < w.pend) {
@@ -302,34 +341,8 @@ static inline __attribute__((always_inline)) void fa_wg_pair_fwd_team(const int 
      * waited for at the products' issue when it followed P V's wait) falls in the time the products wait
      * for the other warpgroup's anyway (in-kernel timeline) */
     if (wt == 0 && j > 0) wl = fa_wg_pair_release(&k, sm, bpp, &wl);
-    const int nk = fa_walk_keys(w, BK);
-    unsigned long long vf[2] = {0, 0}; /* bit r: V row r (64 + r) of tile j was non-finite (zeroed) */
-    if (nk < BK || (w.causal && w.kb + BK - 1 > qfirst)) fa_tile_ring_scan(smem + kt + BK * D, BK, D, f16, rg, tid, vf);
-    const fa_wg_pair_lims lim = fa_wg_pair_row_keys(&t, w, nk);
-    const int lim0 = lim.lim0, lim1 = lim.lim1;
-
-    fa_wg_acc_abt(s, qt, sm, kt, BK, D, f16);
-    fa_wg_commit();
-    FA_TL(FA_TL_ISSUED_S);
-    fa_wg_acc_ab(o, pa, sm, fa_tile_ring_buf(rg, bp) + BK * D, BK, BK, D, f16);
-    fa_wg_commit();
-    FA_TL(FA_TL_ISSUED);
-    fa_wg_wait(1); /* S(j); P(j-1) V(j-1) runs on under the softmax */
-    fa_wg_pin(s, BK / 8);
-    FA_TL(FA_TL_S);
-
-    float mx0 = -INFINITY, mx1 = -INFINITY, a0, a1;
-    fa_fwd_tile_max(s, BK, nk == BK && (!w.causal || w.kb + BK - 1 <= wfirst), c0, lim0, lim1, vf[0], vf[1], &mx0, &mx1,
-                    &bad0, &bad1);
-    FA_TL(FA_TL_MAX);
-    fa_fwd_tile_exp(s, BK, mx0, mx1, mul, &m0, &m1, &l0, &l1, &a0, &a1);
-    FA_TL(FA_TL_EXP);
-    fa_wg_wait(0);
-    fa_wg_pin(o, D / 8);
-    fa_wg_pin_u4(pa, BK / 16);
-    FA_TL(FA_TL_PV);
-    fa_fwd_rescale(o, D, a0, a1);
-    fa_wg_pack(pa, s, BK, f16);
+    fa_wg_pair_fwd_tile(D, BK, f16, smem, sm, rg, &t, w, kt, bp, qt, mul, s, o, pa, &m0, &m1, &l0, &l1, &bad0, &bad1,
+                        FA_TL_REF);
     w = fa_wg_pair_next(&k, w);
     bpp = bp;
     bp = b;

@@ -91,6 +91,9 @@ static inline __attribute__((always_inline)) void fa_tl_mark(int *n, int ev) {
 
 #define FA_TL_DECL int fa_tl_n_ = 0
 #define FA_TL(ev) fa_tl_mark(&fa_tl_n_, (ev))
+/* A helper's marks: the caller passes FA_TL_REF, the helper marks with FA_TL_AT(its pointer, ev). */
+#define FA_TL_REF (&fa_tl_n_)
+#define FA_TL_AT(n, ev) fa_tl_mark((n), (ev))
 
 /* Host, around a launch of kernel `name`: on its call number
  * FORKATTN_GPU_TIMELINE_CALL (default 5) _begin clears the buffer and _end
@@ -108,6 +111,8 @@ void fa_gpu_timeline_end(int device, const char *name);
 #else
 #define FA_TL_DECL ((void)0)
 #define FA_TL(ev) ((void)0)
+#define FA_TL_REF ((int *)0)
+#define FA_TL_AT(n, ev) ((void)(n))
 #define FA_TL_LAUNCH(device, name, launch) launch
 #endif
 

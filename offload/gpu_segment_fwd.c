@@ -198,7 +198,7 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
 
   fa_gpu_log_kernels(ctx, "attn_fwd", "forward %s%s%s", fa_gpu_kernel_name(FA_PASS_FWD, kern),
                      qk_pieces == 3 ? ", f32 as bf16x6" : qk_pieces == 2 ? ", f32 as bf16x3" : "",
-                     grid ? ", persistent teams" : "");
+                     grid > 0 ? ", persistent teams" : grid < 0 ? ", stream teams" : "");
   if (mma) fa_gpu_mma_fwd(&ga, ga_dev, grid);
   else fa_gpu_fp32_fwd(&ga);
   fa_gpu_trace_mark(&tr, mma ? "mma_fwd" : "fp32_fwd");

@@ -656,6 +656,7 @@ class Context:
         self._handle = h
         self.requested_backend = backend
         self.device = int(device)
+        self._options = (backend, int(device), int(threads), bool(bind_threads), bool(verbose), f32_precision)
         self._owner = threading.get_ident()
         self._stream = None  # the CUDA stream handle the calls are ordered on (set_stream), or None
         self._no_stream = None  # why set_stream is refused here, once known (follow_stream)
@@ -858,8 +859,9 @@ def _pop_context(ctx):
 class use_context:
     """``with forkattn.use_context(ctx): ...``: calls on this thread inside the block use ``ctx``.
 
-    Note: autograd may run a backward on another thread (CUDA tensors); that thread uses its
-    own default context. Use :func:`configure` to change defaults process-wide."""
+    A backward of a call made inside the block uses a context of the same options, also when
+    autograd runs it on another thread (CUDA tensors), outside torch.compile; a compiled
+    backward uses its thread's default context (set defaults process-wide with :func:`configure`)."""
 
     def __init__(self, ctx):
         if not isinstance(ctx, Context):
@@ -872,6 +874,43 @@ class use_context:
 
     def __exit__(self, *exc):
         _pop_context(self.ctx)
+        return False
+
+
+def forward_context():
+    """What a forward records for its backward: the innermost :func:`use_context` context of this
+    thread, or None (the thread's defaults)."""
+    stack = getattr(_tls, "stack", None)
+    return stack[-1] if stack else None
+
+
+class backward_context:
+    """``with backward_context(c):`` (``c`` from :func:`forward_context` at the forward): the
+    backward's calls use what the forward used. On ``c``'s own thread that is ``c``; on another
+    thread (autograd runs a CUDA backward on its own) a context of ``c``'s options kept for that
+    thread, since a context serves one thread at a time; None: the thread's defaults."""
+
+    def __init__(self, ctx):
+        self.fwd, self.ctx = ctx, None
+
+    def __enter__(self):
+        c = self.fwd
+        if c is None:
+            return None
+        if c._owner != threading.get_ident() or c._handle is None:
+            cache = _thread_cache()
+            key = ("like",) + c._options
+            like = cache.get(key)
+            if like is None or like._handle is None:
+                like = cache[key] = Context(*c._options)
+            c = like
+        self.ctx = c
+        _push_context(c)
+        return c
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            _pop_context(self.ctx)
         return False
 
 

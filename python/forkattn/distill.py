@@ -27,6 +27,7 @@ import torch
 from . import _lib
 from .layouts import SharedPrefixLayout, TreeLayout, _ints_as_i64
 from .ops import HAVE_CUSTOM_OPS, use_custom_ops, _check_qkv, _check_bwd, _ctx_for, _desc, _DTYPES, _host_i64, _ints
+from .ops import _follows_context, _records_context
 from .ops import _scale_of
 
 __all__ = [
@@ -431,6 +432,7 @@ class StreamKLFunction(torch.autograd.Function):
     kl; teacher gradients are computed when q_t or k_t requires grad."""
 
     @staticmethod
+    @_records_context
     def forward(ctx, q_t, k_t, q_s, k_s, *args):
         kl, stats, outside = _kl_fwd_impl(q_t, k_t, q_s, k_s, *args)
         lay, kept = args[:_N_LAYOUT], args[_N_LAYOUT:_N_LAYOUT + _N_KEPT]
@@ -441,6 +443,7 @@ class StreamKLFunction(torch.autograd.Function):
         return kl, stats, outside
 
     @staticmethod
+    @_follows_context
     def backward(ctx, dkl, _ds, _do):
         n = _N_LAYOUT + _N_KEPT + _N_KLOPT
         if dkl is None:  # only the statistics were used
@@ -456,6 +459,7 @@ class KeptAttentionFunction(torch.autograd.Function):
     """apply(q, k, v, <5 layout tensors>, <6 kept args>, scale) -> (out, lse [T, Hq])."""
 
     @staticmethod
+    @_records_context
     def forward(ctx, q, k, v, *args):
         out, lse = _kept_fwd_impl(q, k, v, *args)
         lay, kept = args[:_N_LAYOUT], args[_N_LAYOUT:_N_LAYOUT + _N_KEPT]
@@ -466,6 +470,7 @@ class KeptAttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @_follows_context
     def backward(ctx, dout, _dlse):
         if dout is None:
             return (None,) * (3 + _N_LAYOUT + _N_KEPT + 1)
@@ -529,6 +534,8 @@ if HAVE_CUSTOM_OPS:
             dt = (q_t.new_empty(0), k_t.new_empty(0))
         return (q_s.new_empty(q_s.shape), k_s.new_empty(k_s.shape)) + dt
 
+    @_records_context
+
     def _kl_setup(ctx, inputs, output):
         q_t, k_t, q_s, k_s = inputs[:4]
         lay = inputs[4:4 + _N_LAYOUT]
@@ -538,6 +545,8 @@ if HAVE_CUSTOM_OPS:
         ctx.ints = tuple(kept[3:]) + tuple(inputs[4 + _N_LAYOUT + _N_KEPT:])
         ctx.mark_non_differentiable(stats, outside)
         ctx.set_materialize_grads(False)  # no zero tensors filled for stats' and outside's gradients
+
+    @_follows_context
 
     def _kl_backward(ctx, dkl, _ds, _do):
         if dkl is None:  # the divergence unused by the loss
@@ -584,6 +593,8 @@ if HAVE_CUSTOM_OPS:
         _check_bwd(dout, out, lse, q)
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
+    @_records_context
+
     def _kept_setup(ctx, inputs, output):
         q, k, v = inputs[:3]
         lay = inputs[3:3 + _N_LAYOUT]
@@ -593,6 +604,8 @@ if HAVE_CUSTOM_OPS:
         ctx.ints = tuple(kept[3:]) + (inputs[-1],)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
+
+    @_follows_context
 
     def _kept_backward(ctx, dout, _dlse):
         if dout is None:

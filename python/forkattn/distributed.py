@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from . import _lib
 from .layouts import SharedPrefixLayout, TreeLayout
-from .ops import _check_qkv, _needs_grad, _scale_of, _tree_bwd_impl, _tree_fwd_impl
+from .ops import _check_qkv, _follows_context, _needs_grad, _records_context, _scale_of, _tree_bwd_impl, _tree_fwd_impl
 from .tree_exec import TreeCostModel, tree_partition
 
 __all__ = ["DistributedTree", "partition_for_ranks", "prefix_tree", "DEFAULT_MODEL"]
@@ -223,6 +223,7 @@ class _PartAttention(torch.autograd.Function):
     """apply(q, k, v, dt, scale, all_rows) -> (out, lse) over ``dt.layout``; backward reduces."""
 
     @staticmethod
+    @_records_context
     def forward(ctx, q, k, v, dt, scale, all_rows):
         out, lse = _tree_fwd_impl(q, k, v, dt.layout.node_offsets, dt.layout.parents, scale)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -231,6 +232,7 @@ class _PartAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @_follows_context
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dt = ctx.dt

@@ -214,6 +214,7 @@ def _floats(x, name):
 
 if torch is not None:
     from .ops import HAVE_CUSTOM_OPS, _check_bwd, _check_qkv, _ctx_for, _descs, _ints, _new_grads, _new_outputs
+    from .ops import _follows_context, _records_context
     from .ops import _compiling, _scale_of, use_custom_ops
 
     Tensor = torch.Tensor
@@ -260,6 +261,7 @@ if torch is not None:
         [R_total, Hq]); block_size 0: the causal / bidirectional mask, >= 1: block-causal."""
 
         @staticmethod
+        @_records_context
         def forward(ctx, q, k, v, prompt_lens, response_lens, scale, causal, block_size=0):
             out, lse = _cached_fwd_impl(q, k, v, prompt_lens, response_lens, scale, causal, block_size)
             ctx.save_for_backward(q, k, v, out, lse, prompt_lens, response_lens)
@@ -269,6 +271,7 @@ if torch is not None:
             return out, lse
 
         @staticmethod
+        @_follows_context
         def backward(ctx, dout, _dlse):
             if dout is None:  # only lse was used
                 return (None,) * 8
@@ -305,6 +308,8 @@ if HAVE_CUSTOM_OPS:
         _check_bwd(dout, out, lse, q)
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
+    @_records_context
+
     def _cached_setup(ctx, inputs, output):
         # block_size has a schema default: torch fills it in, but be safe if a version does not
         q, k, v, P, R, scale, causal = inputs[:7]
@@ -315,6 +320,8 @@ if HAVE_CUSTOM_OPS:
         ctx.num_inputs = len(inputs)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zero tensor filled for lse's gradient every backward
+
+    @_follows_context
 
     def _cached_backward(ctx, dout, _dlse):
         if dout is None:

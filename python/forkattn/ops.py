@@ -18,6 +18,7 @@ the custom ops, ``False`` never.
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from typing import Tuple
@@ -40,6 +41,26 @@ __all__ = [
 
 _DTYPES = {torch.float32: _lib.DTYPE_F32, torch.bfloat16: _lib.DTYPE_BF16, torch.float16: _lib.DTYPE_F16}
 Tensor = torch.Tensor
+
+
+def _records_context(fn):
+    """Decorates an autograd.Function's forward or a custom op's setup_context: records the
+    :func:`forkattn.use_context` context the call ran under, which its backward follows."""
+    @functools.wraps(fn)
+    def run(ctx, *args, **kwargs):  # torch calls a setup_context with keywords
+        ctx.fa_ctx = _lib.forward_context()
+        return fn(ctx, *args, **kwargs)
+    return run
+
+
+def _follows_context(fn):
+    """Decorates a backward: its calls use what its forward's did (_lib.backward_context), also on
+    autograd's own thread."""
+    @functools.wraps(fn)
+    def run(ctx, *grads):
+        with _lib.backward_context(getattr(ctx, "fa_ctx", None)):
+            return fn(ctx, *grads)
+    return run
 
 
 # --------------------------------------------------------------------------------------------
@@ -329,6 +350,7 @@ class PrefixAttentionFunction(torch.autograd.Function):
     """apply(q, k, v, prompt_lens, response_lens, group_sizes, scale, causal) -> (out, lse)."""
 
     @staticmethod
+    @_records_context
     def forward(ctx, q, k, v, prompt_lens, response_lens, group_sizes, scale, causal):
         _check_qkv(q, k, v)
         ctx.ints = _prefix_ints(prompt_lens, response_lens, group_sizes)
@@ -340,6 +362,7 @@ class PrefixAttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @_follows_context
     def backward(ctx, dout, _dlse):
         if dout is None:  # only lse was used: nothing reaches the inputs
             return (None,) * 8
@@ -352,6 +375,7 @@ class TreeAttentionFunction(torch.autograd.Function):
     """apply(q, k, v, node_offsets, parents, scale) -> (out, lse)."""
 
     @staticmethod
+    @_records_context
     def forward(ctx, q, k, v, node_offsets, parents, scale):
         _check_qkv(q, k, v)
         ctx.ints = _host_i64(node_offsets), _host_i64(parents)
@@ -363,6 +387,7 @@ class TreeAttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @_follows_context
     def backward(ctx, dout, _dlse):
         if dout is None:
             return (None,) * 6
@@ -375,6 +400,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
     """apply(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal) -> (out, lse [rows, heads])."""
 
     @staticmethod
+    @_records_context
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal):
         _check_qkv(q, k, v)
         ctx.cu = _varlen_seqlens(cu_seqlens_q, cu_seqlens_k)
@@ -386,6 +412,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @_follows_context
     def backward(ctx, dout, _dlse):
         if dout is None:
             return (None,) * 7
@@ -434,6 +461,8 @@ if HAVE_CUSTOM_OPS:
     def _(dout, q, k, v, out, lse, prompt_lens, response_lens, group_sizes, softmax_scale, causal):
         return _fake_bwd(dout, q, k, v, out, lse)
 
+    @_records_context
+
     def _prefix_setup(ctx, inputs, output):
         q, k, v, P, R, S, scale, causal = inputs
         out, lse = output
@@ -441,6 +470,8 @@ if HAVE_CUSTOM_OPS:
         ctx.scale, ctx.causal = scale, causal
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zero tensor filled for lse's gradient every backward
+
+    @_follows_context
 
     def _prefix_backward(ctx, dout, _dlse):
         if dout is None:  # out unused by the loss
@@ -469,6 +500,8 @@ if HAVE_CUSTOM_OPS:
     def _(dout, q, k, v, out, lse, node_offsets, parents, softmax_scale):
         return _fake_bwd(dout, q, k, v, out, lse)
 
+    @_records_context
+
     def _tree_setup(ctx, inputs, output):
         q, k, v, offs, par, scale = inputs
         out, lse = output
@@ -476,6 +509,8 @@ if HAVE_CUSTOM_OPS:
         ctx.scale = scale
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zero tensor filled for lse's gradient every backward
+
+    @_follows_context
 
     def _tree_backward(ctx, dout, _dlse):
         if dout is None:  # out unused by the loss
@@ -505,6 +540,8 @@ if HAVE_CUSTOM_OPS:
     def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal):
         return _fake_bwd(dout, q, k, v, out, lse)
 
+    @_records_context
+
     def _varlen_setup(ctx, inputs, output):
         q, k, v, cq, ck, scale, causal = inputs
         out, lse = output
@@ -512,6 +549,8 @@ if HAVE_CUSTOM_OPS:
         ctx.scale, ctx.causal = scale, causal
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zero tensor filled for lse's gradient every backward
+
+    @_follows_context
 
     def _varlen_backward(ctx, dout, _dlse):
         if dout is None:  # out unused by the loss

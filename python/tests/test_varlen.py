@@ -76,3 +76,53 @@ def test_varlen_errors():
         forkattn.varlen_attention(q, k, v, bad, bad, 100, 100)
     with pytest.raises(ValueError):
         forkattn.varlen_attention(q, k, v, cu.float(), cu.float(), 9, 9)
+
+
+@pytest.mark.parametrize("custom_ops", [False, True])
+def test_backward_follows_the_forwards_context(monkeypatch, custom_ops):
+    """A backward uses what its forward's use_context gave it: on another thread (as autograd runs a
+    CUDA backward) a context of the same options, on the forward's thread the context itself; a
+    forward outside any use_context leaves the backward on its thread's default. Eager custom ops
+    too (compiled backwards keep their thread's default, documented)."""
+    import threading
+    from forkattn import _lib, ops
+
+    monkeypatch.setattr(ops, "USE_CUSTOM_OPS", True if custom_ops else "compile")
+    seen = []
+    bwd = _lib.varlen_bwd
+
+    def spy(ctx, *args):
+        seen.append((ctx, threading.get_ident()))
+        return bwd(ctx, *args)
+
+    monkeypatch.setattr(_lib, "varlen_bwd", spy)
+    cu = torch.tensor([0, 5, 14])
+    own = forkattn.Context("cpu", threads=1, verbose=False)
+
+    def forward():
+        q, k, v = (t.requires_grad_() for t in make_qkv(14, 2, 1, 8, torch.float32, seed=5)[:3])
+        return forkattn.varlen_attention(q, k, v, cu, cu, 9, 9)
+
+    with forkattn.use_context(own):
+        out = forward()
+    t = threading.Thread(target=lambda: out.sum().backward())
+    t.start()
+    t.join()
+    ctx, tid = seen[-1]
+    assert tid != threading.get_ident()
+    assert ctx is not own and ctx._options == own._options and ctx.threads == 1
+
+    with forkattn.use_context(own):
+        out = forward()
+    out.sum().backward()  # this thread, outside the block
+    assert seen[-1][0] is own
+
+    out = forward()  # no use_context: the thread's default, here and on another thread
+    out.sum().backward()
+    assert seen[-1][0] is forkattn.current_context()
+    own.close()
+    with forkattn.use_context(forkattn.Context("cpu", threads=1)) as again:
+        out = forward()
+    again.close()  # closed before its backward: a context of its options serves it
+    out.sum().backward()
+    assert seen[-1][0] is not again and seen[-1][0]._options == again._options

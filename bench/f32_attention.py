@@ -127,8 +127,8 @@ def run_case(c, a):
         del o_
         return [(rec[name], "fwd", fwd), (rec[name], "fwd_bwd", fwd_bwd)]
 
-    # A precision is set process-wide (forkattn.configure): autograd runs the backward on its own
-    # thread, whose default context a use_context block would not reach. Each precision is timed in
+    # A precision is set process-wide (forkattn.configure), so the backward on autograd's thread runs
+    # at it too. Each precision is timed in
     # its own interleaved rounds with SDPA (the contexts are re-created when it changes); its ratio
     # is to that group's SDPA time.
     sdpa_timers = impl("sdpa", c.sdpa)

@@ -34,8 +34,8 @@ def _gpu_context():
 
 @contextlib.contextmanager
 def _precision(p):
-    """Every default context at precision p (forkattn.configure): autograd runs a CUDA backward on
-    its own thread, whose default context a use_context block would not reach."""
+    """Every default context at precision p (forkattn.configure), the one autograd's thread uses for
+    a CUDA backward included."""
     prev = forkattn.configure(f32_precision=p)
     try:
         yield

@@ -24,7 +24,10 @@
  *    while the team waits for those rows; walking the plan to them took
  *    four dependent loads, on the team's critical path at every item.
  * Items are assigned statically (no counter): this team serves launches of
- * many short, alike items (gpu_persist.h), where a static share balances. */
+ * many short, alike items (gpu_persist.h), where a static share balances.
+ * Every item must see a key (the caller checks, fa_block_items_see_keys): an
+ * item without a tile would copy the next item's record over its own slot
+ * with no product between its warps' reads of it and that copy. */
 #ifndef FORKATTN_GPU_FWD_STREAM_TEAM_H
 #define FORKATTN_GPU_FWD_STREAM_TEAM_H
 #include <math.h>

@@ -158,10 +158,11 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
   }
   fa_gpu_trace_mark(&tr, "blocks");
   int grid = bad ? 0 : fa_gpu_choose_grid(ctx, FA_PASS_FWD, kern, nb * hq, p, blocks_h, nb);
-  /* stream teams take each item's block and first keys in one load */
+  /* stream teams take each item's block and first keys in one load, and need every item to see keys
+   * (gpu_fwd_stream_team.h) */
   const fa_block_item *items_h = NULL;
-  if (grid < 0 && fa_plan_block_items_memo(p, blocks_h, nb, &items_h) < 0) {
-    fa_gpu_log_kernels(ctx, "schedule", "a team an item (no item table)");
+  if (grid < 0 && (fa_plan_block_items_memo(p, blocks_h, nb, &items_h) < 0 || !fa_block_items_see_keys(items_h, nb))) {
+    fa_gpu_log_kernels(ctx, "schedule", "a team an item (%s)", items_h ? "a query block sees no key" : "no item table");
     grid = 0;
   }
   static const int64_t zero = 0; /* the persistent launch's work counter */

@@ -542,6 +542,11 @@ Test(segment_plan, block_items_hold_each_blocks_first_keys) {
     }
   }
   cr_assert(seen_first && seen_response);
+  cr_assert(fa_block_items_see_keys(it, nb), "every block of a prefix layout sees keys");
+  fa_block_item none = it[0];
+  none.pi = none.pend;
+  cr_assert(!fa_block_items_see_keys(&none, 1));
+  cr_assert(fa_block_items_see_keys(&none, 0), "no items: nothing unseen");
   cr_assert_eq(fa_plan_block_items_memo(&p, blk, nb, &again), nb);
   cr_assert_eq(again, it, "kept with the blocks");
   fa_block *own;

@@ -471,6 +471,12 @@ int64_t fa_plan_block_items_memo(const fa_plan *p, const fa_block *blocks, int64
   return nblocks;
 }
 
+int fa_block_items_see_keys(const fa_block_item *items, int64_t n) {
+  for (int64_t i = 0; i < n; i++)
+    if (items[i].pi >= items[i].pend) return 0;
+  return 1;
+}
+
 int64_t fa_plan_query_keys(const fa_plan *p, const fa_block *blocks, int64_t nblocks) {
   fa_blocks_memo *memo = NULL;
   for (fa_blocks_memo *m = p->memo ? p->memo->blocks : NULL; m && !memo; m = m->next)

@@ -145,6 +145,9 @@ typedef struct fa_block_item {
 int64_t fa_plan_block_items_memo(const fa_plan *p, const fa_block *blocks, int64_t nblocks,
                                  const fa_block_item **out);
 
+/* 1 when every one of items [n] sees at least one key. */
+int fa_block_items_see_keys(const fa_block_item *items, int64_t n);
+
 /* A slice of one key block's readers, for splitting a heavily read block
  * (a shared prompt) over several GPU teams: the query rows of readers
  * k_pair_idx[j0..j1] (indices into k_pair_idx, inclusive) as fa_pair_queries

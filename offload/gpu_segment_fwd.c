@@ -161,7 +161,8 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
   /* stream teams take each item's block and first keys in one load, and need every item to see keys
    * (gpu_fwd_stream_team.h) */
   const fa_block_item *items_h = NULL;
-  if (grid < 0 && (fa_plan_block_items_memo(p, blocks_h, nb, &items_h) < 0 || !fa_block_items_see_keys(items_h, nb))) {
+  int see_keys = 0;
+  if (grid < 0 && (fa_plan_block_items_memo(p, blocks_h, nb, &items_h, &see_keys) < 0 || !see_keys)) {
     fa_gpu_log_kernels(ctx, "schedule", "a team an item (%s)", items_h ? "a query block sees no key" : "no item table");
     grid = 0;
   }

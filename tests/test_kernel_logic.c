@@ -519,7 +519,8 @@ Test(segment_plan, block_items_hold_each_blocks_first_keys) {
   const fa_block *blk;
   const int64_t nb = fa_plan_blocks_memo(&p, 128, 0, &blk);
   const fa_block_item *it, *again;
-  cr_assert_eq(fa_plan_block_items_memo(&p, blk, nb, &it), nb);
+  int see_keys = 0;
+  cr_assert_eq(fa_plan_block_items_memo(&p, blk, nb, &it, &see_keys), nb);
   for (int64_t b = 0; b < nb; b++) {
     cr_assert(it[b].seg == blk[b].seg && it[b].start == blk[b].start && it[b].len == blk[b].len);
     cr_assert_eq(it[b].pend, p.q_pair_off[blk[b].seg + 1]);
@@ -542,16 +543,18 @@ Test(segment_plan, block_items_hold_each_blocks_first_keys) {
     }
   }
   cr_assert(seen_first && seen_response);
-  cr_assert(fa_block_items_see_keys(it, nb), "every block of a prefix layout sees keys");
+  cr_assert(see_keys && fa_block_items_see_keys(it, nb), "every block of a prefix layout sees keys");
   fa_block_item none = it[0];
   none.pi = none.pend;
   cr_assert(!fa_block_items_see_keys(&none, 1));
   cr_assert(fa_block_items_see_keys(&none, 0), "no items: nothing unseen");
-  cr_assert_eq(fa_plan_block_items_memo(&p, blk, nb, &again), nb);
+  see_keys = 0;
+  cr_assert_eq(fa_plan_block_items_memo(&p, blk, nb, &again, &see_keys), nb);
+  cr_assert(see_keys, "kept with the items");
   cr_assert_eq(again, it, "kept with the blocks");
   fa_block *own;
   cr_assert_eq(fa_plan_blocks(&p, 128, 0, &own), nb);
-  cr_assert_eq(fa_plan_block_items_memo(&p, own, nb, &again), -1, "blocks the plan does not keep");
+  cr_assert_eq(fa_plan_block_items_memo(&p, own, nb, &again, NULL), -1, "blocks the plan does not keep");
   free(own);
   fa_plan_free(&p);
 }

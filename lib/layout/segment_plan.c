@@ -14,6 +14,7 @@ typedef struct fa_blocks_memo {
   int64_t query_keys; /* fa_plan_query_keys of query blocks once asked for; -1 before */
   fa_block *blocks;
   fa_block_item *items; /* fa_plan_block_items_memo once asked for */
+  int items_see_keys;   /* fa_block_items_see_keys of items */
 } fa_blocks_memo;
 
 struct fa_plan_memo {
@@ -450,8 +451,14 @@ static int fa_block_item_of(const fa_plan *p, fa_block b, fa_block_item *it) {
   return 0;
 }
 
+int fa_block_items_see_keys(const fa_block_item *items, int64_t n) {
+  for (int64_t i = 0; i < n; i++)
+    if (items[i].pi >= items[i].pend) return 0;
+  return 1;
+}
+
 int64_t fa_plan_block_items_memo(const fa_plan *p, const fa_block *blocks, int64_t nblocks,
-                                 const fa_block_item **out) {
+                                 const fa_block_item **out, int *see_keys) {
   fa_blocks_memo *memo = NULL;
   for (fa_blocks_memo *m = p->memo ? p->memo->blocks : NULL; m && !memo; m = m->next)
     if (m->blocks == blocks && m->n == nblocks && !m->by_key) memo = m;
@@ -466,15 +473,11 @@ int64_t fa_plan_block_items_memo(const fa_plan *p, const fa_block *blocks, int64
         return -2;
       }
     memo->items = items;
+    memo->items_see_keys = fa_block_items_see_keys(items, nblocks);
   }
   *out = memo->items;
+  if (see_keys) *see_keys = memo->items_see_keys;
   return nblocks;
-}
-
-int fa_block_items_see_keys(const fa_block_item *items, int64_t n) {
-  for (int64_t i = 0; i < n; i++)
-    if (items[i].pi >= items[i].pend) return 0;
-  return 1;
 }
 
 int64_t fa_plan_query_keys(const fa_plan *p, const fa_block *blocks, int64_t nblocks) {

@@ -140,10 +140,11 @@ typedef struct fa_block_item {
 } fa_block_item;
 
 /* The items of query blocks `blocks` [nblocks] (from fa_plan_blocks_memo, by_key 0), kept with
- * them like the blocks. Returns nblocks; -1 on allocation failure or blocks the plan does not keep;
- * -2 when a position or index does not fit 32 bits. */
+ * them like the blocks, and in *see_keys (when not NULL) whether every one sees a key
+ * (fa_block_items_see_keys, also kept). Returns nblocks; -1 on allocation failure or blocks the
+ * plan does not keep; -2 when a position or index does not fit 32 bits. */
 int64_t fa_plan_block_items_memo(const fa_plan *p, const fa_block *blocks, int64_t nblocks,
-                                 const fa_block_item **out);
+                                 const fa_block_item **out, int *see_keys);
 
 /* 1 when every one of items [n] sees at least one key. */
 int fa_block_items_see_keys(const fa_block_item *items, int64_t n);

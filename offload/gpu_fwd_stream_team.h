@@ -25,9 +25,10 @@
  *    four dependent loads, on the team's critical path at every item.
  * Items are assigned statically (no counter): this team serves launches of
  * many short, alike items (gpu_persist.h), where a static share balances.
- * Every item must see a key (the caller checks, fa_block_items_see_keys): an
- * item without a tile would copy the next item's record over its own slot
- * with no product between its warps' reads of it and that copy. */
+ * Every item must see a key (the caller checks, fa_block_items_see_keys):
+ * the producers take each next item's first tile as it is, and an item
+ * without one would copy the next item's record over its own slot with no
+ * product between its warps' reads of it and that copy. */
 #ifndef FORKATTN_GPU_FWD_STREAM_TEAM_H
 #define FORKATTN_GPU_FWD_STREAM_TEAM_H
 #include <math.h>
@@ -64,27 +65,11 @@ static inline __attribute__((always_inline)) int64_t fa_fwd_stream_kv_head(const
   return (int64_t)(i % s->hq / s->group);
 }
 
-/* The first item after `from` (from + step, from + 2 step, ...) that has a key tile: *pn, its block
- * and KV head in kn, its first tile returned (an ended walk when the team has none left). */
-static inline __attribute__((always_inline)) fa_tile_walk fa_fwd_stream_after(const fa_fwd_stream *s, int from,
-                                                                             fa_wg_pair_walk *kn, int *pn) {
-  fa_tile_walk w = {0, 0, 0, 0, 0};
-  for (*pn = from; w.pi >= w.pend && *pn + s->step < s->n;) {
-    *pn += s->step;
-    const fa_block_item it = s->items[*pn / s->hq];
-    kn->blk = fa_fwd_stream_block_of(&it);
-    kn->g = fa_fwd_stream_kv_head(s, *pn);
-    w = fa_fwd_stream_walk_of(&it);
-  }
-  return w;
-}
-
-/* The next item's first tile as a producer found it ahead (fa_fwd_stream_prepare): in team memory,
- * a slot for each warpgroup's thread 0, so that it holds no registers across the loop. */
+/* The next item's record as a producer read it ahead (fa_fwd_stream_prepare): in team memory, a
+ * slot for each warpgroup's thread 0, so that it holds no registers across the loop. */
 typedef struct fa_fwd_stream_next {
-  fa_tile_walk w; /* ended: the team has no item left with a tile */
-  int item, ready;
-  int64_t seg, start, len, g;
+  fa_block_item it;
+  int ready;
 } fa_fwd_stream_next;
 
 /* A stream team's slots in team memory past its SMEM: the producers' next items, and each
@@ -110,24 +95,21 @@ typedef struct fa_fwd_stream_producer {
 static inline __attribute__((always_inline)) void fa_fwd_stream_prepare(const fa_fwd_stream *s,
                                                                         fa_fwd_stream_producer *p) {
   if (p->nx->ready) return;
-  fa_wg_pair_walk kn = p->kp;
-  int pn;
-  const fa_tile_walk w = fa_fwd_stream_after(s, p->pi, &kn, &pn);
-  fa_fwd_stream_next *n = p->nx;
-  n->w = w, n->item = pn, n->seg = kn.blk.seg, n->start = kn.blk.start, n->len = kn.blk.len, n->g = kn.g;
-  n->ready = 1;
+  if (p->pi + s->step < s->n) p->nx->it = s->items[(p->pi + s->step) / s->hq];
+  p->nx->ready = 1;
 }
 
-/* Onto the next item's first tile (when it has one). */
+/* Onto the next item's first tile (when the team has a next item). */
 static inline __attribute__((always_inline)) void fa_fwd_stream_cross(const fa_fwd_stream *s,
                                                                       fa_fwd_stream_producer *p) {
   fa_fwd_stream_prepare(s, p);
-  fa_fwd_stream_next *n = p->nx;
-  if (n->w.pi < n->w.pend) {
-    p->wl = n->w, p->pi = n->item, p->kp.g = n->g;
-    p->kp.blk.seg = n->seg, p->kp.blk.start = n->start, p->kp.blk.len = n->len;
+  if (p->pi + s->step < s->n) {
+    p->pi += s->step;
+    p->kp.blk = fa_fwd_stream_block_of(&p->nx->it);
+    p->kp.g = fa_fwd_stream_kv_head(s, p->pi);
+    p->wl = fa_fwd_stream_walk_of(&p->nx->it);
   }
-  n->ready = 0;
+  p->nx->ready = 0;
 }
 
 /* The walk one tile on: into the next item when wl was its item's last. */
@@ -156,7 +138,6 @@ static inline __attribute__((always_inline)) void fa_fwd_stream_start(const fa_f
   fa_tile_ring_init(sm, p->kp.rg, tid);
   const fa_block_item it = s->items[p->pi / s->hq];
   p->wl = fa_fwd_stream_walk_of(&it);
-  if (tid % 128 == 0 && p->wl.pi >= p->wl.pend) fa_fwd_stream_cross(s, p); /* the first item has no tile */
   if (tid % 128 == 0)
     for (int b = 0; b < n && p->wl.pi < p->wl.pend; b++) {
       if (tid == 0) fa_tile_ring_copy(sm, p->kp.rg, b, p->kp.tma, (int)p->kp.g, p->wl.kb, p->kp.BK, p->kp.D);
@@ -253,14 +234,12 @@ static inline __attribute__((always_inline)) void fa_wg_pair_fwd_stream_team(con
       if (wt == 0) fa_fwd_stream_copy_item(sm, rec, ni);
       fa_cp_async_commit();
     }
-    /* P V of the item's last tile (an item without tiles: P = 0 and O is cleared below) */
+    /* P V of the item's last tile */
     fa_wg_acc_ab(o, pa, sm, fa_tile_ring_buf(rg, bp) + BK * D, BK, BK, D, f16);
     fa_wg_commit();
     fa_wg_wait(0);
     fa_wg_pin(o, D / 8);
     FA_TL(FA_TL_PV);
-#pragma unroll
-    for (int n = 0; n < D / 8; n++) o[n] = first ? fa_f4_zero() : o[n];
     float inv[2];
     int bad[2] = {bad0, bad1};
     fa_fwd_finish_rows(ga, blk.start + r0, h, c0, lane, ok0, ok1, m0, m1, l0, l1, inv, bad);

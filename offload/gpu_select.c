@@ -181,6 +181,13 @@ int fa_gpu_knobs_read(const forkattn_ctx_options *o, fa_gpu_knobs *k, char *err,
   }
   e = getenv("FORKATTN_GPU_TRACE");
   k->trace = e && !strcmp(e, "1");
+  e = getenv("FORKATTN_GPU_DIRECT_LAUNCH");
+  k->direct = 1;
+  if (e && *e) {
+    if (strcmp(e, "0") && strcmp(e, "1"))
+      return snprintf(err, len, "FORKATTN_GPU_DIRECT_LAUNCH='%s' is not 0 or 1", e), -1;
+    k->direct = *e == '1';
+  }
   if (k->kernels < FORKATTN_GPU_KERNELS_AUTO || k->kernels > FORKATTN_GPU_KERNELS_FP32)
     return snprintf(err, len, "gpu_kernels (%d) is not a forkattn_gpu_kernels value", k->kernels), -1;
   if (k->f32 < FORKATTN_F32_PRECISION_HIGH || k->f32 > FORKATTN_F32_PRECISION_MEDIUM)

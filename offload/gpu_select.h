@@ -58,6 +58,7 @@ typedef struct fa_gpu_knobs {
   int persist; /* -1 auto; 0 a team an item; 1 persistent, one team an SM; n > 1 persistent, at most n teams */
   int trace;   /* FORKATTN_GPU_TRACE=1: each call prints its phases' times */
   int f32;     /* forkattn_f32_precision of f32 inputs */
+  int direct;  /* routed launches may go straight to the driver (gpu_launch_direct.h); FORKATTN_GPU_DIRECT_LAUNCH=0: not */
 } fa_gpu_knobs;
 
 /* One call's shape, as the kernels' requirements see it. */
@@ -112,7 +113,7 @@ const char *fa_gpu_kernel_name(fa_gpu_pass pass, fa_gpu_kernel k);
 void fa_gpu_select_describe(const fa_gpu_caps *caps, const fa_gpu_knobs *knobs, char *buf, size_t len);
 
 /* The knobs of options o (NULL: defaults), overridden by FORKATTN_GPU_KERNELS=auto|mma|fp32,
- * FORKATTN_GPU_PERSIST=auto|0|1|n, FORKATTN_F32_PRECISION=high|highest|medium and FORKATTN_GPU_TRACE=1. 0, or -1 with a message in err
+ * FORKATTN_GPU_PERSIST=auto|0|1|n, FORKATTN_F32_PRECISION=high|highest|medium, FORKATTN_GPU_TRACE=1 and FORKATTN_GPU_DIRECT_LAUNCH=0|1. 0, or -1 with a message in err
  * (a value out of range or unknown). */
 int fa_gpu_knobs_read(const forkattn_ctx_options *o, fa_gpu_knobs *k, char *err, size_t len);
 

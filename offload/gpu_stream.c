@@ -8,6 +8,8 @@
 #include <stdio.h>
 
 #include "gpu_launch_copy.h"
+#include "gpu_launch_direct.h"
+#include "gpu_select.h"
 #include "gpu_stream.h"
 #include "gpu_team_memory.h"
 
@@ -164,6 +166,7 @@ forkattn_status fa_gpu_stream_enter(forkattn_ctx *ctx, int routable, const char 
   }
   if (routable) {
     fa_gpu_launch_route(ctx->stream);
+    fa_gpu_direct_enable(ctx->gpu && ctx->gpu->knobs.direct);
     return FORKATTN_OK;
   }
   const int rc = fa_gpu_stream_wait(ctx);
@@ -175,6 +178,7 @@ forkattn_status fa_gpu_stream_enter(forkattn_ctx *ctx, int routable, const char 
 
 void fa_gpu_stream_leave(void) {
   fa_gpu_launch_unroute();
+  fa_gpu_direct_enable(0);
   if (fa_capture_on) fa_capture_restore(fa_capture_mode);
   fa_capture_on = 0;
 }
@@ -185,5 +189,9 @@ forkattn_status fa_gpu_stream_run(forkattn_ctx *ctx, fa_gpu_stream_call run, con
   if (st) return st;
   st = run(ctx, args, memory, mma);
   fa_gpu_stream_leave();
+  const int rc = fa_gpu_direct_error_take();
+  if (rc && !st)
+    st = fa_fail(ctx, FORKATTN_ERR_DEVICE, "%s: launching a kernel on the context's stream failed (CUDA error %d)",
+                 what, rc);
   return st;
 }

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "gpu_launch_copy.h"
+#include "gpu_launch_direct.h"
 #include "gpu_team_memory.h"
 
 #define FA_TM_DEVICES 64
@@ -46,13 +47,22 @@ static int fa_tm_sms[FA_TM_DEVICES];
  * launch asking for more than the default team memory first raises its
  * kernel's limit (per call: the driver keeps the value per function, and
  * setting it costs far less than a launch). */
-static int fa_tm_forward(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                         unsigned smem, void *stream, void **params, void **extra) {
-  stream = fa_gpu_launch_stream(stream);
+static int fa_tm_launch_on(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                           unsigned smem, void *stream, void **params, void **extra) {
   const int rc = fa_gpu_launch_copies_issue(stream);
   if (rc) return rc;
   if (smem > FA_GPU_TEAM_MEMORY_DEFAULT) fa_tm_set(f, FA_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, (int)smem);
   return fa_tm_launch(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra);
+}
+
+static int fa_tm_forward(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                         unsigned smem, void *stream, void **params, void **extra) {
+  fa_gpu_direct_observe(f, gx, gy, gz, bx, by, bz, smem, params, extra);
+  return fa_tm_launch_on(f, gx, gy, gz, bx, by, bz, smem, fa_gpu_launch_stream(stream), params, extra);
+}
+
+int fa_gpu_launch_driver(void *f, unsigned grid, unsigned threads, unsigned smem, void *stream, void **params) {
+  return fa_tm_launch_on(f, grid, 1, 1, threads, 1, 1, smem, stream, params, NULL);
 }
 
 typedef struct fa_tm_scan {
@@ -103,7 +113,15 @@ static void fa_tm_install_once(void) {
   fa_tm_scan s = {(uintptr_t)fa_tm_launch, (uintptr_t)fa_tm_forward, 0};
   dl_iterate_phdr(fa_tm_patch, &s);
   fa_tm_installed = s.replaced > 0;
-  if (fa_tm_installed) fa_gpu_launch_copy_init(dlsym(fa_tm_cuda, "cuMemcpyHtoDAsync_v2"));
+  if (!fa_tm_installed) return;
+  fa_gpu_launch_copy_init(dlsym(fa_tm_cuda, "cuMemcpyHtoDAsync_v2"));
+  const fa_direct_driver d = {
+      .param_info = (int (*)(void *, size_t, size_t *, size_t *))dlsym(fa_tm_cuda, "cuFuncGetParamInfo"),
+      .ctx_get = (int (*)(void **))dlsym(fa_tm_cuda, "cuCtxGetCurrent"),
+      .ctx_push = (int (*)(void *))dlsym(fa_tm_cuda, "cuCtxPushCurrent_v2"),
+      .ctx_pop = (int (*)(void **))dlsym(fa_tm_cuda, "cuCtxPopCurrent_v2"),
+      .launch = fa_gpu_launch_driver};
+  fa_gpu_direct_init(&d);
 }
 
 /* A launch with FA_TM_CHECK_BYTES of team memory: every word written by one

@@ -33,6 +33,12 @@ size_t fa_gpu_team_memory(int device);
  * copies and be routed to a caller's stream). */
 int fa_gpu_launch_forwarded(void);
 
+/* cuLaunchKernel of f (a kernel the runtime loaded: gpu_launch_direct.h) with `grid` teams of
+ * `threads`, `smem` bytes of team memory and kernel parameters `params`, on `stream`, as the forwarder
+ * makes the runtime's launches: this thread's queued copies first (gpu_launch_copy.h), the kernel's
+ * team memory limit raised. 0, or the driver's error. */
+int fa_gpu_launch_driver(void *f, unsigned grid, unsigned threads, unsigned smem, void *stream, void **params);
+
 /* The device's multiprocessors, found with its team memory (0: unknown). */
 int fa_gpu_sms(int device);
 

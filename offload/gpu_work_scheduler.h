@@ -9,6 +9,8 @@
 #define FORKATTN_GPU_WORK_SCHEDULER_H
 #include <ompx.h>
 
+#include "gpu_launch_direct.h"
+
 #define FA_MMA_PRAGMA(x) _Pragma(#x)
 /* A launch of nteams teams of THREADS threads (a constant: the kernel's
  * launch bound) and SMEM bytes of team memory on device `dev`, each running
@@ -17,17 +19,19 @@
  * arguments, staged with the plan so that its copy rides on the launch:
  * gpu_launch_copy.h; the kernels read their arguments from device memory
  * either way, firstprivate's copy costing the runtime one more), `nteams`
- * and `dev` in scope. Team indices are 32-bit: a 64-bit division is a
+ * and `dev` in scope. argp is the region's one captured variable, so that
+ * the launch can go straight to the driver (gpu_launch_direct.h). Team indices are 32-bit: a 64-bit division is a
  * subroutine call, which makes ptxas serialize wgmma. */
 #define FA_TEAMS_LAUNCH(THREADS, SMEM, ...)                                                                   \
   do {                                                                                                        \
     const size_t smem = (SMEM);                                                                               \
+    FA_DIRECT_OR_RUNTIME(nteams, THREADS, smem,                                                               \
     FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(nteams) thread_limit(THREADS) ompx_dyn_cgroup_mem(smem) device(dev) is_device_ptr(argp)) \
     {                                                                                                         \
       const __typeof__(*argp) args = *argp;                                                                   \
       unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
       __VA_ARGS__                                                                                             \
-    }                                                                                                         \
+    });                                                                                                       \
   } while (0)
 /* TEAM(D, BK, F16, args, block, h, g, smem) on one team per (query block of
  * args.BLOCKS, query head): FA_TEAMS_LAUNCH. FA_MMA_QUERY_TEAMS:
@@ -59,6 +63,7 @@
 #define FA_PERSISTENT_QUERY_TEAMS(TEAM, RING, BLOCKS, NBLOCKS, D, BK, F16, SMEM)                                 \
   do {                                                                                                        \
     const size_t smem = FA_PERSIST_NEXT_AT(SMEM) + 16;                                                         \
+    FA_DIRECT_OR_RUNTIME(grid, FA_WG_PAIR_THREADS, smem,                                                      \
     FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(grid) thread_limit(FA_WG_PAIR_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) is_device_ptr(argp)) \
     {                                                                                                         \
       const __typeof__(*argp) args = *argp;                                                                   \
@@ -78,7 +83,7 @@
         ompx_sync_block_acq_rel(); /* the item's team memory and its next slot */                             \
         item = next[it & 1];                                                                                  \
       }                                                                                                       \
-    }                                                                                                         \
+    });                                                                                                       \
   } while (0)
 
 /* A launch of `grid` (from the caller, at most one an SM) two-warpgroup
@@ -89,12 +94,13 @@
 #define FA_STREAM_QUERY_TEAMS(TEAM, D, BK, F16, SMEM)                                                            \
   do {                                                                                                        \
     const size_t smem = (SMEM);                                                                               \
+    FA_DIRECT_OR_RUNTIME(grid, FA_WG_PAIR_THREADS, smem,                                                      \
     FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(grid) thread_limit(FA_WG_PAIR_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) is_device_ptr(argp)) \
     {                                                                                                         \
       const __typeof__(*argp) args = *argp;                                                                   \
       unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
       TEAM((D), (BK), (F16), args, (int)ompx_block_id_x(), (int)ompx_grid_dim_x(), sm);                       \
-    }                                                                                                         \
+    });                                                                                                       \
   } while (0)
 
 #endif

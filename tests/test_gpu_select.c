@@ -311,6 +311,7 @@ static void clear_env(void) {
   unsetenv("FORKATTN_GPU_PERSIST");
   unsetenv("FORKATTN_GPU_TRACE");
   unsetenv("FORKATTN_F32_PRECISION");
+  unsetenv("FORKATTN_GPU_DIRECT_LAUNCH");
 }
 
 Test(gpu_select, knobs_from_options_then_the_environment, .init = clear_env, .fini = clear_env) {
@@ -321,7 +322,7 @@ Test(gpu_select, knobs_from_options_then_the_environment, .init = clear_env, .fi
   fa_gpu_knobs k;
   char err[128];
   cr_assert_eq(fa_gpu_knobs_read(NULL, &k, err, sizeof err), 0);
-  cr_expect(k.kernels == FORKATTN_GPU_KERNELS_AUTO && k.persist == -1 && !k.trace, "defaults");
+  cr_expect(k.kernels == FORKATTN_GPU_KERNELS_AUTO && k.persist == -1 && !k.trace && k.direct, "defaults");
   cr_assert_eq(fa_gpu_knobs_read(&o, &k, err, sizeof err), 0);
   cr_expect(k.kernels == FORKATTN_GPU_KERNELS_MMA && k.persist == 3, "options");
   setenv("FORKATTN_GPU_KERNELS", "fp32", 1);
@@ -355,6 +356,16 @@ Test(gpu_select, knobs_from_options_then_the_environment, .init = clear_env, .fi
   unsetenv("FORKATTN_GPU_PERSIST");
   o.gpu_persist = -3;
   cr_expect_eq(fa_gpu_knobs_read(&o, &k, err, sizeof err), -1, "gpu_persist out of range");
+  o.gpu_persist = -1;
+  setenv("FORKATTN_GPU_DIRECT_LAUNCH", "0", 1);
+  cr_assert_eq(fa_gpu_knobs_read(&o, &k, err, sizeof err), 0);
+  cr_expect_eq(k.direct, 0, "FORKATTN_GPU_DIRECT_LAUNCH=0: every launch through the offload runtime");
+  setenv("FORKATTN_GPU_DIRECT_LAUNCH", "1", 1);
+  cr_assert_eq(fa_gpu_knobs_read(&o, &k, err, sizeof err), 0);
+  cr_expect_eq(k.direct, 1);
+  setenv("FORKATTN_GPU_DIRECT_LAUNCH", "yes", 1);
+  cr_expect_eq(fa_gpu_knobs_read(&o, &k, err, sizeof err), -1);
+  cr_expect(strstr(err, "FORKATTN_GPU_DIRECT_LAUNCH='yes'"), "%s", err);
 }
 
 Test(gpu_select, f32_precision_from_options_then_the_environment, .init = clear_env, .fini = clear_env) {

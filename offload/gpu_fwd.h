@@ -31,6 +31,11 @@ typedef struct fa_gpu_fwd_args {
   int qk_pieces, v_pieces;
   int64_t pstride[3];
   const fa_block_item *items; /* device copy of the blocks' items (fa_plan_block_items_memo): stream teams */
+  /* two-warpgroup kernel: a device flag, 1 when V may hold a non-finite element (the tiles that hide
+   * keys are scanned), 0 when V's check (v_check, gpu_finite_check.h) found none; NULL: 1 */
+  int *v_nonfinite;
+  int v_check;   /* V's check runs before the kernel and sets *v_nonfinite (which starts at 0) */
+  int64_t vrows; /* V's rows, for its check */
 } fa_gpu_fwd_args;
 
 /* Query rows per team of the tensor-core forward (16 per warp, 4 warps). */
@@ -46,6 +51,9 @@ fa_gpu_call fa_gpu_call_of(const forkattn_tensor *const *in, int nin, const fork
                            int64_t d, int has_kept, const fa_plan *plan, forkattn_memory memory);
 /* The forward's: q, k, v in, o out. */
 fa_gpu_call fa_gpu_fwd_call(const fa_attn_fwd *a, forkattn_memory memory);
+/* 1 when the two-warpgroup forward's walk of p meets key tiles it scans for non-finite V rows
+ * (fa_plan_has_partial_tiles at its tile size): then V's check runs first (fa_gpu_fwd_args.v_check). */
+int fa_gpu_wg_pair_fwd_scans(const fa_plan *p);
 /* Team memory of the two-warpgroup wgmma forward at head_dim 64 and 128 (fa_gpu_caps.wg_smem). */
 void fa_gpu_mma_fwd_smem(size_t smem[2]);
 /* The tensor-core forward of g; argp: g's device copy (fa_stage_array), which the kernels read;

@@ -13,8 +13,9 @@
  *    all copied (fa_fwd_stream_release);
  *  - an item's first iteration multiplies P(-1) = 0 by its own tile's V
  *    (instead of a buffer of zeros): that V was scanned if the tile hides
- *    keys from some row, so a non-finite V row is zero there, and otherwise
- *    every row of the item sees it and is NaN anyway;
+ *    keys from some row (or V is finite: gpu_finite_check.h), so a
+ *    non-finite V row is zero there, and otherwise every row of the item
+ *    sees it and is NaN anyway;
  *  - the next item's query rows are copied (cp.async) into the warpgroup's
  *    Q tile as soon as the item's last S retired, and O leaves through the
  *    last tile's K rows instead (after a team barrier);
@@ -163,6 +164,7 @@ static inline __attribute__((always_inline)) void fa_wg_pair_fwd_stream_team(con
   const int hq = (int)ga.hq;
   const fa_fwd_stream s = {ga.items, hq, hq / (int)ga.hkv, (int)ga.nblocks * hq, teams};
   const float mul = ga.scale * FA_LOG2E;
+  const int vscan = ga.v_nonfinite ? *ga.v_nonfinite : 1;
   int item = team;
   if (item >= s.n) return;
   fa_block blk = fa_fwd_stream_block_of(&s.items[item / hq]);
@@ -215,7 +217,7 @@ static inline __attribute__((always_inline)) void fa_wg_pair_fwd_stream_team(con
       FA_TL(FA_TL_ARRIVED);
       /* tile j - 2's buffer is free for this warpgroup (fa_wg_pair_fwd_team) */
       if (wt == 0 && j > 0) fa_fwd_stream_release(&s, &pr, sm, bpp);
-      fa_wg_pair_fwd_tile(D, BK, f16, smem, sm, rg, &t, w, kt, first ? b : bp, qt, mul, sc, o, pa, &m0, &m1, &l0, &l1,
+      fa_wg_pair_fwd_tile(D, BK, f16, smem, sm, rg, &t, w, kt, first ? b : bp, qt, vscan, mul, sc, o, pa, &m0, &m1, &l0, &l1,
                           &bad0, &bad1, FA_TL_REF);
       w = fa_wg_pair_next(&k, w);
       first = 0;

@@ -247,16 +247,17 @@ static inline fa_tile_ring fa_wg_pair_fwd_ring(const int D, const int BK, unsign
 
 /* Tile j of walk w (its K in the buffer at element kt) for one warpgroup of a two-warpgroup forward
  * team (fa_wg_pair_fwd_team, and its stream team in gpu_fwd_stream_team.h), its copies landed and
- * its buffer's release done: the team's scan of V where the tile hides keys from some row, S(j) and
+ * its buffer's release done: the team's scan of V where the tile hides keys from some row (unless
+ * vscan is 0: V's check found it finite, gpu_finite_check.h), S(j) and
  * P(j - 1) V(j - 1) (V in ring buffer vb) issued together, the online-softmax step on S(j) while P V
  * runs, O rescaled and P(j) packed into pa. The lane's rows' state in m0 .. bad1. */
 static inline __attribute__((always_inline)) void fa_wg_pair_fwd_tile(
     const int D, const int BK, const int f16, unsigned short *smem, fa_smem sm, fa_tile_ring rg,
-    const fa_wg_pair_rows *t, fa_tile_walk w, int kt, int vb, int qt, float mul, fa_f4 *s, fa_f4 *o, fa_u4 *pa,
+    const fa_wg_pair_rows *t, fa_tile_walk w, int kt, int vb, int qt, int vscan, float mul, fa_f4 *s, fa_f4 *o, fa_u4 *pa,
     float *m0, float *m1, float *l0, float *l1, int *bad0, int *bad1, int *tl) {
   const int nk = fa_walk_keys(w, BK);
   unsigned long long vf[2] = {0, 0}; /* bit r: V row r (64 + r) of tile j was non-finite (zeroed) */
-  if (nk < BK || (w.causal && w.kb + BK - 1 > t->qfirst))
+  if (vscan && (nk < BK || (w.causal && w.kb + BK - 1 > t->qfirst)))
     fa_tile_ring_scan(smem + kt + BK * D, BK, D, f16, rg, t->tid, vf);
   const fa_wg_pair_lims lim = fa_wg_pair_row_keys(t, w, nk);
   const int lim0 = lim.lim0, lim1 = lim.lim1;
@@ -301,6 +302,7 @@ static inline __attribute__((always_inline)) void fa_wg_pair_fwd_team(const int 
   const int64_t qshift = ga.qshift;
   const fa_wg_pair_walk k = {rg, tma, ga.qoff, seg, pair, blk, qshift, g, BK, D};
   const float mul = ga.scale * FA_LOG2E;
+  const int vscan = ga.v_nonfinite ? *ga.v_nonfinite : 1;
   const int64_t qrows = fa_wg_pair_qrows(&t, blk); /* may be <= 0 or past 64 */
   FA_TL_DECL;
   FA_TL(FA_TL_START);
@@ -341,7 +343,7 @@ static inline __attribute__((always_inline)) void fa_wg_pair_fwd_team(const int 
      * waited for at the products' issue when it followed P V's wait) falls in the time the products wait
      * for the other warpgroup's anyway (in-kernel timeline) */
     if (wt == 0 && j > 0) wl = fa_wg_pair_release(&k, sm, bpp, &wl);
-    fa_wg_pair_fwd_tile(D, BK, f16, smem, sm, rg, &t, w, kt, bp, qt, mul, s, o, pa, &m0, &m1, &l0, &l1, &bad0, &bad1,
+    fa_wg_pair_fwd_tile(D, BK, f16, smem, sm, rg, &t, w, kt, bp, qt, vscan, mul, s, o, pa, &m0, &m1, &l0, &l1, &bad0, &bad1,
                         FA_TL_REF);
     w = fa_wg_pair_next(&k, w);
     bpp = bp;

@@ -23,11 +23,13 @@
 #include <ompx.h>
 
 #include "dtype_convert.h"
+#include "gpu_finite_check.h"
 #include "gpu_fwd.h"
 #include "gpu_mma.h"
 #include "gpu_fwd_stream_team.h"
 #include "gpu_fwd_teams.h"
 #include "gpu_mma_tiles.h"
+#include "gpu_team_memory.h"
 #include "gpu_tma.h"
 #include "gpu_wgmma.h"
 #include "online_softmax.h"
@@ -83,10 +85,26 @@ int fa_gpu_wg_pair_kv_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_ro
   FA_PERSISTENT_QUERY_TEAMS(fa_wg_pair_fwd_team, fa_wg_pair_fwd_ring, blocks, nblocks, D, FA_WG_PAIR_BK, F16,  \
                             FA_WG_PAIR_FWD_SMEM(D))
 
+int fa_gpu_wg_pair_fwd_scans(const fa_plan *p) { return fa_plan_has_partial_tiles(p, FA_WG_PAIR_BK); }
+
+/* V's check (gpu_finite_check.h) into *argp->v_nonfinite: enough teams to fill the device a few
+ * times over, each thread a few 16-byte chunks. */
+static void fa_gpu_v_check(const fa_gpu_fwd_args *g, const fa_gpu_fwd_args *argp) {
+  const int dev = g->device, f16 = g->v.dtype == FORKATTN_DTYPE_F16, sms = fa_gpu_sms(dev);
+  const int64_t per_team = FA_FINITE_CHECK_THREADS / (g->d / 8) * 4, want = (g->vrows * g->hkv + per_team - 1) / per_team;
+  const int64_t most = (int64_t)(sms > 0 ? sms : 132) * 8;
+  const int nteams = (int)(want < 1 ? 1 : want < most ? want : most);
+  FA_TEAMS_LAUNCH(FA_FINITE_CHECK_THREADS, 0,
+                  fa_finite_check_team(args.v, args.vrows, args.hkv, (int)args.d, f16, args.v_nonfinite,
+                                       (int)ompx_block_id_x(), (int)ompx_grid_dim_x(), (int)ompx_thread_id_x());
+                  (void)sm;);
+}
+
 void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g, const fa_gpu_fwd_args *argp, int grid) {
   const int nteams = (int)(g->nblocks * g->hq), dev = g->device, f16 = g->q.dtype == FORKATTN_DTYPE_F16;
 #ifdef FORKATTN_HAVE_WGMMA
   if (g->wg_pair) { /* the blocks are FA_WG_PAIR_ROWS, K's and V's maps encoded */
+    if (g->v_check) fa_gpu_v_check(g, argp);
     if (grid > 0) FA_TL_LAUNCH(dev, "wg_pair_fwd", FA_MMA_BY_HEAD_DIM(FA_WG_PAIR_FWD_PERSISTENT, g->d, f16));
     else if (grid < 0) {
       grid = -grid; /* stream teams */

@@ -559,6 +559,29 @@ Test(segment_plan, block_items_hold_each_blocks_first_keys) {
   fa_plan_free(&p);
 }
 
+/* The two-warpgroup forward scans V's tiles that hide keys or hold fewer than a tile of keys; a
+ * plan without such tiles needs no check of V first. */
+Test(segment_plan, partial_tiles_are_causal_pairs_or_key_segments_not_whole_tiles) {
+  fa_plan p;
+  int64_t off[5] = {0, 128, 256, 384, 512};
+  cr_assert_eq(fa_plan_prefix(&p, 0, 4, off, 0), 0); /* bidirectional sequences of 128 rows */
+  cr_assert_eq(fa_plan_has_partial_tiles(&p, 128), 0, "whole tiles of 128");
+  cr_assert_eq(fa_plan_has_partial_tiles(&p, 64), 0, "whole tiles of 64");
+  cr_assert_eq(fa_plan_has_partial_tiles(&p, 96), 1, "128 keys in tiles of 96");
+  fa_plan_free(&p);
+  cr_assert_eq(fa_plan_prefix(&p, 0, 4, off, 1), 0);
+  cr_assert_eq(fa_plan_has_partial_tiles(&p, 128), 1, "causal: the diagonal tiles hide keys");
+  fa_plan_free(&p);
+  off[3] = 383; /* one sequence of 127 rows, the next of 129 */
+  cr_assert_eq(fa_plan_prefix(&p, 0, 4, off, 0), 0);
+  cr_assert_eq(fa_plan_has_partial_tiles(&p, 128), 1, "a sequence of 127 keys");
+  fa_plan_free(&p);
+  off[3] = 384;
+  cr_assert_eq(fa_plan_prefix(&p, 256, 4, off, 0), 0); /* a bidirectional group: 256-row prompt */
+  cr_assert_eq(fa_plan_has_partial_tiles(&p, 128), 0);
+  fa_plan_free(&p);
+}
+
 Test(segment_plan, key_chunk_splits_only_blocks_above_a_slots_share) {
   /* case 1: one causal sequence of 4096, 64-row key blocks, 16 KV heads */
   fa_plan p;

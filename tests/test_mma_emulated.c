@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "gpu_bwd_teams.h"
+#include "gpu_finite_check.h"
 #include "gpu_fwd_stream_team.h"
 #include "gpu_fwd_teams.h"
 #include "gpu_mma_kl_bwd_team.h"
@@ -129,7 +130,7 @@ static void run_case(const char *name, const emu_case *c) {
   cr_assert(nqb > 0);
   fa_gpu_fwd_args ga = {emu_view(b.q, dt, hq, d), emu_view(b.k, dt, hkv, d), emu_view(b.v, dt, hkv, d), emu_view(b.o, dt, hq, d),
                         b.lse, plan.seg, plan.pair, plan.q_pair_off, qb, nqb, hq, hkv, d, plan.qshift,
-                        (float)scale, {0}, 0, 0, NULL, 0, NULL, 1, 1, {0, 0, 0}, NULL};
+                        (float)scale, {0}, 0, 0, NULL, 0, NULL, 1, 1, {0, 0, 0}, NULL, NULL, 0, T};
   /* the two-warpgroup forward (128-row blocks, bulk copies only), then the mma.sync one, whose o
    * and lse the backward reads */
   int64_t nonfinite = 0;
@@ -150,11 +151,20 @@ static void run_case(const char *name, const emu_case *c) {
   fa_tma_emulated_map(&maps2[0], b.k, T, hkv, d, hkv * d, d, FA_WG_PAIR_BK);
   fa_tma_emulated_map(&maps2[1], b.v, T, hkv, d, hkv * d, d, FA_WG_PAIR_BK);
   for (int pass = 3; pass >= 0; pass--) {
-    const char *kernel = pass == 3   ? "two-warpgroup wgmma forward, 2 stream teams"
+    const char *kernel = pass == 3   ? "two-warpgroup wgmma forward, 2 stream teams, V checked"
                          : pass == 2 ? "two-warpgroup wgmma forward, 1 stream team"
-                         : pass      ? "two-warpgroup wgmma forward"
+                         : pass      ? "two-warpgroup wgmma forward, V checked"
                                      : "mma forward";
     ga.tma = pass ? maps2 : NULL;
+    /* passes 3 and 1: V's check first (two teams), whose flag tells the kernel whether to scan */
+    int v_nonfinite = 0;
+    ga.v_nonfinite = pass == 3 || pass == 1 ? &v_nonfinite : NULL;
+    if (ga.v_nonfinite) {
+      for (int team = 0; team < 2; team++)
+        EMU_TEAM_OF(FA_FINITE_CHECK_THREADS, fa_finite_check_team(ga.v, T, hkv, (int)d, f16, &v_nonfinite, team, 2,
+                                                                  omp_get_thread_num()));
+      cr_assert_eq(v_nonfinite, c->nan_v_row >= 0, "%s: V's check found %d", name, v_nonfinite);
+    }
     ga.blocks = pass >= 2 ? qbm : qb, ga.nblocks = pass >= 2 ? nqb2 : nqb, ga.items = items;
     for (int64_t i = 0; i < nq; i++) b.o[i] = 0x7fc1; /* poison: NaN in both dtypes */
     for (int64_t i = 0; i < T * hq; i++) b.lse[i] = NAN;

@@ -155,7 +155,7 @@ static void split_run(const char *name, const split_case *c, int qk, double o_to
   const fa_gpu_fwd_args ga = {emu_view(pq, FORKATTN_DTYPE_BF16, hq, d), emu_view(pk, FORKATTN_DTYPE_BF16, hkv, d),
                               emu_view(pv, FORKATTN_DTYPE_BF16, hkv, d), emu_view(o, FORKATTN_DTYPE_F32, hq, d),
                               lse, plan.seg, plan.pair, plan.q_pair_off, qb, nqb, hq, hkv, d, plan.qshift,
-                              (float)scale, {0}, 0, 0, NULL, 0, NULL, qk, qk, {nq, nk, nk}, NULL};
+                              (float)scale, {0}, 0, 0, NULL, 0, NULL, qk, qk, {nq, nk, nk}, NULL, NULL, 0, 0};
   static unsigned short smem[FA_MMA_FWD_SMEM(128, 3, 3) / 2 + FA_MMA_FWD_SMEM(64, 3, 3) / 2];
   cr_assert_geq(sizeof smem, FA_MMA_FWD_SMEM(d, qk, qk));
   for (int64_t i = 0; i < nq; i++) o[i] = NAN; /* poison */
@@ -288,7 +288,7 @@ static void split_bwd_run(const char *name, const split_case *c, int np, double 
   const fa_gpu_fwd_args ga = {emu_view(pq, FORKATTN_DTYPE_BF16, hq, d), emu_view(pk, FORKATTN_DTYPE_BF16, hkv, d),
                               emu_view(pv, FORKATTN_DTYPE_BF16, hkv, d), emu_view(o, FORKATTN_DTYPE_F32, hq, d),
                               lse, plan.seg, plan.pair, plan.q_pair_off, qb, nqb, hq, hkv, d, plan.qshift,
-                              (float)scale, {0}, 0, 0, NULL, 0, NULL, np, np, {nq, nk, nk}, NULL};
+                              (float)scale, {0}, 0, 0, NULL, 0, NULL, np, np, {nq, nk, nk}, NULL, NULL, 0, 0};
   if (np == 3)
     EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, hq, fa_mma_fwd_team_f32_high((int)d, bk, 0, ga, qb[blk], h, h / group, smem));
   else

@@ -457,6 +457,12 @@ int fa_block_items_see_keys(const fa_block_item *items, int64_t n) {
   return 1;
 }
 
+int fa_plan_has_partial_tiles(const fa_plan *p, int64_t bk) {
+  for (int64_t i = 0; i < p->npairs; i++)
+    if (p->pair[i].causal || p->seg[p->pair[i].kseg].len % bk) return 1;
+  return 0;
+}
+
 int64_t fa_plan_block_items_memo(const fa_plan *p, const fa_block *blocks, int64_t nblocks,
                                  const fa_block_item **out, int *see_keys) {
   fa_blocks_memo *memo = NULL;

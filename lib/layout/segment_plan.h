@@ -149,6 +149,11 @@ int64_t fa_plan_block_items_memo(const fa_plan *p, const fa_block *blocks, int64
 /* 1 when every one of items [n] sees at least one key. */
 int fa_block_items_see_keys(const fa_block_item *items, int64_t n);
 
+/* 1 when a walk of p's pairs in tiles of bk keys meets a tile that hides keys from some query row
+ * or holds fewer than bk keys: some pair is causal, or some pair's key segment is not a whole
+ * number of tiles. The tensor-core kernels scan such tiles for non-finite rows. */
+int fa_plan_has_partial_tiles(const fa_plan *p, int64_t bk);
+
 /* A slice of one key block's readers, for splitting a heavily read block
  * (a shared prompt) over several GPU teams: the query rows of readers
  * k_pair_idx[j0..j1] (indices into k_pair_idx, inclusive) as fa_pair_queries

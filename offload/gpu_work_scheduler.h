@@ -12,26 +12,31 @@
 #include "gpu_launch_direct.h"
 
 #define FA_MMA_PRAGMA(x) _Pragma(#x)
-/* A launch of nteams teams of THREADS threads (a constant: the kernel's
- * launch bound) and SMEM bytes of team memory on device `dev`, each running
- * the statements after SMEM with `args` (the call's arguments) and `sm`
- * (its team memory) in scope. Needs `argp` (a device copy of the call's
- * arguments, staged with the plan so that its copy rides on the launch:
- * gpu_launch_copy.h; the kernels read their arguments from device memory
- * either way, firstprivate's copy costing the runtime one more), `nteams`
- * and `dev` in scope. argp is the region's one captured variable, so that
- * the launch can go straight to the driver (gpu_launch_direct.h). Team indices are 32-bit: a 64-bit division is a
- * subroutine call, which makes ptxas serialize wgmma. */
-#define FA_TEAMS_LAUNCH(THREADS, SMEM, ...)                                                                   \
-  do {                                                                                                        \
-    const size_t smem = (SMEM);                                                                               \
-    FA_DIRECT_OR_RUNTIME(nteams, THREADS, smem,                                                               \
-    FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(nteams) thread_limit(THREADS) ompx_dyn_cgroup_mem(smem) device(dev) is_device_ptr(argp)) \
+/* The target region of GRID teams of THREADS threads (a constant: the
+ * kernel's launch bound) and SMEM bytes of team memory (GRID, SMEM:
+ * variables) on device `dev`, each running the statements after SMEM with
+ * `args` (the call's arguments) and `sm` (its team memory) in scope. Needs
+ * `argp` (a device copy of the call's arguments, staged with the plan so
+ * that its copy rides on the launch: gpu_launch_copy.h; the kernels read
+ * their arguments from device memory either way, firstprivate's copy
+ * costing the runtime one more) and `dev` in scope. argp is the region's
+ * one captured variable, so that the launch can go straight to the driver
+ * (gpu_launch_direct.h). */
+#define FA_TEAMS_REGION(GRID, THREADS, SMEM, ...)                                                             \
+  FA_DIRECT_OR_RUNTIME(GRID, THREADS, SMEM,                                                                   \
+    FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(GRID) thread_limit(THREADS) ompx_dyn_cgroup_mem(SMEM) device(dev) is_device_ptr(argp)) \
     {                                                                                                         \
       const __typeof__(*argp) args = *argp;                                                                   \
       unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
       __VA_ARGS__                                                                                             \
-    });                                                                                                       \
+    })
+/* FA_TEAMS_REGION of `nteams` teams (in scope) and SMEM bytes. Team indices
+ * are 32-bit: a 64-bit division is a subroutine call, which makes ptxas
+ * serialize wgmma. */
+#define FA_TEAMS_LAUNCH(THREADS, SMEM, ...)                                                                   \
+  do {                                                                                                        \
+    const size_t smem = (SMEM);                                                                               \
+    FA_TEAMS_REGION(nteams, THREADS, smem, __VA_ARGS__);                                                      \
   } while (0)
 /* TEAM(D, BK, F16, args, block, h, g, smem) on one team per (query block of
  * args.BLOCKS, query head): FA_TEAMS_LAUNCH. FA_MMA_QUERY_TEAMS:
@@ -63,11 +68,7 @@
 #define FA_PERSISTENT_QUERY_TEAMS(TEAM, RING, BLOCKS, NBLOCKS, D, BK, F16, SMEM)                                 \
   do {                                                                                                        \
     const size_t smem = FA_PERSIST_NEXT_AT(SMEM) + 16;                                                         \
-    FA_DIRECT_OR_RUNTIME(grid, FA_WG_PAIR_THREADS, smem,                                                      \
-    FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(grid) thread_limit(FA_WG_PAIR_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) is_device_ptr(argp)) \
-    {                                                                                                         \
-      const __typeof__(*argp) args = *argp;                                                                   \
-      unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
+    FA_TEAMS_REGION(grid, FA_WG_PAIR_THREADS, smem,                                                           \
       volatile int *next = (volatile int *)((char *)sm + FA_PERSIST_NEXT_AT(SMEM));                            \
       unsigned short *al = sm + fa_wg_align(fa_smem_of(sm));                                                  \
       const int hq = (int)args.hq, n = (int)args.NBLOCKS * hq, tid = ompx_thread_id_x();                      \
@@ -82,8 +83,7 @@
         TEAM((D), (BK), (F16), args, args.BLOCKS[item / hq], h, h / (hq / (int)args.hkv), sm);                \
         ompx_sync_block_acq_rel(); /* the item's team memory and its next slot */                             \
         item = next[it & 1];                                                                                  \
-      }                                                                                                       \
-    });                                                                                                       \
+      });                                                                                                     \
   } while (0)
 
 /* A launch of `grid` (from the caller, at most one an SM) two-warpgroup
@@ -94,13 +94,8 @@
 #define FA_STREAM_QUERY_TEAMS(TEAM, D, BK, F16, SMEM)                                                            \
   do {                                                                                                        \
     const size_t smem = (SMEM);                                                                               \
-    FA_DIRECT_OR_RUNTIME(grid, FA_WG_PAIR_THREADS, smem,                                                      \
-    FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(grid) thread_limit(FA_WG_PAIR_THREADS) ompx_dyn_cgroup_mem(smem) device(dev) is_device_ptr(argp)) \
-    {                                                                                                         \
-      const __typeof__(*argp) args = *argp;                                                                   \
-      unsigned short *sm = (unsigned short *)llvm_omp_target_dynamic_shared_alloc();                          \
-      TEAM((D), (BK), (F16), args, (int)ompx_block_id_x(), (int)ompx_grid_dim_x(), sm);                       \
-    });                                                                                                       \
+    FA_TEAMS_REGION(grid, FA_WG_PAIR_THREADS, smem,                                                           \
+      TEAM((D), (BK), (F16), args, (int)ompx_block_id_x(), (int)ompx_grid_dim_x(), sm););                     \
   } while (0)
 
 #endif

@@ -87,6 +87,7 @@ int fa_gpu_wg_pair_kv_tma(fa_tma_map *maps, const fa_dev_tensor *k, int64_t k_ro
 
 int fa_gpu_wg_pair_fwd_scans(const fa_plan *p) { return fa_plan_has_partial_tiles(p, FA_WG_PAIR_BK); }
 
+#ifdef FORKATTN_HAVE_WGMMA
 /* V's check (gpu_finite_check.h) into *argp->v_nonfinite: enough teams to fill the device a few
  * times over, each thread a few 16-byte chunks. */
 static void fa_gpu_v_check(const fa_gpu_fwd_args *g, const fa_gpu_fwd_args *argp) {
@@ -99,6 +100,7 @@ static void fa_gpu_v_check(const fa_gpu_fwd_args *g, const fa_gpu_fwd_args *argp
                                        (int)ompx_block_id_x(), (int)ompx_grid_dim_x(), (int)ompx_thread_id_x());
                   (void)sm;);
 }
+#endif
 
 void fa_gpu_mma_fwd(const fa_gpu_fwd_args *g, const fa_gpu_fwd_args *argp, int grid) {
   const int nteams = (int)(g->nblocks * g->hq), dev = g->device, f16 = g->q.dtype == FORKATTN_DTYPE_F16;

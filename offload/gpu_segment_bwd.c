@@ -401,18 +401,20 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
   }
   b.dsum_ready = !bad && (b.pieces || fa_gpu_rowsum_exact_needed(a, qb_h, b.nqb));
   fa_gpu_trace_mark(&tr, "blocks");
+  void *plan_d[11] = {NULL};
   if (!bad) {
     static const int64_t zero = 0; /* the persistent dQ's work counter */
-    const void *plan_h[10] = {maps, p->seg,  p->pair, p->q_pair_off, p->k_pair_idx,
-                              qb_h, kb_h,    units_h, unit_off_h,    &zero};
-    const size_t plan_bytes[10] = {tma || b.dq_wg_pair ? sizeof maps : 0,
+    /* the plan and, last, the kernels' arguments (which hold the plan's device addresses): one block,
+     * one copy riding on the first launch */
+    const void *plan_h[11] = {maps, p->seg,  p->pair, p->q_pair_off, p->k_pair_idx,
+                              qb_h, kb_h,    units_h, unit_off_h,    &zero, &b};
+    const size_t plan_bytes[11] = {tma || b.dq_wg_pair ? sizeof maps : 0,
                                    sizeof *p->seg * (size_t)p->nseg,       sizeof *p->pair * (size_t)p->npairs,
                                    sizeof(int64_t) * (size_t)(p->nseg + 1), sizeof(int64_t) * (size_t)p->npairs,
                                    sizeof *qb_h * (size_t)b.nqb,           sizeof *kb_h * (size_t)b.nkb,
                                    sizeof *units_h * (size_t)b.nunits,     sizeof *unit_off_h * (size_t)(b.nkb + 1),
-                                   sizeof zero};
-    void *plan_d[10] = {NULL};
-    bad = fa_stage_arrays(&st, 10, plan_h, plan_bytes, plan_d);
+                                   sizeof zero,                            sizeof b};
+    bad = fa_stage_reserve(&st, 11, plan_bytes, plan_d);
     b.tma = tma ? (const fa_tma_map *)plan_d[0] : NULL;
     b.kv_tma = b.dq_wg_pair ? (const fa_tma_map *)plan_d[0] + 2 : NULL;
     b.seg = plan_d[1], b.pair = plan_d[2], b.qoff = plan_d[3], b.kidx = plan_d[4];
@@ -424,10 +426,10 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
       b.part_v = fa_stage_scratch(&st, part);
       bad = !b.part_k || !b.part_v;
     }
+    bad = bad || fa_stage_upload(&st, 11, plan_h, plan_bytes, plan_d);
   }
-  /* the tensor-core kernels and the reduce read their arguments from a device copy that rides with the plan */
-  const fa_gpu_bwd *b_dev = !bad ? fa_stage_array(&st, &b, sizeof b) : NULL;
-  bad = bad || !b_dev;
+  /* the tensor-core kernels and the reduce read their arguments from that copy */
+  const fa_gpu_bwd *b_dev = !bad ? plan_d[10] : NULL;
   const int grid = bad ? 0 : fa_gpu_choose_grid(ctx, FA_PASS_DQ, kdq, b.nqb * a->hq, p, qb_h, b.nqb);
   fa_free(units_h);
   fa_free(unit_off_h);

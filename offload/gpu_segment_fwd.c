@@ -171,30 +171,34 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
    * walk meets tiles it would scan, the flag starting at 0 for the check to raise; else 1 */
   const int v_check = wg_pair && fa_gpu_wg_pair_fwd_scans(p);
   static const int v_flag[2] = {1, 0};
-  const void *plan_h[8] = {maps, p->seg, p->pair, p->q_pair_off, blocks_h, &zero, items_h, &v_flag[v_check]};
-  const size_t plan_bytes[8] = {tma ? sizeof maps : 0,
+  /* the plan and, last, the tensor-core kernels' arguments (which hold the plan's device addresses):
+   * one block, one copy riding on the first launch */
+  fa_gpu_fwd_args ga;
+  const void *plan_h[9] = {maps, p->seg, p->pair, p->q_pair_off, blocks_h, &zero, items_h, &v_flag[v_check], &ga};
+  const size_t plan_bytes[9] = {tma ? sizeof maps : 0,
                                 sizeof *p->seg * (size_t)p->nseg,
                                 sizeof *p->pair * (size_t)p->npairs,
                                 sizeof(int64_t) * (size_t)(p->nseg + 1),
                                 sizeof *blocks_h * (size_t)nb,
                                 sizeof zero,
                                 grid < 0 ? sizeof *items_h * (size_t)nb : 0,
-                                wg_pair ? sizeof v_flag[0] : 0};
-  void *plan_d[8] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
-  bad = bad || fa_stage_arrays(&st, 8, plan_h, plan_bytes, plan_d);
+                                wg_pair ? sizeof v_flag[0] : 0,
+                                mma ? sizeof ga : 0};
+  void *plan_d[9] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+  bad = bad || fa_stage_reserve(&st, 9, plan_bytes, plan_d);
   const fa_range *seg = plan_d[1];
   const fa_pair *pair = plan_d[2];
   const int64_t *qoff = plan_d[3];
   const fa_block *blocks = plan_d[4];
   if (!bad && a->lse) bad = !(lse = fa_stage_floats(&st, a->lse, (size_t)(rows * hq), 0));
-  const fa_gpu_fwd_args ga = {q,  k,    v,      o,        lse,         seg,         pair,
-                              qoff, blocks, nb, hq, hkv, d, qshift, a->scale, kept, has_kept, ctx->device,
-                              tma ? (const fa_tma_map *)plan_d[0] : NULL, wg_pair, plan_d[5], qk_pieces ? qk_pieces : 1,
-                              v_pieces ? v_pieces : 1, {pstride[0], pstride[1], pstride[2]}, plan_d[6],
-                              plan_d[7], v_check, a->v.rows};
-  /* the tensor-core kernels read their arguments from a device copy that rides with the plan */
-  const fa_gpu_fwd_args *ga_dev = !bad && mma ? fa_stage_array(&st, &ga, sizeof ga) : NULL;
-  bad = bad || (mma && !ga_dev);
+  ga = (fa_gpu_fwd_args){q,  k,    v,      o,        lse,         seg,         pair,
+                         qoff, blocks, nb, hq, hkv, d, qshift, a->scale, kept, has_kept, ctx->device,
+                         tma ? (const fa_tma_map *)plan_d[0] : NULL, wg_pair, plan_d[5], qk_pieces ? qk_pieces : 1,
+                         v_pieces ? v_pieces : 1, {pstride[0], pstride[1], pstride[2]}, plan_d[6],
+                         plan_d[7], v_check, a->v.rows};
+  bad = bad || fa_stage_upload(&st, 9, plan_h, plan_bytes, plan_d);
+  /* the tensor-core kernels read their arguments from that copy */
+  const fa_gpu_fwd_args *ga_dev = !bad && mma ? plan_d[8] : NULL;
   if (bad) {
     forkattn_status status = fa_stage_status(&st);
     fa_stage_free(&st);

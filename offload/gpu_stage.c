@@ -77,11 +77,26 @@ static char *fa_stage_pack_buffer(fa_stage *s, size_t bytes, int *pinned) {
   return fa_calloc(1, bytes ? bytes : 1);
 }
 
-int fa_stage_arrays(fa_stage *s, int n, const void *const *host, const size_t *bytes, void **dev) {
+static size_t fa_stage_block_bytes(int n, const size_t *bytes) {
   size_t total = 0;
   for (int i = 0; i < n; i++) total += (bytes[i] + 15) & ~(size_t)15;
-  char *d = fa_stage_scratch(s, total);
+  return total;
+}
+
+int fa_stage_reserve(fa_stage *s, int n, const size_t *bytes, void **dev) {
+  char *d = fa_stage_scratch(s, fa_stage_block_bytes(n, bytes));
   if (!d) return -1;
+  size_t at = 0;
+  for (int i = 0; i < n; i++) {
+    dev[i] = d + at;
+    at += (bytes[i] + 15) & ~(size_t)15;
+  }
+  return 0;
+}
+
+int fa_stage_upload(fa_stage *s, int n, const void *const *host, const size_t *bytes, void *const *dev) {
+  const size_t total = fa_stage_block_bytes(n, bytes);
+  char *d = dev[0];
   /* carried by the next launch when it will take the copy; otherwise copied now, as without the queue.
    * A captured call copies now: its graph then holds only kernels, which read the same plan at every replay. */
   const int captured = fa_gpu_capturing();
@@ -92,16 +107,12 @@ int fa_stage_arrays(fa_stage *s, int n, const void *const *host, const size_t *b
     s->copy_failed = 1;
     return -1;
   }
-  if (n == 1 && !carry) return fa_put(s, d, host[0], bytes[0]) ? -1 : (dev[0] = d, 0);
+  if (n == 1 && !carry) return fa_put(s, d, host[0], bytes[0]);
   int pinned = 0;
   char *pack = carry ? fa_stage_pack_buffer(s, total, &pinned) : fa_calloc(1, total ? total : 1);
   if (!pack) return -1; /* one host-to-device copy instead of n */
-  size_t at = 0;
-  for (int i = 0; i < n; i++) {
-    if (bytes[i]) memcpy(pack + at, host[i], bytes[i]);
-    dev[i] = d + at;
-    at += (bytes[i] + 15) & ~(size_t)15;
-  }
+  for (int i = 0; i < n; i++)
+    if (bytes[i]) memcpy(pack + ((char *)dev[i] - d), host[i], bytes[i]);
   if (carry && fa_gpu_launch_copy(d, pack, total)) { /* the launch's stream copies it: no wait of its own */
     s->in_pinned[s->ncarried] = (unsigned char)pinned;
     s->carried[s->ncarried++] = pack;
@@ -110,6 +121,10 @@ int fa_stage_arrays(fa_stage *s, int n, const void *const *host, const size_t *b
   const int rc = fa_put(s, d, pack, total);
   if (!pinned) fa_free(pack);
   return rc;
+}
+
+int fa_stage_arrays(fa_stage *s, int n, const void *const *host, const size_t *bytes, void **dev) {
+  return fa_stage_reserve(s, n, bytes, dev) || fa_stage_upload(s, n, host, bytes, dev) ? -1 : 0;
 }
 
 /* Copy between a strided host tensor and a dense host buffer. */

@@ -51,6 +51,11 @@ void *fa_stage_array(fa_stage *s, const void *host, size_t bytes);
  * a kernel of the call has been launched, and only kernels may read them;
  * the host arrays may change or be freed as soon as this returns. 0 or -1. */
 int fa_stage_arrays(fa_stage *s, int n, const void *const *host, const size_t *bytes, void **dev);
+/* fa_stage_arrays in two steps, for an array that holds the others' device addresses (a call's
+ * arguments): fa_stage_reserve gives the n arrays' device addresses (one block, 16-byte aligned),
+ * fa_stage_upload copies the host arrays there as fa_stage_arrays would. 0 or -1 each. */
+int fa_stage_reserve(fa_stage *s, int n, const size_t *bytes, void **dev);
+int fa_stage_upload(fa_stage *s, int n, const void *const *host, const size_t *bytes, void *const *dev);
 /* Device view of a float array of the caller's memory (lse); copy uploads. */
 float *fa_stage_floats(fa_stage *s, float *p, size_t n, int copy);
 int fa_stage_floats_back(fa_stage *s, float *host, const float *dev, size_t n);

@@ -207,6 +207,37 @@ Test(gpu_launch_copy, plan_arrays_ride_on_the_next_launch_on_its_stream) {
   carry_case_end(&k);
 }
 
+/* A call's arguments hold its plan's device addresses: reserved with the plan, filled in, then packed
+ * with it into the same one copy. */
+Test(gpu_launch_copy, arguments_that_point_into_the_plan_ride_in_its_copy) {
+  carry_case k;
+  carry_case_init(&k, "gpu_launch_copy/reserve");
+  int64_t plan[5], want[5];
+  for (int i = 0; i < 5; i++) want[i] = plan[i] = (int64_t)tc_uniform(&k.rng, -1e12, 1e12);
+  struct {
+    const int64_t *plan;
+    int64_t n;
+  } args = {NULL, 5};
+  const void *host[3] = {plan, NULL, &args};
+  const size_t bytes[3] = {sizeof plan, 0, sizeof args};
+  void *dev[3] = {NULL, NULL, NULL};
+  cr_assert_eq(fa_stage_reserve(&k.st, 3, bytes, dev), 0);
+  cr_assert((uintptr_t)dev[0] % 16 == 0 && (uintptr_t)dev[2] % 16 == 0, "16-byte aligned");
+  cr_assert((char *)dev[2] >= (char *)dev[0] + sizeof plan, "disjoint");
+  args.plan = dev[0];
+  cr_assert_eq(fa_stage_upload(&k.st, 3, host, bytes, dev), 0);
+  memset(plan, 0x5a, sizeof plan);
+  args.plan = NULL;
+  cr_assert_eq(fake_calls, 0, "nothing copied before the launch");
+  int stream_tag;
+  cr_assert_eq(fa_gpu_launch_copies_issue(&stream_tag), 0);
+  cr_assert_eq(fake_calls, 1, "one copy for the plan and the arguments");
+  const int64_t *const *got = dev[2];
+  cr_assert_eq(*got, (const int64_t *)dev[0], "the arguments point at the plan's device copy");
+  cr_assert(memcmp(*got, want, sizeof want) == 0, "the plan in place");
+  carry_case_end(&k);
+}
+
 Test(gpu_launch_copy, a_call_that_launched_nothing_drops_only_its_own_copies) {
   carry_on();
   forkattn_ctx c = host_ctx();

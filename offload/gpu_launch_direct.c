@@ -48,7 +48,8 @@ int fa_gpu_direct_launch(fa_direct_site *s, int device, int grid, int threads, s
   void *const ctx = atomic_load_explicit(&s->cu_ctx[device], memory_order_relaxed);
   uintptr_t env = FA_DIRECT_NO_ENVIRONMENT;
   const void *arg = argp;
-  void *params[2] = {&env, (void *)&arg};
+  uint64_t teams = (uint64_t)(unsigned)grid;
+  void *params[3] = {&env, (void *)&arg, &teams};
   void *cur = NULL, *was = NULL;
   const int push = fa_dl.d.ctx_get(&cur) || cur != ctx; /* the runtime's context, as the runtime makes it current */
   int rc = push ? fa_dl.d.ctx_push(ctx) : 0;
@@ -74,14 +75,19 @@ void fa_gpu_direct_observe(void *f, unsigned gx, unsigned gy, unsigned gz, unsig
   const fa_direct_watched w = fa_dw;
   if (!w.site) return;
   fa_dw.site = NULL; /* the site's one launch */
-  size_t at = 0, size0 = 0, size1 = 0, size2 = 0;
   void *cur = NULL;
-  /* exactly two 8-byte parameters (a third index is out of range), as the site would pass them */
-  const int same = !extra && params && gx == (unsigned)w.grid && gy == 1 && gz == 1 && bx == (unsigned)w.threads &&
-                   by == 1 && bz == 1 && smem == w.smem && !fa_dl.d.param_info(f, 0, &at, &size0) && size0 == 8 &&
-                   !fa_dl.d.param_info(f, 1, &at, &size1) && size1 == 8 && fa_dl.d.param_info(f, 2, &at, &size2) &&
+  /* exactly three 8-byte parameters (a fourth index is out of range), as the site would pass them */
+  int sized = 1;
+  for (size_t i = 0; i < 4 && sized; i++) {
+    size_t at = 0, size = 0;
+    const int rc = fa_dl.d.param_info(f, i, &at, &size);
+    sized = i < 3 ? !rc && size == 8 : rc != 0;
+  }
+  const int same = sized && !extra && params && gx == (unsigned)w.grid && gy == 1 && gz == 1 &&
+                   bx == (unsigned)w.threads && by == 1 && bz == 1 && smem == w.smem &&
                    *(const uintptr_t *)params[0] == FA_DIRECT_NO_ENVIRONMENT &&
-                   *(const void *const *)params[1] == w.argp && !fa_dl.d.ctx_get(&cur) && cur;
+                   *(const void *const *)params[1] == w.argp && *(const uint64_t *)params[2] == (unsigned)w.grid &&
+                   !fa_dl.d.ctx_get(&cur) && cur;
   if (!same) {
     atomic_store(&w.site->off, 1);
     return;

@@ -7,15 +7,17 @@
  * goes through the runtime once per device, and the cuLaunchKernel
  * forwarder (gpu_team_memory.c) watches that launch: when it is what the
  * site would make itself (the grid, the team size and team memory the site
- * asked for, and exactly two 8-byte parameters: the runtime's launch
- * environment, ~0 for a kernel without reductions, and the site's one
- * captured variable, the device copy of its arguments), the site keeps the
- * CUfunction and the CUDA context it ran in. Its next routed launches on
- * that device call the driver directly with the same two parameters, on
- * the routed stream, after the copies queued for the launch
- * (gpu_launch_copy.h). A launch that differs (another runtime, a launch
- * environment the runtime allocates, a variable the region captures
- * besides the arguments) leaves the site on the runtime for good.
+ * asked for, and exactly three 8-byte parameters as LLVM 19 passes them:
+ * the runtime's launch environment, ~0 for a kernel without reductions;
+ * the site's one captured variable, the device copy of its arguments; and
+ * the team count, which Clang captures from the num_teams clause though a
+ * bare kernel never reads it), the site keeps the CUfunction and the CUDA
+ * context it ran in. Its next routed launches on that device call the
+ * driver directly with the same three parameters, on the routed stream,
+ * after the copies queued for the launch (gpu_launch_copy.h). A launch that
+ * differs (another compiler or runtime, a launch environment the runtime
+ * allocates, a variable the region captures besides the arguments) leaves
+ * the site on the runtime for good.
  *
  * Only routed launches go direct: they already run on the caller's stream
  * and the call returns before they end; an unrouted call keeps the

@@ -89,14 +89,16 @@ int fa_gpu_wg_pair_fwd_scans(const fa_plan *p) { return fa_plan_has_partial_tile
 
 #ifdef FORKATTN_HAVE_WGMMA
 /* V's check (gpu_finite_check.h) into *argp->v_nonfinite: enough teams to fill the device a few
- * times over, each thread a few 16-byte chunks. */
+ * times over, each thread a few 16-byte chunks. Everything from args: the region captures argp
+ * alone, so that it can launch directly (gpu_launch_direct.h). */
 static void fa_gpu_v_check(const fa_gpu_fwd_args *g, const fa_gpu_fwd_args *argp) {
-  const int dev = g->device, f16 = g->v.dtype == FORKATTN_DTYPE_F16, sms = fa_gpu_sms(dev);
+  const int dev = g->device, sms = fa_gpu_sms(dev);
   const int64_t per_team = FA_FINITE_CHECK_THREADS / (g->d / 8) * 4, want = (g->vrows * g->hkv + per_team - 1) / per_team;
   const int64_t most = (int64_t)(sms > 0 ? sms : 132) * 8;
   const int nteams = (int)(want < 1 ? 1 : want < most ? want : most);
   FA_TEAMS_LAUNCH(FA_FINITE_CHECK_THREADS, 0,
-                  fa_finite_check_team(args.v, args.vrows, args.hkv, (int)args.d, f16, args.v_nonfinite,
+                  fa_finite_check_team(args.v, args.vrows, args.hkv, (int)args.d, args.v.dtype == FORKATTN_DTYPE_F16,
+                                       args.v_nonfinite,
                                        (int)ompx_block_id_x(), (int)ompx_grid_dim_x(), (int)ompx_thread_id_x());
                   (void)sm;);
 }

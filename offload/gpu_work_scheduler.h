@@ -20,8 +20,8 @@
  * that its copy rides on the launch: gpu_launch_copy.h; the kernels read
  * their arguments from device memory either way, firstprivate's copy
  * costing the runtime one more) and `dev` in scope. argp is the region's
- * one captured variable, so that the launch can go straight to the driver
- * (gpu_launch_direct.h). */
+ * one captured variable (Clang adds GRID's value), so that the launch can go
+ * straight to the driver (gpu_launch_direct.h). */
 #define FA_TEAMS_REGION(GRID, THREADS, SMEM, ...)                                                             \
   FA_DIRECT_OR_RUNTIME(GRID, THREADS, SMEM,                                                                   \
     FA_MMA_PRAGMA(omp target teams ompx_bare num_teams(GRID) thread_limit(THREADS) ompx_dyn_cgroup_mem(SMEM) device(dev) is_device_ptr(argp)) \

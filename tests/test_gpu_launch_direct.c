@@ -23,6 +23,7 @@ static struct {
   unsigned grid, threads, smem;
   uintptr_t env;
   const void *argp;
+  uint64_t teams;
 } last;
 
 static int fake_param_info(void *f, size_t index, size_t *offset, size_t *size) {
@@ -41,11 +42,12 @@ static int fake_launch(void *f, unsigned grid, unsigned threads, unsigned smem, 
   last.f = f, last.grid = grid, last.threads = threads, last.smem = smem, last.stream = stream, last.ctx = current;
   last.env = *(const uintptr_t *)params[0];
   last.argp = *(const void *const *)params[1];
+  last.teams = *(const uint64_t *)params[2];
   return launch_fail;
 }
 
 static const fa_direct_driver fake = {fake_param_info, fake_get, fake_push, fake_pop, fake_launch};
-static int two_params = 2, three_params = 3;
+static int three_params = 3, two_params = 2, four_params = 4;
 static int caller_stream;
 
 static void setup(void) {
@@ -64,12 +66,17 @@ static void teardown(void) {
 }
 
 /* The runtime's launch of a site's kernel f, as the forwarder sees it: `grid` teams of `threads`,
- * `smem` bytes, parameters {env, argp}. */
+ * `smem` bytes, parameters {env, argp, teams} (LLVM 19: the launch environment, the captured
+ * argument copy, the num_teams value Clang captures too). */
+static void runtime_launch_teams(void *f, unsigned grid, unsigned threads, unsigned smem, uintptr_t env,
+                                 const void *argp, uint64_t teams, void **extra) {
+  void *a = (void *)argp;
+  void *params[4] = {&env, &a, &teams, &teams};
+  fa_gpu_direct_observe(f, grid, 1, 1, threads, 1, 1, smem, params, extra);
+}
 static void runtime_launch(void *f, unsigned grid, unsigned threads, unsigned smem, uintptr_t env, const void *argp,
                            void **extra) {
-  void *a = (void *)argp;
-  void *params[2] = {&env, &a};
-  fa_gpu_direct_observe(f, grid, 1, 1, threads, 1, 1, smem, params, extra);
+  runtime_launch_teams(f, grid, threads, smem, env, argp, grid, extra);
 }
 
 /* Watch the site's launch through the runtime (as FA_DIRECT_OR_RUNTIME does when it cannot go direct). */
@@ -86,15 +93,16 @@ Test(gpu_launch_direct, a_matching_watched_launch_makes_the_next_ones_direct) {
   fa_direct_site s = {0};
   char args0[16] = {0}, args1[16] = {0};
   cr_assert_eq(fa_gpu_direct_launch(&s, 0, 132, 256, 100000, args0), 0, "unseen: through the runtime");
-  watched(&s, 0, &two_params, 132, 256, 100000, ENV, args0, NULL);
+  watched(&s, 0, &three_params, 132, 256, 100000, ENV, args0, NULL);
   cr_assert_eq(launches, 0, "watching launches nothing itself");
   cr_assert_eq(fa_gpu_direct_launch(&s, 0, 77, 256, 90000, args1), 1);
   cr_assert_eq(launches, 1);
-  cr_assert_eq(last.f, (void *)&two_params);
+  cr_assert_eq(last.f, (void *)&three_params);
   cr_assert(last.grid == 77 && last.threads == 256 && last.smem == 90000, "the call's own grid and team memory");
   cr_assert_eq(last.stream, (void *)&caller_stream, "on the routed stream");
   cr_assert_eq(last.env, ENV);
   cr_assert_eq(last.argp, (const void *)args1, "the call's own arguments");
+  cr_assert_eq(last.teams, 77, "the team count Clang captures");
   cr_assert_eq(last.ctx, (void *)&runtime_ctx);
   cr_assert_eq(pushes, 0, "the runtime's context was current: no push");
   cr_assert_eq(fa_gpu_direct_error_take(), 0);
@@ -110,7 +118,7 @@ Test(gpu_launch_direct, a_matching_watched_launch_makes_the_next_ones_direct) {
 Test(gpu_launch_direct, only_routed_launches_with_direct_launches_on_go_direct) {
   fa_direct_site s = {0};
   char args[16] = {0};
-  watched(&s, 0, &two_params, 132, 256, 100000, ENV, args, NULL);
+  watched(&s, 0, &three_params, 132, 256, 100000, ENV, args, NULL);
   fa_gpu_direct_enable(0); /* FORKATTN_GPU_DIRECT_LAUNCH=0 */
   cr_assert_eq(fa_gpu_direct_launch(&s, 0, 132, 256, 100000, args), 0);
   fa_gpu_direct_enable(1);
@@ -121,7 +129,7 @@ Test(gpu_launch_direct, only_routed_launches_with_direct_launches_on_go_direct) 
   cr_assert_eq(launches, 1);
   fa_gpu_direct_init(NULL); /* a driver without cuFuncGetParamInfo */
   fa_direct_site t = {0};
-  watched(&t, 0, &two_params, 132, 256, 100000, ENV, args, NULL);
+  watched(&t, 0, &three_params, 132, 256, 100000, ENV, args, NULL);
   cr_assert_eq(fa_gpu_direct_launch(&t, 0, 132, 256, 100000, args), 0);
   cr_assert_eq(launches, 1);
 }
@@ -138,13 +146,14 @@ Test(gpu_launch_direct, a_launch_unlike_the_sites_keeps_it_on_the_runtime) {
     const void *argp;
     void **extra;
   } diff[] = {
-      {"another grid", &two_params, 133, 256, 100000, ENV, args, NULL},
-      {"another team size", &two_params, 132, 128, 100000, ENV, args, NULL},
-      {"more team memory (LIBOMPTARGET_SHARED_MEMORY_SIZE)", &two_params, 132, 256, 110000, ENV, args, NULL},
-      {"a launch environment the runtime allocated", &two_params, 132, 256, 100000, (uintptr_t)other, args, NULL},
-      {"another first variable", &two_params, 132, 256, 100000, ENV, other, NULL},
-      {"a third parameter (another captured variable)", &three_params, 132, 256, 100000, ENV, args, NULL},
-      {"parameters by `extra`", &two_params, 132, 256, 100000, ENV, args, extra},
+      {"another grid", &three_params, 133, 256, 100000, ENV, args, NULL},
+      {"another team size", &three_params, 132, 128, 100000, ENV, args, NULL},
+      {"more team memory (LIBOMPTARGET_SHARED_MEMORY_SIZE)", &three_params, 132, 256, 110000, ENV, args, NULL},
+      {"a launch environment the runtime allocated", &three_params, 132, 256, 100000, (uintptr_t)other, args, NULL},
+      {"another first variable", &three_params, 132, 256, 100000, ENV, other, NULL},
+      {"a fourth parameter (another captured variable)", &four_params, 132, 256, 100000, ENV, args, NULL},
+      {"two parameters (no team count)", &two_params, 132, 256, 100000, ENV, args, NULL},
+      {"parameters by `extra`", &three_params, 132, 256, 100000, ENV, args, extra},
   };
   for (size_t i = 0; i < sizeof diff / sizeof diff[0]; i++) {
     fa_direct_site s = {0};
@@ -152,25 +161,30 @@ Test(gpu_launch_direct, a_launch_unlike_the_sites_keeps_it_on_the_runtime) {
     runtime_launch(diff[i].f, diff[i].grid, diff[i].threads, diff[i].smem, diff[i].env, diff[i].argp, diff[i].extra);
     fa_gpu_direct_unwatch();
     cr_assert_eq(fa_gpu_direct_launch(&s, 0, 132, 256, 100000, args), 0, "%s", diff[i].what);
-    watched(&s, 0, &two_params, 132, 256, 100000, ENV, args, NULL); /* a matching one later changes nothing */
+    watched(&s, 0, &three_params, 132, 256, 100000, ENV, args, NULL); /* a matching one later changes nothing */
     cr_assert_eq(fa_gpu_direct_launch(&s, 0, 132, 256, 100000, args), 0, "%s, then a match", diff[i].what);
   }
+  fa_direct_site s = {0};
+  fa_gpu_direct_watch(&s, 0, 132, 256, 100000, args);
+  runtime_launch_teams(&three_params, 132, 256, 100000, ENV, args, 7, NULL);
+  fa_gpu_direct_unwatch();
+  cr_assert_eq(fa_gpu_direct_launch(&s, 0, 132, 256, 100000, args), 0, "a third parameter other than the team count");
   cr_assert_eq(launches, 0);
 }
 
 Test(gpu_launch_direct, only_the_watched_launch_is_judged) {
   fa_direct_site s = {0};
   char args[16] = {0};
-  runtime_launch(&three_params, 1, 32, 0, ENV, args, NULL); /* a launch nobody watches */
-  watched(&s, 0, &two_params, 132, 256, 100000, ENV, args, NULL);
-  runtime_launch(&three_params, 1, 32, 0, ENV, args, NULL); /* after the site's: not the site's */
+  runtime_launch(&four_params, 1, 32, 0, ENV, args, NULL); /* a launch nobody watches */
+  watched(&s, 0, &three_params, 132, 256, 100000, ENV, args, NULL);
+  runtime_launch(&four_params, 1, 32, 0, ENV, args, NULL); /* after the site's: not the site's */
   cr_assert_eq(fa_gpu_direct_launch(&s, 0, 132, 256, 100000, args), 1);
 }
 
 Test(gpu_launch_direct, a_failed_direct_launch_is_the_calls_error_not_a_second_launch) {
   fa_direct_site s = {0};
   char args[16] = {0};
-  watched(&s, 0, &two_params, 132, 256, 100000, ENV, args, NULL);
+  watched(&s, 0, &three_params, 132, 256, 100000, ENV, args, NULL);
   launch_fail = 700;
   cr_assert_eq(fa_gpu_direct_launch(&s, 0, 132, 256, 100000, args), 1, "done: no launch through the runtime");
   launch_fail = 0;

@@ -65,7 +65,11 @@ int fa_gpu_direct_launch(fa_direct_site *s, int device, int grid, int threads, s
 
 void fa_gpu_direct_watch(fa_direct_site *s, int device, int grid, int threads, size_t smem, const void *argp) {
   fa_dw = (fa_direct_watched){NULL, device, grid, threads, smem, argp};
-  if (fa_dl.on && device >= 0 && device < FA_DIRECT_DEVICES && !atomic_load(&s->off)) fa_dw.site = s;
+  /* a site is judged once a device: an unrouted call's launches, which keep the runtime, are not
+   * checked again */
+  if (fa_dl.on && device >= 0 && device < FA_DIRECT_DEVICES && !atomic_load(&s->off) &&
+      !atomic_load_explicit(&s->fn[device], memory_order_relaxed))
+    fa_dw.site = s;
 }
 
 void fa_gpu_direct_unwatch(void) { fa_dw.site = NULL; }

@@ -62,7 +62,8 @@ int fa_gpu_direct_launch(fa_direct_site *s, int device, int grid, int threads, s
 int fa_gpu_direct_error_take(void);
 
 /* Watch this thread's next launch (the site's, through the runtime) as fa_gpu_direct_launch would
- * make it; fa_gpu_direct_unwatch after the region. */
+ * make it, unless the site is already judged on `device` (known or off); fa_gpu_direct_unwatch
+ * after the region. */
 void fa_gpu_direct_watch(fa_direct_site *s, int device, int grid, int threads, size_t smem, const void *argp);
 void fa_gpu_direct_unwatch(void);
 

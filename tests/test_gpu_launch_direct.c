@@ -26,7 +26,9 @@ static struct {
   uint64_t teams;
 } last;
 
+static int param_queries; /* cuFuncGetParamInfo calls */
 static int fake_param_info(void *f, size_t index, size_t *offset, size_t *size) {
+  param_queries++;
   const int n = *(const int *)f;
   if ((int)index >= n) return 1; /* CUDA_ERROR_INVALID_VALUE */
   *offset = 8 * index;
@@ -124,6 +126,9 @@ Test(gpu_launch_direct, only_routed_launches_with_direct_launches_on_go_direct) 
   fa_gpu_direct_enable(1);
   fa_gpu_launch_unroute(); /* a call without a stream: the runtime's synchronous regions */
   cr_assert_eq(fa_gpu_direct_launch(&s, 0, 132, 256, 100000, args), 0);
+  param_queries = 0;
+  watched(&s, 0, &three_params, 132, 256, 100000, ENV, args, NULL);
+  cr_assert_eq(param_queries, 0, "a site known on the device is not judged again at each unrouted launch");
   fa_gpu_launch_route(&caller_stream);
   cr_assert_eq(fa_gpu_direct_launch(&s, 0, 132, 256, 100000, args), 1);
   cr_assert_eq(launches, 1);

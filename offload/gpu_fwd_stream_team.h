@@ -33,6 +33,7 @@
 #ifndef FORKATTN_GPU_FWD_STREAM_TEAM_H
 #define FORKATTN_GPU_FWD_STREAM_TEAM_H
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "gpu_fwd_teams.h"
@@ -73,12 +74,15 @@ typedef struct fa_fwd_stream_next {
   int ready;
 } fa_fwd_stream_next;
 
-/* A stream team's slots in team memory past its SMEM: the producers' next items, and each
- * warpgroup's next item record, copied with the item's Q rows. */
+/* A stream team's slots in team memory past its SMEM: each warpgroup's next item record, copied
+ * with the item's Q rows by 16-byte cp.async (so first, 16-byte aligned), and the producers' next
+ * items. */
 typedef struct fa_fwd_stream_slots {
-  fa_fwd_stream_next next[2];
   fa_block_item item[2];
+  fa_fwd_stream_next next[2];
 } fa_fwd_stream_slots;
+_Static_assert(offsetof(fa_fwd_stream_slots, item) % 16 == 0 && sizeof(fa_block_item) % 16 == 0,
+               "item records are cp.async destinations");
 #define FA_FWD_STREAM_SLOTS_AT(SMEM) (((SMEM) + 15) / 16 * 16)
 #define FA_FWD_STREAM_SMEM(SMEM) (FA_FWD_STREAM_SLOTS_AT(SMEM) + sizeof(fa_fwd_stream_slots))
 

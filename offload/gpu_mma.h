@@ -159,6 +159,8 @@ static fa_emu_copy fa_emu_pending[FA_EMU_THREADS][FA_EMU_COPIES];
 static int fa_emu_npending[FA_EMU_THREADS], fa_emu_committed[FA_EMU_THREADS];
 
 static inline void fa_emu_cp_async(fa_smem m, int off, const void *src, int size, int bytes) {
+  /* the hardware faults on a copy whose ends are not aligned to its size (team memory's base is) */
+  if ((uintptr_t)(m.p + off) % (uintptr_t)size || (bytes > 0 && (uintptr_t)src % (uintptr_t)size)) __builtin_trap();
   const int t = omp_get_thread_num(), n = fa_emu_npending[t]++;
   if (n >= FA_EMU_COPIES) __builtin_trap(); /* more copies in flight than any kernel issues */
   const fa_emu_copy c = {m.p + off, src, size, bytes, fa_emu_committed[t]};

@@ -121,7 +121,7 @@ static void run_case(const char *name, const emu_case *c) {
   if (c->nan_v_row >= 0) b.v[c->nan_v_row * hkv * d] = to16(NAN, f16);
 
   /* forward: one team per (64-row query block, query head) */
-  static unsigned short smem[2 * 64 * 128 + 4 * 64 * (128 + 8) + 1024];
+  static _Alignas(16) unsigned short smem[2 * 64 * 128 + 4 * 64 * (128 + 8) + 1024];
   cr_assert_geq(sizeof smem, FA_MMA_DKV_SMEM(d));
   cr_assert_geq(sizeof smem, FA_MMA_FWD_SMEM(d, 1, 1));
   cr_assert_geq(sizeof smem, FA_WG_DKV_SMEM(d));
@@ -137,7 +137,7 @@ static void run_case(const char *name, const emu_case *c) {
   fa_block *qb2;
   const int64_t nqb2 = fa_plan_blocks(&plan, FA_WG_PAIR_ROWS, 0, &qb2);
   cr_assert(nqb2 > 0);
-  static unsigned short smem2[(FA_WG_PAIR_ROWS + 2 * FA_WG_PAIR_FWD_STAGES(128) * FA_WG_PAIR_BK) * 128 + 2048];
+  static _Alignas(16) unsigned short smem2[(FA_WG_PAIR_ROWS + 2 * FA_WG_PAIR_FWD_STAGES(128) * FA_WG_PAIR_BK) * 128 + 2048];
   cr_assert_geq(sizeof smem2, FA_WG_PAIR_FWD_SMEM(d));
   cr_assert_geq(sizeof smem2, FA_FWD_STREAM_SMEM(FA_WG_PAIR_FWD_SMEM(d)));
   /* the stream teams' blocks, kept with the plan, and their items */
@@ -458,7 +458,7 @@ static void kl_case(const char *name, int64_t P, int64_t N, const int64_t *lens,
   b.kl = kl, b.stats = stats, b.outside = outside;
   b.reverse = reverse, b.nqb = nqb, b.h = H, b.hkv_t = hkv_t, b.hkv_s = hkv_s, b.dt = b.ds = d;
   b.st = sct, b.ss = scs, b.loss_mul = 1.0f;
-  static unsigned short smem[4 * 64 * (128 + 8)];
+  static _Alignas(16) unsigned short smem[4 * 64 * (128 + 8)];
   const int bk = FA_MMA_BK(d);
   EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, H, fa_mma_kl_fwd_team((int)d, bk, f16, b, qb[blk], h, smem));
   double worst = 0;
@@ -656,7 +656,7 @@ static void kl_bwd_case(const char *name, int64_t P, int64_t N, const int64_t *l
   b.kl = kl, b.stats = stats, b.outside = outside, b.stats_in = stats, b.dkl = dkl;
   b.reverse = reverse, b.teacher_grad = 1, b.nqb = nqb, b.nkb = nkb, b.nunits = nunits, b.krows = FA_MMA_ROWS;
   b.h = H, b.hkv_t = b.hkv_s = hkv, b.dt = b.ds = d, b.st = sct, b.ss = scs, b.loss_mul = 1.0f;
-  static unsigned short smem[4 * 64 * (128 + 8) + 64];
+  static _Alignas(16) unsigned short smem[4 * 64 * (128 + 8) + 64];
   cr_assert_geq(sizeof smem, FA_MMA_KL_DQ_SMEM(128, 32));
   cr_assert_geq(sizeof smem, FA_MMA_KL_DK_SMEM(128));
   EMU_QUERY_TEAMS(FA_MMA_THREADS, nqb, H, fa_mma_kl_fwd_team((int)d, bk, f16, b, qb[blk], h, smem));

@@ -32,14 +32,15 @@
  * head's columns (coalesced), a shuffle tree for the sum (fixed order:
  * deterministic). */
 #define FA_ROWSUM_WARPS 8
-static void fa_gpu_rowsum(const fa_gpu_bwd *b, int dev) {
-  const fa_dev_tensor o = b->o, dout = b->dout;
-  float *dsum = b->dsum;
-  const int64_t n = b->rows * b->hq, hq = b->hq, d = b->d;
-  const int nteams = (int)((n + FA_ROWSUM_WARPS - 1) / FA_ROWSUM_WARPS);
-#pragma omp target teams ompx_bare num_teams(nteams) thread_limit(32 * FA_ROWSUM_WARPS) device(dev) \
-    firstprivate(o, dout) is_device_ptr(dsum)
+static void fa_gpu_rowsum(const fa_gpu_bwd *b, const fa_gpu_bwd *argp) {
+  const int nteams = (int)((b->rows * b->hq + FA_ROWSUM_WARPS - 1) / FA_ROWSUM_WARPS), dev = b->device;
+  /* arguments from the staged copy: a routed call's kernels may not read a firstprivate struct (the
+   * runtime's copy of it is neither ordered with the caller's stream nor kept until they run) */
+#pragma omp target teams ompx_bare num_teams(nteams) thread_limit(32 * FA_ROWSUM_WARPS) device(dev) is_device_ptr(argp)
   {
+    const fa_dev_tensor o = argp->o, dout = argp->dout;
+    float *dsum = argp->dsum;
+    const int64_t n = argp->rows * argp->hq, hq = argp->hq, d = argp->d;
     const int tid = ompx_thread_id_x(), lane = tid % 32;
     const int64_t i = (int64_t)ompx_block_id_x() * FA_ROWSUM_WARPS + tid / 32; /* warp-uniform */
     if (i < n) {
@@ -56,20 +57,20 @@ static void fa_gpu_rowsum(const fa_gpu_bwd *b, int dev) {
 /* D of every row, a team per query block, a warp per (row, query head), lanes over the columns,
  * shuffle trees in a fixed order (deterministic): blocks that see few keys from the inputs,
  * sum_j exp(s_j - lse) (dO . v_j) (lib/core/rowsum_exact.h), the others as dO . O. */
-static void fa_gpu_rowsum_blocks(const fa_gpu_bwd *b, int dev) {
-  const fa_dev_tensor q = b->q, k = b->k, v = b->v, o = b->o, dout = b->dout;
-  const float *lse = b->lse;
-  float *dsum = b->dsum;
-  const fa_range *seg = b->seg;
-  const fa_pair *pair = b->pair;
-  const int64_t *qoff = b->qoff;
-  const fa_block *blocks = b->qblocks;
-  const int64_t hq = b->hq, d = b->d, group = b->hq / b->hkv, qshift = b->qshift;
-  const float scale = b->scale;
-  const int nteams = (int)b->nqb;
-#pragma omp target teams ompx_bare num_teams(nteams) thread_limit(32 * FA_ROWSUM_WARPS) device(dev) \
-    firstprivate(q, k, v, o, dout) is_device_ptr(lse, dsum, seg, pair, qoff, blocks)
+static void fa_gpu_rowsum_blocks(const fa_gpu_bwd *b, const fa_gpu_bwd *argp) {
+  const int nteams = (int)b->nqb, dev = b->device;
+  /* arguments from the staged copy, as fa_gpu_rowsum */
+#pragma omp target teams ompx_bare num_teams(nteams) thread_limit(32 * FA_ROWSUM_WARPS) device(dev) is_device_ptr(argp)
   {
+    const fa_dev_tensor q = argp->q, k = argp->k, v = argp->v, o = argp->o, dout = argp->dout;
+    const float *lse = argp->lse;
+    float *dsum = argp->dsum;
+    const fa_range *seg = argp->seg;
+    const fa_pair *pair = argp->pair;
+    const int64_t *qoff = argp->qoff;
+    const fa_block *blocks = argp->qblocks;
+    const int64_t hq = argp->hq, d = argp->d, group = argp->hq / argp->hkv, qshift = argp->qshift;
+    const float scale = argp->scale;
     const int tid = ompx_thread_id_x(), lane = tid % 32, warp = tid / 32;
     const fa_block blk = blocks[ompx_block_id_x()];
     const int64_t p0 = qoff[blk.seg], p1 = qoff[blk.seg + 1];
@@ -442,10 +443,10 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
   fa_note_workspace(ctx, st.bytes);
   fa_gpu_trace_mark(&tr, "upload");
   if (b.dsum_ready && !b.pieces) { /* some blocks take D from the inputs */
-    fa_gpu_rowsum_blocks(&b, ctx->device);
+    fa_gpu_rowsum_blocks(&b, b_dev);
     fa_gpu_trace_mark(&tr, "rowsum_blocks");
   } else if (!mma || b.pieces) { /* else the tensor-core dQ kernel computes D itself */
-    fa_gpu_rowsum(&b, ctx->device);
+    fa_gpu_rowsum(&b, b_dev);
     fa_gpu_trace_mark(&tr, "rowsum");
   }
   fa_gpu_log_kernels(ctx, "attn_bwd", "dQ %s%s, dK/dV %s%s", fa_gpu_kernel_name(FA_PASS_DQ, kdq),

@@ -132,6 +132,42 @@ def test_cuda_second_device_gets_its_own_context():
             forkattn.prefix_attention(q1, k.to("cuda:1"), v.to("cuda:1"), lay)
 
 
+@pytest.mark.parametrize(
+    "dtype, prompts, responses",
+    [(torch.float32, [100, 37], [[20, 64], [9]]),  # f32 on tensor cores: D by the rowsum kernel
+     (torch.bfloat16, [8, 5], [[4, 4], [3]])],  # rows that see few keys: D from the inputs
+)
+def test_cuda_calls_queued_behind_a_busy_stream_keep_their_arguments(dtype, prompts, responses, monkeypatch):
+    """Two problems' forward and backward calls queued behind a long kernel on PyTorch's stream: each
+    call's kernels run after later calls were made and must still read their own call's arguments
+    (the backward's D kernels once took theirs from a copy the runtime made off the stream and
+    reused). Gradients equal those of synchronous calls (FORKATTN_TORCH_STREAM=0) bitwise."""
+    lay = forkattn.SharedPrefixLayout.from_lengths(prompts, responses)
+    problems = [[t.cuda() for t in make_qkv(lay.num_rows, HQ, HKV, D, dtype, seed=s)] for s in (41, 42)]
+
+    def run(busy):
+        leaves = [[t.detach().clone().requires_grad_() for t in p[:3]] for p in problems]
+        torch.cuda.synchronize()
+        if busy:
+            torch.cuda._sleep(1_000_000_000)  # about half a second of one SM's clock
+        grads = []
+        for (q, k, v), (_, _, _, do) in zip(leaves, problems):
+            out = forkattn.prefix_attention(q, k, v, lay, causal=True)
+            grads.append(torch.autograd.grad(out, (q, k, v), do))
+        if busy:
+            assert not torch.cuda.current_stream().query(), "the calls did not return while the stream was busy"
+        return [[g.cpu() for g in gs] for gs in grads]
+
+    monkeypatch.setenv("FORKATTN_TORCH_STREAM", "0")
+    want = run(False)
+    monkeypatch.delenv("FORKATTN_TORCH_STREAM")
+    got = run(True)
+    for w_problem, g_problem in zip(want, got):
+        for name, w, g in zip(("dq", "dk", "dv"), w_problem, g_problem):
+            assert torch.isfinite(w).all()
+            assert torch.equal(w, g), (name, (w.double() - g.double()).abs().max().item())
+
+
 def test_cuda_calls_follow_torchs_stream(monkeypatch):
     """A GPU context follows PyTorch's current stream (forkattn_ctx_set_stream): the bf16 tensor-core
     calls are queued on it and return at once. Their results are bitwise those of synchronous calls

@@ -48,8 +48,11 @@ for run in ${FORKATTN_SANITIZE_RUNS:-pytest check}; do
   [ "$run" = check ] && drv=$check_drv
   for tool in ${FORKATTN_SANITIZE_TOOLS:-memcheck initcheck racecheck}; do
     log="$final/sanitizer_${run}_$tool.txt"
+    # API errors unreported: a direct launch site counts its kernel's parameters by asking for one
+    # past the last (cuFuncGetParamInfo fails there by design, gpu_launch_direct.c); the offload
+    # runtime reports the failures of its own calls
     FORKATTN_BACKEND=gpu timeout "${FORKATTN_SANITIZE_TIMEOUT:-300}" bash bench/gpu_run.sh "$cs" --tool "$tool" \
-      --error-exitcode 9 python3 -c "$drv" > "$log" 2>&1
+      --report-api-errors no --error-exitcode 9 python3 -c "$drv" > "$log" 2>&1
     rc=$?
     [ $rc -eq 0 ] || status=1
     echo "$run $tool rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|^check:|initialized before' "$log" |

@@ -8,7 +8,8 @@
  * the tile with barriers, sits on every item's critical path: on short
  * sequences most tiles are such tiles. One pass over V before the forward
  * (memory-bound, a few microseconds) tells whether any scan can find
- * anything; when V is finite everywhere the forward skips them all. */
+ * anything; when V is finite everywhere the forward skips them all. Run on launches of many
+ * items only (gpu_finite_check_policy.h): on a few it costs more than the scans. */
 #ifndef FORKATTN_GPU_FINITE_CHECK_H
 #define FORKATTN_GPU_FINITE_CHECK_H
 #include <stdint.h>

@@ -17,11 +17,13 @@
 
 #include "dtype_convert.h"
 #include "gpu_backend.h"
+#include "gpu_finite_check_policy.h"
 #include "gpu_fwd.h"
 #include "gpu_select_ctx.h"
 #include "gpu_tma.h"
 #include "gpu_stage.h"
 #include "gpu_stream.h"
+#include "gpu_team_memory.h"
 #include "gpu_segment_walk.h"
 #include "gpu_split.h"
 #include "gpu_tiles.h"
@@ -168,8 +170,9 @@ static forkattn_status fa_gpu_attn_fwd_run(forkattn_ctx *ctx, const void *args, 
   }
   static const int64_t zero = 0; /* the persistent launch's work counter */
   /* V's finiteness for the two-warpgroup kernel: checked before it (gpu_finite_check.h) where its
-   * walk meets tiles it would scan, the flag starting at 0 for the check to raise; else 1 */
-  const int v_check = wg_pair && fa_gpu_wg_pair_fwd_scans(p);
+   * walk meets tiles it would scan and the launch has items enough to pay for the check
+   * (gpu_finite_check_policy.h), the flag starting at 0 for the check to raise; else 1 */
+  const int v_check = wg_pair && fa_v_check_pays(fa_gpu_sms(ctx->device), nb * hq) && fa_gpu_wg_pair_fwd_scans(p);
   static const int v_flag[2] = {1, 0};
   /* the plan and, last, the tensor-core kernels' arguments (which hold the plan's device addresses):
    * one block, one copy riding on the first launch */

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "gpu_finite_check_policy.h"
 #include "gpu_persist.h"
 #include "gpu_select.h"
 
@@ -260,6 +261,19 @@ Test(gpu_select, persistent_teams_only_for_the_two_warpgroup_forward_and_dq) {
   fa_gpu_caps unknown = c;
   unknown.sms = 0;
   cr_expect_eq(fa_gpu_select_grid(&unknown, &always, FA_PASS_FWD, FA_KERNEL_WG_PAIR, many, 4600), 0, "SMs unknown");
+}
+
+/* The grid's shapes on an H100 (132 SMs): items = 128-row query blocks x query heads. */
+Test(gpu_select, v_is_checked_only_on_launches_of_many_items) {
+  const int sms = h100().sms;
+  cr_expect(!fa_v_check_pays(sms, 1 * 8), "a tiny call: one block, 8 heads");
+  cr_expect(!fa_v_check_pays(sms, 8 * 16), "a GRPO group of 4 x 128 under 512: 8 blocks, 16 heads");
+  cr_expect(!fa_v_check_pays(sms, 24 * 8), "a GRPO group of 8 x 256 under 1024: 24 blocks, 8 heads");
+  cr_expect(fa_v_check_pays(sms, 32 * 32), "one sequence of 4096 rows, 32 heads");
+  cr_expect(fa_v_check_pays(sms, 256 * 14), "256 sequences of 128 rows, 14 heads");
+  const int64_t at = (int64_t)FA_V_CHECK_MIN_ITEMS_PER_SM * sms;
+  cr_expect(fa_v_check_pays(sms, at) && !fa_v_check_pays(sms, at - 1), "the threshold");
+  cr_expect(!fa_v_check_pays(0, 1 << 20), "SMs unknown: the kernel scans");
 }
 
 /* The reason a verbose context logs for grid = fa_gpu_select_grid's answer on the same inputs. */

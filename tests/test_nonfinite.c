@@ -6,6 +6,7 @@
  * a causal mask (0 * NaN in a masked part of a tile). [host or device] */
 #include <criterion/criterion.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -195,4 +196,76 @@ Test(nonfinite, nan_causal_bf16) { nonfinite_case(1, NAN, FORKATTN_DTYPE_BF16, "
 Test(nonfinite, inf_causal_f16) { nonfinite_case(1, INFINITY, FORKATTN_DTYPE_F16, "nonfinite/inf_causal_f16"); }
 Test(nonfinite, nan_bidirectional_bf16) {
   nonfinite_case(0, NAN, FORKATTN_DTYPE_BF16, "nonfinite/nan_bidirectional_bf16");
+}
+
+/* A NaN in v on a launch of many items (65 query blocks x 16 query heads, over 4 items an SM on a
+ * 132-SM GPU), where the GPU forward checks V before its kernel (offload/gpu_finite_check_policy.h)
+ * and its teams, told V holds one, scan the tiles that hide keys: the NaN reaches exactly the rows
+ * of its response at or after it, in its KV head's query heads and its column; nothing else
+ * changes, lse nowhere. [host or device] */
+enum { MP = 128, MN = 64, MR = 120, MT = MP + MN * MR, MHQ = 16, MHKV = 2 };
+
+/* The forward of the many-item layout; o's buffer poisoned with the bf16 `poison` first. */
+static void forward_many(forkattn_ctx *ctx, const int64_t *moff, const double *q, const double *k, const double *v,
+                         uint16_t poison, double *o, float *lse) {
+  const forkattn_prefix_layout lay = {MP, MN, moff, FORKATTN_MASK_CAUSAL};
+  float *buf[4];
+  for (int i = 0; i < 4; i++) cr_assert_not_null(buf[i] = malloc(sizeof(float) * (size_t)MT * MHQ * D));
+  const forkattn_tensor tq = forkattn_tensor_contiguous(buf[0], FORKATTN_DTYPE_BF16, MT, MHQ, D),
+                        tk = forkattn_tensor_contiguous(buf[1], FORKATTN_DTYPE_BF16, MT, MHKV, D),
+                        tv = forkattn_tensor_contiguous(buf[2], FORKATTN_DTYPE_BF16, MT, MHKV, D),
+                        to = forkattn_tensor_contiguous(buf[3], FORKATTN_DTYPE_BF16, MT, MHQ, D);
+  ref_tensor_write(&tq, q);
+  ref_tensor_write(&tk, k);
+  ref_tensor_write(&tv, v);
+  for (size_t i = 0; i < (size_t)MT * MHQ * D; i++) ((uint16_t *)buf[3])[i] = poison;
+  cr_assert_eq(forkattn_prefix_fwd(ctx, &lay, &tq, &tk, &tv, &to, lse, 0.125f, FORKATTN_MEMORY_HOST), FORKATTN_OK);
+  ref_tensor_read(&to, o);
+  for (int i = 0; i < 4; i++) free(buf[i]);
+}
+
+Test(nonfinite, nan_in_v_of_a_launch_of_many_items_bf16, .timeout = 300) {
+  const char *label = "nonfinite/nan_in_v_of_a_launch_of_many_items_bf16";
+  forkattn_ctx *ctx = tc_ctx_default(label);
+  cr_assert_not_null(ctx);
+  int64_t moff[MN + 1];
+  for (int i = 0; i <= MN; i++) moff[i] = (int64_t)i * MR;
+  const size_t nq = (size_t)MT * MHQ * D, nkv = (size_t)MT * MHKV * D;
+  double *q = malloc(sizeof(double) * nq), *k = malloc(sizeof(double) * nkv), *v = malloc(sizeof(double) * nkv);
+  double *base = malloc(sizeof(double) * nq), *got = malloc(sizeof(double) * nq);
+  float *lse_base = malloc(sizeof(float) * (size_t)MT * MHQ), *lse_got = malloc(sizeof(float) * (size_t)MT * MHQ);
+  cr_assert(q && k && v && base && got && lse_base && lse_got);
+  tc_rng rng = tc_rng_for(label);
+  for (size_t i = 0; i < nq; i++) q[i] = tc_uniform(&rng, -1, 1);
+  for (size_t i = 0; i < nkv; i++) k[i] = tc_uniform(&rng, -1, 1), v[i] = tc_uniform(&rng, -1, 1);
+  /* o poisoned: NaN where the run must be finite, a finite 0x1.fcp+127 where it must show the NaN */
+  forward_many(ctx, moff, q, k, v, 0x7fc1, base, lse_base);
+  /* row 7 of response 5, KV head 1, column 3 */
+  const int64_t resp = 5, at = 7, row = MP + resp * MR + at, head = 1, col = 3;
+  v[((size_t)row * MHKV + head) * D + col] = NAN;
+  forward_many(ctx, moff, q, k, v, 0x7f7e, got, lse_got);
+  double ref = 0;
+  for (size_t i = 0; i < nq; i++) {
+    cr_assert(isfinite(base[i]), "%s: the finite run's o[%zu] is %g", label, i, base[i]);
+    ref = fmax(ref, fabs(base[i]));
+  }
+  const double step = 0x1p-7; /* one bf16 step, as expect() */
+  for (int64_t i = 0; i < MT; i++)
+    for (int64_t h = 0; h < MHQ; h++) {
+      const float lb = lse_base[i * MHQ + h], lg = lse_got[i * MHQ + h];
+      cr_assert(isfinite(lg) && fabs(lg - lb) <= 1e-5 * fabs(lb) + 1e-6, "%s: lse[%lld, %lld] %g, was %g", label,
+                (long long)i, (long long)h, lg, lb);
+      const int sees = i >= row && i < MP + (resp + 1) * MR && h / (MHQ / MHKV) == head;
+      for (int64_t c = 0; c < D; c++) {
+        const double g = got[(i * MHQ + h) * D + c], b = base[(i * MHQ + h) * D + c];
+        if (sees && c == col)
+          cr_assert(isnan(g), "%s: o[%lld, %lld, %lld] reads the NaN but is %g", label, (long long)i, (long long)h,
+                    (long long)c, g);
+        else
+          cr_assert(isfinite(g) && fabs(g - b) <= (1e-5 + step) * ref, "%s: o[%lld, %lld, %lld] %g, was %g", label,
+                    (long long)i, (long long)h, (long long)c, g, b);
+      }
+    }
+  free(q), free(k), free(v), free(base), free(got), free(lse_base), free(lse_got);
+  forkattn_ctx_destroy(ctx);
 }

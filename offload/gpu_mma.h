@@ -218,6 +218,7 @@ static inline uint32_t fa_mma_ballot(int pred) {
 static inline fa_u4 fa_ldmatrix_x4(fa_smem m, int off, int trans) {
   const int t = omp_get_thread_num(), w0 = t & ~31, L = t & 31;
   fa_emu_lanes *e = fa_emu_next(t);
+  if ((uintptr_t)(m.p + off) % 16) __builtin_trap(); /* a row address the hardware faults on */
   e->addr[t] = m.p + off;
 #pragma omp barrier
   uint32_t r[4];

@@ -90,14 +90,21 @@ static inline void fa_tma_emulated_map(fa_tma_map *map, const void *base, int64_
   memcpy(map, &e, sizeof e);
 }
 
-static inline void fa_mbar_init(fa_smem m, int off, int count) { (void)m, (void)off, (void)count; }
-static inline void fa_mbar_inval(fa_smem m, int off) { (void)m, (void)off; }
-static inline void fa_mbar_expect_tx(fa_smem m, int off, int bytes) { (void)m, (void)off, (void)bytes; }
-static inline void fa_mbar_arrive(fa_smem m, int off) { (void)m, (void)off; }
+/* The alignments the hardware needs (an mbarrier: 8 bytes) or the kernels' layout assumes (a box
+ * written with the 128-byte swizzle, whose pattern follows absolute address bits 4-9: 1024 bytes),
+ * checked, since the emulation would work without them. */
+static inline void fa_mbar_aligned(fa_smem m, int off) {
+  if ((uintptr_t)(m.p + off) % 8) __builtin_trap();
+}
+static inline void fa_mbar_init(fa_smem m, int off, int count) { fa_mbar_aligned(m, off), (void)count; }
+static inline void fa_mbar_inval(fa_smem m, int off) { fa_mbar_aligned(m, off); }
+static inline void fa_mbar_expect_tx(fa_smem m, int off, int bytes) { fa_mbar_aligned(m, off), (void)bytes; }
+static inline void fa_mbar_arrive(fa_smem m, int off) { fa_mbar_aligned(m, off); }
 static inline void fa_tma_load_3d(fa_smem m, int dst, const fa_tma_map *map, int c0, int c1, int c2, int bar) {
   fa_tma_emu e;
   memcpy(&e, map, sizeof e);
-  (void)bar;
+  fa_mbar_aligned(m, bar);
+  if ((uintptr_t)(m.p + dst) % 1024) __builtin_trap();
   for (int r = 0; r < e.box_rows; r++)
     for (int c = 0; c < 64; c++) { /* out of the tensor: zeros */
       const int64_t row = (int64_t)c2 + r, col = (int64_t)c0 + c;

@@ -60,8 +60,8 @@ int fa_gpu_tma_encode(fa_tma_map *map, const void *base, int f16, int64_t rows, 
  * Bases: with FORKATTN_MMA_EMULATE (host tests) the copy happens at once,
  * from the map fa_tma_emulated_map wrote, into the wgmma layout the
  * cp.async loader writes (so the emulated wgmma reads it alike), and the
- * barrier calls do nothing: the team barrier that precedes every read of a
- * tile orders it. Otherwise they trap. */
+ * barrier calls only check their barrier's alignment: the team barrier that
+ * precedes every read of a tile orders it. Otherwise they trap. */
 #ifndef FORKATTN_MMA_EMULATE
 static inline void fa_mbar_init(fa_smem m, int off, int count) { (void)m, (void)off, (void)count, __builtin_trap(); }
 static inline void fa_mbar_inval(fa_smem m, int off) { (void)m, (void)off, __builtin_trap(); }
@@ -113,7 +113,7 @@ static inline void fa_tma_load_3d(fa_smem m, int dst, const fa_tma_map *map, int
     }
 }
 static inline int fa_mbar_try_wait(fa_smem m, int off, int parity) {
-  (void)m, (void)off, (void)parity;
+  fa_mbar_aligned(m, off), (void)parity;
   return 1;
 }
 #endif

@@ -217,11 +217,19 @@ def _descs(q, *ts):
     """Descriptors of q and the other [rows, heads, d] tensors (cast to q's dtype, copied when
     the C library cannot take their strides). Returns (tensors kept alive, descriptors).
     Any copy is queued on PyTorch's stream: call _ctx_for() (which orders the call after it) afterwards."""
+    dtype = q.dtype
+    code = _DTYPES[dtype]
     keep, ds = [], []
     for t in (q,) + ts:
-        t, d = _desc(t.to(q.dtype) if t.dtype != q.dtype else t)
+        if t.dtype != dtype:
+            t = t.to(dtype)
+        if t.is_contiguous():  # _desc's common case, inline: a call's host time is what tiny calls cost
+            rows, heads, d = t.shape
+            desc = _lib.Tensor(t.data_ptr() or None, code, rows, heads, d, heads * d, d)
+        else:
+            t, desc = _desc(t)
         keep.append(t)
-        ds.append(d)
+        ds.append(desc)
     return keep, ds
 
 
@@ -247,9 +255,13 @@ def _prefix_fwd_run(q, k, v, P, R, S, scale, causal):
     return out, lse
 
 
+def _prefix_fwd_checked(q, k, v, prompt_lens, response_lens, group_sizes, scale, causal):
+    return _prefix_fwd_run(q, k, v, *_prefix_ints(prompt_lens, response_lens, group_sizes), scale, causal)
+
+
 def _prefix_fwd_impl(q, k, v, prompt_lens, response_lens, group_sizes, scale, causal):
     _check_qkv(q, k, v)
-    return _prefix_fwd_run(q, k, v, *_prefix_ints(prompt_lens, response_lens, group_sizes), scale, causal)
+    return _prefix_fwd_checked(q, k, v, prompt_lens, response_lens, group_sizes, scale, causal)
 
 
 def _prefix_bwd_impl(dout, q, k, v, out, lse, prompt_lens, response_lens, group_sizes, scale, causal):
@@ -271,9 +283,13 @@ def _prefix_bwd_run(dout, q, k, v, out, lse, P, R, S, scale, causal):
     return dq, dk, dv
 
 
+def _tree_fwd_checked(q, k, v, node_offsets, parents, scale):
+    return _tree_fwd_run(q, k, v, _host_i64(node_offsets), _host_i64(parents), scale)
+
+
 def _tree_fwd_impl(q, k, v, node_offsets, parents, scale):
     _check_qkv(q, k, v)
-    return _tree_fwd_run(q, k, v, _host_i64(node_offsets), _host_i64(parents), scale)
+    return _tree_fwd_checked(q, k, v, node_offsets, parents, scale)
 
 
 def _tree_fwd_run(q, k, v, offs, par, scale):
@@ -314,9 +330,13 @@ def _varlen_seqlens(cu_seqlens_q, cu_seqlens_k):
     return cq
 
 
+def _varlen_fwd_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal):
+    return _varlen_fwd_run(q, k, v, _varlen_seqlens(cu_seqlens_q, cu_seqlens_k), scale, causal)
+
+
 def _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal):
     _check_qkv(q, k, v)
-    return _varlen_fwd_run(q, k, v, _varlen_seqlens(cu_seqlens_q, cu_seqlens_k), scale, causal)
+    return _varlen_fwd_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
 
 
 def _varlen_fwd_run(q, k, v, cu, scale, causal):
@@ -583,15 +603,15 @@ def _needs_grad(q, k, v):
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
-def _forward(op, function, impl, args):
-    """(out, lse) of a forward whose args start with q, k, v: through the custom op ``op`` (see
-    ``USE_CUSTOM_OPS``), the autograd.Function ``function`` where autograd records the call, or
-    the implementation ``impl`` directly."""
+def _forward(op, function, checked, args):
+    """(out, lse) of a forward whose args start with q, k, v, already checked by _check_qkv: through
+    the custom op ``op`` (see ``USE_CUSTOM_OPS``), the autograd.Function ``function`` where autograd
+    records the call, or the implementation ``checked`` (which skips that check) directly."""
     if use_custom_ops():
         return getattr(torch.ops.forkattn, op)(*args)
     if _needs_grad(*args[:3]):
         return function.apply(*args)
-    return impl(*args)
+    return checked(*args)
 
 
 def prefix_attention(q, k, v, layout, *, softmax_scale=None, causal=True, return_lse=False):
@@ -609,7 +629,7 @@ def prefix_attention(q, k, v, layout, *, softmax_scale=None, causal=True, return
     _check_qkv(q, k, v)
     scale = _scale_of(q, softmax_scale)
     args = (q, k, v, layout.prompt_lens, layout.response_lens, layout.group_sizes, scale, bool(causal))
-    out, lse = _forward("prefix_fwd", PrefixAttentionFunction, _prefix_fwd_impl, args)
+    out, lse = _forward("prefix_fwd", PrefixAttentionFunction, _prefix_fwd_checked, args)
     return (out, lse) if return_lse else out
 
 
@@ -622,7 +642,7 @@ def tree_attention(q, k, v, layout, *, softmax_scale=None, return_lse=False):
     _check_qkv(q, k, v)
     scale = _scale_of(q, softmax_scale)
     args = (q, k, v, layout.node_offsets, layout.parents, scale)
-    out, lse = _forward("tree_fwd", TreeAttentionFunction, _tree_fwd_impl, args)
+    out, lse = _forward("tree_fwd", TreeAttentionFunction, _tree_fwd_checked, args)
     return (out, lse) if return_lse else out
 
 
@@ -654,7 +674,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                              % (int(max_seqlen_q), longest))
     scale = _scale_of(q, softmax_scale)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, scale, bool(causal))
-    out, lse = _forward("varlen_fwd", VarlenAttentionFunction, _varlen_fwd_impl, args)
+    out, lse = _forward("varlen_fwd", VarlenAttentionFunction, _varlen_fwd_checked, args)
     if return_lse:
         return out, lse.t().contiguous()
     return out

@@ -10,14 +10,16 @@ CPU, the CUDA-event time, the kernel time and the phases of profile_calls.py (to
 For the tiny case it splits a forward+backward's host time by phase (the forward, the autograd
 engine until it enters the binding's backward, that backward, the engine after it) beside SDPA's
 and an autograd.Function that does no work (the floor of a Python backward), with the autograd
-engine's worker threads on and off (torch.autograd.set_multithreading_enabled), and a cProfile
+engine's worker threads on and off (torch.autograd.set_multithreading_enabled); with --cpp-floor
+also the same do-nothing function as a C++ autograd op (torch.utils.cpp_extension.load_inline,
+which needs a C++ compiler and ninja: the floor a compiled binding would have); and a cProfile
 of the binding's tiny call shows the Python functions that cost most. The wall
 time minus the kernels is the host's cost per call: the binding's Python and PyTorch's dispatch
 on top of the library's host work (the C row).
 
 Usage (GPU machine, offload build):
   OMP_TARGET_OFFLOAD=mandatory bash bench/gpu_run.sh python3 bench/profile_binding.py \\
-      --lib build-gpu/libforkattn.so [--cases tiny,dense,varlen]
+      --lib build-gpu/libforkattn.so [--cases tiny,dense,varlen] [--cpp-floor]
 """
 import argparse
 import cProfile
@@ -42,6 +44,8 @@ def main():
     ap.add_argument("--lib", default="build-gpu/libforkattn.so")
     ap.add_argument("--cases", default="tiny,dense,varlen")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--cpp-floor", action="store_true",
+                    help="also time a do-nothing C++ autograd op (builds it with load_inline)")
     a = ap.parse_args()
     os.environ["FORKATTN_LIBRARY"] = os.path.abspath(a.lib)
     import torch
@@ -92,7 +96,8 @@ def main():
         pc.report("  SDPA fwd", s, a.reps, None)
         pc.report("  SDPA fwd+bwd", lambda: s().backward(douts), a.reps, None)
         if name == "tiny":
-            backward_phases(forkattn, q, k, v, cu_h, L, dout, qs, ks, vs, douts)
+            backward_phases(forkattn, q, k, v, cu_h, L, dout, qs, ks, vs, douts,
+                            cpp=cpp_floor() if a.cpp_floor else None)
             pr = cProfile.Profile()
             pr.enable()
             for _ in range(50):
@@ -106,7 +111,38 @@ def main():
         torch.cuda.empty_cache()
 
 
-def backward_phases(forkattn, q, k, v, cu, L, dout, qs, ks, vs, douts, reps=50):
+# A C++ autograd op doing what Floor does (nothing): the engine's own cost without a Python backward.
+CPP_FLOOR = r"""
+#include <torch/extension.h>
+struct Floor : public torch::autograd::Function<Floor> {
+  static at::Tensor forward(torch::autograd::AutogradContext *, at::Tensor q, at::Tensor, at::Tensor) {
+    return at::empty_like(q);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext *,
+                                                 torch::autograd::variable_list g) {
+    return {g[0], at::empty_like(g[0]), at::empty_like(g[0])};
+  }
+};
+at::Tensor floor_op(at::Tensor q, at::Tensor k, at::Tensor v) { return Floor::apply(q, k, v); }
+TORCH_LIBRARY(forkattn_profile_floor, m) { m.def("floor(Tensor q, Tensor k, Tensor v) -> Tensor"); }
+TORCH_LIBRARY_IMPL(forkattn_profile_floor, CompositeImplicitAutograd, m) { m.impl("floor", floor_op); }
+"""
+
+
+def cpp_floor():
+    """The C++ Floor op (built on first use), or None with the reason printed."""
+    import torch
+    try:
+        from torch.utils.cpp_extension import load_inline
+        load_inline("forkattn_profile_floor", cpp_sources=[CPP_FLOOR], is_python_module=False,
+                    extra_cflags=["-O2"])
+        return torch.ops.forkattn_profile_floor.floor
+    except Exception as e:  # no compiler or ninja: the row is left out
+        print("  (no C++ floor: %s)" % str(e).splitlines()[0][:200])
+        return None
+
+
+def backward_phases(forkattn, q, k, v, cu, L, dout, qs, ks, vs, douts, reps=50, cpp=None):
     """Host time of a forward+backward by phase (perf_counter, medians, µs): the forward call, the
     autograd engine until it enters VarlenAttentionFunction.backward (on its device thread for
     CUDA), that backward, and the engine after it; SDPA's forward and backward beside it."""
@@ -161,13 +197,22 @@ def backward_phases(forkattn, q, k, v, cu, L, dout, qs, ks, vs, douts, reps=50):
             o.backward(dout)
             t7 = time.perf_counter()
             torch.cuda.synchronize()
+            t8 = t9 = 0.0
+            if cpp is not None:
+                for x in (q, k, v):
+                    x.grad = None
+                t8 = time.perf_counter()
+                cpp(q, k, v).backward(dout)
+                t9 = time.perf_counter()
+                torch.cuda.synchronize()
             if i < 10:
                 continue
             for key, val in (("binding forward", t1 - t0), ("engine until backward", marks["in"] - t1),
                              ("binding backward", marks["out"] - marks["in"]),
                              ("engine after backward", t2 - marks["out"]), ("binding fwd+bwd", t2 - t0),
                              ("SDPA forward", t4 - t3), ("SDPA backward (engine)", t5 - t4),
-                             ("SDPA fwd+bwd", t5 - t3), ("empty Function fwd+bwd", t7 - t6)):
+                             ("SDPA fwd+bwd", t5 - t3), ("empty Function fwd+bwd", t7 - t6)) + \
+                    ((("empty C++ op fwd+bwd", t9 - t8),) if cpp is not None else ()):
                 rows.setdefault(key + suffix, []).append(val)
         return rows
 

@@ -518,8 +518,9 @@ static int fa_gpu_kl_stage_blocks(fa_stage *st, const fa_plan *p, const fa_kl_ca
 forkattn_status fa_gpu_kl_bwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_memory memory) {
   const fa_plan *p = c->plan;
   const fa_block *qb_h = NULL, *kb_h = NULL;
-  fa_key_unit *units_h = NULL;
-  int64_t *unit_off_h = NULL, nunits = -1;
+  const fa_key_unit *units_h = NULL; /* kept with the plan, as its blocks */
+  const int64_t *unit_off_h = NULL;
+  int64_t nunits = -1;
   const fa_gpu_call call = fa_gpu_kl_call(c, memory, 1);
   const fa_gpu_kernel kern = fa_gpu_choose(ctx, FA_PASS_KL_BWD, &call);
   const int mma = kern != FA_KERNEL_FP32;
@@ -527,7 +528,7 @@ forkattn_status fa_gpu_kl_bwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_m
   const int64_t nqb = fa_plan_blocks_memo(p, krows, 0, &qb_h);
   const int64_t nkb = fa_plan_blocks_memo(p, krows, 1, &kb_h);
   if (nqb >= 0 && nkb >= 0)
-    nunits = fa_plan_key_units(p, kb_h, nkb, fa_gpu_dkv_chunk(p, kb_h, nkb, c->hkv_s, mma), &units_h, &unit_off_h);
+    nunits = fa_plan_key_units_memo(p, kb_h, nkb, fa_gpu_dkv_chunk(p, kb_h, nkb, c->hkv_s, mma), &units_h, &unit_off_h);
   const int64_t hkv_max = c->teacher_grad && c->hkv_t > c->hkv_s ? c->hkv_t : c->hkv_s;
   forkattn_status status = FORKATTN_OK;
   if (nunits < 0)
@@ -555,8 +556,6 @@ forkattn_status fa_gpu_kl_bwd(forkattn_ctx *ctx, const fa_kl_call *c, forkattn_m
     if (!bad && c->teacher_grad)
       bad = fa_stage_tensor(&st, &c->dqt, 0, &b.dqt) || fa_stage_tensor(&st, &c->dkt, 0, &b.dkt);
   }
-  fa_free(units_h);
-  fa_free(unit_off_h);
   if (status) return status;
   if (bad) return fa_gpu_kl_stage_failed(ctx, &st, "kl_bwd");
   fa_note_workspace(ctx, st.bytes);

@@ -340,8 +340,8 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
   const fa_attn_bwd *a = args;
   const fa_plan *p = a->plan;
   const fa_block *qb_h = NULL, *kb_h = NULL;
-  fa_key_unit *units_h = NULL;
-  int64_t *unit_off_h = NULL;
+  const fa_key_unit *units_h = NULL; /* kept with the plan, as its blocks */
+  const int64_t *unit_off_h = NULL;
   fa_gpu_trace tr;
   fa_gpu_trace_begin(&tr, ctx->gpu->knobs.trace);
   fa_stage st;
@@ -389,14 +389,12 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
   if (!bad) {
     b.nkb = fa_plan_blocks_memo(p, b.krows, 1, &kb_h);
     const int64_t chunk = b.nkb < 0 ? 0 : fa_gpu_dkv_chunk(p, kb_h, b.nkb, a->hkv, b.dkv_wg_pair ? 2 : mma);
-    b.nunits = b.nkb < 0 ? -1 : fa_plan_key_units(p, kb_h, b.nkb, chunk, &units_h, &unit_off_h);
+    b.nunits = b.nkb < 0 ? -1 : fa_plan_key_units_memo(p, kb_h, b.nkb, chunk, &units_h, &unit_off_h);
     b.nqb = fa_plan_blocks_memo(p, qrows, 0, &qb_h);
     bad = b.nkb < 0 || b.nunits < 0 || b.nqb < 0;
   }
   if (!bad && (b.nqb * a->hq > INT_MAX || b.nunits * a->hkv > INT_MAX || b.nkb * a->hkv * b.krows > INT_MAX ||
                p->rows * a->hq / FA_ROWSUM_WARPS >= INT_MAX)) {
-    fa_free(units_h);
-    fa_free(unit_off_h);
     fa_stage_free(&st);
     return fa_fail(ctx, FORKATTN_ERR_UNSUPPORTED, "gpu bwd: too many teams for one launch");
   }
@@ -432,8 +430,6 @@ static forkattn_status fa_gpu_attn_bwd_run(forkattn_ctx *ctx, const void *args, 
   /* the tensor-core kernels and the reduce read their arguments from that copy */
   const fa_gpu_bwd *b_dev = !bad ? plan_d[10] : NULL;
   const int grid = bad ? 0 : fa_gpu_choose_grid(ctx, FA_PASS_DQ, kdq, b.nqb * a->hq, p, qb_h, b.nqb);
-  fa_free(units_h);
-  fa_free(unit_off_h);
   if (bad) {
     forkattn_status status = fa_stage_status(&st);
     fa_stage_free(&st);

@@ -582,6 +582,55 @@ Test(segment_plan, partial_tiles_are_causal_pairs_or_key_segments_not_whole_tile
   fa_plan_free(&p);
 }
 
+/* The key units and the key chunk kept with a plan's key blocks equal a fresh cut, the same arrays
+ * come back for the same chunk and other arrays for another, all valid until fa_plan_free; blocks
+ * the plan does not keep get none. */
+Test(segment_plan, key_units_memo_is_the_cut_kept_with_the_plan) {
+  tc_rng rng = tc_rng_for("segment_plan.key_units_memo");
+  for (int trial = 0; trial < 40; trial++) {
+    const int64_t n = tc_randint(&rng, 1, 12);
+    int64_t off[14] = {0}, par[13];
+    for (int64_t i = 0; i < n; i++) {
+      par[i] = i == 0 || tc_randint(&rng, 0, 3) == 0 ? -1 : tc_randint(&rng, 0, i - 1);
+      off[i + 1] = off[i] + tc_randint(&rng, 0, 300);
+    }
+    fa_plan p;
+    cr_assert_eq(fa_plan_tree(&p, n, off, par, 1), 0);
+    const int64_t rows = tc_randint(&rng, 1, 130);
+    const fa_block *kb;
+    const int64_t nkb = fa_plan_blocks_memo(&p, rows, 1, &kb);
+    cr_assert_geq(nkb, 0);
+    fa_block *own;
+    cr_assert_eq(fa_plan_blocks(&p, rows, 1, &own), nkb);
+    const int64_t slots = tc_randint(&rng, 1, 2000), teams = tc_randint(&rng, 1, 16);
+    const int64_t chunk = fa_plan_key_chunk(&p, own, nkb, teams, slots); /* not kept: computed */
+    cr_assert_eq(fa_plan_key_chunk(&p, kb, nkb, teams, slots), chunk, "first, computed and kept");
+    cr_assert_eq(fa_plan_key_chunk(&p, kb, nkb, teams, slots), chunk, "then from the memo");
+    const int64_t chunks[3] = {chunk, tc_randint(&rng, 1, 90), chunk};
+    const fa_key_unit *mu[3];
+    const int64_t *mo[3];
+    for (int c = 0; c < 3; c++) {
+      const int64_t nu = fa_plan_key_units_memo(&p, kb, nkb, chunks[c], &mu[c], &mo[c]);
+      fa_key_unit *u;
+      int64_t *uo;
+      cr_assert_eq(fa_plan_key_units(&p, kb, nkb, chunks[c], &u, &uo), nu);
+      cr_assert(nu >= nkb && mu[c] && mo[c]);
+      cr_assert_eq(memcmp(mu[c], u, sizeof *u * (size_t)nu), 0, "trial %d chunk %lld", trial, (long long)chunks[c]);
+      cr_assert_eq(memcmp(mo[c], uo, sizeof *uo * (size_t)(nkb + 1)), 0);
+      free(u);
+      free(uo);
+    }
+    cr_assert(mu[2] == mu[0] && mo[2] == mo[0], "the same chunk: the kept arrays");
+    if (chunks[1] != chunks[0]) cr_assert(mu[1] != mu[0], "another chunk: its own arrays");
+    const fa_key_unit *none;
+    const int64_t *none_off;
+    cr_assert_eq(fa_plan_key_units_memo(&p, own, nkb, chunk, &none, &none_off), -1, "blocks the plan does not keep");
+    cr_assert(!none && !none_off);
+    free(own);
+    fa_plan_free(&p);
+  }
+}
+
 Test(segment_plan, key_chunk_splits_only_blocks_above_a_slots_share) {
   /* case 1: one causal sequence of 4096, 64-row key blocks, 16 KV heads */
   fa_plan p;

@@ -6,6 +6,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Key units of key blocks for one chunk (fa_plan_key_units_memo). */
+typedef struct fa_units_memo {
+  struct fa_units_memo *next;
+  int64_t chunk, n;
+  fa_key_unit *units;
+  int64_t *unit_off;
+} fa_units_memo;
+
 /* Block lists derived from a plan, one per (block_rows, by_key) asked for. */
 typedef struct fa_blocks_memo {
   struct fa_blocks_memo *next;
@@ -15,6 +23,8 @@ typedef struct fa_blocks_memo {
   fa_block *blocks;
   fa_block_item *items; /* fa_plan_block_items_memo once asked for */
   int items_see_keys;   /* fa_block_items_see_keys of items */
+  int64_t key_work, key_heaviest; /* fa_plan_key_chunk's sums over key blocks once asked for; -1 before */
+  fa_units_memo *units;           /* fa_plan_key_units_memo, one per chunk asked for */
 } fa_blocks_memo;
 
 struct fa_plan_memo {
@@ -25,6 +35,12 @@ static void fa_plan_memo_free(struct fa_plan_memo *m) {
   if (!m) return;
   for (fa_blocks_memo *b = m->blocks, *next; b; b = next) {
     next = b->next;
+    for (fa_units_memo *u = b->units, *unext; u; u = unext) {
+      unext = u->next;
+      fa_free(u->units);
+      fa_free(u->unit_off);
+      fa_free(u);
+    }
     fa_free(b->blocks);
     fa_free(b->items);
     fa_free(b);
@@ -425,6 +441,8 @@ int64_t fa_plan_blocks_memo(const fa_plan *p, int64_t block_rows, int by_key, co
   b->by_key = by_key;
   b->query_keys = -1;
   b->items = NULL;
+  b->key_work = b->key_heaviest = -1;
+  b->units = NULL;
   b->next = p->memo->blocks;
   p->memo->blocks = b;
   *out = b->blocks;
@@ -499,15 +517,28 @@ int64_t fa_plan_query_keys(const fa_plan *p, const fa_block *blocks, int64_t nbl
   return keys;
 }
 
+/* The memo of key blocks `blocks` [nblocks] when the plan keeps them (fa_plan_blocks_memo, by_key 1), else NULL. */
+static fa_blocks_memo *fa_key_blocks_memo(const fa_plan *p, const fa_block *blocks, int64_t nblocks) {
+  for (fa_blocks_memo *m = p->memo ? p->memo->blocks : NULL; m; m = m->next)
+    if (m->blocks == blocks && m->n == nblocks && m->by_key) return m;
+  return NULL;
+}
+
 int64_t fa_plan_key_chunk(const fa_plan *p, const fa_block *blocks, int64_t nblocks, int64_t teams_per_block,
                           int64_t slots) {
+  fa_blocks_memo *memo = fa_key_blocks_memo(p, blocks, nblocks);
   int64_t work = 0, heaviest = 0;
-  for (int64_t b = 0; b < nblocks; b++) {
-    int64_t rows = 0;
-    for (int64_t j = p->k_pair_off[blocks[b].seg]; j < p->k_pair_off[blocks[b].seg + 1]; j++)
-      rows += fa_pair_queries(p->seg, p->pair[p->k_pair_idx[j]], blocks[b].start, p->qshift).len;
-    work += rows;
-    heaviest = rows > heaviest ? rows : heaviest;
+  if (memo && memo->key_work >= 0) {
+    work = memo->key_work, heaviest = memo->key_heaviest;
+  } else {
+    for (int64_t b = 0; b < nblocks; b++) {
+      int64_t rows = 0;
+      for (int64_t j = p->k_pair_off[blocks[b].seg]; j < p->k_pair_off[blocks[b].seg + 1]; j++)
+        rows += fa_pair_queries(p->seg, p->pair[p->k_pair_idx[j]], blocks[b].start, p->qshift).len;
+      work += rows;
+      heaviest = rows > heaviest ? rows : heaviest;
+    }
+    if (memo) memo->key_work = work, memo->key_heaviest = heaviest;
   }
   if (slots < 1) slots = 1;
   const int64_t share = (work * teams_per_block + slots - 1) / slots;
@@ -563,4 +594,29 @@ int64_t fa_plan_key_units(const fa_plan *p, const fa_block *blocks, int64_t nblo
   }
   (*unit_off)[nblocks] = n;
   return n;
+}
+
+int64_t fa_plan_key_units_memo(const fa_plan *p, const fa_block *blocks, int64_t nblocks, int64_t chunk,
+                               const fa_key_unit **units, const int64_t **unit_off) {
+  *units = NULL;
+  *unit_off = NULL;
+  fa_blocks_memo *memo = fa_key_blocks_memo(p, blocks, nblocks);
+  if (!memo) return -1; /* only blocks the plan keeps have units kept with them */
+  if (chunk < 1) chunk = 1; /* as fa_plan_key_units takes it */
+  fa_units_memo *u = memo->units;
+  while (u && u->chunk != chunk) u = u->next;
+  if (!u) {
+    if (!(u = fa_malloc(sizeof *u))) return -1;
+    u->n = fa_plan_key_units(p, blocks, nblocks, chunk, &u->units, &u->unit_off);
+    if (u->n < 0) {
+      fa_free(u);
+      return -1;
+    }
+    u->chunk = chunk;
+    u->next = memo->units;
+    memo->units = u;
+  }
+  *units = u->units;
+  *unit_off = u->unit_off;
+  return u->n;
 }

@@ -171,13 +171,22 @@ typedef struct fa_key_unit {
 int64_t fa_plan_key_units(const fa_plan *p, const fa_block *blocks, int64_t nblocks, int64_t chunk,
                           fa_key_unit **units, int64_t **unit_off);
 
+/* fa_plan_key_units for key blocks the plan keeps (from fa_plan_blocks_memo, by_key 1), kept with
+ * them per chunk, so a cached plan's backward cuts its readers once (a trie's or many short
+ * sequences' cut costs tens to hundreds of microseconds a call). *units and *unit_off belong to
+ * the plan (freed by fa_plan_free) and must not be modified. One thread at a time, as
+ * fa_plan_blocks_memo. Returns the unit count; -1 on allocation failure or blocks the plan does
+ * not keep. */
+int64_t fa_plan_key_units_memo(const fa_plan *p, const fa_block *blocks, int64_t nblocks, int64_t chunk,
+                               const fa_key_unit **units, const int64_t **unit_off);
+
 /* The chunk to give fa_plan_key_units so that the dK/dV work of `blocks`
  * spreads over `slots` teams running at once, when every key block is worked
  * by `teams_per_block` teams (KV heads x passes) of work proportional to its
  * reader rows: INT64_MAX (no block is split, so no partial sums) when no block
  * carries more than a slot's share of the total, else that share (at least
  * 64 rows: below a few query tiles a unit's partial sums cost more than the
- * balance saves). */
+ * balance saves). Its sums over key blocks the plan keeps are kept with them. */
 int64_t fa_plan_key_chunk(const fa_plan *p, const fa_block *blocks, int64_t nblocks, int64_t teams_per_block,
                           int64_t slots);
 

@@ -399,19 +399,24 @@ Test(segment_plan, trie_packed_trees_plan_in_n_log_n) {
   forkattn_ctx_destroy(ctx);
 }
 
+/* A causal plan of a random forest of 1..max_nodes (at most 12) nodes of 0..max_len rows. */
+static void kl_random_forest_plan(tc_rng *rng, int64_t max_nodes, int64_t max_len, fa_plan *p) {
+  const int64_t n = tc_randint(rng, 1, max_nodes);
+  int64_t off[13] = {0}, par[12];
+  for (int64_t i = 0; i < n; i++) {
+    par[i] = i == 0 || tc_randint(rng, 0, 3) == 0 ? -1 : tc_randint(rng, 0, i - 1);
+    off[i + 1] = off[i] + tc_randint(rng, 0, max_len);
+  }
+  cr_assert_eq(fa_plan_tree(p, n, off, par, 1), 0);
+}
+
 /* Key units (GPU dK/dV split): every reader's visible query rows of every key
  * block are covered exactly once, in reader order, in units of <= chunk rows. */
 Test(segment_plan, key_units_cover_every_reader_row_once) {
   tc_rng rng = tc_rng_for("segment_plan.key_units");
   for (int trial = 0; trial < 60; trial++) {
-    const int64_t n = tc_randint(&rng, 1, 10);
-    int64_t off[12] = {0}, par[11];
-    for (int64_t i = 0; i < n; i++) {
-      par[i] = i == 0 || tc_randint(&rng, 0, 3) == 0 ? -1 : tc_randint(&rng, 0, i - 1);
-      off[i + 1] = off[i] + tc_randint(&rng, 0, 40);
-    }
     fa_plan p;
-    cr_assert_eq(fa_plan_tree(&p, n, off, par, 1), 0);
+    kl_random_forest_plan(&rng, 10, 40, &p);
     fa_block *blk;
     const int64_t nb = fa_plan_blocks(&p, tc_randint(&rng, 1, 20), 1, &blk);
     cr_assert_geq(nb, 0);
@@ -588,14 +593,8 @@ Test(segment_plan, partial_tiles_are_causal_pairs_or_key_segments_not_whole_tile
 Test(segment_plan, key_units_memo_is_the_cut_kept_with_the_plan) {
   tc_rng rng = tc_rng_for("segment_plan.key_units_memo");
   for (int trial = 0; trial < 40; trial++) {
-    const int64_t n = tc_randint(&rng, 1, 12);
-    int64_t off[14] = {0}, par[13];
-    for (int64_t i = 0; i < n; i++) {
-      par[i] = i == 0 || tc_randint(&rng, 0, 3) == 0 ? -1 : tc_randint(&rng, 0, i - 1);
-      off[i + 1] = off[i] + tc_randint(&rng, 0, 300);
-    }
     fa_plan p;
-    cr_assert_eq(fa_plan_tree(&p, n, off, par, 1), 0);
+    kl_random_forest_plan(&rng, 12, 300, &p);
     const int64_t rows = tc_randint(&rng, 1, 130);
     const fa_block *kb;
     const int64_t nkb = fa_plan_blocks_memo(&p, rows, 1, &kb);

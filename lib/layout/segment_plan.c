@@ -481,11 +481,17 @@ int fa_plan_has_partial_tiles(const fa_plan *p, int64_t bk) {
   return 0;
 }
 
+/* The memo of blocks `blocks` [nblocks] (query blocks, or key blocks with by_key) when the plan keeps
+ * them (fa_plan_blocks_memo), else NULL. */
+static fa_blocks_memo *fa_blocks_memo_of(const fa_plan *p, const fa_block *blocks, int64_t nblocks, int by_key) {
+  for (fa_blocks_memo *m = p->memo ? p->memo->blocks : NULL; m; m = m->next)
+    if (m->blocks == blocks && m->n == nblocks && !m->by_key == !by_key) return m;
+  return NULL;
+}
+
 int64_t fa_plan_block_items_memo(const fa_plan *p, const fa_block *blocks, int64_t nblocks,
                                  const fa_block_item **out, int *see_keys) {
-  fa_blocks_memo *memo = NULL;
-  for (fa_blocks_memo *m = p->memo ? p->memo->blocks : NULL; m && !memo; m = m->next)
-    if (m->blocks == blocks && m->n == nblocks && !m->by_key) memo = m;
+  fa_blocks_memo *memo = fa_blocks_memo_of(p, blocks, nblocks, 0);
   *out = NULL;
   if (!memo) return -1; /* only blocks the plan keeps have items kept with them */
   if (!memo->items) {
@@ -505,9 +511,7 @@ int64_t fa_plan_block_items_memo(const fa_plan *p, const fa_block *blocks, int64
 }
 
 int64_t fa_plan_query_keys(const fa_plan *p, const fa_block *blocks, int64_t nblocks) {
-  fa_blocks_memo *memo = NULL;
-  for (fa_blocks_memo *m = p->memo ? p->memo->blocks : NULL; m && !memo; m = m->next)
-    if (m->blocks == blocks && m->n == nblocks && !m->by_key) memo = m;
+  fa_blocks_memo *memo = fa_blocks_memo_of(p, blocks, nblocks, 0);
   if (memo && memo->query_keys >= 0) return memo->query_keys;
   int64_t keys = 0;
   for (int64_t b = 0; b < nblocks; b++)
@@ -517,16 +521,9 @@ int64_t fa_plan_query_keys(const fa_plan *p, const fa_block *blocks, int64_t nbl
   return keys;
 }
 
-/* The memo of key blocks `blocks` [nblocks] when the plan keeps them (fa_plan_blocks_memo, by_key 1), else NULL. */
-static fa_blocks_memo *fa_key_blocks_memo(const fa_plan *p, const fa_block *blocks, int64_t nblocks) {
-  for (fa_blocks_memo *m = p->memo ? p->memo->blocks : NULL; m; m = m->next)
-    if (m->blocks == blocks && m->n == nblocks && m->by_key) return m;
-  return NULL;
-}
-
 int64_t fa_plan_key_chunk(const fa_plan *p, const fa_block *blocks, int64_t nblocks, int64_t teams_per_block,
                           int64_t slots) {
-  fa_blocks_memo *memo = fa_key_blocks_memo(p, blocks, nblocks);
+  fa_blocks_memo *memo = fa_blocks_memo_of(p, blocks, nblocks, 1);
   int64_t work = 0, heaviest = 0;
   if (memo && memo->key_work >= 0) {
     work = memo->key_work, heaviest = memo->key_heaviest;
@@ -600,7 +597,7 @@ int64_t fa_plan_key_units_memo(const fa_plan *p, const fa_block *blocks, int64_t
                                const fa_key_unit **units, const int64_t **unit_off) {
   *units = NULL;
   *unit_off = NULL;
-  fa_blocks_memo *memo = fa_key_blocks_memo(p, blocks, nblocks);
+  fa_blocks_memo *memo = fa_blocks_memo_of(p, blocks, nblocks, 1);
   if (!memo) return -1; /* only blocks the plan keeps have units kept with them */
   if (chunk < 1) chunk = 1; /* as fa_plan_key_units takes it */
   fa_units_memo *u = memo->units;

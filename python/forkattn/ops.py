@@ -218,16 +218,9 @@ def _descs(q, *ts):
     the C library cannot take their strides). Returns (tensors kept alive, descriptors).
     Any copy is queued on PyTorch's stream: call _ctx_for() (which orders the call after it) afterwards."""
     dtype = q.dtype
-    code = _DTYPES[dtype]
     keep, ds = [], []
     for t in (q,) + ts:
-        if t.dtype != dtype:
-            t = t.to(dtype)
-        if t.is_contiguous():  # _desc's common case, inline: a call's host time is what tiny calls cost
-            rows, heads, d = t.shape
-            desc = _lib.Tensor(t.data_ptr() or None, code, rows, heads, d, heads * d, d)
-        else:
-            t, desc = _desc(t)
+        t, desc = _desc(t if t.dtype == dtype else t.to(dtype))
         keep.append(t)
         ds.append(desc)
     return keep, ds

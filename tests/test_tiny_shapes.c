@@ -2,8 +2,17 @@
  * test_tiny_shapes.c - tiny shared-prompt problems (1 to 16 rows) in bf16 and f16 held to
  * flash-attention's accuracy rule, through forkattn_prefix_fwd / forkattn_prefix_bwd:
  *
- *   for X in o, dq, dk, dv:  max|X_forkattn - X_f64| <= 2 * max|X_naive - X_f64| + 1e-5
+ *   for X in o, dq, dk, dv:  max|X_forkattn - X_f64| <= 2 * max|X_naive - X_f64| + atol(X) + 1e-5
+ *   atol(X) = 2 * max|(X_f64 + 0.3) - 0.3 - X_f64|, each operation rounded to the dtype
  *   lse (f32):               max|lse_forkattn - lse_f64| <= 1e-3
+ *   over each sweep, per output: sum of forkattn's largest errors <= 2 * sum of the naive's
+ *
+ * atol is flash-attention's own: twice the rounding a value of the output's size takes in the
+ * dtype. It matters here because outputs of 2-3 rows hold only a few hundred elements of a few
+ * ulps each, so both largest errors are whole roundings: a result one ulp off in one element
+ * against a naive computation that happened to round every element the right way breaks
+ * "2 * naive" alone (on an H100, 1 of 2688 cases, f16 dq by 0.2%: 4.39e-4 against 2.14e-4).
+ * The sums keep the rule's strictness, without atol, for errors every case shares.
  *
  * X_f64 is the float64 reference (reference.h) on the same dtype-rounded inputs; X_naive is
  * attention computed the plain way in the same precision, as PyTorch does with bf16/f16
@@ -210,6 +219,7 @@ typedef struct sweep {
   size_t len, cap;
   int64_t cases, failed;
   double worst_ratio; /* largest forkattn error / bound seen */
+  double sum_f[4], sum_n[4]; /* per output: forkattn's and the naive largest errors, summed */
   char worst[256];
 } sweep;
 
@@ -239,6 +249,19 @@ static void format_lens(char *buf, size_t size, const tiny_layout *L) {
     snprintf(buf + at, size - (size_t)at, "])");
 }
 
+/* flash-attention's atol for one output: twice the largest |(r + 0.3) - 0.3 - r| in the dtype,
+ * r the reference rounded to the dtype. */
+static double fa_atol(const double *ref, int64_t n, forkattn_dtype dt) {
+  double worst = 0.0;
+  for (int64_t i = 0; i < n; i++) {
+    const double r = ref_round_to_dtype(ref[i], dt);
+    const double a = ref_round_to_dtype(ref_round_to_dtype(r + 0.3, dt) - 0.3, dt);
+    const double e = fabs(ref_round_to_dtype(a - r, dt));
+    worst = e > worst ? e : worst;
+  }
+  return 2.0 * worst;
+}
+
 /* One case: forkattn (harness checks: status, poison, guards, inputs unchanged, finite), the
  * float64 reference and the naive computation on the same inputs; the rule on each output. */
 static void run_case(sweep *sw, const ph_case *c, const char *desc, forkattn_ctx *ctx,
@@ -263,16 +286,19 @@ static void run_case(sweep *sw, const ph_case *c, const char *desc, forkattn_ctx
   for (int x = 0; x < 4; x++) {
     const tc_err ef = tc_compare_f64(g[x], r[x], cnt[x]);
     const tc_err en = tc_compare_f64(n[x], r[x], cnt[x]);
-    const double bound = 2.0 * en.max_abs + 1e-5;
+    const double atol = fa_atol(r[x], cnt[x], in.dtype);
+    const double bound = 2.0 * en.max_abs + atol + 1e-5;
     const double ratio = ef.max_abs / bound;
+    sw->sum_f[x] += ef.max_abs;
+    sw->sum_n[x] += en.max_abs;
     if (!(ratio <= sw->worst_ratio)) {
       sw->worst_ratio = ratio;
       snprintf(sw->worst, sizeof sw->worst, "%s %s: forkattn %.3g, naive %.3g", desc, names[x],
                ef.max_abs, en.max_abs);
     }
     if (!(ef.max_abs <= bound)) { /* NaN fails too */
-      append(sw, "\n  %s %s: forkattn %.3g > 2 x naive %.3g + 1e-5", desc, names[x],
-             ef.max_abs, en.max_abs);
+      append(sw, "\n  %s %s: forkattn %.3g > 2 x naive %.3g + atol %.3g + 1e-5", desc,
+             names[x], ef.max_abs, en.max_abs, atol);
       bad = 1;
     }
   }
@@ -315,9 +341,22 @@ static void run_sweep(const char *name, forkattn_dtype dtype, int64_t d) {
           run_case(&sw, &c, desc, ctx, &rng);
         }
   forkattn_ctx_destroy(ctx);
+  /* Over the sweep, without atol: a systematic excess (an extra rounding on every few-key row)
+   * raises the sums, where one element rounded the other way moves them little. */
+  static const char *const names[4] = {"o", "dq", "dk", "dv"};
+  char sums[256];
+  int at = 0;
+  for (int x = 0; x < 4; x++) {
+    at += snprintf(sums + at, sizeof sums - (size_t)at, " %s %.3g", names[x],
+                   sw.sum_n[x] > 0 ? sw.sum_f[x] / sw.sum_n[x] : 0.0);
+    cr_expect(sw.sum_f[x] <= 2.0 * sw.sum_n[x],
+              "%s %s: forkattn's largest errors sum to %.3g, over 2 x the naive's %.3g", name,
+              names[x], sw.sum_f[x], sw.sum_n[x]);
+  }
   fprintf(stderr,
-          "[tiny] %s: %" PRId64 " cases, %" PRId64 " failing; largest error / bound %.3g (%s)\n",
-          name, sw.cases, sw.failed, sw.worst_ratio, sw.worst);
+          "[tiny] %s: %" PRId64 " cases, %" PRId64 " failing; largest error / bound %.3g (%s); "
+          "summed errors forkattn / naive:%s\n",
+          name, sw.cases, sw.failed, sw.worst_ratio, sw.worst, sums);
   cr_expect(sw.failed == 0, "%s: %" PRId64 " of %" PRId64 " cases break the rule:%s", name,
             sw.failed, sw.cases, sw.msg ? sw.msg : "");
   free(sw.msg);

@@ -1,7 +1,11 @@
 """Tiny problems (1-16 rows, 1-4 heads, head_dim 64/128, both masks) in bf16 and f16, held to
 flash-attention's rule: every output's largest error against float64 is at most twice that of a
-naive computation in the same precision, plus 1e-5. Runs on the CPU, and on the GPU when torch
-sees one and the loaded library has offload (the tensor-core kernels take these shapes there)."""
+naive computation in the same precision, plus 1e-5 and flash-attention's atol (twice the rounding of
+(ref + 0.3) - 0.3 - ref in the dtype: outputs this small hold whole roundings, so one element
+rounded the other way must not fail a case). Summed over the sweep, per output, forkattn's largest
+errors stay within twice the naive's without atol, so an error every case shares still fails.
+Runs on the CPU, and on the GPU when torch sees one and the loaded library has offload (the
+tensor-core kernels take these shapes there)."""
 
 import pytest
 
@@ -64,6 +68,7 @@ def _naive(q, k, v, sequences, scale, prompt_lens):
 @pytest.mark.parametrize("causal", [True, False])
 def test_tiny_prefix_flash_attention_rule(device, dtype, d, causal):
     failures = []
+    sums = {name: [0.0, 0.0] for name in ("o", "dq", "dk", "dv")}
     for li, (P, rl) in enumerate(LAYOUTS):
         lay = forkattn.SharedPrefixLayout.from_lengths([P], [rl])
         T = lay.num_rows
@@ -94,9 +99,16 @@ def test_tiny_prefix_flash_attention_rule(device, dtype, d, causal):
                     continue
                 e_f = (g - r).abs().max().item() if r.numel() else 0.0
                 e_n = (n - r).abs().max().item() if r.numel() else 0.0
-                if e_f > 2 * e_n + 1e-5:
-                    failures.append((P, rl, hq, hkv, name, "forkattn %.3g > 2 x naive %.3g + 1e-5" % (e_f, e_n)))
+                rd = r.to(dtype)
+                atol = 2 * (rd + 0.3 - 0.3 - rd).abs().max().item() if r.numel() else 0.0
+                sums[name][0] += e_f
+                sums[name][1] += e_n
+                if e_f > 2 * e_n + atol + 1e-5:
+                    failures.append((P, rl, hq, hkv, name, "forkattn %.3g > 2 x naive %.3g + atol %.3g + 1e-5" % (e_f, e_n, atol)))
             e_lse = abs_err(lse.cpu(), rlse.detach())
             if e_lse > 1e-3:
                 failures.append((P, rl, hq, hkv, "lse", "abs error %.3g" % e_lse))
+    for name, (s_f, s_n) in sums.items():
+        if s_f > 2 * s_n:
+            failures.append(("sweep", name, "largest errors sum to %.3g, over 2 x the naive's %.3g" % (s_f, s_n)))
     assert not failures, "\n".join(map(str, failures))

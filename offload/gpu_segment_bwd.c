@@ -109,13 +109,8 @@ static void fa_gpu_rowsum_blocks(const fa_gpu_bwd *b, const fa_gpu_bwd *argp) {
 
 /* 1 when some query block of the backward sees few enough keys to take its D from the inputs. */
 static int fa_gpu_rowsum_exact_needed(const fa_attn_bwd *a, const fa_block *qb, int64_t nqb) {
-  const fa_plan *p = a->plan;
   if (a->o.dtype == FORKATTN_DTYPE_F32 || a->kept) return 0;
-  for (int64_t i = 0; i < nqb; i++)
-    if (fa_block_key_count(p->seg, p->pair, p->q_pair_off[qb[i].seg], p->q_pair_off[qb[i].seg + 1], qb[i].start,
-                           qb[i].len, p->qshift) <= FA_EXACT_D_KEYS)
-      return 1;
-  return 0;
+  return fa_plan_fewest_query_keys(a->plan, qb, nqb) <= FA_EXACT_D_KEYS;
 }
 
 static void fa_gpu_dq(const fa_gpu_bwd *b, int dev) {

@@ -517,6 +517,45 @@ Test(segment_plan, query_keys_sum_what_each_query_block_sees) {
   fa_plan_free(&p);
 }
 
+Test(segment_plan, fewest_query_keys_is_the_least_block_and_kept_with_the_blocks) {
+  /* 64 causal sequences of 512 rows, 128-row blocks: the first block of each sees 128 keys */
+  fa_plan p;
+  int64_t off[65];
+  for (int i = 0; i <= 64; i++) off[i] = 512 * i;
+  cr_assert_eq(fa_plan_prefix(&p, 0, 64, off, 1), 0);
+  const fa_block *memo;
+  int64_t nb = fa_plan_blocks_memo(&p, 128, 0, &memo);
+  cr_assert_eq(fa_plan_fewest_query_keys(&p, memo, nb), 128);
+  cr_assert_eq(fa_plan_fewest_query_keys(&p, memo, 0), INT64_MAX, "no blocks");
+  fa_plan_free(&p);
+  /* random forests: against the least of rowsum_exact.h's per-block count, fresh and kept, before and after
+   * fa_plan_query_keys filled the memo */
+  tc_rng rng = tc_rng_for("segment_plan/fewest_query_keys");
+  for (int it = 0; it < 200; it++) {
+    kl_random_forest_plan(&rng, 10, 40, &p);
+    const int64_t rows = tc_randint(&rng, 1, 20);
+    fa_block *blk;
+    nb = fa_plan_blocks(&p, rows, 0, &blk);
+    cr_assert_geq(nb, 0);
+    int64_t least = INT64_MAX, sum = 0;
+    for (int64_t b = 0; b < nb; b++) {
+      int64_t n = 0;
+      for (int64_t j = p.q_pair_off[blk[b].seg]; j < p.q_pair_off[blk[b].seg + 1]; j++)
+        n += fa_pair_keys(p.seg, p.pair[j], blk[b].start, blk[b].len, p.qshift).len;
+      least = n < least ? n : least;
+      sum += n;
+    }
+    cr_assert_eq(fa_plan_fewest_query_keys(&p, blk, nb), least, "fresh, iteration %d", it);
+    cr_assert_eq(fa_plan_blocks_memo(&p, rows, 0, &memo), nb);
+    if (it % 2) cr_assert_eq(fa_plan_query_keys(&p, memo, nb), sum);
+    cr_assert_eq(fa_plan_fewest_query_keys(&p, memo, nb), least, "kept, iteration %d", it);
+    cr_assert_eq(fa_plan_fewest_query_keys(&p, memo, nb), least, "kept, asked again");
+    cr_assert_eq(fa_plan_query_keys(&p, memo, nb), sum, "the sum kept beside it");
+    free(blk);
+    fa_plan_free(&p);
+  }
+}
+
 Test(segment_plan, block_items_hold_each_blocks_first_keys) {
   /* a GRPO group: a 4096-row prompt (causal), 16 responses of 1024 that see it all */
   fa_plan p;

@@ -19,7 +19,8 @@ typedef struct fa_blocks_memo {
   struct fa_blocks_memo *next;
   int64_t block_rows, n;
   int by_key;
-  int64_t query_keys; /* fa_plan_query_keys of query blocks once asked for; -1 before */
+  int64_t query_keys;   /* fa_plan_query_keys of query blocks once asked for; -1 before */
+  int64_t fewest_keys;  /* fa_plan_fewest_query_keys, computed with query_keys */
   fa_block *blocks;
   fa_block_item *items; /* fa_plan_block_items_memo once asked for */
   int items_see_keys;   /* fa_block_items_see_keys of items */
@@ -440,6 +441,7 @@ int64_t fa_plan_blocks_memo(const fa_plan *p, int64_t block_rows, int by_key, co
   b->block_rows = block_rows;
   b->by_key = by_key;
   b->query_keys = -1;
+  b->fewest_keys = INT64_MAX;
   b->items = NULL;
   b->key_work = b->key_heaviest = -1;
   b->units = NULL;
@@ -510,15 +512,37 @@ int64_t fa_plan_block_items_memo(const fa_plan *p, const fa_block *blocks, int64
   return nblocks;
 }
 
-int64_t fa_plan_query_keys(const fa_plan *p, const fa_block *blocks, int64_t nblocks) {
+/* Keys each query block sees, summed and their least (INT64_MAX without blocks), kept with blocks the
+ * plan keeps. */
+static void fa_plan_query_key_sums(const fa_plan *p, const fa_block *blocks, int64_t nblocks, int64_t *sum,
+                                   int64_t *fewest) {
   fa_blocks_memo *memo = fa_blocks_memo_of(p, blocks, nblocks, 0);
-  if (memo && memo->query_keys >= 0) return memo->query_keys;
-  int64_t keys = 0;
-  for (int64_t b = 0; b < nblocks; b++)
+  if (memo && memo->query_keys >= 0) {
+    *sum = memo->query_keys, *fewest = memo->fewest_keys;
+    return;
+  }
+  int64_t keys = 0, least = INT64_MAX;
+  for (int64_t b = 0; b < nblocks; b++) {
+    int64_t n = 0;
     for (int64_t j = p->q_pair_off[blocks[b].seg]; j < p->q_pair_off[blocks[b].seg + 1]; j++)
-      keys += fa_pair_keys(p->seg, p->pair[j], blocks[b].start, blocks[b].len, p->qshift).len;
-  if (memo) memo->query_keys = keys;
-  return keys;
+      n += fa_pair_keys(p->seg, p->pair[j], blocks[b].start, blocks[b].len, p->qshift).len;
+    keys += n;
+    least = n < least ? n : least;
+  }
+  if (memo) memo->query_keys = keys, memo->fewest_keys = least;
+  *sum = keys, *fewest = least;
+}
+
+int64_t fa_plan_query_keys(const fa_plan *p, const fa_block *blocks, int64_t nblocks) {
+  int64_t sum, fewest;
+  fa_plan_query_key_sums(p, blocks, nblocks, &sum, &fewest);
+  return sum;
+}
+
+int64_t fa_plan_fewest_query_keys(const fa_plan *p, const fa_block *blocks, int64_t nblocks) {
+  int64_t sum, fewest;
+  fa_plan_query_key_sums(p, blocks, nblocks, &sum, &fewest);
+  return fewest;
 }
 
 int64_t fa_plan_key_chunk(const fa_plan *p, const fa_block *blocks, int64_t nblocks, int64_t teams_per_block,

@@ -59,6 +59,9 @@ typedef struct fa_block {
  * through all its segment's pairs; a causal pair counted up to the block's last row). Blocks
  * from fa_plan_blocks_memo keep the sum with them: a cached plan's calls walk its pairs once. */
 int64_t fa_plan_query_keys(const fa_plan *p, const fa_block *blocks, int64_t nblocks);
+/* The fewest keys one of those blocks sees (INT64_MAX without blocks), kept with them the same way:
+ * the backward asks whether some block takes its D from the inputs (rowsum_exact.h). */
+int64_t fa_plan_fewest_query_keys(const fa_plan *p, const fa_block *blocks, int64_t nblocks);
 
 /* Build the plan from segments and pairs (pairs must be grouped by qseg in
  * increasing order); qshift = 0. Copies the inputs. Returns 0, or -1 on

@@ -41,3 +41,21 @@ def test_quick_grid_on_cpu(tmp_path):
         for fa in ("binding", "c"):
             assert impls[fa]["check"]["pass"] and impls[fa]["fwd_ms"] > 0 and impls[fa]["fwd_bwd_ms"] > 0, c["name"]
         assert ("sdpa" in impls) == (c["kind"] != "trie") and ("flex" in impls) == (c["kind"] in ("grpo", "trie"))
+
+
+def test_host_cost_on_cpu():
+    """bench/host_cost.py's CPU smoke run: a row of host times for every case."""
+    lib = os.environ.get("FORKATTN_LIBRARY") or os.path.join(REPO, "build", "libforkattn.so")
+    if not os.path.exists(lib):
+        pytest.skip("no library at %s" % lib)
+    script = os.path.join(REPO, "bench", "host_cost.py")
+    r = subprocess.run([sys.executable, script, "--device", "cpu", "--lib", lib, "--reps", "5", "--rounds", "2",
+                        "--burst", "3"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    rows = [line.split("|")[1:-1] for line in r.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[0][0].strip() == "case"
+    assert [c[0].split()[0] for c in rows[1:]] == ["tiny", "dense", "GRPO", "trie"]
+    for cells in rows[1:]:
+        host = [float(cells[i]) for i in (2, 3, 5, 6)]  # alone and queued, forward and backward
+        assert all(x > 0 for x in host), cells
+        assert cells[4].strip() == "—" and cells[7].strip() == "—"  # no GPU time on the CPU backend

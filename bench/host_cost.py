@@ -10,7 +10,11 @@ Per case and direction (forward; backward), medians in µs:
           must stage, a queue that fills), which takes away the host's lead over the GPU;
   gpu     CUDA-event time of one call.
 `ctypes floor` is a call into the library that does nothing (forkattn_build_has_offload): part of
-every row, as it is of a binding's call. With --trace, each case runs a few calls more on a context
+every row, as it is of a binding's call. A second table times the Python binding on the same
+inputs (bench/grid.py's binding_call: varlen_attention with cu_seqlens on the device,
+prefix_attention, tree_attention): the forward as autograd records it (inputs that need
+gradients) and forward+backward (torch.autograd.grad), alone and queued, beside a do-nothing
+autograd.Function's forward+backward (the engine's floor, which SDPA pays too). With --trace, each case runs a few calls more on a context
 created with FORKATTN_GPU_TRACE=1, whose phases (views, maps, blocks, upload, the launches) go to
 stderr.
 
@@ -125,7 +129,7 @@ def main():
     print()
     print("| case | rows | fwd alone | fwd queued | fwd gpu | bwd alone | bwd queued | bwd gpu |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    rows = []
+    rows, binding_rows = [], []
     for name in names:
         case = table[name]()
         t = ct.inputs(case.spec, "cuda" if cuda else "cpu")
@@ -146,10 +150,50 @@ def main():
             ct.sync(cuda)
             sys.stderr.flush()
             print("  (traced: %s, 3 forward and backward calls above on stderr)" % case.name, flush=True)
+        binding_rows.append((case.name, binding_row(case, t, cuda, a)))
         del t
         if cuda:
             torch.cuda.empty_cache()
-    return rows
+    floor = _floor_fb("cuda" if cuda else "cpu")
+    print()
+    print("The binding (µs, medians; an empty autograd.Function's forward+backward alone: %.1f):"
+          % alone(floor, cuda, a.reps))
+    print()
+    print("| case | fwd alone | fwd queued | fwd+bwd alone | fwd+bwd queued |")
+    print("|---|---:|---:|---:|---:|")
+    for name, r in binding_rows:
+        print("| %s | %s |" % (name, " | ".join("%.1f" % x for x in r)))
+    return rows, binding_rows
+
+
+def binding_row(case, t, cuda, a):
+    """Host times of the binding's forward (recorded by autograd) and forward+backward, alone and queued."""
+    call = grid.binding_call(case, t["q"].device)
+    q, k, v = (t[n].detach().requires_grad_() for n in ("q", "k", "v"))
+    fwd = lambda: call(q, k, v)
+    fwd_bwd = lambda: torch.autograd.grad(call(q, k, v), (q, k, v), t["do"])
+    for _ in range(5):
+        fwd_bwd()
+    return [alone(fwd, cuda, a.reps), queued(fwd, cuda, a.burst, a.rounds),
+            alone(fwd_bwd, cuda, a.reps), queued(fwd_bwd, cuda, a.burst, a.rounds)]
+
+
+class _Empty(torch.autograd.Function):
+    """No work: what any Python autograd.Function costs forward and backward."""
+
+    @staticmethod
+    def forward(ctx, q):
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _floor_fb(dev):
+    q = torch.randn(64, 8, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(q)
+    return lambda: torch.autograd.grad(_Empty.apply(q), (q,), g)
 
 
 if __name__ == "__main__":

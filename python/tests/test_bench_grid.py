@@ -52,10 +52,20 @@ def test_host_cost_on_cpu():
     r = subprocess.run([sys.executable, script, "--device", "cpu", "--lib", lib, "--reps", "5", "--rounds", "2",
                         "--burst", "3"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    rows = [line.split("|")[1:-1] for line in r.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    assert rows[0][0].strip() == "case"
-    assert [c[0].split()[0] for c in rows[1:]] == ["tiny", "dense", "GRPO", "trie"]
-    for cells in rows[1:]:
+    tables, rows = [], None
+    for line in r.stdout.splitlines():
+        if line.startswith("| case "):
+            rows = []
+            tables.append(rows)
+        elif line.startswith("| ") and rows is not None:
+            rows.append([c.strip() for c in line.split("|")[1:-1]])
+    assert len(tables) == 2, r.stdout[-4000:]
+    c_rows, binding_rows = tables
+    kinds = ["tiny", "dense", "GRPO", "trie"]
+    assert [c[0].split()[0] for c in c_rows] == kinds and [c[0].split()[0] for c in binding_rows] == kinds
+    for cells in c_rows:
         host = [float(cells[i]) for i in (2, 3, 5, 6)]  # alone and queued, forward and backward
         assert all(x > 0 for x in host), cells
-        assert cells[4].strip() == "—" and cells[7].strip() == "—"  # no GPU time on the CPU backend
+        assert cells[4] == "—" and cells[7] == "—"  # no GPU time on the CPU backend
+    for cells in binding_rows:
+        assert all(float(x) > 0 for x in cells[1:]), cells

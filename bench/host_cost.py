@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""What a C call costs the host, with its plan cached: forkattn_prefix_* / forkattn_tree_* through
-ctypes (arguments built once, compare_torch.Forkattn), queued on PyTorch's stream.
+"""What a call costs the host with its plan cached, through C and through the Python binding.
+
+The C calls: forkattn_prefix_* / forkattn_tree_* through ctypes (arguments built once,
+compare_torch.Forkattn), queued on PyTorch's stream.
 
 Per case and direction (forward; backward), medians in µs:
   alone   the host time of one call made after a synchronize (the GPU idle): what the library
@@ -103,9 +105,9 @@ def main():
     ap.add_argument("--lib", default="build-gpu/libforkattn.so")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--cases", default="", help="comma-separated (default: every case of the device)")
-    ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--burst", type=int, default=50)
-    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=200, help="calls timed alone (median)")
+    ap.add_argument("--burst", type=int, default=50, help="calls back to back in a queued round")
+    ap.add_argument("--rounds", type=int, default=10, help="queued rounds (median)")
     ap.add_argument("--trace", action="store_true", help="a few more calls on a FORKATTN_GPU_TRACE=1 context")
     a = ap.parse_args()
     cuda = a.device == "cuda"

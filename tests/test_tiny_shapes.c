@@ -11,7 +11,8 @@
  * dtype. It matters here because outputs of 2-3 rows hold only a few hundred elements of a few
  * ulps each, so both largest errors are whole roundings: a result one ulp off in one element
  * against a naive computation that happened to round every element the right way breaks
- * "2 * naive" alone (on an H100, 1 of 2688 cases, f16 dq by 0.2%: 4.39e-4 against 2.14e-4).
+ * "2 * naive" alone (on an H100 under stream teams, one case in 2 of 4 runs; the one seen: f16
+ * dq by 0.2%, 4.39e-4 against 2.14e-4).
  * The sums keep the rule's strictness, without atol, for errors every case shares.
  *
  * X_f64 is the float64 reference (reference.h) on the same dtype-rounded inputs; X_naive is

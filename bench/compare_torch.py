@@ -386,19 +386,22 @@ def torch_impls(spec, t, cuda, dev):
             yield "flex_attention", note, make_flex
 
 
-def time_once(fn, cuda):
+def time_once(fn, cuda, queue=1):
     """Milliseconds of one call: CUDA events recorded around it, then a synchronize (a wall clock on
-    the CPU)."""
+    the CPU). queue > 1: around that many calls back to back, divided by it: a call's time when the
+    host's work hides under the GPU's earlier calls, as in a training step's stream of layers."""
     if cuda:
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
-        fn()
+        for _ in range(queue):
+            fn()
         e1.record()
         torch.cuda.synchronize()
-        return e0.elapsed_time(e1)
+        return e0.elapsed_time(e1) / queue
     t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
+    for _ in range(queue):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / queue
 
 
 def time_rounds(timers, a):
@@ -416,7 +419,8 @@ def time_rounds(timers, a):
                 for _ in range(a.warmup if rnd == 0 else 1):
                     fn()
                 sync(a.cuda)
-                times[i] += [time_once(fn, a.cuda) for _ in range(min(per, a.reps - len(times[i])))]
+                queue = getattr(a, "queue", 1)
+                times[i] += [time_once(fn, a.cuda, queue) for _ in range(min(per, a.reps - len(times[i])))]
             except Exception as e:
                 r["error"] = describe(e)
     for (r, key, _), t in zip(timers, times):

@@ -14,8 +14,11 @@ Per case (bf16 inputs, softmax scale 1/sqrt(d)), each timed forward and forward+
   flex_attention: compiled, with the layout's block mask (GRPO groups and the trie; eager and
       forward only on the CPU).
 Times are medians of CUDA-event times (compare_torch.time_rounds): the implementations take turns
-in --rounds interleaved rounds; a case gets at most --reps timed calls per implementation, fewer
-(not under --min-reps) where one round of its calls takes longer than --case-seconds allows.
+in --rounds interleaved rounds; a case gets at most --reps timed samples per implementation, fewer
+(not under --min-reps) where one round of them takes longer than --case-seconds allows. A sample
+is one call timed alone (the GPU idle before it, so the host's time until its first kernel counts),
+or with --queue N, N calls back to back divided by N (what a call costs in a stream of calls, such
+as a model's layers, where its host work overlaps the GPU's earlier calls).
 
 Grid (--grid): dense = varlen sequences {1x4096, 1x16384, 4x8192, 8x2048, 64x512, 256x128} x
 heads q/kv {32/8, 16/16, 14/2, 28/4} x d {64, 128} x {causal, bidirectional}; grpo = GRPO groups
@@ -207,8 +210,10 @@ def case_timing(timers, a):
             est += ct.time_once(fn, a.cuda) / 1e3
         except Exception as e:
             r["error"] = ct.describe(e)
+    est *= a.queue  # a timed sample is --queue calls
     reps = a.reps if est <= 0 else max(a.min_reps, min(a.reps, int(a.case_seconds / est)))
-    return types.SimpleNamespace(reps=reps, rounds=max(1, min(a.rounds, reps)), warmup=a.warmup, cuda=a.cuda)
+    return types.SimpleNamespace(reps=reps, rounds=max(1, min(a.rounds, reps)), warmup=a.warmup, cuda=a.cuda,
+                                 queue=a.queue)
 
 
 def run_case(i, case, a, fa, dev):
@@ -336,11 +341,15 @@ def slower(cases):
 
 
 def section(meta, cases):
+    queue = meta.get("queue", 1)
+    how = ("each call timed alone (the GPU idle before it: the host's time before the first kernel counts)"
+           if queue == 1 else "each sample %d calls back to back, divided by %d (host time hidden under the "
+           "GPU's earlier calls where it is shorter)" % (queue, queue))
     head = ("%s, %s, torch %s, commit %s; forkattn %s, %s backend on %s pointers; seed %d; median of at most %d "
-            "calls (at least %d) in at most %d interleaved rounds, about %g s of calls per case; %.0f s in all." % (
-                meta["date"], meta["device"], meta["torch"], meta["commit"], meta["forkattn"], meta["backend"],
-                meta["memory"], meta["seed"], meta["reps"], meta["min_reps"], meta["rounds"], meta["case_seconds"],
-                meta["elapsed_s"]))
+            "samples (at least %d) in at most %d interleaved rounds, about %g s of calls per case, %s; %.0f s in "
+            "all." % (meta["date"], meta["device"], meta["torch"], meta["commit"], meta["forkattn"], meta["backend"],
+                      meta["memory"], meta["seed"], meta["reps"], meta["min_reps"], meta["rounds"],
+                      meta["case_seconds"], how, meta["elapsed_s"]))
     expl = ("Times in ms, forward / forward+backward (gradients of sum(o·dout)). Ratios: PyTorch's time over "
             "forkattn's (above 1: forkattn is faster). ideal: FLOPs of the replicated batch over the packed "
             "rows'; reached: SDPA / C over ideal (the binding's in the JSON). A check passes when every output "
@@ -383,6 +392,9 @@ def main():
     ap.add_argument("--min-reps", type=int, default=5)
     ap.add_argument("--rounds", type=int, help="interleaved timing rounds (default 4; quick 1)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls before the first round")
+    ap.add_argument("--queue", type=int, default=1,
+                    help="calls back to back in one timed sample, its time divided by them (default 1: "
+                         "each call timed alone, the GPU idle before it)")
     ap.add_argument("--case-seconds", type=float, default=0.8, help="time of timed calls to aim for per case")
     ap.add_argument("--time-limit", type=float, default=480, help="start no case after this many seconds (0: none)")
     ap.add_argument("--no-flex", action="store_true", help="leave flex_attention out")
@@ -396,6 +408,8 @@ def main():
     a.reps = a.reps or (3 if quick else 20)
     a.rounds = a.rounds or (1 if quick else 4)
     a.min_reps = min(a.min_reps, a.reps)
+    if a.queue < 1:
+        ap.error("--queue must be at least 1")
     a.cuda = a.device == "cuda"
     a.lib = os.path.abspath(a.lib or os.environ.get("FORKATTN_LIBRARY") or os.path.join(
         ct.REPO, "build-gpu" if a.cuda else "build", "libforkattn.so"))
@@ -419,7 +433,7 @@ def main():
             "commit": ct.git_commit(a), "command": ct.command_line(), "forkattn": fa.version,
             "backend": "gpu" if a.cuda else "cpu", "memory": "device" if a.cuda else "host",
             "backend_reason": fa.reason, "seed": a.seed, "reps": a.reps, "min_reps": a.min_reps, "rounds": a.rounds,
-            "warmup": a.warmup, "case_seconds": a.case_seconds, "lib": a.lib}
+            "warmup": a.warmup, "case_seconds": a.case_seconds, "queue": a.queue, "lib": a.lib}
     print("%s; forkattn %s: %s; %d cases" % (meta["device"], fa.version, fa.reason, len(cases)), flush=True)
     done, ok = [], True
     for i, case in enumerate(cases):

@@ -43,6 +43,30 @@ def test_quick_grid_on_cpu(tmp_path):
         assert ("sdpa" in impls) == (c["kind"] != "trie") and ("flex" in impls) == (c["kind"] in ("grpo", "trie"))
 
 
+def test_queued_grid_times_calls_back_to_back(tmp_path, monkeypatch):
+    """--queue N: each timed sample is N calls back to back; the run says so and records it."""
+    lib = os.environ.get("FORKATTN_LIBRARY") or os.path.join(REPO, "build", "libforkattn.so")
+    if not os.path.exists(lib):
+        pytest.skip("no library at %s" % lib)
+    out = tmp_path / "grid.json"
+    r = subprocess.run([sys.executable, GRID, "--device", "cpu", "--quick", "--filter", "tiny", "--queue", "3",
+                        "--results", "", "--lib", lib, "--json", str(out)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "each sample 3 calls back to back" in r.stdout
+    data = json.loads(out.read_text())
+    assert data["passed"] and data["meta"]["queue"] == 3 and [c["name"] for c in data["cases"]] == [
+        "tiny 1x64 8/8 d64 causal"]
+    # the timer itself: three calls a sample, the time divided by three
+    spec = importlib.util.spec_from_file_location("compare_torch", os.path.join(REPO, "bench", "compare_torch.py"))
+    ct = importlib.util.module_from_spec(spec)
+    monkeypatch.syspath_prepend(os.path.join(REPO, "bench"))
+    spec.loader.exec_module(ct)
+    calls = []
+    ms = ct.time_once(lambda: calls.append(1), False, 3)
+    assert len(calls) == 3 and ms >= 0
+
+
 def test_host_cost_on_cpu():
     """bench/host_cost.py's CPU smoke run: a row of host times for every case."""
     lib = os.environ.get("FORKATTN_LIBRARY") or os.path.join(REPO, "build", "libforkattn.so")

@@ -16,9 +16,9 @@ every row, as it is of a binding's call. A second table times the Python binding
 inputs (bench/grid.py's binding_call: varlen_attention with cu_seqlens on the device,
 prefix_attention, tree_attention): the forward as autograd records it (inputs that need
 gradients) and forward+backward (torch.autograd.grad), alone and queued, beside a do-nothing
-autograd.Function's forward+backward (the engine's floor, which SDPA pays too). With --trace, each case runs a few calls more on a context
-created with FORKATTN_GPU_TRACE=1, whose phases (views, maps, blocks, upload, the launches) go to
-stderr.
+autograd.Function's forward+backward (the engine's floor, which SDPA pays too). With --trace,
+each case runs a few calls more on a context created with FORKATTN_GPU_TRACE=1, whose phases
+(views, maps, blocks, upload, the launches) go to stderr.
 
 Cases: the tiny call, dense varlen batches (8 x 2048, 64 x 512, 256 x 128, 4096 x 4), two GRPO
 groups and the random RL trie of bench/grid.py; --cases takes a comma-separated subset of

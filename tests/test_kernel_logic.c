@@ -528,7 +528,7 @@ Test(segment_plan, fewest_query_keys_is_the_least_block_and_kept_with_the_blocks
   cr_assert_eq(fa_plan_fewest_query_keys(&p, memo, nb), 128);
   cr_assert_eq(fa_plan_fewest_query_keys(&p, memo, 0), INT64_MAX, "no blocks");
   fa_plan_free(&p);
-  /* random forests: against the least of rowsum_exact.h's per-block count, fresh and kept, before and after
+  /* random forests: against the least per-block count summed here pair by pair, fresh and kept, before and after
    * fa_plan_query_keys filled the memo */
   tc_rng rng = tc_rng_for("segment_plan/fewest_query_keys");
   for (int it = 0; it < 200; it++) {

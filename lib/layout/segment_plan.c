@@ -1,5 +1,6 @@
 /* Segment plan construction, block splitting and visibility ranges. */
 #include "alloc.h"
+#include "rowsum_exact.h"
 #include "segment_plan.h"
 
 #include <stdint.h>
@@ -523,9 +524,8 @@ static void fa_plan_query_key_sums(const fa_plan *p, const fa_block *blocks, int
   }
   int64_t keys = 0, least = INT64_MAX;
   for (int64_t b = 0; b < nblocks; b++) {
-    int64_t n = 0;
-    for (int64_t j = p->q_pair_off[blocks[b].seg]; j < p->q_pair_off[blocks[b].seg + 1]; j++)
-      n += fa_pair_keys(p->seg, p->pair[j], blocks[b].start, blocks[b].len, p->qshift).len;
+    const int64_t n = fa_block_key_count(p->seg, p->pair, p->q_pair_off[blocks[b].seg],
+                                         p->q_pair_off[blocks[b].seg + 1], blocks[b].start, blocks[b].len, p->qshift);
     keys += n;
     least = n < least ? n : least;
   }

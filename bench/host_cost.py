@@ -86,18 +86,10 @@ def queued(fn, cuda, burst, rounds):
 
 
 def gpu(fn, cuda, reps):
+    """CUDA-event time of one call (compare_torch.time_once), median in µs; NaN on the CPU."""
     if not cuda:
         return float("nan")
-    xs = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        torch.cuda.synchronize()
-        xs.append(e0.elapsed_time(e1) * 1e-3)
-    return median_us(xs)
+    return 1e3 * statistics.median(ct.time_once(fn, cuda) for _ in range(reps))
 
 
 def main():
@@ -131,7 +123,7 @@ def main():
     print()
     print("| case | rows | fwd alone | fwd queued | fwd gpu | bwd alone | bwd queued | bwd gpu |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    rows, binding_rows = [], []
+    binding_rows = []
     for name in names:
         case = table[name]()
         t = ct.inputs(case.spec, "cuda" if cuda else "cpu")
@@ -141,7 +133,6 @@ def main():
             bwd()
         r = [alone(fwd, cuda, a.reps), queued(fwd, cuda, a.burst, a.rounds), gpu(fwd, cuda, a.reps // 4 + 1),
              alone(bwd, cuda, a.reps), queued(bwd, cuda, a.burst, a.rounds), gpu(bwd, cuda, a.reps // 4 + 1)]
-        rows.append((case.name, r))
         cells = " | ".join("—" if x != x else "%.1f" % x for x in r)  # no GPU time on the CPU backend
         print("| %s | %d | %s |" % (case.name, case.spec.layout.rows, cells), flush=True)
         if traced is not None:
@@ -165,7 +156,6 @@ def main():
     print("|---|---:|---:|---:|---:|")
     for name, r in binding_rows:
         print("| %s | %s |" % (name, " | ".join("%.1f" % x for x in r)))
-    return rows, binding_rows
 
 
 def binding_row(case, t, cuda, a):

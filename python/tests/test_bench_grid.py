@@ -21,10 +21,16 @@ def quick_case_names():
     return [c.name for c in mod.grid("quick", 1)]
 
 
-def test_quick_grid_on_cpu(tmp_path):
+def cpu_library():
+    """The CPU build's library the scripts load (skips the test without one)."""
     lib = os.environ.get("FORKATTN_LIBRARY") or os.path.join(REPO, "build", "libforkattn.so")
     if not os.path.exists(lib):
         pytest.skip("no library at %s" % lib)
+    return lib
+
+
+def test_quick_grid_on_cpu(tmp_path):
+    lib = cpu_library()
     out = tmp_path / "grid.json"
     r = subprocess.run([sys.executable, GRID, "--device", "cpu", "--quick", "--seed", "1", "--results", "",
                         "--lib", lib, "--json", str(out)], capture_output=True, text=True, timeout=300)
@@ -45,9 +51,7 @@ def test_quick_grid_on_cpu(tmp_path):
 
 def test_queued_grid_times_calls_back_to_back(tmp_path, monkeypatch):
     """--queue N: each timed sample is N calls back to back; the run says so and records it."""
-    lib = os.environ.get("FORKATTN_LIBRARY") or os.path.join(REPO, "build", "libforkattn.so")
-    if not os.path.exists(lib):
-        pytest.skip("no library at %s" % lib)
+    lib = cpu_library()
     out = tmp_path / "grid.json"
     r = subprocess.run([sys.executable, GRID, "--device", "cpu", "--quick", "--filter", "tiny", "--queue", "3",
                         "--results", "", "--lib", lib, "--json", str(out)], capture_output=True, text=True,
@@ -69,9 +73,7 @@ def test_queued_grid_times_calls_back_to_back(tmp_path, monkeypatch):
 
 def test_host_cost_on_cpu():
     """bench/host_cost.py's CPU smoke run: a row of host times for every case."""
-    lib = os.environ.get("FORKATTN_LIBRARY") or os.path.join(REPO, "build", "libforkattn.so")
-    if not os.path.exists(lib):
-        pytest.skip("no library at %s" % lib)
+    lib = cpu_library()
     script = os.path.join(REPO, "bench", "host_cost.py")
     r = subprocess.run([sys.executable, script, "--device", "cpu", "--lib", lib, "--reps", "5", "--rounds", "2",
                         "--burst", "3"], capture_output=True, text=True, timeout=300)

@@ -250,6 +250,9 @@ static void format_lens(char *buf, size_t size, const tiny_layout *L) {
     snprintf(buf + at, size - (size_t)at, "])");
 }
 
+/* The outputs the rule covers, in the order run_case compares them. */
+static const char *const OUTPUT_NAMES[4] = {"o", "dq", "dk", "dv"};
+
 /* flash-attention's atol for one output: twice the largest |(r + 0.3) - 0.3 - r| in the dtype,
  * r the reference rounded to the dtype. */
 static double fa_atol(const double *ref, int64_t n, forkattn_dtype dt) {
@@ -278,7 +281,6 @@ static void run_case(sweep *sw, const ph_case *c, const char *desc, forkattn_ctx
   cr_assert(nv.o && nv.dq && nv.dk && nv.dv);
   naive_prefix(&in, &nv);
 
-  static const char *const names[4] = {"o", "dq", "dk", "dv"};
   const double *g[4] = {got.o, got.dq, got.dk, got.dv};
   const double *n[4] = {nv.o, nv.dq, nv.dk, nv.dv};
   const double *r[4] = {ref.o, ref.dq, ref.dk, ref.dv};
@@ -294,12 +296,12 @@ static void run_case(sweep *sw, const ph_case *c, const char *desc, forkattn_ctx
     sw->sum_n[x] += en.max_abs;
     if (!(ratio <= sw->worst_ratio)) {
       sw->worst_ratio = ratio;
-      snprintf(sw->worst, sizeof sw->worst, "%s %s: forkattn %.3g, naive %.3g", desc, names[x],
+      snprintf(sw->worst, sizeof sw->worst, "%s %s: forkattn %.3g, naive %.3g", desc, OUTPUT_NAMES[x],
                ef.max_abs, en.max_abs);
     }
     if (!(ef.max_abs <= bound)) { /* NaN fails too */
       append(sw, "\n  %s %s: forkattn %.3g > 2 x naive %.3g + atol %.3g + 1e-5", desc,
-             names[x], ef.max_abs, en.max_abs, atol);
+             OUTPUT_NAMES[x], ef.max_abs, en.max_abs, atol);
       bad = 1;
     }
   }
@@ -344,15 +346,14 @@ static void run_sweep(const char *name, forkattn_dtype dtype, int64_t d) {
   forkattn_ctx_destroy(ctx);
   /* Over the sweep, without atol: a systematic excess (an extra rounding on every few-key row)
    * raises the sums, where one element rounded the other way moves them little. */
-  static const char *const names[4] = {"o", "dq", "dk", "dv"};
   char sums[256];
   int at = 0;
   for (int x = 0; x < 4; x++) {
-    at += snprintf(sums + at, sizeof sums - (size_t)at, " %s %.3g", names[x],
+    at += snprintf(sums + at, sizeof sums - (size_t)at, " %s %.3g", OUTPUT_NAMES[x],
                    sw.sum_n[x] > 0 ? sw.sum_f[x] / sw.sum_n[x] : 0.0);
     cr_expect(sw.sum_f[x] <= 2.0 * sw.sum_n[x],
               "%s %s: forkattn's largest errors sum to %.3g, over 2 x the naive's %.3g", name,
-              names[x], sw.sum_f[x], sw.sum_n[x]);
+              OUTPUT_NAMES[x], sw.sum_f[x], sw.sum_n[x]);
   }
   fprintf(stderr,
           "[tiny] %s: %" PRId64 " cases, %" PRId64 " failing; largest error / bound %.3g (%s); "
